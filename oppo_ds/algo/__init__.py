@@ -1,0 +1,41 @@
+"""Pure PPO math: tensors in, tensors out; imports nothing but torch.
+
+Shape conventions: B = batch, T = response length (right-padded), V = vocabulary.
+``mask`` (B, T) is 1.0 for response tokens (EOS included) and 0.0 for padding;
+``logprobs[b, t]`` is log pi(response token t | prompt + response[:t]).
+"""
+
+from oppo_ds.algo.advantages import gae_advantages
+from oppo_ds.algo.kl import KL_ESTIMATORS, kl_abs, kl_k1, kl_k3, kl_mse, kl_penalty
+from oppo_ds.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from oppo_ds.algo.losses import (
+    aggregate_token_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_bonus_loss,
+    token_normalizer,
+)
+from oppo_ds.algo.masked import masked_mean, masked_var, masked_whiten
+from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "aggregate_token_loss",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "entropy_bonus_loss",
+    "entropy_from_logits",
+    "gae_advantages",
+    "kl_abs",
+    "kl_k1",
+    "kl_k3",
+    "kl_mse",
+    "kl_penalty",
+    "kl_shaped_rewards",
+    "last_valid_index",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "token_normalizer",
+]

@@ -1,0 +1,80 @@
+"""Per-token estimators of KL(pi || ref) from log-probabilities of sampled tokens.
+
+Every estimator takes ``logprobs`` (log pi of the sampled token) and
+``ref_logprobs`` (log ref of the same token), both (B, T), where the token was
+sampled from pi. With ``log_ratio = logprobs - ref_logprobs``, the sums over a
+response estimate the sequence-level KL(pi || ref) (see J. Schulman,
+"Approximating KL Divergence", 2020, for k1/k2/k3).
+"""
+
+from collections.abc import Callable
+
+import torch
+
+
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k1 = logprobs - ref_logprobs: unbiased, high variance, can be negative.
+
+    Shapes: (B, T), (B, T) -> (B, T).
+    """
+    return logprobs - ref_logprobs
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(ref - logp) - (ref - logp) - 1: unbiased, low variance, >= 0.
+
+    The ``- (ref - logp)`` term is a control variate with expectation 0 under
+    pi, and ``exp(u) - u - 1 >= 0`` for every u, so each sample is nonnegative.
+    Shapes: (B, T), (B, T) -> (B, T).
+    """
+    log_ref_ratio = ref_logprobs - logprobs
+    return torch.expm1(log_ref_ratio) - log_ref_ratio
+
+
+def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """abs = |logprobs - ref_logprobs|: biased, >= 0.
+
+    Shapes: (B, T), (B, T) -> (B, T).
+    """
+    return (logprobs - ref_logprobs).abs()
+
+
+def kl_mse(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """mse (Schulman's k2) = 0.5 * (logprobs - ref_logprobs)^2: biased, low variance, >= 0.
+
+    Shapes: (B, T), (B, T) -> (B, T).
+    """
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl_k1,
+    "k3": kl_k3,
+    "abs": kl_abs,
+    "mse": kl_mse,
+}
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate by the estimator named ``estimator``.
+
+    Args:
+        logprobs: (B, T) log pi of the sampled tokens (the sampling policy).
+        ref_logprobs: (B, T) log ref of the same tokens.
+        estimator: a key of ``KL_ESTIMATORS``: "k1", "k3", "abs" or "mse".
+
+    Returns:
+        (B, T) per-token estimates, unmasked.
+
+    Raises:
+        ValueError: if ``estimator`` is not a known name.
+    """
+    try:
+        fn = KL_ESTIMATORS[estimator]
+    except KeyError:
+        raise ValueError(
+            f"unknown KL estimator {estimator!r}; allowed: {sorted(KL_ESTIMATORS)}"
+        ) from None
+    return fn(logprobs, ref_logprobs)

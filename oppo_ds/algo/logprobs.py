@@ -1,0 +1,45 @@
+"""Token log-probabilities and entropies from language-model logits."""
+
+import torch
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label under the softmax of its logits.
+
+    Args:
+        logits: (B, T, V) logits; position t must already be the prediction for
+            ``labels[:, t]`` (the caller shifts model outputs by one).
+        labels: (B, T) token ids.
+
+    Returns:
+        (B, T) float32 (or float64 if the logits are) log-probabilities,
+        ``log softmax(logits)[b, t, labels[b, t]]``.
+    """
+    # bf16/fp16 log_softmax over a large vocabulary loses several bits, and the
+    # PPO ratio exp(logp - old_logp) amplifies such errors; fp32 is the minimum.
+    logits = _upcast(logits)
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(dim=-1, index=labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by each logit vector.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, which equals
+    ``-sum_v p_v log p_v`` without ever taking ``log 0``.
+
+    Args:
+        logits: (B, T, V) logits.
+
+    Returns:
+        (B, T) entropies in nats, float32 (or float64 if the logits are).
+    """
+    logits = _upcast(logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        return logits.float()
+    return logits

@@ -1,0 +1,212 @@
+"""PPO losses (Schulman et al., 2017, arXiv 1707.06347) with token-level aggregation."""
+
+import torch
+
+from oppo_ds.algo.kl import kl_penalty
+from oppo_ds.algo.masked import masked_mean, masked_var
+
+Normalizer = float | torch.Tensor
+
+
+def token_normalizer(
+    global_tokens: Normalizer, grad_accum_steps: int, world_size: int
+) -> Normalizer:
+    """The ``normalizer`` for an engine that averages ``k`` loss contributions.
+
+    DeepSpeed scales each micro-batch loss by ``1 / gradient_accumulation_steps``
+    and all-reduce averages gradients over data-parallel ranks, so the applied
+    gradient is the mean over ``k = grad_accum_steps * world_size``
+    contributions. Each contribution normalised by ``global_tokens / k`` then
+    yields exactly ``grad(sum of token losses) / global_tokens``.
+
+    Args:
+        global_tokens: valid tokens in the whole mini-batch (all micro-batches,
+            all ranks), as a number or a 0-dim tensor.
+        grad_accum_steps: micro-batches per rank per optimizer step.
+        world_size: data-parallel ranks that average their gradients.
+
+    Returns:
+        ``global_tokens / (grad_accum_steps * world_size)``, same type as given.
+    """
+    if grad_accum_steps < 1 or world_size < 1:
+        raise ValueError(
+            f"grad_accum_steps and world_size must be >= 1, got {grad_accum_steps}, {world_size}"
+        )
+    return global_tokens / (grad_accum_steps * world_size)
+
+
+def aggregate_token_loss(
+    token_loss: torch.Tensor, mask: torch.Tensor, normalizer: Normalizer
+) -> torch.Tensor:
+    """Sum the valid token losses and divide by ``normalizer``.
+
+    ``normalizer`` must be the number of valid tokens in the WHOLE mini-batch
+    (all micro-batches on all ranks), not of this micro-batch: then summing
+    the per-micro-batch losses (and their gradients) gives the token mean over
+    the mini-batch, so every token weighs the same however the batch is split.
+    A local ``mask.sum()`` would overweight tokens of short micro-batches.
+
+    An engine that averages gradients over ``k`` micro-batch/rank
+    contributions (DeepSpeed divides by gradient_accumulation_steps and
+    averages over data-parallel ranks) must be given
+    ``normalizer = global_tokens / k``, i.e.
+    ``token_normalizer(global_tokens, grad_accum_steps, world_size)``, so that
+    the accumulated gradient equals the full-batch token mean.
+
+    Args:
+        token_loss: (B, T) per-token losses.
+        mask: (B, T) 1.0 for valid tokens, 0.0 for padding.
+        normalizer: positive number or 0-dim tensor, as above.
+
+    Returns:
+        0-dim loss tensor.
+    """
+    if isinstance(normalizer, (int, float)) and normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    return torch.where(mask.bool(), token_loss, 0.0).sum() / normalizer
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    normalizer: Normalizer,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss, optionally with an entropy bonus.
+
+    Per token, with ``ratio = exp(logprobs - old_logprobs)``::
+
+        loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - clip_eps, 1 + clip_eps))
+
+    aggregated by ``aggregate_token_loss``; minus ``entropy_coef`` times the
+    equally aggregated entropy when ``entropy`` is given.
+
+    Args:
+        logprobs: (B, T) log pi_theta of the response tokens (with grad).
+        old_logprobs: (B, T) log pi_old of the same tokens, from the rollout.
+        advantages: (B, T) advantages (usually whitened).
+        mask: (B, T) 1.0 for response tokens, 0.0 for padding.
+        clip_eps: PPO clip range epsilon.
+        normalizer: see ``aggregate_token_loss``.
+        entropy: optional (B, T) per-token policy entropy (with grad if
+            ``entropy_coef`` is nonzero).
+        entropy_coef: weight of the entropy bonus; needs ``entropy``.
+
+    Returns:
+        loss: 0-dim tensor.
+        stats: 0-dim detached tensors: ``pg_loss`` (token mean of the clipped
+            surrogate), ``clip_frac`` (fraction of tokens where the clipped
+            term is the larger, i.e. whose gradient clipping removed),
+            ``approx_kl`` (k3 estimate of KL(pi_old || pi_theta), token mean),
+            ``ratio_mean``, ``ratio_max``, and ``entropy`` if given.
+    """
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef is nonzero but no entropy was given")
+    valid = mask.bool()
+    # Zero the log-ratio at padding before exp(): where() alone would still
+    # backpropagate 0 * inf = NaN from an overflowing padded ratio.
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    advantages = torch.where(valid, advantages, 0.0)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    token_loss = torch.maximum(unclipped, clipped)
+    loss = aggregate_token_loss(token_loss, mask, normalizer)
+    if entropy is not None and entropy_coef != 0.0:
+        loss = loss - entropy_coef * aggregate_token_loss(entropy, mask, normalizer)
+
+    with torch.no_grad():
+        old_masked = torch.where(valid, old_logprobs, 0.0)
+        new_masked = torch.where(valid, logprobs, 0.0)
+        stats = {
+            "pg_loss": masked_mean(token_loss, mask),
+            "clip_frac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),
+            "approx_kl": masked_mean(kl_penalty(old_masked, new_masked, "k3"), mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            # ratio > 0, so 0 at padding never wins the max over valid tokens.
+            "ratio_max": torch.where(valid, ratio, 0.0).max(),
+        }
+        if entropy is not None:
+            stats["entropy"] = masked_mean(entropy, mask)
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None,
+    normalizer: Normalizer,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss, aggregated by ``aggregate_token_loss``.
+
+    Per token, with ``v_clip = clip(v, old_v - clip_eps, old_v + clip_eps)``::
+
+        loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2)
+
+    Args:
+        values: (B, T) current critic values (with grad).
+        old_values: (B, T) critic values from the rollout.
+        returns: (B, T) value targets (from ``gae_advantages``).
+        mask: (B, T) 1.0 for response tokens, 0.0 for padding.
+        clip_eps: value clip range; None for the unclipped ``0.5 * (v - R)^2``.
+        normalizer: see ``aggregate_token_loss``.
+
+    Returns:
+        loss: 0-dim tensor.
+        stats: 0-dim detached tensors: ``vf_loss`` (token mean),
+            ``value_clip_frac`` (fraction of tokens where the clipped term is
+            the larger), ``explained_variance`` (``1 - Var(R - v) / Var(R)``
+            over this call's valid tokens; 0 if ``Var(R)`` is 0).
+    """
+    valid = mask.bool()
+    error = torch.where(valid, values - returns, 0.0)
+    unclipped = error**2
+    if clip_eps is None:
+        clipped = unclipped
+    else:
+        delta = torch.where(valid, values - old_values, 0.0)
+        values_clipped = old_values + delta.clamp(-clip_eps, clip_eps)
+        clipped = torch.where(valid, values_clipped - returns, 0.0) ** 2
+    token_loss = 0.5 * torch.maximum(unclipped, clipped)
+    loss = aggregate_token_loss(token_loss, mask, normalizer)
+
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask, unbiased=False)
+        var_error = masked_var(error, mask, unbiased=False)
+        explained = torch.where(
+            var_returns > 0, 1.0 - var_error / var_returns.clamp_min(1e-12), 0.0
+        )
+        stats = {
+            "vf_loss": masked_mean(token_loss, mask),
+            "value_clip_frac": masked_mean((clipped > unclipped).to(values.dtype), mask),
+            "explained_variance": explained,
+        }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def entropy_bonus_loss(
+    entropy: torch.Tensor, mask: torch.Tensor, coef: float, normalizer: Normalizer
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Entropy bonus as a loss to add: ``-coef * aggregate_token_loss(entropy)``.
+
+    For engines that keep the policy and entropy terms separate; otherwise pass
+    ``entropy`` and ``entropy_coef`` to ``clipped_policy_loss``.
+
+    Args:
+        entropy: (B, T) per-token policy entropy (with grad).
+        mask: (B, T) 1.0 for response tokens, 0.0 for padding.
+        coef: entropy coefficient (positive encourages exploration).
+        normalizer: see ``aggregate_token_loss``.
+
+    Returns:
+        loss: 0-dim tensor.
+        stats: ``entropy`` (token mean), 0-dim detached.
+    """
+    loss = -coef * aggregate_token_loss(entropy, mask, normalizer)
+    return loss, {"entropy": masked_mean(entropy, mask).detach()}

@@ -1,0 +1,74 @@
+"""Per-token rewards: a sequence score at the end, a KL penalty at every token."""
+
+import torch
+
+from oppo_ds.algo.kl import kl_penalty
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last valid token of each row.
+
+    Args:
+        mask: (B, T) 1.0 for valid tokens, 0.0 for padding.
+
+    Returns:
+        (B,) long tensor; ``mask.sum(-1) - 1`` for right-padded masks, and -1
+        for rows with no valid token.
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, -1).amax(dim=-1)
+
+
+def kl_shaped_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+    reward_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token rewards ``-kl_coef * kl_t``, plus the sequence score at the last token.
+
+    Args:
+        scores: (B,) reward-model score of each whole response.
+        logprobs: (B, T) log pi of the response tokens (the policy that sampled them).
+        ref_logprobs: (B, T) log ref of the same tokens.
+        mask: (B, T) 1.0 for response tokens (EOS included), 0.0 for padding.
+        kl_coef: weight beta of the per-token KL penalty.
+        estimator: KL estimator name, see ``KL_ESTIMATORS``.
+        reward_clip: if set, scores are clipped to ``[-reward_clip, reward_clip]``
+            before being added.
+
+    Returns:
+        rewards: (B, T), zero at padding. The (clipped) score is added at the
+            last valid token of each row (``mask.sum(-1) - 1`` for right-padded
+            masks); a row with no valid token gets no score.
+        stats: 0-dim detached tensors: ``kl`` (per-sequence KL summed over
+            tokens, averaged over the batch), ``score`` (mean raw score),
+            ``score_clip_frac`` (fraction of scores changed by clipping).
+    """
+    valid = mask.bool()
+    # Zeroing both inputs at padding makes every estimator exactly 0 there,
+    # even when padded log-probs are garbage (k3 would otherwise exp() them).
+    kl = kl_penalty(
+        torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs, 0.0), estimator
+    )
+    rewards = -kl_coef * kl
+
+    clipped = scores.to(rewards.dtype)
+    if reward_clip is not None:
+        if reward_clip <= 0:
+            raise ValueError(f"reward_clip must be > 0 or None, got {reward_clip}")
+        clipped = clipped.clamp(-reward_clip, reward_clip)
+    last = last_valid_index(mask)
+    has_tokens = last >= 0
+    score_at_end = torch.where(has_tokens, clipped, 0.0)
+    rewards = rewards.scatter_add(1, last.clamp_min(0).unsqueeze(1), score_at_end.unsqueeze(1))
+
+    stats = {
+        "kl": kl.sum(dim=-1).mean().detach(),
+        "score": scores.float().mean().detach(),
+        "score_clip_frac": (clipped != scores.to(clipped.dtype)).float().mean().detach(),
+    }
+    return rewards, stats
