@@ -1,0 +1,559 @@
+"""Prompt datasets: reading, tokenising, and a resumable per-rank prompt stream.
+
+Three stages, each usable on its own:
+
+1. :func:`read_prompt_rows` reads prompts from a ``.jsonl`` file, a ``.parquet`` file, a local
+   Hugging Face dataset saved with ``save_to_disk``, or a directory of ``.jsonl``/``.parquet``
+   files. Every bad row raises :class:`DataError` naming the file and the line (or row), so a
+   user can go straight to it.
+2. :func:`encode_prompts` turns rows into token ids (chat template or plain), applying the
+   overlong-prompt policy.
+3. :class:`PromptStream` hands out prompts to one data-parallel rank in a deterministic,
+   resumable order; :func:`left_pad` makes a decoding batch.
+
+The built-in synthetic workload lives in its own module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DataError",
+    "EncodedPrompts",
+    "Prompt",
+    "PromptRow",
+    "PromptStream",
+    "encode_prompts",
+    "left_pad",
+    "read_prompt_rows",
+]
+
+OVERLONG_POLICIES = ("error", "truncate", "skip")
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+_FILE_SUFFIXES = (".jsonl", ".parquet")
+
+
+class DataError(ValueError):
+    """A problem in the user's data.
+
+    The message starts with where the problem is: ``"<file>:<line>: "`` for jsonl (1-based
+    lines, as editors show them) and ``"<path>: row <i>: "`` for parquet files and HF datasets
+    directories (0-based rows, as ``dataset[i]`` and pandas index them).
+    """
+
+
+@dataclasses.dataclass
+class PromptRow:
+    """One prompt as read from disk, before tokenisation."""
+
+    text_or_messages: str | list[dict[str, Any]]
+    """A plain string, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
+    source: str
+    """The file (or HF datasets directory) the row came from."""
+    line: int
+    """1-based line for jsonl; 0-based row index for parquet and HF datasets (see ``unit``)."""
+    id: str
+    """The row's ``"id"`` field when present, else ``"<basename>:<line>"``; unique per read."""
+    unit: str = "line"
+    """``"line"`` (jsonl) or ``"row"`` (parquet, HF datasets): how ``line`` is reported."""
+
+    @property
+    def where(self) -> str:
+        """The location prefix used in error messages, without the trailing ``": "``."""
+        return _where(self.source, self.line, self.unit)
+
+
+@dataclasses.dataclass
+class Prompt:
+    """A tokenised prompt, ready for decoding."""
+
+    id: str
+    input_ids: list[int]
+    source: str
+    line: int
+    unit: str = "line"
+
+    @property
+    def where(self) -> str:
+        return _where(self.source, self.line, self.unit)
+
+
+@dataclasses.dataclass
+class EncodedPrompts:
+    """The result of :func:`encode_prompts`."""
+
+    prompts: list[Prompt]
+    n_truncated: int = 0
+    """Prompts cut to their last ``max_prompt_len`` tokens (``overlong="truncate"``)."""
+    n_skipped: int = 0
+    """Prompts dropped for being too long (``overlong="skip"``)."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def _where(source: str, line: int, unit: str) -> str:
+    return f"{source}:{line}" if unit == "line" else f"{source}: row {line}"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def read_prompt_rows(
+    path: str, prompt_key: str = "prompt", split: str = "train"
+) -> list[PromptRow]:
+    """Read prompts from ``path``.
+
+    ``path`` may be:
+
+    - a ``.jsonl`` file: one JSON object per line. Blank lines at the end are ignored; a blank
+      line before the last record is an error (it usually means a broken export).
+    - a ``.parquet`` file.
+    - a directory written by ``datasets.Dataset.save_to_disk`` or
+      ``datasets.DatasetDict.save_to_disk`` (then ``split`` picks the split).
+    - a directory holding only ``.jsonl`` and ``.parquet`` files (hidden files and names
+      starting with ``_``, such as ``_SUCCESS``, are ignored); they are read in sorted order.
+
+    Each row's ``prompt_key`` field must be a non-blank string or a non-empty list of chat
+    messages, each a mapping with string ``role`` and ``content``. Message keys whose value is
+    null are dropped, because Arrow fills fields absent from a message with nulls and chat
+    templates would see them as set.
+
+    The row id is the row's ``"id"`` field (a string or an integer) when present and not null,
+    else ``"<basename>:<line>"``. Ids must be unique across everything read.
+
+    Raises:
+        DataError: naming the file and line (or row) of the first bad row, or the missing path.
+    """
+    path = os.fspath(path)  # a pathlib.Path works too
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        if _is_hf_datasets_dir(path):
+            rows = _read_hf_dir(path, prompt_key, split)
+        else:
+            rows = []
+            for file in _list_data_files(path):
+                rows.extend(_read_file(file, prompt_key))
+    else:
+        rows = _read_file(path, prompt_key)
+    _check_unique_ids(rows)
+    return rows
+
+
+def _is_hf_datasets_dir(path: str) -> bool:
+    names = set(os.listdir(path))
+    return "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names
+
+
+def _list_data_files(path: str) -> list[str]:
+    files, unexpected = [], []
+    for name in sorted(os.listdir(path)):
+        if name.startswith((".", "_")):
+            continue
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and name.endswith(_FILE_SUFFIXES):
+            files.append(full)
+        else:
+            unexpected.append(name)
+    if unexpected:
+        raise DataError(
+            f"{path}: a prompt directory must hold only .jsonl and .parquet files "
+            f"(or be a datasets save_to_disk directory); found {unexpected}"
+        )
+    if not files:
+        raise DataError(f"{path}: no .jsonl or .parquet files in this directory")
+    return files
+
+
+def _read_file(path: str, prompt_key: str) -> list[PromptRow]:
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path, prompt_key)
+    if path.endswith(".parquet"):
+        return _read_parquet(path, prompt_key)
+    raise DataError(
+        f"{path}: unsupported file type; expected .jsonl, .parquet, or a datasets "
+        "save_to_disk directory"
+    )
+
+
+def _read_jsonl(path: str, prompt_key: str) -> list[PromptRow]:
+    rows: list[PromptRow] = []
+    blank_line = None  # first blank line not yet followed by a record
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                reason = f"{e.reason} at byte {e.start}"
+                raise DataError(f"{where}: not valid UTF-8 ({reason})") from None
+            if not text.strip():
+                blank_line = blank_line or line_no
+                continue
+            if blank_line is not None:
+                raise DataError(
+                    f"{path}:{blank_line}: blank line before the end of the file "
+                    f"(next record at line {line_no})"
+                )
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
+            rows.append(_make_row(record, prompt_key, path, line_no, "line"))
+    return rows
+
+
+def _read_parquet(path: str, prompt_key: str) -> list[PromptRow]:
+    import pyarrow.parquet as pq  # deferred: only parquet users pay for the import
+
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises several unrelated types for unreadable files
+        raise DataError(f"{path}: cannot read parquet file: {e}") from None
+    return [_make_row(r, prompt_key, path, i, "row") for i, r in enumerate(records)]
+
+
+def _read_hf_dir(path: str, prompt_key: str, split: str) -> list[PromptRow]:
+    import datasets  # deferred: slow import, and only needed for this format
+
+    loaded = datasets.load_from_disk(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"{path}: no split {split!r}; the dataset has {sorted(loaded)}")
+        loaded = loaded[split]
+    return [_make_row(r, prompt_key, path, i, "row") for i, r in enumerate(loaded.to_list())]
+
+
+def _make_row(
+    record: Mapping[str, Any], prompt_key: str, source: str, line: int, unit: str
+) -> PromptRow:
+    where = _where(source, line, unit)
+    if prompt_key not in record:
+        raise DataError(f"{where}: no {prompt_key!r} field; the row has keys {sorted(record)}")
+    value = record[prompt_key]
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: {prompt_key!r} is empty or whitespace only")
+    elif isinstance(value, list):
+        value = _check_messages(value, where, prompt_key)
+    else:
+        raise DataError(
+            f"{where}: {prompt_key!r} must be a string or a list of chat messages, "
+            f"got {_type_name(value)}"
+        )
+    row_id = record.get("id")
+    if row_id is None:
+        row_id = f"{os.path.basename(os.path.normpath(source))}:{line}"
+    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        raise DataError(f"{where}: 'id' must be a string or an integer, got {_type_name(row_id)}")
+    elif isinstance(row_id, str) and not row_id.strip():
+        raise DataError(f"{where}: 'id' is empty")
+    return PromptRow(value, source, line, str(row_id), unit)
+
+
+def _check_messages(messages: list[Any], where: str, prompt_key: str) -> list[dict[str, Any]]:
+    if not messages:
+        raise DataError(f"{where}: {prompt_key!r} is an empty list of messages")
+    cleaned = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise DataError(
+                f"{where}: {prompt_key!r} message {i} must be an object with 'role' and "
+                f"'content', got {_type_name(message)}"
+            )
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                got = "missing" if key not in message else _type_name(message[key])
+                raise DataError(
+                    f"{where}: {prompt_key!r} message {i}: {key!r} must be a string ({got})"
+                )
+        if not message["role"].strip():
+            raise DataError(f"{where}: {prompt_key!r} message {i}: 'role' is empty")
+        cleaned.append(message)
+    if not any(m["content"].strip() for m in cleaned):
+        raise DataError(f"{where}: {prompt_key!r} messages are all empty or whitespace only")
+    return cleaned
+
+
+def _check_unique_ids(rows: list[PromptRow]) -> None:
+    first_seen: dict[str, PromptRow] = {}
+    for row in rows:
+        other = first_seen.setdefault(row.id, row)
+        if other is not row:
+            raise DataError(f"{row.where}: duplicate id {row.id!r} (first at {other.where})")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenising
+# --------------------------------------------------------------------------------------------
+
+
+def encode_prompts(
+    rows: Sequence[PromptRow],
+    tokenizer: Any,
+    max_prompt_len: int,
+    overlong: str = "error",
+    chat_template: str = "auto",
+) -> EncodedPrompts:
+    """Tokenise prompts.
+
+    Args:
+        rows: from :func:`read_prompt_rows`.
+        tokenizer: a Hugging Face tokenizer.
+        max_prompt_len: the most tokens a prompt may have.
+        overlong: what to do with a prompt over ``max_prompt_len`` tokens:
+            ``"error"`` raises :class:`DataError` naming the row and both lengths;
+            ``"truncate"`` keeps the LAST ``max_prompt_len`` tokens, because the end of a
+            prompt (the question, and the template's assistant header right where the response
+            starts) matters most; this drops the start, BOS token included;
+            ``"skip"`` drops the prompt. Truncated and skipped prompts are counted.
+        chat_template: ``"auto"`` applies the tokenizer's chat template when it has one
+            (``tokenizer.chat_template`` set), ``"on"`` requires one, ``"off"`` never applies
+            one. With a template, a string prompt becomes one user message and the ids are
+            ``apply_chat_template(messages, add_generation_prompt=True)``; without, they are
+            ``tokenizer(text, add_special_tokens=True)["input_ids"]``. A prompt given as chat
+            messages needs a template.
+
+    Raises:
+        ValueError: bad ``overlong``, ``chat_template`` or ``max_prompt_len``, or
+            ``chat_template="on"`` with a tokenizer that has no template.
+        DataError: a row that cannot be encoded, encodes to nothing, or is too long under
+            ``overlong="error"``.
+    """
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={overlong!r}; allowed values: {', '.join(OVERLONG_POLICIES)}")
+    if chat_template not in CHAT_TEMPLATE_MODES:
+        raise ValueError(
+            f"chat_template={chat_template!r}; allowed values: {', '.join(CHAT_TEMPLATE_MODES)}"
+        )
+    if type(max_prompt_len) is not int or max_prompt_len < 1:  # bool is an int subclass
+        raise ValueError(f"max_prompt_len must be a positive integer, got {max_prompt_len!r}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template == "on" and not has_template:
+        raise ValueError("chat_template='on' but the tokenizer has no chat template")
+    use_template = has_template and chat_template != "off"
+
+    out = EncodedPrompts(prompts=[])
+    for row in rows:
+        ids = _encode_row(row, tokenizer, use_template)
+        if len(ids) > max_prompt_len:
+            if overlong == "error":
+                raise DataError(
+                    f"{row.where}: prompt {row.id!r} is {len(ids)} tokens, over "
+                    f"max_prompt_len={max_prompt_len} (set overlong to 'truncate' or 'skip' "
+                    "to allow this)"
+                )
+            if overlong == "skip":
+                out.n_skipped += 1
+                continue
+            ids = ids[-max_prompt_len:]
+            out.n_truncated += 1
+        out.prompts.append(Prompt(row.id, ids, row.source, row.line, row.unit))
+    return out
+
+
+def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool) -> list[int]:
+    prompt = row.text_or_messages
+    if use_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        try:
+            # transformers 5 returns a BatchEncoding by default (return_dict=True); ask for ids.
+            encoded = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as e:  # Jinja templates raise their own errors (e.g. role order)
+            raise DataError(f"{row.where}: chat template failed: {type(e).__name__}: {e}") from None
+        if isinstance(encoded, Mapping):  # older or custom tokenizers may ignore return_dict
+            encoded = encoded["input_ids"]
+    elif isinstance(prompt, str):
+        encoded = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        raise DataError(
+            f"{row.where}: prompt is a list of chat messages but no chat template is in use "
+            "(the tokenizer has none, or chat_template='off')"
+        )
+    ids = [int(t) for t in encoded]
+    if not ids:
+        raise DataError(f"{row.where}: prompt {row.id!r} encodes to no tokens")
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------------
+
+
+class PromptStream:
+    """Deterministic, resumable prompts for one data-parallel rank.
+
+    Epoch ``e`` visits the prompts in a permutation seeded by ``(seed, e)`` only (a private
+    ``random.Random``; global RNG state plays no part), or in file order when
+    ``shuffle=False``. The epoch's order is cut to a multiple of ``world_size`` (the last
+    ``len(prompts) % world_size`` positions are dropped for that epoch, so every rank gets the
+    same number, :attr:`prompts_per_epoch`) and dealt round-robin: rank ``r`` takes positions
+    ``r, r + world_size, r + 2 * world_size, ...``. Within an epoch, ranks see disjoint prompts.
+    With shuffling, the dropped prompts differ from epoch to epoch; without, the same last ones
+    are never seen.
+
+    :meth:`take` and :meth:`next_batch` wrap into the next epoch when needed, so one batch may
+    hold the end of one epoch and the start of the next. Ranks may take different numbers of
+    prompts (each rank tops up its own pool); each rank keeps its own cursor.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+            )
+        if len(prompts) < world_size:
+            raise ValueError(
+                f"{len(prompts)} prompts cannot be shared among world_size={world_size} ranks"
+            )
+        self.prompts = list(prompts)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.prompts_per_epoch = len(self.prompts) // world_size
+        self._epoch = 0
+        self._position = 0  # index into this rank's share of the current epoch
+        self._order: list[int] | None = None  # this rank's share of the current epoch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next prompt comes from (0-based)."""
+        return self._epoch
+
+    @property
+    def prompts_seen(self) -> int:
+        """Prompts this rank has taken since the start of training (restored by load_state_dict)."""
+        return self._epoch * self.prompts_per_epoch + self._position
+
+    def next_batch(self) -> list[Prompt]:
+        """The next ``batch_size`` prompts."""
+        return self.take(self.batch_size)
+
+    def take(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts (``n >= 0``)."""
+        if n < 0:
+            raise ValueError(f"take(n) needs n >= 0, got {n}")
+        out: list[Prompt] = []
+        while len(out) < n:
+            order = self._rank_order()
+            stop = min(len(order), self._position + n - len(out))
+            out.extend(self.prompts[i] for i in order[self._position : stop])
+            self._position = stop
+            if self._position == len(order):
+                self._epoch += 1
+                self._position = 0
+                self._order = None
+        return out
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The cursor, plus what the order depends on (checked on load). JSON-serialisable."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "num_prompts": len(self.prompts),
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; the stream then yields exactly what the saved one would.
+
+        Raises ``ValueError`` if the state was saved with a different seed, world size, shuffle
+        setting or number of prompts (when those keys are present), since the order would differ.
+        """
+        mine = self.state_dict()
+        changed = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in ("seed", "world_size", "num_prompts", "shuffle")
+            if k in state and state[k] != mine[k]
+        ]
+        if changed:
+            raise ValueError("PromptStream state does not match this stream: " + "; ".join(changed))
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.prompts_per_epoch:
+            raise ValueError(
+                f"PromptStream state out of range: epoch={epoch}, position={position}, "
+                f"prompts_per_epoch={self.prompts_per_epoch}"
+            )
+        self._epoch, self._position, self._order = epoch, position, None
+
+    def _rank_order(self) -> list[int]:
+        if self._order is None:
+            order = list(range(len(self.prompts)))
+            if self.shuffle:
+                random.Random(_epoch_seed(self.seed, self._epoch)).shuffle(order)
+            kept = order[: self.prompts_per_epoch * self.world_size]
+            self._order = kept[self.rank :: self.world_size]
+        return self._order
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A hash, not seed * K + epoch: distinct (seed, epoch) pairs never share a permutation by
+    # arithmetic accident, and the value is the same on every platform and Python version.
+    digest = hashlib.sha256(f"oppo_ds.PromptStream:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+# --------------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------------
+
+
+def left_pad(
+    batch_of_id_lists: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists for decoding, so every prompt ends at the last column.
+
+    Returns:
+        input_ids: LongTensor (B, L), ``L`` the longest list, padded on the left with ``pad_id``.
+        attention_mask: LongTensor (B, L), 1 on tokens, 0 on padding.
+    An empty batch gives two (0, 0) tensors.
+    """
+    batch = len(batch_of_id_lists)
+    max_len = max((len(ids) for ids in batch_of_id_lists), default=0)
+    input_ids = torch.full((batch, max_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, max_len), dtype=torch.long)
+    for i, ids in enumerate(batch_of_id_lists):
+        if len(ids):
+            input_ids[i, max_len - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[i, max_len - len(ids) :] = 1
+    return input_ids, attention_mask

@@ -1,0 +1,501 @@
+"""Tests for oppo_ds.data: reading, tokenising, streaming and padding prompts (CPU, no hub)."""
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from oppo_ds.data import (
+    DataError,
+    Prompt,
+    PromptRow,
+    PromptStream,
+    encode_prompts,
+    left_pad,
+    read_prompt_rows,
+)
+
+WORDS = "<pad> <bos> <eos> <unk> user assistant system : a b c d e f g h".split()
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "{{ m['role'] }} : {{ m['content'] }} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def make_tokenizer(chat_template=None):
+    """A word-level tokenizer over WORDS that prepends <bos>, optionally with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def plain_tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    return make_tokenizer(TEMPLATE)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def write_parquet(path, records):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), str(path))
+    return str(path)
+
+
+def as_tuples(rows):
+    return [(r.text_or_messages, r.id) for r in rows]
+
+
+TEXT_RECORDS = [
+    {"id": "q1", "prompt": "a b c", "extra": 1},
+    {"id": "q2", "prompt": "d e", "extra": 2},
+    {"id": "q3", "prompt": "f g h a", "extra": 3},
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: formats agree
+# --------------------------------------------------------------------------------------------
+
+
+def test_all_formats_give_the_same_rows(tmp_path):
+    import datasets
+
+    expected = [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
+    jsonl = write_jsonl(tmp_path / "p.jsonl", TEXT_RECORDS)
+    parquet = write_parquet(tmp_path / "p.parquet", TEXT_RECORDS)
+    ds = datasets.Dataset.from_list(TEXT_RECORDS)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    other = datasets.Dataset.from_list([{"id": "z", "prompt": "h h", "extra": 0}])
+    datasets.DatasetDict(train=ds, test=other).save_to_disk(str(tmp_path / "dd"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "00.jsonl", TEXT_RECORDS[:2])
+    write_parquet(shards / "01.parquet", TEXT_RECORDS[2:])
+    (shards / "_SUCCESS").write_text("")
+
+    for path in [jsonl, parquet, tmp_path / "ds", str(tmp_path / "dd"), str(shards)]:
+        assert as_tuples(read_prompt_rows(path)) == expected, path
+    assert as_tuples(read_prompt_rows(str(tmp_path / "dd"), split="test")) == [("h h", "z")]
+
+    jrows = read_prompt_rows(jsonl)
+    prows = read_prompt_rows(parquet)
+    assert [(r.source, r.line, r.where) for r in jrows][1] == (jsonl, 2, f"{jsonl}:2")
+    assert [(r.source, r.line, r.where) for r in prows][1] == (parquet, 1, f"{parquet}: row 1")
+
+
+def test_default_ids_and_prompt_key(tmp_path):
+    records = [{"question": "a b"}, {"question": "c d"}]
+    jsonl = write_jsonl(tmp_path / "q.jsonl", records)
+    parquet = write_parquet(tmp_path / "q.parquet", records)
+    by_question = read_prompt_rows(jsonl, prompt_key="question")
+    assert [r.id for r in by_question] == ["q.jsonl:1", "q.jsonl:2"]
+    assert [r.id for r in read_prompt_rows(parquet, prompt_key="question")] == [
+        "q.parquet:0",
+        "q.parquet:1",
+    ]
+    # Integer ids are accepted and become strings.
+    ids = write_jsonl(tmp_path / "i.jsonl", [{"id": 7, "prompt": "a"}, {"id": 8, "prompt": "b"}])
+    assert [r.id for r in read_prompt_rows(ids)] == ["7", "8"]
+
+
+def test_chat_messages_agree_across_formats(tmp_path):
+    import datasets
+
+    records = [
+        {"prompt": [{"role": "user", "content": "a b"}]},
+        {
+            "prompt": [
+                {"role": "system", "content": "c", "name": "s"},
+                {"role": "user", "content": "d"},
+            ]
+        },
+    ]
+    expected = [r["prompt"] for r in records]
+    jsonl = write_jsonl(tmp_path / "m.jsonl", records)
+    parquet = write_parquet(tmp_path / "m.parquet", records)
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    # Arrow gives the first message a "name": None; it must be dropped so all formats agree.
+    for path in [jsonl, parquet, str(tmp_path / "ds")]:
+        assert [r.text_or_messages for r in read_prompt_rows(path)] == expected, path
+
+
+def test_trailing_blank_lines_are_fine(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n\n  \n\n')
+    assert [r.text_or_messages for r in read_prompt_rows(str(path))] == ["a", "b"]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: errors name file and line
+# --------------------------------------------------------------------------------------------
+
+GOOD = '{"prompt": "a b"}'
+
+
+@pytest.mark.parametrize(
+    "lines, bad_line, fragment",
+    [
+        ([GOOD, GOOD, '{"prompt": "a"'], 3, "invalid JSON"),
+        ([GOOD, '["a", "b"]'], 2, "expected a JSON object, got array"),
+        ([GOOD, '{"text": "a", "id": "x"}'], 2, "no 'prompt' field; the row has keys ['id', 'text"),
+        ([GOOD, GOOD, GOOD, '{"prompt": "  \\n "}'], 4, "empty or whitespace only"),
+        ([GOOD, '{"prompt": 42}'], 2, "got int"),
+        ([GOOD, '{"prompt": null}'], 2, "got null"),
+        ([GOOD, '{"prompt": []}'], 2, "empty list of messages"),
+        ([GOOD, '{"prompt": ["a"]}'], 2, "message 0 must be an object"),
+        ([GOOD, GOOD, '{"prompt": [{"role": "user"}]}'], 3, "'content' must be a string (missing)"),
+        ([GOOD, '{"prompt": [{"role": "user", "content": 3}]}'], 2, "'content' must be a str"),
+        ([GOOD, '{"prompt": [{"role": "", "content": "a"}]}'], 2, "'role' is empty"),
+        ([GOOD, '{"prompt": [{"role": "user", "content": " "}]}'], 2, "all empty"),
+        ([GOOD, '{"prompt": "a", "id": [1]}'], 2, "'id' must be a string or an integer"),
+        ([GOOD, "", GOOD], 2, "blank line before the end"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, lines, bad_line, fragment):
+    path = write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}:{bad_line}: "), message
+    assert fragment in message
+
+
+def test_duplicate_ids_name_both_lines(tmp_path):
+    path = write_lines(
+        tmp_path / "dup.jsonl",
+        ['{"id": "x", "prompt": "a"}', '{"id": "y", "prompt": "b"}', '{"id": "x", "prompt": "c"}'],
+    )
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}:3: duplicate id 'x'")
+    assert f"first at {path}:1" in message
+
+
+def test_duplicate_ids_across_files_in_a_directory(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "a"}])
+    write_parquet(tmp_path / "b.parquet", [{"id": "y", "prompt": "b"}, {"id": "x", "prompt": "c"}])
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(str(tmp_path))
+    assert str(err.value).startswith(f"{tmp_path / 'b.parquet'}: row 1: duplicate id 'x'")
+    assert f"first at {tmp_path / 'a.jsonl'}:1" in str(err.value)
+
+
+def test_parquet_and_hf_errors_name_the_row(tmp_path):
+    import datasets
+
+    records = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": " "}]
+    parquet = write_parquet(tmp_path / "p.parquet", records)
+    with pytest.raises(DataError, match=rf"^{re.escape(parquet)}: row 2: 'prompt' is empty"):
+        read_prompt_rows(parquet)
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    hf_dir = re.escape(str(tmp_path / "ds"))
+    with pytest.raises(DataError, match=rf"^{hf_dir}: row 2: 'prompt' is empty"):
+        read_prompt_rows(str(tmp_path / "ds"))
+    with pytest.raises(DataError, match=r"row 0: no 'text' field; the row has keys \['prompt'\]"):
+        read_prompt_rows(parquet, prompt_key="text")
+
+
+def test_path_errors(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match=rf"^{re.escape(missing)}: no such file"):
+        read_prompt_rows(missing)
+    other = tmp_path / "p.json"
+    other.write_text("{}")
+    with pytest.raises(DataError, match="unsupported file type"):
+        read_prompt_rows(str(other))
+    with pytest.raises(DataError, match=r"only .jsonl and .parquet files.*\['p.json'\]"):
+        read_prompt_rows(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no .jsonl or .parquet files"):
+        read_prompt_rows(str(empty))
+
+
+def test_missing_split(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(TEXT_RECORDS)
+    datasets.DatasetDict(train=ds).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"no split 'validation'; the dataset has \['train'\]"):
+        read_prompt_rows(str(tmp_path / "dd"), split="validation")
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenising
+# --------------------------------------------------------------------------------------------
+
+
+def rows_of(*prompts, source="x.jsonl"):
+    return [PromptRow(p, source, i + 1, f"r{i + 1}") for i, p in enumerate(prompts)]
+
+
+def test_plain_encoding(plain_tok):
+    enc = encode_prompts(rows_of("a b c", "h"), plain_tok, max_prompt_len=8)
+    ids = {w: i for i, w in enumerate(WORDS)}
+    assert [p.input_ids for p in enc.prompts] == [
+        [ids["<bos>"], ids["a"], ids["b"], ids["c"]],
+        [ids["<bos>"], ids["h"]],
+    ]
+    where = [(p.id, p.source, p.line) for p in enc.prompts]
+    assert where == [("r1", "x.jsonl", 1), ("r2", "x.jsonl", 2)]
+    assert (enc.n_truncated, enc.n_skipped) == (0, 0)
+
+
+def test_overlong_error_names_row_and_lengths(plain_tok):
+    rows = rows_of("a", "a b c d e f", source="data.jsonl")  # second: 7 tokens with <bos>
+    with pytest.raises(DataError) as err:
+        encode_prompts(rows, plain_tok, max_prompt_len=4)
+    assert str(err.value).startswith("data.jsonl:2: ")
+    assert "7 tokens" in str(err.value) and "max_prompt_len=4" in str(err.value)
+
+
+def test_overlong_truncate_keeps_the_last_tokens(plain_tok):
+    rows = rows_of("a", "a b c d e f", "b c d")  # 2, 7, 4 tokens with <bos>
+    enc = encode_prompts(rows, plain_tok, max_prompt_len=4, overlong="truncate")
+    full = plain_tok("a b c d e f")["input_ids"]
+    assert enc.prompts[1].input_ids == full[-4:]
+    assert plain_tok.convert_ids_to_tokens(enc.prompts[1].input_ids) == ["c", "d", "e", "f"]
+    assert enc.prompts[2].input_ids == plain_tok("b c d")["input_ids"]  # exactly at the limit: kept
+    assert (len(enc), enc.n_truncated, enc.n_skipped) == (3, 1, 0)
+
+
+def test_overlong_skip_drops_and_counts(plain_tok):
+    rows = rows_of("a", "a b c d e f", "b c d e", "c")
+    enc = encode_prompts(rows, plain_tok, max_prompt_len=4, overlong="skip")
+    assert [p.id for p in enc.prompts] == ["r1", "r4"]
+    assert (enc.n_truncated, enc.n_skipped) == (0, 2)
+
+
+def test_bad_option_values(plain_tok):
+    rows = rows_of("a")
+    with pytest.raises(ValueError, match="error, truncate, skip"):
+        encode_prompts(rows, plain_tok, 4, overlong="cut")
+    with pytest.raises(ValueError, match="auto, on, off"):
+        encode_prompts(rows, plain_tok, 4, chat_template="yes")
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        encode_prompts(rows, plain_tok, 0)
+
+
+def test_chat_template_auto_on_off(chat_tok):
+    rows = rows_of("a b", [{"role": "system", "content": "c"}, {"role": "user", "content": "d e"}])
+    as_user = [{"role": "user", "content": "a b"}]
+    expected = [
+        chat_tok.apply_chat_template(as_user, add_generation_prompt=True, return_dict=False),
+        # transformers 5 returns a BatchEncoding unless return_dict=False.
+        chat_tok.apply_chat_template(rows[1].text_or_messages, add_generation_prompt=True)[
+            "input_ids"
+        ],
+    ]
+    # Spelled out, so the test does not only compare the function with itself.
+    tokens = chat_tok.convert_ids_to_tokens(expected[0])
+    assert tokens == ["<bos>", "user", ":", "a", "b", "assistant", ":"]
+    for mode in ("auto", "on"):
+        enc = encode_prompts(rows, chat_tok, max_prompt_len=32, chat_template=mode)
+        assert [p.input_ids for p in enc.prompts] == expected, mode
+
+    off = encode_prompts(rows[:1], chat_tok, max_prompt_len=32, chat_template="off")
+    assert off.prompts[0].input_ids == chat_tok("a b", add_special_tokens=True)["input_ids"]
+    with pytest.raises(DataError, match=r"^x.jsonl:2: prompt is a list of chat messages"):
+        encode_prompts(rows, chat_tok, max_prompt_len=32, chat_template="off")
+
+
+def test_no_template_available(plain_tok):
+    rows = rows_of("a b", [{"role": "user", "content": "c"}])
+    auto = encode_prompts(rows[:1], plain_tok, max_prompt_len=32)  # auto falls back to plain
+    assert auto.prompts[0].input_ids == plain_tok("a b")["input_ids"]
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompts(rows[:1], plain_tok, max_prompt_len=32, chat_template="on")
+    with pytest.raises(DataError, match=r"^x.jsonl:2: prompt is a list of chat messages"):
+        encode_prompts(rows, plain_tok, max_prompt_len=32)
+
+
+def test_template_errors_name_the_row(chat_tok):
+    rows = rows_of("a", [{"role": "tool", "content": "b"}])
+    with pytest.raises(DataError, match=r"^x.jsonl:2: chat template failed.*unknown role tool"):
+        encode_prompts(rows, chat_tok, max_prompt_len=32)
+
+
+def test_read_then_encode_error_points_at_the_file(tmp_path, plain_tok):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "a b c d e f g h"}])
+    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: prompt 'p.jsonl:2' is 9 tokens"):
+        encode_prompts(read_prompt_rows(path), plain_tok, max_prompt_len=8)
+
+
+# --------------------------------------------------------------------------------------------
+# PromptStream
+# --------------------------------------------------------------------------------------------
+
+
+def make_prompts(n):
+    return [Prompt(f"p{i}", [i], "mem", i) for i in range(n)]
+
+
+def ids(prompts):
+    return [p.id for p in prompts]
+
+
+@pytest.mark.parametrize("n", [10, 11])
+def test_ranks_are_disjoint_and_cover_the_epoch(n):
+    prompts = make_prompts(n)
+    streams = [PromptStream(prompts, batch_size=2, seed=3, rank=r, world_size=2) for r in range(2)]
+    assert all(s.prompts_per_epoch == n // 2 for s in streams)
+    seen_over_epochs = set()
+    for epoch in range(6):
+        shares = [set(ids(s.take(n // 2))) for s in streams]
+        assert all(len(share) == n // 2 for share in shares)  # no repeats within a rank's epoch
+        assert not shares[0] & shares[1]
+        union = shares[0] | shares[1]
+        if n % 2 == 0:
+            assert union == set(ids(prompts))
+        else:
+            assert len(union) == n - 1  # one prompt left out this epoch...
+        seen_over_epochs |= union
+        assert all(s.epoch == epoch + 1 for s in streams)
+    assert seen_over_epochs == set(ids(prompts))  # ...but a different one each epoch
+
+
+def test_unshuffled_order_is_round_robin():
+    prompts = make_prompts(7)
+    r0 = PromptStream(prompts, batch_size=3, seed=0, rank=0, world_size=2, shuffle=False)
+    r1 = PromptStream(prompts, batch_size=3, seed=0, rank=1, world_size=2, shuffle=False)
+    assert ids(r0.take(3)) == ["p0", "p2", "p4"]
+    assert ids(r1.take(3)) == ["p1", "p3", "p5"]
+    assert ids(r0.take(2)) == ["p0", "p2"]  # p6 is the remainder, dropped; next epoch
+
+
+def test_deterministic_for_a_seed_and_independent_of_global_rng():
+    prompts = make_prompts(20)
+    a = PromptStream(prompts, batch_size=4, seed=7)
+    b = PromptStream(prompts, batch_size=4, seed=7)
+    c = PromptStream(prompts, batch_size=4, seed=8)
+    got_a = []
+    for i in range(12):
+        torch.manual_seed(i)
+        random.seed(i)
+        got_a += ids(a.next_batch())
+    got_b = [p for _ in range(12) for p in ids(b.next_batch())]
+    got_c = [p for _ in range(12) for p in ids(c.next_batch())]
+    assert got_a == got_b
+    assert got_a != got_c
+    assert got_a[:20] != ids(prompts)  # shuffled
+    assert got_a[:20] != got_a[20:40]  # a new permutation each epoch
+
+
+def test_state_dict_round_trip_continues_identically():
+    prompts = make_prompts(13)
+    original = PromptStream(prompts, batch_size=4, seed=1, rank=1, world_size=3)
+    original.take(5)
+    original.next_batch()  # 9 taken: mid-epoch 2 (4 per rank per epoch)
+    state = json.loads(json.dumps(original.state_dict()))
+    assert (state["epoch"], state["position"]) == (2, 1)
+
+    restored = PromptStream(prompts, batch_size=4, seed=1, rank=1, world_size=3)
+    restored.take(3)  # a stream already in use must forget its place, too
+    restored.load_state_dict(state)
+    assert (original.epoch, original.prompts_seen) == (2, 9)
+    assert (restored.epoch, restored.prompts_seen) == (2, 9)
+    sizes = [3, 0, 7, 1, 4, 11, 2, 5, 4, 13]  # 50 prompts, in variable top-ups
+    assert sum(sizes) == 50
+    assert [ids(original.take(k)) for k in sizes] == [ids(restored.take(k)) for k in sizes]
+    assert original.prompts_seen == restored.prompts_seen == 59
+
+
+def test_load_state_dict_rejects_a_different_stream():
+    state = PromptStream(make_prompts(10), batch_size=2, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed: saved 1, now 2"):
+        PromptStream(make_prompts(10), batch_size=2, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_prompts: saved 10, now 12"):
+        PromptStream(make_prompts(12), batch_size=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="out of range"):
+        stream = PromptStream(make_prompts(10), batch_size=2, seed=1)
+        stream.load_state_dict({"epoch": 0, "position": 10})
+
+
+def test_batches_straddle_the_epoch_boundary():
+    prompts = make_prompts(5)
+    stream = PromptStream(prompts, batch_size=3, seed=5)
+    epoch0 = ids(PromptStream(prompts, batch_size=5, seed=5).next_batch())
+    reference = PromptStream(prompts, batch_size=5, seed=5)
+    reference.load_state_dict({"epoch": 1, "position": 0})
+    epoch1 = ids(reference.next_batch())
+
+    first = ids(stream.next_batch())
+    assert (stream.epoch, stream.prompts_seen) == (0, 3)
+    second = ids(stream.next_batch())
+    assert (stream.epoch, stream.prompts_seen) == (1, 6)
+    assert first + second[:2] == epoch0
+    assert second[2:] == epoch1[:1]
+    assert sorted(epoch0) == sorted(epoch1) == ids(prompts)
+
+
+def test_stream_argument_checks():
+    with pytest.raises(ValueError, match="rank"):
+        PromptStream(make_prompts(4), batch_size=1, seed=0, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="3 prompts cannot be shared among world_size=4"):
+        PromptStream(make_prompts(3), batch_size=1, seed=0, world_size=4)
+    with pytest.raises(ValueError, match="batch_size"):
+        PromptStream(make_prompts(3), batch_size=0, seed=0)
+    with pytest.raises(ValueError, match="n >= 0"):
+        PromptStream(make_prompts(3), batch_size=1, seed=0).take(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# left_pad
+# --------------------------------------------------------------------------------------------
+
+
+def test_left_pad():
+    input_ids, attention_mask = left_pad([[5, 6, 7], [8], [9, 10]], pad_id=0)
+    assert input_ids.dtype == attention_mask.dtype == torch.long
+    assert input_ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
+    assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+
+
+def test_left_pad_edge_cases():
+    input_ids, attention_mask = left_pad([[3, 4]], pad_id=99)
+    assert input_ids.tolist() == [[3, 4]] and attention_mask.tolist() == [[1, 1]]
+    input_ids, attention_mask = left_pad([[1], []], pad_id=99)
+    assert input_ids.tolist() == [[1], [99]] and attention_mask.tolist() == [[1], [0]]
+    input_ids, attention_mask = left_pad([], pad_id=0)
+    assert input_ids.shape == attention_mask.shape == (0, 0)
