@@ -1,0 +1,131 @@
+"""The training-engine interface that every backend implements.
+
+A PPO step needs four things from an engine that trains a model (actor or critic):
+one optimizer update over a mini-batch with a caller-supplied loss, a no-grad forward for
+old log-probs / values, a decoding context with a KV cache for the rollout, and checkpoints.
+The DeepSpeed engine (``deepspeed_engine.py``) and, later, a Megatron-core engine implement
+exactly this, so the trainer never touches a backend's API.
+
+Nothing here imports deepspeed or megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ContextManager
+
+import torch
+
+ModelCallable = Callable[..., Any]
+"""What a loss function calls for the forward: the backend's wrapped model (for DeepSpeed
+the engine object, so its ZeRO hooks and autocast run), called with keyword tensors, e.g.
+``model(input_ids=..., attention_mask=...)``; it returns what the HF module returns."""
+
+LossFn = Callable[[ModelCallable, Any], "tuple[torch.Tensor, dict]"]
+"""``loss_fn(model, micro_batch) -> (loss, stats)``: ``loss`` is the scalar mean over the
+micro-batch (the engine divides by the number of micro-batches); ``stats`` is returned to
+the caller untouched (tensors may stay on the device: no ``.item()`` is forced here)."""
+
+SCHEDULERS = ("constant", "linear", "cosine")
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, scheduler: str) -> float:
+    """Factor on the peak learning rate for the optimizer update number ``step`` (0-based).
+
+    Linear warmup over ``warmup_steps`` updates (update 0 uses ``1 / warmup_steps``, update
+    ``warmup_steps - 1`` the full rate, so no update is wasted at rate 0), then
+    "constant" keeps 1, "linear" decays to 0 at ``total_steps``, "cosine" follows half a
+    cosine to 0 at ``total_steps``. Steps past ``total_steps`` stay at the final value.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if scheduler == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if scheduler == "linear":
+        return 1.0 - progress
+    if scheduler == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {scheduler!r}")
+
+
+def check_schedule(*, warmup_steps: int, total_steps: int, scheduler: str) -> None:
+    """Raise ``ValueError`` for a schedule :func:`lr_multiplier` cannot follow."""
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {scheduler!r}")
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+    if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
+            or not 0 <= warmup_steps <= total_steps):
+        raise ValueError(f"warmup_steps must be an integer in [0, total_steps={total_steps}], "
+                         f"got {warmup_steps!r}")
+
+
+class TrainEngine(ABC):
+    """A model being trained by one backend, seen by the PPO trainer.
+
+    Attributes every implementation sets:
+        module: the unwrapped ``nn.Module`` (for decoding and for reading weights).
+        gradient_accumulation_steps: micro-batches per optimizer update.
+        world_size: data-parallel ranks.
+        rank: this process's data-parallel rank.
+        device: where inputs must be placed.
+    """
+
+    module: torch.nn.Module
+    gradient_accumulation_steps: int
+    world_size: int
+    rank: int
+    device: torch.device
+
+    @abstractmethod
+    def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
+        """One optimizer update over a mini-batch.
+
+        For each micro-batch: ``loss, stats = loss_fn(model, micro_batch)``, backward.
+        The update (clipping, optimizer, LR scheduler) happens after the last micro-batch.
+        ``len(micro_batches)`` must equal ``gradient_accumulation_steps`` (``ValueError``
+        otherwise), so one call is always exactly one update.
+
+        Returns:
+            the ``stats`` dicts, one per micro-batch, in order.
+        """
+
+    @abstractmethod
+    def forward_no_grad(self, fn: Callable[[ModelCallable], Any]) -> Any:
+        """``fn(model)`` under ``torch.no_grad`` with dropout off (old log-probs, values).
+
+        Uses the same forward as training, so that PPO's ratio is exactly 1 before the
+        first update. The previous train/eval mode is restored afterwards.
+        """
+
+    @abstractmethod
+    def generation_context(self) -> ContextManager[torch.nn.Module]:
+        """A context for step-by-step decoding with a KV cache.
+
+        Inside it the yielded module is in eval mode, under ``torch.no_grad``, with its
+        parameters usable by plain forward calls (under ZeRO-3: gathered). Weights must
+        not change inside it. The previous mode is restored on exit.
+        """
+
+    @abstractmethod
+    def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
+        """Save weights, optimizer, LR scheduler and ``client_state`` under ``ckpt_dir/tag``.
+
+        Collective: every rank must call it.
+        """
+
+    @abstractmethod
+    def load(self, ckpt_dir: str, tag: str | None = None) -> dict:
+        """Restore what :meth:`save` wrote (``tag=None``: the latest) and return its
+        ``client_state``. Raises ``FileNotFoundError`` if there is no such checkpoint."""
+
+    @abstractmethod
+    def lr(self) -> float:
+        """Learning rate the next update will use."""
+
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last update (before clipping), if known."""
+        return None

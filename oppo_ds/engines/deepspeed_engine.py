@@ -1,0 +1,437 @@
+"""DeepSpeed implementation of :class:`~oppo_ds.engines.base.TrainEngine`.
+
+ZeRO stages 0-3, optional CPU offload, fp32/bf16/fp16, and DeepSpeed's hybrid engine
+(one engine that trains and generates). Everything DeepSpeed-specific in oppo-ds lives
+in this file.
+
+Hybrid engine paths (``DeepSpeedTrainEngine.hybrid_engine_path``):
+
+* ``"off"``: a plain ``DeepSpeedEngine``.
+* ``"kernels"``: DeepSpeed replaced the transformer layers' forward with its fused
+  inference kernels for generation (GPU only; architectures with an injection policy in
+  ``deepspeed.module_inject.replace_policy.replace_policies``: GPT-2, Llama, OPT, BLOOM,
+  GPT-NeoX, GPT-J, ...).
+* ``"no-kernels (...)"``: a ``DeepSpeedHybridEngine`` whose generation runs the model's own
+  forward. DeepSpeed 0.19.8 chooses this itself for architectures without a policy (Qwen2,
+  OPT with Cache-based layers). On CPU it must be forced: the kernels do not exist there and
+  ``deepspeed.initialize`` fails with "This op had not been implemented on CPU backend" for
+  GPT-2/Llama. See :func:`_hybrid_engine_without_kernels` for how it is forced.
+
+Unverified (no GPU when this was written): the "kernels" path with transformers >= 5. The
+injected layer (``deepspeed/model_implementations/transformers/ds_transformer.py``) keeps
+its KV cache inside DeepSpeed's workspace and returns a tuple, while transformers 5 layers
+take a ``Cache`` object (GPT-2 passes it positionally, where the injected forward expects
+``input_mask``) and return a tensor. DeepSpeed 0.19.8 already keeps OPT off its kernels for
+exactly this reason. ``tests/test_engines.py::test_hybrid_engine_kernels_on_gpu`` checks it
+on a GPU; if it fails there, pass ``inject_kernels=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import socket
+from typing import Any, Callable, Iterator
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+from oppo_ds.engines.base import (
+    LossFn,
+    ModelCallable,
+    TrainEngine,
+    check_schedule,
+    lr_multiplier,
+)
+from oppo_ds.engines.ds_config import DTYPES, build_ds_config
+
+logger = logging.getLogger(__name__)
+
+HYBRID_OFF = "off"
+HYBRID_KERNELS = "kernels"
+HYBRID_NO_KERNELS_CPU = "no-kernels (CPU: model's own forward)"
+HYBRID_NO_KERNELS_NO_POLICY = "no-kernels (no DeepSpeed policy for this architecture: model's own forward)"
+HYBRID_NO_KERNELS_REQUESTED = "no-kernels (inject_kernels=False: model's own forward)"
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------
+# Process group
+# --------------------------------------------------------------------------------------
+
+def find_free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; never a fixed number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed_if_needed() -> None:
+    """Initialise ``deepspeed.comm`` (and torch.distributed) once per process.
+
+    Under a launcher (``deepspeed``, ``torchrun``, Slurm wrappers) the rendezvous variables
+    are set and used as they are. A bare ``python script.py`` (no ``WORLD_SIZE``, no MPI
+    variables) is a single-process group: only the missing variables among MASTER_ADDR,
+    MASTER_PORT (a free port), RANK, WORLD_SIZE, LOCAL_RANK are filled in. The backend is the
+    accelerator's (NCCL on CUDA, gloo on CPU). Calling it again is a no-op.
+    """
+    if deepspeed.comm.is_initialized():
+        return
+    if not torch.distributed.is_initialized():
+        launched_by_mpi = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+        if "WORLD_SIZE" not in os.environ and not launched_by_mpi:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            if "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(find_free_port())
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")
+    # If torch.distributed is already up, deepspeed.comm wraps the existing group.
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+# --------------------------------------------------------------------------------------
+# Hybrid engine without inference kernels
+# --------------------------------------------------------------------------------------
+
+class _HybridEngineWithoutKernels(DeepSpeedHybridEngine):
+    """A hybrid engine that injects no inference kernels: generation uses the model's own
+    forward (and its own KV cache), training is unchanged.
+
+    ``DeepSpeedHybridEngine.__init__`` calls ``create_inference_module``, which calls
+    ``populate_all_inference_policies`` and wraps every layer that has a policy in a kernel
+    container. With no policies no container is built: the same state DeepSpeed 0.19.8
+    reaches by itself for architectures it has no policy for.
+    """
+
+    def populate_all_inference_policies(self):
+        self.inference_policies = {}
+
+
+@contextlib.contextmanager
+def _hybrid_engine_without_kernels() -> Iterator[None]:
+    """Make ``deepspeed.initialize`` build :class:`_HybridEngineWithoutKernels`.
+
+    ``deepspeed.initialize`` (deepspeed/__init__.py, 0.19.8) instantiates the hybrid engine
+    through the module-level name ``deepspeed.DeepSpeedHybridEngine``. That one name is
+    rebound for the duration of the call and restored in ``finally``. DeepSpeed's class is
+    never modified, so engines built before, after or without this context keep their
+    kernels; only the engine built inside is an instance of the subclass (still an
+    ``isinstance`` of ``DeepSpeedHybridEngine``). Not thread-safe: do not build engines
+    from two threads at once.
+    """
+    if "DeepSpeedHybridEngine" not in deepspeed.initialize.__code__.co_names:
+        # A DeepSpeed that builds the engine some other way would silently inject kernels
+        # (and fail on CPU); say so instead.
+        raise RuntimeError(
+            f"deepspeed {deepspeed.__version__}: deepspeed.initialize no longer refers to "
+            "deepspeed.DeepSpeedHybridEngine; oppo_ds cannot disable the hybrid engine's "
+            "inference kernels with this version")
+    original = deepspeed.DeepSpeedHybridEngine
+    deepspeed.DeepSpeedHybridEngine = _HybridEngineWithoutKernels
+    try:
+        yield
+    finally:
+        deepspeed.DeepSpeedHybridEngine = original
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer
+# --------------------------------------------------------------------------------------
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: biases and norm scales (1-D) are not decayed."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # ZeRO flattens each group; an empty one breaks its partitioning.
+    return [g for g in groups if g["params"]]
+
+
+def _build_optimizer(model: torch.nn.Module, *, use_cpu_adam: bool, lr: float,
+                     weight_decay: float, betas: tuple[float, float],
+                     eps: float) -> torch.optim.Optimizer:
+    groups = _param_groups(model, weight_decay)
+    if use_cpu_adam:
+        # Imported here: the first construction JIT-compiles the op (~1 min, cached).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def _build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int,
+                        total_steps: int, scheduler: str) -> torch.optim.lr_scheduler.LambdaLR:
+    # Passed to deepspeed.initialize, it is stepped once per update by engine.step() and its
+    # state is saved/loaded with the engine's checkpoints.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
+                                     total_steps=total_steps, scheduler=scheduler))
+
+
+# --------------------------------------------------------------------------------------
+# Engine
+# --------------------------------------------------------------------------------------
+
+class DeepSpeedTrainEngine(TrainEngine):
+    """A model trained with DeepSpeed (``deepspeed.initialize`` with a built config).
+
+    Args:
+        model: the HF model (or any ``nn.Module`` called with keyword tensors); DeepSpeed
+            moves it to the accelerator and casts it to ``dtype``. Under ZeRO-3 its
+            parameters are partitioned in place: do not reuse the object elsewhere.
+        lr, weight_decay, betas, eps: AdamW (decoupled weight decay, matrices only).
+        warmup_steps, total_steps, scheduler: LR schedule, see
+            :func:`~oppo_ds.engines.base.lr_multiplier`; counted in optimizer updates.
+        micro_batch_size: sequences per micro-batch on one rank.
+        gradient_accumulation_steps: micro-batches per update.
+        zero_stage, offload, dtype, grad_clip: see
+            :func:`~oppo_ds.engines.ds_config.build_ds_config`.
+        hybrid_engine: use DeepSpeed's hybrid engine (see the module docstring).
+        inference_tp_size: tensor-parallel degree of the hybrid engine's kernels.
+        cpu_adam: ``None``: DeepSpeedCPUAdam when ``offload``, else ``torch.optim.AdamW``.
+        seed: seeds torch's RNGs (dropout) before DeepSpeed starts.
+        inject_kernels: hybrid engine only. ``None``: inject DeepSpeed's inference kernels
+            where DeepSpeed has them, except on CPU where none exist. ``False``: never
+            (e.g. an architecture whose kernels misbehave). ``True``: require them
+            (``ValueError`` on CPU).
+        release_inference_cache: hybrid engine with kernels: free their KV workspace after
+            each generation.
+        tensorboard_dir: DeepSpeed's own TensorBoard monitor.
+        ds_config_overrides: merged (recursively) into the built config last; for keys this
+            class does not expose. Overridden values are logged.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        total_steps: int,
+        scheduler: str = "constant",
+        micro_batch_size: int,
+        gradient_accumulation_steps: int = 1,
+        zero_stage: int = 0,
+        offload: bool = False,
+        dtype: str = "fp32",
+        grad_clip: float | None = 1.0,
+        hybrid_engine: bool = False,
+        inference_tp_size: int = 1,
+        cpu_adam: bool | None = None,
+        seed: int = 0,
+        inject_kernels: bool | None = None,
+        release_inference_cache: bool = False,
+        tensorboard_dir: str | None = None,
+        ds_config_overrides: dict | None = None,
+    ) -> None:
+        check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr!r}")
+        for name, value in (("cpu_adam", cpu_adam), ("inject_kernels", inject_kernels)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be one of [None, True, False], got {value!r}")
+
+        init_distributed_if_needed()
+        self.world_size = deepspeed.comm.get_world_size()
+        self.rank = deepspeed.comm.get_rank()
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.zero_stage = zero_stage
+        self.dtype = dtype
+
+        use_cpu_adam = offload if cpu_adam is None else cpu_adam
+        self.config = build_ds_config(
+            train_micro_batch_size_per_gpu=micro_batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            world_size=self.world_size,
+            zero_stage=zero_stage,
+            offload=offload,
+            dtype=dtype,
+            grad_clip=grad_clip,
+            hybrid_engine=hybrid_engine,
+            inference_tp_size=inference_tp_size,
+            release_inference_cache=release_inference_cache,
+            tensorboard_dir=tensorboard_dir,
+            force_ds_cpu_optimizer=use_cpu_adam,
+        )
+        if ds_config_overrides:
+            self.config = _merged(self.config, ds_config_overrides)
+
+        torch.manual_seed(seed)
+        get_accelerator().manual_seed_all(seed)
+        optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
+                                     weight_decay=weight_decay, betas=betas, eps=eps)
+        lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
+                                           total_steps=total_steps, scheduler=scheduler)
+        without_kernels = hybrid_engine and not self._want_kernels(inject_kernels)
+        with _hybrid_engine_without_kernels() if without_kernels else contextlib.nullcontext():
+            self._engine, _, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=self.config)
+        self.module = self._engine.module
+        # DeepSpeed records the global grad norm in its ZeRO and fp16/bf16 optimizers only;
+        # with plain fp32 data parallel it clips with a norm it then drops.
+        self._untracked_grad_norm = zero_stage == 0 and dtype == "fp32"
+        self._last_grad_norm: float | None = None
+        self.optimizer_name = type(optimizer).__name__
+        self.hybrid_engine_path = self._hybrid_path(hybrid_engine, inject_kernels)
+        if self.rank == 0:
+            logger.info("DeepSpeed engine: ZeRO-%d, %s, offload=%s, optimizer=%s, "
+                        "hybrid engine: %s", zero_stage, dtype, offload, self.optimizer_name,
+                        self.hybrid_engine_path)
+
+    # -- construction helpers ----------------------------------------------------------
+
+    def _want_kernels(self, inject_kernels: bool | None) -> bool:
+        on_cpu = self.device.type == "cpu"
+        if inject_kernels and on_cpu:
+            raise ValueError("inject_kernels=True needs a GPU: DeepSpeed's inference kernels "
+                             "are not implemented on CPU; use None or False")
+        return (not on_cpu) if inject_kernels is None else inject_kernels
+
+    def _hybrid_path(self, hybrid_engine: bool, inject_kernels: bool | None) -> str:
+        if not hybrid_engine:
+            return HYBRID_OFF
+        if len(self._engine._inference_containers) > 0:
+            return HYBRID_KERNELS
+        if self.device.type == "cpu":
+            return HYBRID_NO_KERNELS_CPU
+        if inject_kernels is False:
+            return HYBRID_NO_KERNELS_REQUESTED
+        return HYBRID_NO_KERNELS_NO_POLICY
+
+    # -- TrainEngine ---------------------------------------------------------------------
+
+    @property
+    def ds_engine(self) -> deepspeed.DeepSpeedEngine:
+        """The underlying DeepSpeed engine, for what this interface does not cover."""
+        return self._engine
+
+    def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
+        if len(micro_batches) != self.gradient_accumulation_steps:
+            raise ValueError(f"train_step needs exactly gradient_accumulation_steps="
+                             f"{self.gradient_accumulation_steps} micro-batches, "
+                             f"got {len(micro_batches)}")
+        self._engine.train()
+        all_stats = []
+        for i, micro_batch in enumerate(micro_batches):
+            loss, stats = loss_fn(self._engine, micro_batch)
+            # backward() divides by gradient_accumulation_steps; step() only updates at the
+            # accumulation boundary, i.e. after the last micro-batch of this call.
+            self._engine.backward(loss)
+            if i == len(micro_batches) - 1 and self._untracked_grad_norm:
+                self._last_grad_norm = _total_grad_norm(self.module)
+            self._engine.step()
+            all_stats.append(stats)
+        return all_stats
+
+    def forward_no_grad(self, fn: Callable[[ModelCallable], Any]) -> Any:
+        # module.eval(), not engine.eval(): the hybrid engine's eval() would switch to its
+        # inference kernels, and old log-probs must come from the training forward.
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return fn(self._engine)
+        finally:
+            self.module.train(was_training)
+
+    @contextlib.contextmanager
+    def generation_context(self) -> Iterator[torch.nn.Module]:
+        was_training = self.module.training
+        kernels = self.hybrid_engine_path == HYBRID_KERNELS
+        if kernels:
+            self._engine.eval()  # swaps the layers' forward for the inference kernels
+        else:
+            self.module.eval()
+        try:
+            with torch.no_grad(), self._gathered_for_generation():
+                if kernels:
+                    self._engine.retake_inference_cache()
+                yield self.module
+        finally:
+            if kernels:
+                if self.config["hybrid_engine"]["release_inference_cache"]:
+                    self._engine.workspace.release_workspace()
+                self._engine.train()  # restores the layers' own forward
+            self.module.train(was_training)
+
+    def _gathered_for_generation(self) -> contextlib.AbstractContextManager:
+        """Under ZeRO-3, gather every parameter once for the whole decode.
+
+        Without it each decode step would all-gather each layer again (the ZeRO-3 hooks);
+        with it the forward runs on full local weights and issues no collective, so ranks
+        may decode different numbers of steps. Costs one full copy of the weights per rank,
+        as the hybrid engine's ``pin_parameters`` does.
+        """
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+
+    def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
+        self._engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {})
+
+    def load(self, ckpt_dir: str, tag: str | None = None) -> dict:
+        path, client_state = self._engine.load_checkpoint(
+            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir!r} (tag={tag!r})")
+        return client_state or {}
+
+    def lr(self) -> float:
+        return float(self._engine.get_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        norm = self._last_grad_norm if self._untracked_grad_norm else self._engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+
+def _total_grad_norm(module: torch.nn.Module) -> float | None:
+    """L2 norm of all gradients (already all-reduced at the accumulation boundary)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    """``base`` with ``overrides`` merged in recursively (dicts merge, values replace)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            if key in out:
+                logger.info("ds_config_overrides: %s = %r (built: %r)", key, value, out[key])
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Frozen models (reference, reward)
+# --------------------------------------------------------------------------------------
+
+def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | str | None = None
+                   ) -> torch.nn.Module:
+    """Make ``model`` (in place) a frozen scorer: eval mode, no gradients, cast to ``dtype``,
+    on ``device`` (default: the accelerator's current device). Returns ``model``.
+
+    Every rank holds the full weights. ZeRO-3-partitioned frozen models (DeepSpeed-Chat's
+    ``get_eval_ds_config`` route, see ``ds_config.build_inference_ds_config``) are future
+    work: they need the same gathered-decode treatment as ``generation_context``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if device is None:
+        device = get_accelerator().current_device_name()
+    model.eval()
+    model.requires_grad_(False)
+    return model.to(device=device, dtype=_TORCH_DTYPES[dtype])

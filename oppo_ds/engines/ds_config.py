@@ -1,0 +1,222 @@
+"""DeepSpeed JSON configs, built by pure functions.
+
+Nothing here imports deepspeed: the dicts are plain data, so every branch is unit-tested
+without starting a process group (tests/test_ds_config.py). The shape follows what
+DeepSpeed-Chat's step 3 uses for its actor/critic (train) and reference/reward (inference)
+models, written anew for DeepSpeed 0.19.
+
+Invalid values raise ``ValueError`` naming the argument and the allowed values; nothing is
+fixed up silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ZERO_STAGES = (0, 1, 2, 3)
+DTYPES = ("fp32", "bf16", "fp16")
+
+# ZeRO-3 knobs, same order of magnitude as DeepSpeed-Chat: parameters smaller than the
+# persistence threshold (biases, norms) stay gathered on every rank, which saves many tiny
+# all-gathers per layer; the live-parameter and prefetch budgets bound the memory that
+# gathered-but-not-yet-released parameters may hold.
+STAGE3_PARAM_PERSISTENCE_THRESHOLD = 10_000
+STAGE3_MAX_LIVE_PARAMETERS = 30_000_000
+STAGE3_PREFETCH_BUCKET_SIZE = 30_000_000
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    # bool is an int subclass: zero_stage=True must not pass as stage 1.
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be one of [True, False], got {value!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _zero_section(zero_stage: int, offload: bool) -> dict:
+    """The ``zero_optimization`` section: stage, CPU offload, ZeRO-3 budgets."""
+    section: dict[str, Any] = {"stage": zero_stage}
+    if offload:
+        # The optimizer states (and fp32 master weights) live in CPU memory and the
+        # optimizer step runs there; stages 1-3 support it.
+        section["offload_optimizer"] = {"device": "cpu"}
+        if zero_stage == 3:
+            # Only ZeRO-3 partitions the parameters themselves, so only it can offload them.
+            section["offload_param"] = {"device": "cpu"}
+    if zero_stage == 3:
+        section.update({
+            "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
+            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
+            "stage3_prefetch_bucket_size": STAGE3_PREFETCH_BUCKET_SIZE,
+            # DeepSpeed's memory-efficient linear re-implements nn.Linear's autograd; the
+            # hybrid engine and HF models are tested with the plain one.
+            "memory_efficient_linear": False,
+        })
+    return section
+
+
+def _dtype_sections(dtype: str) -> dict:
+    """``fp16`` / ``bf16`` sections; fp32 needs neither."""
+    if dtype == "fp16":
+        # Dynamic loss scaling (loss_scale 0), starting at 2**16 and growing after 100
+        # overflow-free steps, as DeepSpeed-Chat does.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 100,
+                         "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1}}
+    if dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    return {}
+
+
+def build_ds_config(
+    *,
+    train_micro_batch_size_per_gpu: int,
+    gradient_accumulation_steps: int,
+    world_size: int,
+    zero_stage: int,
+    offload: bool,
+    dtype: str,
+    grad_clip: float | None,
+    hybrid_engine: bool = False,
+    inference_tp_size: int = 1,
+    release_inference_cache: bool = False,
+    pin_parameters: bool = True,
+    tp_gather_partition_size: int = 8,
+    max_out_tokens: int = 512,
+    tensorboard_dir: str | None = None,
+    steps_per_print: int = 10**9,
+    force_ds_cpu_optimizer: bool = True,
+) -> dict:
+    """DeepSpeed config of a model that trains (actor, critic).
+
+    Args:
+        train_micro_batch_size_per_gpu: sequences per forward/backward on one rank.
+        gradient_accumulation_steps: micro-batches per optimizer update.
+        world_size: data-parallel ranks; ``train_batch_size`` is the product of the three.
+        zero_stage: 0 (plain data parallel), 1 (optimizer states partitioned),
+            2 (+ gradients), 3 (+ parameters).
+        offload: optimizer states (stages 1-3) and, at stage 3, parameters in CPU memory.
+        dtype: "fp32", "bf16" or "fp16" (fp16 with dynamic loss scaling).
+        grad_clip: global gradient-norm clip; ``None`` or 0 disables it.
+        hybrid_engine: add DeepSpeed's hybrid-engine section (train + generate in one
+            engine); the other ``hybrid``-related arguments only matter when it is on.
+        inference_tp_size: tensor-parallel degree of the hybrid engine's inference kernels.
+        release_inference_cache: free the inference KV workspace after each generation.
+        pin_parameters: under ZeRO-3, gather all layers at once for generation (faster,
+            more memory) instead of layer by layer.
+        tp_gather_partition_size: layers gathered per group when ``inference_tp_size > 1``.
+        max_out_tokens: size of the inference kernels' KV workspace (prompt + response).
+        tensorboard_dir: if set, DeepSpeed's own TensorBoard monitor writes there.
+        steps_per_print: DeepSpeed's periodic log line (default: effectively never; our
+            telemetry logs instead).
+        force_ds_cpu_optimizer: with offload, DeepSpeed refuses an optimizer that is not
+            DeepSpeedCPUAdam unless this is False.
+
+    Returns:
+        The config dict for ``deepspeed.initialize(config=...)``.
+    """
+    _check_positive_int("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu)
+    _check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    _check_positive_int("world_size", world_size)
+    _check_choice("zero_stage", zero_stage, ZERO_STAGES)
+    _check_bool("offload", offload)
+    _check_choice("dtype", dtype, DTYPES)
+    if offload and zero_stage == 0:
+        raise ValueError("offload=True needs zero_stage in [1, 2, 3] (ZeRO-Offload moves the "
+                         "partitioned optimizer states); got zero_stage=0")
+    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
+                                  or not grad_clip >= 0):
+        raise ValueError(f"grad_clip must be None or a float >= 0, got {grad_clip!r}")
+    _check_positive_int("steps_per_print", steps_per_print)
+
+    config: dict[str, Any] = {
+        "train_batch_size": train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size,
+        "train_micro_batch_size_per_gpu": train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "steps_per_print": steps_per_print,
+        "zero_optimization": _zero_section(zero_stage, offload),
+        "gradient_clipping": float(grad_clip) if grad_clip else 0.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+    config.update(_dtype_sections(dtype))
+    if offload and not force_ds_cpu_optimizer:
+        config["zero_force_ds_cpu_optimizer"] = False
+    if hybrid_engine:
+        config["hybrid_engine"] = _hybrid_engine_section(
+            inference_tp_size=inference_tp_size,
+            release_inference_cache=release_inference_cache,
+            pin_parameters=pin_parameters,
+            tp_gather_partition_size=tp_gather_partition_size,
+            max_out_tokens=max_out_tokens,
+            world_size=world_size,
+        )
+    if tensorboard_dir:
+        config["tensorboard"] = {"enabled": True, "output_path": tensorboard_dir,
+                                 "job_name": "deepspeed"}
+    return config
+
+
+def _hybrid_engine_section(*, inference_tp_size: int, release_inference_cache: bool,
+                           pin_parameters: bool, tp_gather_partition_size: int,
+                           max_out_tokens: int, world_size: int) -> dict:
+    _check_positive_int("inference_tp_size", inference_tp_size)
+    if world_size % inference_tp_size != 0:
+        raise ValueError(f"inference_tp_size must divide world_size={world_size}, "
+                         f"got {inference_tp_size}")
+    _check_positive_int("tp_gather_partition_size", tp_gather_partition_size)
+    _check_positive_int("max_out_tokens", max_out_tokens)
+    _check_bool("release_inference_cache", release_inference_cache)
+    _check_bool("pin_parameters", pin_parameters)
+    return {
+        "enabled": True,
+        "max_out_tokens": max_out_tokens,
+        "inference_tp_size": inference_tp_size,
+        "release_inference_cache": release_inference_cache,
+        "pin_parameters": pin_parameters,
+        "tp_gather_partition_size": tp_gather_partition_size,
+    }
+
+
+def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
+                              micro_batch_size: int = 1, world_size: int = 1) -> dict:
+    """DeepSpeed config of a frozen model (reference, reward) wrapped for ZeRO-3 sharding.
+
+    Only ZeRO-3 changes anything for a model without an optimizer (its parameters are
+    partitioned and gathered per layer); stages 0-2 give a replicated model. ``offload``
+    keeps the partitioned parameters in CPU memory and so needs stage 3.
+    DeepSpeed still requires batch-size keys; they do not matter without training.
+    """
+    _check_choice("zero_stage", zero_stage, ZERO_STAGES)
+    _check_bool("offload", offload)
+    _check_choice("dtype", dtype, DTYPES)
+    _check_positive_int("micro_batch_size", micro_batch_size)
+    _check_positive_int("world_size", world_size)
+    if offload and zero_stage != 3:
+        raise ValueError(f"offload=True for a frozen model needs zero_stage=3 (only ZeRO-3 "
+                         f"partitions parameters); got zero_stage={zero_stage}")
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = STAGE3_PARAM_PERSISTENCE_THRESHOLD
+        zero["memory_efficient_linear"] = False
+        if offload:
+            zero["offload_param"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_batch_size": micro_batch_size * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True}
+    elif dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
