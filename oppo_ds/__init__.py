@@ -1,0 +1,3 @@
+"""oppo-ds: PPO-based RLHF with pipeline overlap (OPPO) on DeepSpeed."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,449 @@
+"""Configuration: dataclasses are the single source of truth.
+
+Each field has a docstring under it (read by ``field_docs`` for ``docs/config.md``); defaults
+live only here. YAML files and dotted command-line overrides (``ppo.kl_coef=0.05``) are checked
+against these classes: an unknown key or a value of the wrong type or outside the allowed set
+raises ``ConfigError`` naming the key and what is allowed.
+
+Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory settings
+(``oppo``, ``system``, micro-batch size): changing the latter must not change the math.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad key or value; ``str()`` is the one-line message shown to the user."""
+
+    def __init__(self, key: str, detail: str):
+        self.key, self.detail = key, detail
+        super().__init__(f"{key}: {detail}" if key else detail)
+
+    def under(self, section: str) -> "ConfigError":
+        """The same error for a key inside ``section``."""
+        return ConfigError(f"{section}.{self.key}" if self.key else section, self.detail)
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
+
+
+@dataclass
+class ModelConfig:
+    actor: str = "builtin"
+    """Actor (policy) to train: a local Hugging Face checkpoint directory, `builtin` (the
+    built-in workload's supervised-tuned actor, prepared on first use) or a tiny architecture
+    built from config with random weights (`tiny-llama`, `tiny-qwen2`, `tiny-gpt2`)."""
+    reference: Optional[str] = None
+    """Frozen reference model for the KL penalty; null = the same checkpoint as `actor`."""
+    reward: str = "builtin"
+    """Reward model (LM body + scalar head): a local directory, `builtin` or a tiny architecture."""
+    critic: Optional[str] = None
+    """Critic (value model); null = initialised from `reward`, as DeepSpeed-Chat does."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory; null = the actor's directory (or the built-in tokenizer)."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside a checkpoint directory to run (off by default)."""
+    builtin_arch: Literal["tiny-llama", "tiny-qwen2", "tiny-gpt2"] = "tiny-llama"
+    """Architecture of the built-in workload's models."""
+
+
+@dataclass
+class PPOConfig:
+    batch_size: int = 16
+    """B: sequences whose experience one PPO step trains on, per data-parallel rank."""
+    mini_batch_size: int = 8
+    """Sequences per optimizer update, per rank (batch_size must be a multiple)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward, per rank: a memory knob only, it does not change the
+    gradient (token-level loss aggregation)."""
+    ppo_epochs: int = 1
+    """Passes over one step's experience."""
+    actor_lr: float = 5e-4
+    """Actor learning rate."""
+    critic_lr: float = 1e-3
+    """Critic learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay for actor and critic."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warm-up."""
+    warmup_steps: int = 0
+    """Optimizer updates of linear learning-rate warm-up."""
+    grad_clip: Optional[float] = 1.0
+    """Gradient-norm clipping (null = off)."""
+    kl_coef: float = 0.05
+    """Coefficient of the per-token KL penalty against the reference model (beta)."""
+    kl_estimator: Literal["k1", "k3", "abs", "mse"] = "k1"
+    """Per-token KL estimator used in the reward shaping."""
+    reward_clip: Optional[float] = 5.0
+    """Clip the sequence reward to [-reward_clip, reward_clip] (null = off)."""
+    gamma: float = 1.0
+    """Discount factor of GAE."""
+    lam: float = 0.95
+    """lambda of GAE."""
+    clip_eps: float = 0.2
+    """Ratio clipping of the policy loss (epsilon)."""
+    value_clip_eps: float = 0.2
+    """Clipping of the value loss around the old values."""
+    whiten_advantages: bool = True
+    """Normalise advantages to mean 0, variance 1 over the step's batch (all ranks)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient in the policy loss."""
+
+    def __post_init__(self):
+        for key in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.batch_size % self.mini_batch_size == 0, "mini_batch_size",
+                 f"must divide batch_size ({self.batch_size}), got {self.mini_batch_size}")
+        _require(self.mini_batch_size % self.micro_batch_size == 0, "micro_batch_size",
+                 f"must divide mini_batch_size ({self.mini_batch_size}), got {self.micro_batch_size}")
+        for key in ("gamma", "lam"):
+            _require(0.0 <= getattr(self, key) <= 1.0, key, "must be in [0, 1]")
+        for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):
+            _require(getattr(self, key) > 0, key, "must be > 0")
+        _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+
+
+@dataclass
+class GenerationConfig:
+    max_prompt_len: int = 32
+    """Longest prompt in tokens (see data.overlong for longer ones)."""
+    max_new_tokens: int = 192
+    """Response length limit in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy. Log-probs are those of logits / temperature."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+
+    def __post_init__(self):
+        _require(self.max_prompt_len >= 1, "max_prompt_len", "must be >= 1")
+        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        _require(self.temperature >= 0, "temperature", "must be >= 0")
+        _require(self.top_k >= 0, "top_k", "must be >= 0")
+        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+
+
+@dataclass
+class OppoConfig:
+    streaming: bool = False
+    """Intra-step overlap: stream decoded chunks into the scorers' prefill."""
+    overcommit: int = 0
+    """Delta: extra sequences started per step beyond batch_size (inter-step overlap)."""
+
+    def __post_init__(self):
+        # The two techniques switch on inside the same trainer; until they land the sequential
+        # baseline is the only schedule, and asking for more must not silently run it.
+        _require(self.streaming is False, "streaming",
+                 "only false is available in this version (sequential baseline)")
+        _require(self.overcommit == 0, "overcommit",
+                 "only 0 is available in this version (sequential baseline)")
+
+
+@dataclass
+class SystemConfig:
+    backend: Literal["deepspeed"] = "deepspeed"
+    """Training engine."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage for actor and critic."""
+    offload: bool = False
+    """Offload optimizer states (and at stage 3 parameters) to CPU memory."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training and inference precision."""
+    hybrid_engine: bool = False
+    """Run the actor under DeepSpeed's hybrid engine (inference kernels for generation where
+    DeepSpeed has them for the architecture; the model's own forward otherwise)."""
+    inference_tp_size: int = 1
+    """Tensor-parallel size of the hybrid engine's inference containers."""
+    torch_threads: int = 0
+    """torch intra-op threads per process (0 = torch's default; set 1 per rank when several
+    ranks share a small CPU)."""
+
+    def __post_init__(self):
+        _require(self.inference_tp_size >= 1, "inference_tp_size", "must be >= 1")
+        _require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "builtin"
+    """Prompt file or directory: .jsonl, .parquet, a local HF datasets directory, or
+    `builtin` (the built-in long-tail workload's prompts)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt (a string or a list of chat messages)."""
+    split: str = "train"
+    """Split to use when the path is a saved HF DatasetDict."""
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    """Apply the tokenizer's chat template: auto = when it has one."""
+    overlong: Literal["error", "truncate", "skip"] = "error"
+    """Prompts over generation.max_prompt_len: stop with file and line, keep their last
+    tokens, or drop them (truncated and dropped prompts are counted and logged)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded)."""
+
+
+@dataclass
+class WorkloadConfig:
+    """The built-in long-tail task (used when model/data point at `builtin`)."""
+    cache_dir: str = ".cache/oppo-builtin"
+    """Where the prepared tokenizer, prompts, SFT actor and reward model are cached."""
+    num_prompts: int = 2048
+    """Prompts in the built-in training set."""
+    sft_steps: int = 300
+    """Supervised-tuning steps of the built-in actor."""
+    reward_steps: int = 300
+    """Training steps of the built-in reward model on preference pairs."""
+    median_len: int = 16
+    """Median response length of the supervised data (tokens)."""
+    tail_sigma: float = 0.9
+    """Log-normal spread of response lengths; p99/median = exp(2.33 * tail_sigma)."""
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "runs/demo"
+    """Run directory: summary.json, TensorBoard events, checkpoints, exported actor."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under output_dir/tensorboard."""
+    progress: bool = True
+    """Show a progress bar (rank 0)."""
+    log_every: int = 10
+    """Print a metrics line every N steps (0 = never)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    resume: str = "auto"
+    """`auto` = continue from the latest checkpoint in output_dir when there is one,
+    `never` = start fresh, or a checkpoint directory to load."""
+    keep_last: int = 2
+    """Checkpoints to keep (older ones are removed)."""
+    export_hf: bool = True
+    """Export the final actor in Hugging Face format (safetensors) to output_dir/actor."""
+
+    def __post_init__(self):
+        _require(self.every >= 0, "every", "must be >= 0")
+        _require(self.keep_last >= 1, "keep_last", "must be >= 1")
+
+
+@dataclass
+class Config:
+    steps: int = 200
+    """PPO steps to run."""
+    seed: int = 0
+    """Seed for data order, initialisation and sampling."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    oppo: OppoConfig = field(default_factory=OppoConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        _require(self.steps >= 1, "steps", "must be >= 1")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from dicts
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) if isinstance(a, str) else str(a)
+                                     for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+# PyYAML follows YAML 1.1, where a float needs a dot: `1e-5` loads as the string "1e-5".
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _convert(key: str, value: Any, tp) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(key, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+            return value
+        raise ConfigError(key, f"got {value!r}, allowed: {_describe(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(path, f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
+                                    f"{', '.join(names)}{hint}")
+        tp = hints[key]
+        kwargs[key] = _build(tp, value, path) if dataclasses.is_dataclass(tp) else _convert(path, value, tp)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) if prefix else err
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(dotted, f"{part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``ppo.kl_coef=0.05`` -> ("ppo.kl_coef", 0.05); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(text, "overrides take the form key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError("--config", f"no such file: {path}") from None
+        except OSError as err:  # a directory, no permission: still one line, not a traceback
+            raise ConfigError("--config", f"cannot read {path}: {err.strerror or err}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError("--config", f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("--config", f"{path} must hold a mapping of sections")
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(data, key, value)
+    return _build(Config, data, "")
+
+
+def save_config(config: Config, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+
+
+# ---------------------------------------------------------------- documentation
+
+def field_docs(cls) -> dict[str, str]:
+    """Docstrings written under each field of a dataclass (read from its source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
+                and isinstance(getattr(nxt, "value", None), ast.Constant) \
+                and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def iter_keys(cls=Config, prefix: str = ""):
+    """(dotted key, type description, default, doc) for every leaf key."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_keys(tp, key + ".")
+        else:
+            yield key, _describe(tp), getattr(default, f.name), docs.get(f.name, "")
+
+
+def config_markdown() -> str:
+    """The body of docs/config.md, generated from the dataclasses."""
+    lines = ["# Configuration reference", "",
+             "Generated from `oppo_ds/config.py` by `python -m oppo_ds.config --markdown`;",
+             "a test fails when this page and the dataclasses disagree.", "",
+             "Set keys in a YAML file (`oppo-train --config FILE`) or on the command line",
+             "(`oppo-train ppo.kl_coef=0.05`). An unknown key or a bad value stops with exit",
+             "code 2 and a message naming the key and what it allows.", ""]
+    section = None
+    for key, tp, default, doc in iter_keys():
+        head = key.split(".")[0] if "." in key else "top level"
+        if head != section:
+            section = head
+            cls_doc = ""
+            if head != "top level":
+                sub = typing.get_type_hints(Config)[head]
+                cls_doc = " ".join((sub.__doc__ or "").split()) if sub.__doc__ and \
+                    not sub.__doc__.startswith(sub.__name__ + "(") else ""
+            lines += ["" if lines[-1] else None, f"## `{head}`" if head != "top level" else "## Top level", ""]
+            lines = [line for line in lines if line is not None]
+            if cls_doc:
+                lines += [cls_doc, ""]
+            lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
+        lines.append(f"| `{key}` | {tp} | `{shown}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--markdown"]:
+        sys.stdout.write(config_markdown())
+    else:
+        sys.exit("usage: python -m oppo_ds.config --markdown")

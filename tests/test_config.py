@@ -1,0 +1,350 @@
+"""Tier 0: the config dataclasses, YAML loading, dotted overrides, error messages, the
+generated docs page and the oppo-train command line (torchtune tests/recipes/test_configs.py)."""
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from oppo_ds.cli.train import main as train_main
+from oppo_ds.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    PPOConfig,
+    config_markdown,
+    iter_keys,
+    load_config,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
+
+
+def _leaves(data: dict, prefix: str = ""):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _get(cfg: Config, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# ---------------------------------------------------------------- shipped YAML files
+
+def test_example_configs_exist():
+    names = {os.path.basename(p) for p in EXAMPLE_CONFIGS}
+    assert {"tiny.yaml", "own_models.yaml", "llama3_8b_zero3.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=os.path.basename)
+def test_example_config_loads_with_its_values(path):
+    cfg = load_config(path)
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    leaves = dict(_leaves(raw))
+    assert len(leaves) >= 5
+    # every key written in the file is what the loaded config holds (not just "no error")
+    for key, value in leaves.items():
+        assert _get(cfg, key) == value, key
+    # keys the file leaves out keep the dataclass defaults
+    if "ppo.gamma" not in leaves:
+        assert cfg.ppo.gamma == PPOConfig().gamma
+
+
+def test_tiny_example_spot_values():
+    cfg = load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"))
+    assert cfg.model.actor == "builtin" and cfg.model.builtin_arch == "tiny-llama"
+    assert (cfg.ppo.batch_size, cfg.ppo.mini_batch_size, cfg.ppo.micro_batch_size) == (16, 8, 8)
+    assert cfg.ppo.kl_coef == 0.2 and isinstance(cfg.ppo.kl_coef, float)
+    assert cfg.system.zero_stage == 0 and cfg.checkpoint.every == 100
+
+
+def test_llama3_example_spot_values():
+    cfg = load_config(os.path.join(ROOT, "examples", "configs", "llama3_8b_zero3.yaml"))
+    assert cfg.system.zero_stage == 3 and cfg.system.offload is True
+    assert cfg.system.dtype == "bf16" and cfg.data.overlong == "truncate"
+    assert cfg.ppo.actor_lr == pytest.approx(9.65e-6)
+
+
+# ---------------------------------------------------------------- generated docs page
+
+def test_docs_page_matches_dataclasses():
+    """docs/config.md is generated (`python -m oppo_ds.config --markdown`); it must not drift."""
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        assert f.read() == config_markdown()
+
+
+def test_every_key_documented():
+    keys = list(iter_keys())
+    assert len(keys) > 40
+    for key, tp, _default, doc in keys:
+        assert doc.strip(), f"{key} has no docstring"
+        assert tp.strip(), key
+    markdown = config_markdown()
+    for key, *_ in keys:
+        assert f"| `{key}` |" in markdown
+
+
+def test_iter_keys_defaults_match_dataclass():
+    default = Config()
+    for key, _tp, value, _doc in iter_keys():
+        assert _get(default, key) == value, key
+
+
+# ---------------------------------------------------------------- dotted overrides
+
+def test_override_types_parsed():
+    cfg = load_config(None, ["ppo.kl_coef=0.1", "steps=7", "ppo.whiten_advantages=false",
+                             "model.reference=null", "ppo.grad_clip=null",
+                             "model.critic=/some/dir", "logging.output_dir=runs/x"])
+    assert cfg.ppo.kl_coef == 0.1 and isinstance(cfg.ppo.kl_coef, float)
+    assert cfg.steps == 7 and isinstance(cfg.steps, int)
+    assert cfg.ppo.whiten_advantages is False
+    assert cfg.model.reference is None and cfg.ppo.grad_clip is None
+    assert cfg.model.critic == "/some/dir" and cfg.logging.output_dir == "runs/x"
+
+
+def test_override_int_for_float_key_becomes_float():
+    cfg = load_config(None, ["ppo.gamma=1", "ppo.grad_clip=2"])
+    assert cfg.ppo.gamma == 1.0 and type(cfg.ppo.gamma) is float
+    assert cfg.ppo.grad_clip == 2.0 and type(cfg.ppo.grad_clip) is float
+
+
+def test_override_exponent_without_dot_is_a_float(tmp_path):
+    """PyYAML (YAML 1.1) reads `1e-5` as a string; a float key must still take it."""
+    cfg = load_config(None, ["ppo.actor_lr=1e-5", "ppo.critic_lr=3E-6"])
+    assert cfg.ppo.actor_lr == 1e-5 and cfg.ppo.critic_lr == 3e-6
+    cfg = load_config(_write(tmp_path, "ppo:\n  actor_lr: 2e-4\n"))
+    assert cfg.ppo.actor_lr == 2e-4
+    with pytest.raises(ConfigError, match="ppo.actor_lr"):
+        load_config(None, ["ppo.actor_lr=fast"])
+    with pytest.raises(ConfigError, match="steps"):  # only float keys take it
+        load_config(None, ["steps=1e3"])
+
+
+def test_override_beats_yaml_and_keeps_other_keys(tmp_path):
+    path = _write(tmp_path, "ppo:\n  kl_coef: 0.2\n  batch_size: 32\nsteps: 5\n")
+    cfg = load_config(path, ["ppo.kl_coef=0.01"])
+    assert cfg.ppo.kl_coef == 0.01
+    assert cfg.ppo.batch_size == 32 and cfg.steps == 5
+    assert cfg.ppo.mini_batch_size == PPOConfig().mini_batch_size
+
+
+def test_override_creates_nested_section():
+    cfg = load_config(None, ["system.zero_stage=2", "generation.top_p=0.9"])
+    assert cfg.system.zero_stage == 2 and cfg.generation.top_p == 0.9
+    assert cfg.system.dtype == "fp32"
+
+
+def test_later_override_wins():
+    assert load_config(None, ["seed=1", "seed=2"]).seed == 2
+
+
+def test_override_without_equals_rejected():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["ppo.kl_coef"])
+
+
+# ---------------------------------------------------------------- error messages
+
+def test_unknown_key_suggests_close_match():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["ppo.kl_cof=0.1"])
+    msg = str(err.value)
+    assert err.value.key == "ppo.kl_cof"
+    assert msg.startswith("ppo.kl_cof:") and "did you mean 'kl_coef'" in msg
+    assert "batch_size" in msg  # lists the allowed keys of the section
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = _write(tmp_path, "generation:\n  max_new_token: 10\n")
+    with pytest.raises(ConfigError, match=r"generation\.max_new_token.*did you mean 'max_new_tokens'"):
+        load_config(path)
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["optim.lr=0.1"])
+    assert err.value.key == "optim"
+    assert "unknown key" in str(err.value) and "ppo" in str(err.value)
+
+
+def test_section_given_a_scalar():
+    with pytest.raises(ConfigError, match="ppo: expected a mapping"):
+        load_config(None, ["ppo=3"])
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("steps=many", "steps", "an integer"),
+    ("steps=1.5", "steps", "an integer"),
+    ("ppo.kl_coef=high", "ppo.kl_coef", "a number"),
+    ("ppo.grad_clip=off", "ppo.grad_clip", "a number or null"),
+    ("model.reward=3", "model.reward", "a string"),
+    ("model.reference=[a, b]", "model.reference", "a string or null"),
+    ("ppo.whiten_advantages=1", "ppo.whiten_advantages", "true/false"),
+])
+def test_wrong_type(override, key, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["steps=true", "ppo.batch_size=false", "ppo.kl_coef=true",
+                                      "system.zero_stage=true"])
+def test_bool_rejected_for_numbers(override):
+    """`True == 1` in Python; a YAML boolean must still not pass as a number or a stage."""
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, allowed", [
+    ("system.zero_stage=7", ["0", "1", "2", "3"]),
+    ("system.zero_stage=2.0", ["0", "1", "2", "3"]),
+    ("system.zero_stage='2'", ["0", "1", "2", "3"]),
+    ("system.dtype=fp8", ["'fp32'", "'bf16'", "'fp16'"]),
+    ("ppo.kl_estimator=k2", ["'k1'", "'k3'", "'abs'", "'mse'"]),
+    ("model.builtin_arch=tiny-mistral", ["'tiny-llama'", "'tiny-qwen2'", "'tiny-gpt2'"]),
+])
+def test_value_outside_literal_lists_allowed(override, allowed):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert err.value.key == key and msg.startswith(key + ":")
+    assert "allowed" in msg
+    for value in allowed:
+        assert value in msg
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["ppo.batch_size=16", "ppo.mini_batch_size=5"], "ppo.mini_batch_size", "must divide batch_size (16)"),
+    (["ppo.mini_batch_size=8", "ppo.micro_batch_size=3"], "ppo.micro_batch_size", "must divide mini_batch_size (8)"),
+    (["ppo.batch_size=0"], "ppo.batch_size", ">= 1"),
+    (["ppo.gamma=1.5"], "ppo.gamma", "[0, 1]"),
+    (["generation.top_p=0"], "generation.top_p", "(0, 1]"),
+    (["generation.temperature=-1"], "generation.temperature", ">= 0"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last", ">= 1"),
+    (["steps=0"], "steps", ">= 1"),
+    (["oppo.overcommit=4"], "oppo.overcommit", "only 0"),
+])
+def test_cross_field_and_range_validation(overrides, key, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.key == key
+    assert words in str(err.value)
+
+
+def test_validation_runs_on_direct_construction():
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        PPOConfig(batch_size=10, mini_batch_size=4)
+    assert PPOConfig(batch_size=12, mini_batch_size=4, micro_batch_size=2).batch_size == 12
+
+
+def test_top_level_yaml_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="must hold a mapping") as err:
+        load_config(_write(tmp_path, "- steps\n- 5\n"))
+    assert err.value.key == "--config"
+
+
+def test_empty_yaml_gives_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "# nothing here\n")) == Config()
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no such file: /nonexistent/x.yaml"):
+        load_config("/nonexistent/x.yaml")
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read") as err:
+        load_config(str(tmp_path))
+    assert err.value.key == "--config"
+
+
+def test_invalid_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
+        load_config(_write(tmp_path, "ppo: [unclosed\n"))
+    assert "\n" not in str(err.value)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_trust_remote_code_off_by_default():
+    assert ModelConfig().trust_remote_code is False
+    assert load_config(None).model.trust_remote_code is False
+
+
+# ---------------------------------------------------------------- command line
+
+def _run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "oppo_ds.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("ppo.kl_cof=0.1", "did you mean 'kl_coef'"),
+    ("system.zero_stage=7", "one of 0, 1, 2, 3"),
+])
+def test_cli_bad_key_is_one_line_exit_2(override, words):
+    key = override.split("=")[0]
+    proc = _run_cli(override)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"oppo-train: error: {key}:")
+    assert words in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_main_returns_2(capsys):
+    assert train_main(["--config", "/nonexistent.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oppo-train: error: --config: no such file") and err.count("\n") == 1
+
+
+def test_cli_print_config_round_trips(tmp_path, capsys):
+    overrides = ["ppo.kl_coef=0.125", "system.zero_stage=2", "model.reference=null",
+                 "ppo.actor_lr=1e-6", "steps=3"]
+    assert train_main(["--print-config", *overrides]) == 0
+    printed = capsys.readouterr().out
+    path = _write(tmp_path, printed)
+    reloaded = load_config(path)
+    assert reloaded == load_config(None, overrides)
+    assert reloaded.ppo.kl_coef == 0.125 and reloaded.system.zero_stage == 2
+    assert dataclasses.asdict(reloaded) == yaml.safe_load(printed)
+
+
+def test_cli_print_config_subprocess():
+    proc = _run_cli("--config", "examples/configs/tiny.yaml", "--print-config", "seed=9")
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
+        every = yaml.safe_load(f)["checkpoint"]["every"]
+    assert printed["seed"] == 9 and printed["checkpoint"]["every"] == every
+
+
+def test_cli_help():
+    proc = _run_cli("--help")
+    assert proc.returncode == 0
+    assert "--config" in proc.stdout and "--print-config" in proc.stdout
