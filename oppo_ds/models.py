@@ -1,0 +1,245 @@
+"""Model builders: the actor (causal LM), the frozen reference, and value-head models
+(critic and reward: an LM body plus a scalar head on every token).
+
+A model source is one of
+  * a local Hugging Face checkpoint directory (``config.json`` + safetensors/bin weights);
+  * ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gpt2``: a small architecture built from config
+    with random weights (tests, length-oracle benchmarks).
+Nothing is ever fetched from a hub: every load passes ``local_files_only=True``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+# Keys under which other projects store a scalar head: ours, HF *ForSequenceClassification
+# (``score``), DeepSpeed-Chat's RewardModel (``v_head``), TRL's value head (``v_head.summary``).
+_HEAD_KEYS = ("value_head.weight", "score.weight", "v_head.weight", "v_head.summary.weight")
+
+
+def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, max_positions: int = 512, bos_token_id: int = 1,
+                eos_token_id: int = 2, pad_token_id: int = 0):
+    """A small config of a real architecture. ``arch`` in TINY_ARCHS."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    special = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if arch == "tiny-gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers,
+                          n_head=num_heads, n_positions=max_positions, **special)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  intermediate_size=hidden_size * 2, num_attention_heads=num_heads,
+                  # grouped-query attention, as in the real Llama-3 / Qwen2 families
+                  num_key_value_heads=max(1, num_heads // 2),
+                  max_position_embeddings=max_positions, tie_word_embeddings=False, **special)
+    if arch == "tiny-llama":
+        return LlamaConfig(**common)
+    if arch == "tiny-qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; allowed: {', '.join(TINY_ARCHS)}")
+
+
+TINY_ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2")
+
+
+def _torch_dtype(dtype: str | torch.dtype | None):
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be one of {', '.join(table)}, got {dtype!r}")
+    return table[dtype]
+
+
+def _check_local_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"model path {path!r} is not a local directory; oppo-ds never downloads weights: "
+            f"point the config at a local Hugging Face checkpoint or use one of {', '.join(TINY_ARCHS)}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
+
+
+def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None,
+                    trust_remote_code: bool = False, seed: Optional[int] = None) -> nn.Module:
+    """The actor or the reference model. ``source``: a local HF directory or a tiny arch name
+    (then ``vocab_size`` is required and ``seed`` fixes the random init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source in TINY_ARCHS:
+        if vocab_size is None:
+            raise ValueError(f"{source} is built from config and needs vocab_size")
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(source, vocab_size))
+        return model.to(_torch_dtype(dtype) or torch.float32)
+    _check_local_dir(source)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                        local_files_only=True)
+    return _load_checked(AutoModelForCausalLM, source, config=config,
+                         dtype=_torch_dtype(dtype) or torch.float32,
+                         trust_remote_code=trust_remote_code)
+
+
+def _load_checked(auto_cls, path: str, **kwargs) -> nn.Module:
+    """``auto_cls.from_pretrained`` that fails when weights are missing from the checkpoint:
+    transformers only logs them and leaves them randomly initialised, which for an actor or
+    a reward model means training or scoring with noise (e.g. keys under another prefix)."""
+    model, info = auto_cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                           **kwargs)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} weights of {type(model).__name__} are not in the "
+                         f"checkpoint (e.g. {', '.join(missing[:3])}); its keys do not match the "
+                         f"architecture in config.json")
+    return model
+
+
+@dataclass
+class ValueOutput:
+    values: torch.Tensor           # (B, T) one scalar per token
+    past_key_values: object = None  # the body's KV cache when use_cache=True
+
+
+class ValueHeadModel(nn.Module):
+    """An LM body (the HF base model, no LM head) with a linear scalar head on every token.
+    The critic reads per-token values; the reward model reads the value at the last token."""
+
+    def __init__(self, body: nn.Module, value_head: Optional[nn.Linear] = None):
+        super().__init__()
+        self.body = body
+        self.config = body.config
+        hidden = body.config.hidden_size
+        self.value_head = value_head if value_head is not None else nn.Linear(hidden, 1, bias=False)
+        if value_head is None:
+            # A zero head makes a fresh critic predict 0 everywhere instead of noise.
+            nn.init.zeros_(self.value_head.weight)
+        self.value_head.to(next(body.parameters()).dtype)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache: bool = False) -> ValueOutput:
+        out = self.body(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids, past_key_values=past_key_values,
+                        use_cache=use_cache)
+        values = self.value_head(out.last_hidden_state).squeeze(-1)
+        return ValueOutput(values=values, past_key_values=out.past_key_values if use_cache else None)
+
+    def save_pretrained(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.body.save_pretrained(path, safe_serialization=True)
+        save_file({"weight": self.value_head.weight.detach().contiguous().cpu()},
+                  os.path.join(path, VALUE_HEAD_FILE))
+
+    @classmethod
+    def from_config(cls, config) -> "ValueHeadModel":
+        from transformers import AutoModel
+
+        return cls(AutoModel.from_config(config))
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype=None, trust_remote_code: bool = False,
+                        require_head: bool = False) -> "ValueHeadModel":
+        """Load from a directory saved by us, or from any HF checkpoint of the same family
+        (a causal LM or a sequence classifier). ``require_head``: fail when the checkpoint
+        carries no scalar head (a reward model without one would score noise)."""
+        from transformers import AutoModel
+
+        _check_local_dir(path)
+        body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,
+                             trust_remote_code=trust_remote_code)
+        weight = _find_head_weight(path)
+        if weight is None:
+            if require_head:
+                raise ValueError(
+                    f"{path}: no value head found (looked for {VALUE_HEAD_FILE} and keys "
+                    f"{', '.join(_HEAD_KEYS)}); a reward model needs a trained scalar head")
+            logger.info("%s: no value head in checkpoint, starting from a zero head", path)
+            return cls(body)
+        if weight.shape != (1, body.config.hidden_size):
+            raise ValueError(f"{path}: value head has shape {tuple(weight.shape)}, expected "
+                             f"(1, {body.config.hidden_size})")
+        head = nn.Linear(body.config.hidden_size, 1, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        return cls(body, head)
+
+
+def _find_head_weight(path: str) -> Optional[torch.Tensor]:
+    from safetensors import safe_open
+
+    own = os.path.join(path, VALUE_HEAD_FILE)
+    if os.path.isfile(own):
+        with safe_open(own, "pt") as f:
+            return f.get_tensor("weight")
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(path, name), "pt") as f:
+            for key in _HEAD_KEYS:
+                if key in f.keys():
+                    return f.get_tensor(key)
+    return None
+
+
+def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=None,
+                      trust_remote_code: bool = False, require_head: bool = False,
+                      seed: Optional[int] = None) -> ValueHeadModel:
+    """The critic or the reward model, from a local directory or a tiny arch name."""
+    if source in TINY_ARCHS:
+        if vocab_size is None:
+            raise ValueError(f"{source} is built from config and needs vocab_size")
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = ValueHeadModel.from_config(tiny_config(source, vocab_size))
+        return model.to(_torch_dtype(dtype) or torch.float32)
+    return ValueHeadModel.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          require_head=require_head)
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False):
+    """A tokenizer from a local directory; pad token falls back to EOS (decoder-only models
+    often ship without one) and padding is on the left, as decoding needs."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} is not a local directory")
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                        local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_card(model: nn.Module) -> str:
+    cfg = model.config
+    return json.dumps({"model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+                       "layers": getattr(cfg, "num_hidden_layers", None),
+                       "params": count_parameters(model)})
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """PPO ratios compare two forwards of the same weights; dropout would make them differ
+    for no reason, so RLHF trainers switch it off (in place; returns the model)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        # Llama-family attention keeps its dropout as a float, not as a Dropout module
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model

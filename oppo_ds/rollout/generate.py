@@ -1,0 +1,194 @@
+"""Our own decode loop over a causal LM's forward with a KV cache.
+
+HF ``generate`` runs a batch from start to end in one call. OPPO needs to stop after a chunk,
+hand the new tokens to the scorers, resume, and carry unfinished sequences into the next
+step, so decoding is split into ``start_decode`` (prefill) and ``decode_steps`` (advance up
+to n tokens) over an explicit ``DecodeState``. Finished rows are dropped from the KV cache as
+they finish, so the long tail decodes only what is still running.
+
+Policy log-probs are those of the temperature-scaled distribution (``logits / temperature``)
+before top-k / top-p truncation: the distribution PPO optimises (the trainer scales the same
+way), not the truncated one sampled from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0        # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and the top-p nucleus to -inf. logits: (N, V)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p; the top token always stays
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams,
+                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their policy log-probs. logits: (N, V) -> (N,), (N,)."""
+    logits = logits.float()
+    if params.greedy:
+        tokens = logits.argmax(-1)
+        logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs
+    scaled = logits / params.temperature
+    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+    # multinomial draws on the generator's device; sample there and move back
+    tokens = torch.multinomial(probs.to(generator.device) if generator is not None else probs,
+                               1, generator=generator).squeeze(-1).to(logits.device)
+    logprobs = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
+
+
+@dataclass
+class DecodeState:
+    """Everything needed to continue decoding a batch. Rows are indexed 0..B-1 by their place
+    in the original batch; ``active`` lists the rows still running, in cache order."""
+    prompt_ids: torch.Tensor        # (B, P) left-padded prompts
+    prompt_mask: torch.Tensor       # (B, P)
+    tokens: torch.Tensor            # (B, max_new_tokens) response tokens, pad after the end
+    logprobs: torch.Tensor          # (B, max_new_tokens) behaviour log-probs, 0 after the end
+    lengths: torch.Tensor           # (B,) tokens generated so far
+    finished: torch.Tensor          # (B,) bool
+    active: torch.Tensor            # (A,) row indices still decoding, in cache order
+    past_key_values: object         # KV cache of the active rows
+    cache_mask: torch.Tensor        # (A, cached positions) attention mask of the cache
+    next_position: torch.Tensor     # (A,) position id of the next token fed
+    next_logits: Optional[torch.Tensor]  # (A, V) logits predicting the next token
+
+    @property
+    def done(self) -> bool:
+        return self.active.numel() == 0
+
+    def response_mask(self) -> torch.Tensor:
+        steps = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return (steps[None, :] < self.lengths[:, None]).to(self.logprobs.dtype)
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting only real tokens, so a left-padded prompt starts at position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 params: SamplingParams) -> DecodeState:
+    """Prefill the prompts and return a state ready for ``decode_steps``."""
+    batch, device = prompt_ids.shape[0], prompt_ids.device
+    positions = position_ids_from_mask(prompt_mask)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                use_cache=True)
+    n = params.max_new_tokens
+    return DecodeState(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        tokens=torch.full((batch, n), params.pad_token_id, dtype=torch.long, device=device),
+        logprobs=torch.zeros(batch, n, dtype=torch.float32, device=device),
+        lengths=torch.zeros(batch, dtype=torch.long, device=device),
+        finished=torch.zeros(batch, dtype=torch.bool, device=device),
+        active=torch.arange(batch, device=device),
+        past_key_values=out.past_key_values,
+        cache_mask=prompt_mask.clone(),
+        next_position=positions[:, -1] + 1,
+        next_logits=out.logits[:, -1, :],
+    )
+
+
+@torch.no_grad()
+def decode_steps(model, state: DecodeState, params: SamplingParams,
+                 generator: Optional[torch.Generator], max_steps: Optional[int] = None) -> int:
+    """Advance every active row by up to ``max_steps`` tokens (None: until all finish).
+    Rows end at an EOS token or at ``max_new_tokens``. Returns the number of tokens appended."""
+    eos = torch.tensor(params.eos_token_ids, device=state.tokens.device)
+    produced, steps = 0, 0
+    while not state.done and (max_steps is None or steps < max_steps):
+        tok, lp = sample_tokens(state.next_logits, params, generator)
+        rows = state.active
+        state.tokens[rows, state.lengths[rows]] = tok
+        state.logprobs[rows, state.lengths[rows]] = lp
+        state.lengths[rows] += 1
+        produced += rows.numel()
+        steps += 1
+        ended = torch.isin(tok, eos) | (state.lengths[rows] >= params.max_new_tokens)
+        if bool(ended.any()):  # a host sync, once per token: cheap next to the forward
+            state.finished[rows[ended]] = True
+            keep = (~ended).nonzero().squeeze(-1)
+            _select_rows(state, keep)
+            tok = tok[keep]
+            if state.done:
+                state.next_logits = None
+                break
+        _feed(model, state, tok)
+    return produced
+
+
+def _select_rows(state: DecodeState, keep: torch.Tensor) -> None:
+    """Keep only the rows ``keep`` (indices into the active set) in the cache."""
+    state.active = state.active[keep]
+    state.cache_mask = state.cache_mask[keep]
+    state.next_position = state.next_position[keep]
+    if keep.numel() > 0:
+        state.past_key_values.batch_select_indices(keep)
+
+
+def _feed(model, state: DecodeState, tok: torch.Tensor) -> None:
+    ones = torch.ones(tok.shape[0], 1, dtype=state.cache_mask.dtype, device=tok.device)
+    state.cache_mask = torch.cat([state.cache_mask, ones], dim=1)
+    out = model(input_ids=tok[:, None], attention_mask=state.cache_mask,
+                position_ids=state.next_position[:, None], past_key_values=state.past_key_values,
+                use_cache=True)
+    state.past_key_values = out.past_key_values
+    state.next_position = state.next_position + 1
+    state.next_logits = out.logits[:, -1, :]
+
+
+@dataclass
+class Generation:
+    prompt_ids: torch.Tensor     # (B, P) left-padded
+    prompt_mask: torch.Tensor    # (B, P)
+    response_ids: torch.Tensor   # (B, T) right-padded with pad_token_id
+    response_mask: torch.Tensor  # (B, T) 1.0 on generated tokens (EOS included)
+    logprobs: torch.Tensor       # (B, T) behaviour log-probs
+    lengths: torch.Tensor        # (B,)
+
+
+def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+             generator: Optional[torch.Generator] = None) -> Generation:
+    """Decode a whole batch to the end (the sequential baseline's generation phase)."""
+    state = start_decode(model, prompt_ids, prompt_mask, params)
+    decode_steps(model, state, params, generator)
+    return finish(state)
+
+
+def finish(state: DecodeState, rows: Optional[Sequence[int]] = None) -> Generation:
+    """Package rows (default: all) of a state, trimming response columns to the longest."""
+    idx = torch.arange(state.tokens.shape[0]) if rows is None else torch.as_tensor(rows)
+    idx = idx.to(state.tokens.device)
+    width = max(int(state.lengths[idx].max()), 1)
+    return Generation(prompt_ids=state.prompt_ids[idx], prompt_mask=state.prompt_mask[idx],
+                      response_ids=state.tokens[idx, :width],
+                      response_mask=state.response_mask()[idx, :width],
+                      logprobs=state.logprobs[idx, :width], lengths=state.lengths[idx])

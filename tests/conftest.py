@@ -1,0 +1,14 @@
+"""Shared fixtures; none is autouse, so other test modules are unaffected."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """One intra-op thread for tiny-model tests: their ops take microseconds, and with two
+    threads on a small shared CPU each op waits on a busy core (milliseconds per op)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

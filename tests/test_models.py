@@ -1,0 +1,370 @@
+"""Tier 0/2: model builders on tiny architectures built from config (nothing downloaded):
+checkpoint round trips, value heads taken from other formats, KV-cache consistency of the
+value model, local-only loading, dropout switched off."""
+
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from oppo_ds import workload
+from oppo_ds.models import (
+    TINY_ARCHS,
+    VALUE_HEAD_FILE,
+    ValueHeadModel,
+    build_causal_lm,
+    build_value_model,
+    disable_dropout,
+    load_tokenizer,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+VOCAB = 64
+ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    # loading an LM checkpoint into a bare body prints a load report for the unused LM head
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)
+
+
+def _tokens(batch=2, length=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)  # no pad / bos / eos ids
+
+
+def _random_head(model: ValueHeadModel, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.value_head.weight.copy_(torch.randn(model.value_head.weight.shape, generator=g))
+    return model
+
+
+def _same_state(a: nn.Module, b: nn.Module):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_arch_list():
+    assert set(TINY_ARCHS) == set(ARCHS)
+    with pytest.raises(ValueError, match="tiny-llama"):
+        tiny_config("tiny-mistral", VOCAB)
+
+
+# ---------------------------------------------------------------- causal LM
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causal_lm_save_reload_identical_logits(arch, tmp_path):
+    lm = build_causal_lm(arch, vocab_size=VOCAB, seed=0).eval()
+    assert lm.config.vocab_size == VOCAB
+    lm.save_pretrained(tmp_path)
+    assert os.path.isfile(tmp_path / "model.safetensors")
+    reloaded = build_causal_lm(str(tmp_path)).eval()
+    assert type(reloaded) is type(lm)
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.equal(lm(x).logits, reloaded(x).logits)
+
+
+def test_causal_lm_seed_fixes_init():
+    a = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=3)
+    b = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=3)
+    c = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=4)
+    _same_state(a, b)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_tiny_arch_needs_vocab_size():
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_causal_lm("tiny-llama")
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_value_model("tiny-gpt2")
+
+
+def test_causal_lm_dtype():
+    lm = build_causal_lm("tiny-qwen2", vocab_size=VOCAB, dtype="bf16")
+    assert next(lm.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp32"):
+        build_causal_lm("tiny-qwen2", vocab_size=VOCAB, dtype="fp64")
+
+
+def test_causal_lm_from_checkpoint_with_missing_weights_fails(tmp_path):
+    """A value-model directory has no LM head: loading it as the actor must not silently give
+    a random head."""
+    build_value_model("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        build_causal_lm(str(tmp_path))
+
+
+# ---------------------------------------------------------------- value-head models
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_value_model_shape_and_round_trip(arch, tmp_path):
+    vm = _random_head(build_value_model(arch, vocab_size=VOCAB, seed=0)).eval()
+    x = _tokens(batch=3, length=7)
+    with torch.no_grad():
+        values = vm(x).values
+    assert values.shape == (3, 7)
+    assert values.abs().sum() > 0
+    vm.save_pretrained(str(tmp_path))
+    assert os.path.isfile(tmp_path / VALUE_HEAD_FILE)
+    reloaded = build_value_model(str(tmp_path), require_head=True).eval()
+    _same_state(vm, reloaded)
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).values, values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fresh_value_model_has_zero_head(arch):
+    vm = build_value_model(arch, vocab_size=VOCAB, seed=0)
+    assert torch.count_nonzero(vm.value_head.weight) == 0
+    with torch.no_grad():
+        assert torch.count_nonzero(vm(_tokens()).values) == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_value_model_from_causal_lm_checkpoint(arch, tmp_path):
+    lm = build_causal_lm(arch, vocab_size=VOCAB, seed=0).eval()
+    lm.save_pretrained(tmp_path)
+    vm = build_value_model(str(tmp_path)).eval()
+    # the body is the LM's body, weight for weight; the head starts at zero
+    _same_state(lm.base_model, vm.body)
+    x = _tokens()
+    with torch.no_grad():
+        out = vm(x).values
+        hidden = lm(x, output_hidden_states=True).hidden_states[-1]
+    assert out.shape == x.shape and torch.count_nonzero(out) == 0
+    assert torch.count_nonzero(vm.value_head.weight) == 0
+    with torch.no_grad():
+        assert torch.allclose(vm.body(x).last_hidden_state, hidden, atol=1e-6)
+    with pytest.raises(ValueError, match="value head"):
+        build_value_model(str(tmp_path), require_head=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_value_head_from_sequence_classifier(arch, tmp_path):
+    config = tiny_config(arch, VOCAB)
+    config.num_labels = 1
+    torch.manual_seed(5)
+    clf = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    clf.save_pretrained(tmp_path)
+    assert "score.weight" in load_file(str(tmp_path / "model.safetensors"))
+    vm = build_value_model(str(tmp_path), require_head=True).eval()
+    assert torch.equal(vm.value_head.weight, clf.score.weight)
+    x = _tokens()
+    with torch.no_grad():
+        values = vm(x).values
+        # the classifier's per-token scores, by hand from its hidden states
+        hidden = clf.base_model(x).last_hidden_state
+        per_token = hidden @ clf.score.weight[0]
+        pooled = clf(x).logits[:, 0]  # HF pools at the last non-pad token (the last one here)
+    assert torch.allclose(values, per_token, atol=1e-5)
+    assert torch.allclose(values[:, -1], pooled, atol=1e-5)
+    assert values.abs().sum() > 0
+
+
+@pytest.mark.parametrize("key", ["v_head.weight", "v_head.summary.weight"])
+def test_value_head_under_other_keys(key, tmp_path):
+    lm = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+    lm.save_pretrained(tmp_path)
+    head = torch.randn(1, lm.config.hidden_size)
+    path = str(tmp_path / "model.safetensors")
+    save_file({**load_file(path), key: head}, path, metadata={"format": "pt"})
+    vm = build_value_model(str(tmp_path), require_head=True)
+    assert torch.equal(vm.value_head.weight, head)
+
+
+def test_value_head_of_wrong_shape_rejected(tmp_path):
+    vm = build_value_model("tiny-llama", vocab_size=VOCAB, seed=0)
+    vm.save_pretrained(str(tmp_path))
+    save_file({"weight": torch.zeros(2, vm.config.hidden_size)}, str(tmp_path / VALUE_HEAD_FILE))
+    with pytest.raises(ValueError, match=r"shape \(2, 64\)"):
+        build_value_model(str(tmp_path))
+
+
+def test_body_under_unknown_prefix_fails_instead_of_random_body(tmp_path):
+    """E.g. DeepSpeed-Chat stores the body under `rwtransformer.`: transformers would leave
+    every body weight randomly initialised and only log it; a reward model must not score
+    with a random body behind a trained head."""
+    vm = _random_head(build_value_model("tiny-llama", vocab_size=VOCAB, seed=0))
+    vm.save_pretrained(str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    renamed = {f"rwtransformer.{k}": v for k, v in load_file(path).items()}
+    save_file({**renamed, "v_head.weight": vm.value_head.weight.detach()}, path,
+              metadata={"format": "pt"})
+    os.remove(tmp_path / VALUE_HEAD_FILE)
+    with pytest.raises(ValueError, match="not in the checkpoint"):
+        build_value_model(str(tmp_path), require_head=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_value_model_kv_cache_matches_full_forward(arch):
+    """Streaming scorers prefill the prompt and then feed chunks through the cache."""
+    vm = _random_head(build_value_model(arch, vocab_size=VOCAB, seed=0)).eval()
+    x = _tokens(batch=2, length=11)
+    with torch.no_grad():
+        full = vm(x).values
+        first = vm(x[:, :4], use_cache=True)
+        assert first.past_key_values is not None
+        rest = vm(x[:, 4:], past_key_values=first.past_key_values, use_cache=True)
+    assert torch.allclose(torch.cat([first.values, rest.values], 1), full, atol=1e-5)
+    assert vm(x).past_key_values is None  # no cache unless asked
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_value_model_kv_cache_left_padded_chunks(arch):
+    """Left-padded rows, explicit position ids, three chunks: the values on real tokens equal
+    those of a full forward."""
+    vm = _random_head(build_value_model(arch, vocab_size=VOCAB, seed=0)).eval()
+    x = _tokens(batch=3, length=12)
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    mask[2, :2] = 0
+    x = x.masked_fill(mask == 0, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = vm(x, attention_mask=mask, position_ids=pos).values
+        cache, parts = None, []
+        for lo, hi in [(0, 6), (6, 9), (9, 12)]:
+            out = vm(x[:, lo:hi], attention_mask=mask[:, :hi], position_ids=pos[:, lo:hi],
+                     past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            parts.append(out.values)
+    streamed = torch.cat(parts, 1)
+    real = mask.bool()
+    assert torch.allclose(streamed[real], full[real], atol=1e-5)
+
+
+# ---------------------------------------------------------------- local files only
+
+@pytest.mark.parametrize("build", [build_causal_lm, build_value_model])
+@pytest.mark.parametrize("source", ["/nonexistent/model", "meta-llama/Meta-Llama-3-8B"])
+def test_missing_path_never_downloads(build, source):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        build(source)
+
+
+@pytest.mark.parametrize("build", [build_causal_lm, build_value_model])
+def test_dir_without_config_json(build, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        build(str(tmp_path))
+
+
+def test_trust_remote_code_off_by_default_and_passed_through(tmp_path, monkeypatch):
+    from oppo_ds.config import ModelConfig
+
+    assert ModelConfig().trust_remote_code is False
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(tmp_path)
+    workload.build_tokenizer().save_pretrained(tmp_path)
+    seen = []
+
+    def spy(cls, name):
+        original = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):
+            seen.append((cls.__name__, kwargs.get("trust_remote_code"), kwargs.get("local_files_only")))
+            return original(*args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapper)
+
+    spy(transformers.AutoConfig, "from_pretrained")
+    spy(transformers.AutoModelForCausalLM, "from_pretrained")
+    spy(transformers.AutoModel, "from_pretrained")
+    spy(transformers.AutoTokenizer, "from_pretrained")
+
+    build_causal_lm(str(tmp_path))
+    build_value_model(str(tmp_path))
+    load_tokenizer(str(tmp_path))
+    names = {name for name, _, _ in seen}
+    assert names == {"AutoConfig", "AutoModelForCausalLM", "AutoModel", "AutoTokenizer"}
+    assert all(trust is False and local is True for _, trust, local in seen), seen
+
+    seen.clear()
+    build_causal_lm(str(tmp_path), trust_remote_code=True)
+    build_value_model(str(tmp_path), trust_remote_code=True)
+    load_tokenizer(str(tmp_path), trust_remote_code=True)
+    assert {name for name, _, _ in seen} == names
+    assert all(trust is True for _, trust, _ in seen), seen
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def test_load_tokenizer_of_workload(tmp_path):
+    workload.build_tokenizer().save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.pad_token_id == workload.PAD_ID and tok.pad_token == "<pad>"
+    assert tok.eos_token_id == workload.EOS_ID and tok.bos_token_id == workload.BOS_ID
+    assert tok.padding_side == "left"
+    batch = tok(["warm a ->", "cool a b c ->"], padding=True)
+    assert batch["input_ids"][0][:2] == [workload.PAD_ID] * 2  # padded on the left
+    assert batch["attention_mask"][0] == [0, 0, 1, 1, 1, 1]
+    assert batch["input_ids"][0][-1] == batch["input_ids"][1][-1]  # both end with "->"
+    assert batch["input_ids"][0][2] == batch["input_ids"][1][0] == workload.BOS_ID
+
+
+def test_load_tokenizer_pad_falls_back_to_eos(tmp_path):
+    tok = workload.build_tokenizer()
+    tok.pad_token = None
+    tok.padding_side = "right"
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.pad_token_id == workload.EOS_ID
+    assert loaded.padding_side == "left"
+
+
+def test_load_tokenizer_missing_dir():
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        load_tokenizer("/nonexistent/tokenizer")
+
+
+# ---------------------------------------------------------------- dropout
+
+def _train_forwards_equal(model, x):
+    model.train()
+    with torch.no_grad():
+        a, b = model(x).logits, model(x).logits
+    return torch.equal(a, b)
+
+
+def test_disable_dropout_gpt2():
+    torch.manual_seed(0)
+    lm = build_causal_lm("tiny-gpt2", vocab_size=VOCAB, seed=0)
+    dropouts = [m for m in lm.modules() if isinstance(m, nn.Dropout)]
+    assert dropouts and all(m.p > 0 for m in dropouts)  # GPT-2 ships with dropout 0.1
+    x = _tokens()
+    assert not _train_forwards_equal(lm, x)
+    assert disable_dropout(lm) is lm
+    assert all(m.p == 0.0 for m in lm.modules() if isinstance(m, nn.Dropout))
+    assert _train_forwards_equal(lm, x)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+def test_disable_dropout_attention_float(arch):
+    """Llama and Qwen2 keep attention dropout as a float attribute, not an nn.Dropout."""
+    config = tiny_config(arch, VOCAB)
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config)
+    x = _tokens()
+    assert not _train_forwards_equal(lm, x)
+    disable_dropout(lm)
+    assert _train_forwards_equal(lm, x)
+
+
+def test_disable_dropout_value_model():
+    vm = _random_head(build_value_model("tiny-gpt2", vocab_size=VOCAB, seed=0))
+    disable_dropout(vm).train()
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.equal(vm(x).values, vm(x).values)
