@@ -1,0 +1,115 @@
+"""The built-in long-tail workload: a procedurally generated task that needs no download.
+
+A prompt names a *mood* and a few context letters:
+
+    <bos> warm q c k ->
+
+and a response is a run of letters ended by <eos>. The hidden rule, the **gold score**, gives
+every letter a value in [-1, 1] that depends on the mood (a fixed table drawn from a seeded
+RNG) and scores a response by the mean value of its letters: a per-token mean, so it does not
+pay for length. Length comes from the supervised data: lengths are log-normal (median
+``median_len``, spread ``tail_sigma``), which gives the long tail of real RLHF responses
+(p99 = median * exp(2.33 sigma), 8x the median at sigma 0.9).
+
+The learned reward model only sees preference pairs labelled by the gold rule, so where the
+policy finds what the reward model over-rates, reward rises and gold does not: both are logged.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+LETTERS = tuple("abcdefghijklmnopqrstuvwx")
+MOODS = ("calm", "bold", "warm", "cool")
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+VOCAB = SPECIALS + ("->",) + MOODS + LETTERS
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+_ID = {tok: i for i, tok in enumerate(VOCAB)}
+_table_rng = random.Random(2026)  # the hidden rule is a constant of the workload
+LETTER_VALUE = {mood: {letter: _table_rng.uniform(-1.0, 1.0) for letter in LETTERS} for mood in MOODS}
+
+
+def build_tokenizer():
+    """A Hugging Face fast tokenizer over VOCAB, built here (nothing downloaded); it adds
+    <bos> in front of every text, like the tokenizers of Llama-family models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=dict(_ID), unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                  pad_token="<pad>", unk_token="<unk>", padding_side="left")
+    return tok
+
+
+@dataclass(frozen=True)
+class Task:
+    mood: str
+    context: tuple[str, ...]
+
+    @property
+    def prompt(self) -> str:
+        return " ".join((self.mood,) + self.context + ("->",))
+
+
+def sample_task(rng: random.Random) -> Task:
+    """A mood and 2-8 context letters (they vary the prompt length; the rule ignores them)."""
+    return Task(rng.choice(MOODS), tuple(rng.sample(LETTERS, rng.randint(2, 8))))
+
+
+def parse_prompt(tokens: list[str]) -> Task | None:
+    """The task a (decoded, whitespace-split) prompt names, or None when it is not one of ours."""
+    moods = [i for i, t in enumerate(tokens) if t in MOODS]
+    if not moods or "->" not in tokens[moods[0]:]:
+        return None
+    start, end = moods[0], tokens.index("->", moods[0])
+    return Task(tokens[start], tuple(tokens[start + 1:end]))
+
+
+def gold_score(task: Task, response: list[str]) -> float:
+    """The hidden rule: mean mood-dependent value of the response's letters (EOS not
+    counted); -1 (the worst) for a response without letters."""
+    values = [LETTER_VALUE[task.mood][t] for t in response if t in LETTER_VALUE[task.mood]]
+    return sum(values) / len(values) if values else -1.0
+
+
+def sample_length(rng: random.Random, median_len: int, tail_sigma: float, max_len: int) -> int:
+    """A response length from the long-tailed (log-normal) distribution, in [1, max_len]."""
+    return max(1, min(max_len, round(math.exp(rng.gauss(math.log(median_len), tail_sigma)))))
+
+
+def sample_response(rng: random.Random, task: Task, length: int, tilt: float) -> list[str]:
+    """``length`` letters drawn with probability proportional to exp(tilt * value): tilt 0 is
+    uniform, positive tilts write better responses, negative ones worse."""
+    weights = [math.exp(tilt * LETTER_VALUE[task.mood][letter]) for letter in LETTERS]
+    return rng.choices(LETTERS, weights=weights, k=length)
+
+
+def sft_example(rng: random.Random, median_len: int, tail_sigma: float, max_len: int):
+    """(prompt text, response text) for supervised tuning: a writer slightly better than
+    chance (tilt 0.5), so PPO has room to improve."""
+    task = sample_task(rng)
+    n = sample_length(rng, median_len, tail_sigma, max_len)
+    return task.prompt, " ".join(sample_response(rng, task, n, 0.5))
+
+
+def preference_pair(rng: random.Random, median_len: int, tail_sigma: float, max_len: int):
+    """(prompt, chosen, rejected) labelled by the gold rule. The two responses get independent
+    lengths and tilts, so the reward model learns letter values, not length."""
+    task = sample_task(rng)
+    while True:
+        a, b = (sample_response(rng, task, sample_length(rng, median_len, tail_sigma, max_len),
+                                rng.uniform(-3.0, 3.0)) for _ in range(2))
+        ga, gb = gold_score(task, a), gold_score(task, b)
+        if ga != gb:
+            break
+    chosen, rejected = (a, b) if ga > gb else (b, a)
+    return task.prompt, " ".join(chosen), " ".join(rejected)
+
+
+def make_prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"builtin-{i}", "prompt": sample_task(rng).prompt} for i in range(n)]
