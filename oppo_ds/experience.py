@@ -1,0 +1,89 @@
+"""The one batch contract of a PPO step, and the forward passes that fill it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from .algo import logprobs_from_logits
+from .rollout.generate import position_ids_from_mask
+
+
+@dataclass
+class Experience:
+    """A step's data, (B, P) for prompts and (B, T) for responses (right-padded)."""
+    # identity
+    prompt_keys: list[str]            # B dataset ids, for the ledger and logs
+    # tokens
+    prompt_ids: torch.Tensor          # (B, P) left-padded
+    prompt_mask: torch.Tensor         # (B, P)
+    response_ids: torch.Tensor        # (B, T) right-padded
+    response_mask: torch.Tensor       # (B, T) float, 1 on generated tokens (EOS included)
+    # policy
+    behaviour_logprobs: torch.Tensor  # (B, T) log-probs of the sampling policy
+    old_logprobs: torch.Tensor        # (B, T) current actor, recomputed before the update
+    ref_logprobs: torch.Tensor        # (B, T) frozen reference
+    # value
+    old_values: torch.Tensor          # (B, T) critic before the update
+    # reward
+    scores: torch.Tensor              # (B,) reward model at the last response token
+    gold: Optional[torch.Tensor]      # (B,) hidden rule of the built-in task; None for user data
+    rewards: Optional[torch.Tensor] = None     # (B, T) KL-shaped per-token rewards
+    advantages: Optional[torch.Tensor] = None  # (B, T)
+    returns: Optional[torch.Tensor] = None     # (B, T)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "Experience":
+        """Rows ``idx`` (a mini- or micro-batch)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value[idx]
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in idx.tolist()]
+            else:
+                out[f.name] = value
+        return Experience(**out)
+
+
+def model_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> dict:
+    """Prompt + response as one left-padded-prompt / right-padded-response sequence."""
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    return dict(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask))
+
+
+def response_slice(prompt_len: int, response_len: int) -> slice:
+    """Positions whose outputs predict (logits) or evaluate the state before (values) each
+    response token: the output at position i looks at tokens [0..i]."""
+    return slice(prompt_len - 1, prompt_len - 1 + response_len)
+
+
+def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, logits) of the response tokens under a causal LM: (B, T), (B, T, V)."""
+    inputs = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    logits = model(**inputs).logits[:, response_slice(prompt_ids.shape[1], response_ids.shape[1])]
+    if temperature > 0:
+        logits = logits / temperature
+    return logprobs_from_logits(logits, response_ids), logits
+
+
+def response_values(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """Per-token values (B, T) of a value-head model: V(prompt + response[:t])."""
+    inputs = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    values = model(**inputs).values
+    return values[:, response_slice(prompt_ids.shape[1], response_ids.shape[1])].float()
+
+
+def sequence_scores(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """Reward (B,): the value head at each sequence's last response token."""
+    inputs = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    values = model(**inputs).values.float()
+    last = prompt_ids.shape[1] + response_mask.sum(1).long() - 1
+    return values.gather(1, last[:, None]).squeeze(1)

@@ -1,0 +1,134 @@
+"""Telemetry: phase timers, TensorBoard scalars, a metrics log, a progress bar, summary.json.
+
+Only rank 0 writes. ``metrics.jsonl`` holds one line per step and is the run's history: a
+resumed run truncates it to the checkpoint's step and appends, so summary.json always
+describes the whole run as if it had never stopped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    """Wall time of named phases within one step."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+class Telemetry:
+    def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, progress: bool,
+                 total_steps: int, start_step: int, log_every: int):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self.log_every = log_every
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.writer = None
+        self.bar = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        _truncate_history(self.metrics_path, start_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="ppo", unit="step",
+                            dynamic_ncols=True)
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and value == value:
+                    self.writer.add_scalar(key, value, step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                                 **({"gold": f"{metrics['gold/mean']:.3f}"} if "gold/mean" in metrics else {}))
+        if self.log_every and step % self.log_every == 0:
+            keys = ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "loss/value",
+                    "response/len_mean", "time/step_s")
+            text = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+            (self.bar.write if self.bar is not None else print)(f"step {step}: {text}")
+
+    def close(self, summary_extra: Optional[dict] = None) -> Optional[dict]:
+        if not self.enabled:
+            return None
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        summary = summarize(read_history(self.metrics_path))
+        summary.update(summary_extra or {})
+        with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+
+def read_history(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_history(path: str, last_step: int) -> None:
+    rows = [r for r in read_history(path) if r["step"] <= last_step]
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else None
+
+
+def summarize(history: list[dict]) -> dict:
+    """Reward and gold over the first and last 10 steps, with the step-to-step noise (the std
+    of per-step means over the run's first 10 steps) to judge whether the change is real."""
+    def column(key):
+        return [r[key] for r in history if key in r]
+
+    out = {"steps": len(history),
+           "wall_s": sum(column("time/step_s"))}
+    for key, name in (("reward/mean", "reward"), ("gold/mean", "gold")):
+        values = column(key)
+        if not values:
+            continue
+        out[f"{name}_first10"] = _mean(values[:10])
+        out[f"{name}_last10"] = _mean(values[-10:])
+        out[f"{name}_noise_std"] = statistics.stdev(values[:10]) if len(values[:10]) > 1 else None
+    samples = sum(column("samples"))
+    out["samples"] = samples
+    out["samples_per_s"] = samples / out["wall_s"] if out["wall_s"] else None
+    phases = [k for k in (history[0] if history else {}) if k.startswith("time/phase/")]
+    total = sum(sum(column(k)) for k in phases)
+    if total:
+        out["phase_fraction"] = {k.rsplit("/", 1)[-1]: sum(column(k)) / total for k in phases}
+    lengths = column("response/len_mean")
+    if lengths:
+        out["response_len_mean"] = _mean(lengths)
+    return out

@@ -1,0 +1,365 @@
+"""The PPO trainer: one step is generate -> score -> advantages -> update, each a named,
+timed phase. This is the sequential baseline; the OPPO techniques switch on inside the
+same step (streaming replaces generate+score, overcommitment changes which sequences a
+step keeps), so every speedup is measured against this code.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import workload as wl
+from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits, gae_advantages,
+                   kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer)
+from .checkpoint import CheckpointManager
+from .config import Config, save_config
+from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
+from .experience import Experience, response_logprobs, response_values, sequence_scores
+from .models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
+from .rollout.generate import SamplingParams, generate
+from .telemetry import PhaseTimer, Telemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sources:
+    """Where each model, the tokenizer and the prompts come from, after resolving `builtin`."""
+    actor: str
+    reference: str
+    reward: str
+    critic: str
+    tokenizer: Optional[str]
+    prompts: str
+    builtin_prompts: bool
+
+
+def resolve_sources(cfg: Config, rank: int) -> Sources:
+    """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
+    wait), and fill the defaults: reference = actor, critic = reward."""
+    m, d = cfg.model, cfg.data
+    needs_builtin = "builtin" in (m.actor, m.reward, m.critic, m.reference, d.prompts)
+    prepared = None
+    if needs_builtin:
+        from .prepare import prepare_builtin
+
+        w = cfg.workload
+        kwargs = dict(arch=m.builtin_arch, seed=cfg.seed, num_prompts=w.num_prompts,
+                      sft_steps=w.sft_steps, reward_steps=w.reward_steps, median_len=w.median_len,
+                      tail_sigma=w.tail_sigma, max_new_tokens=cfg.generation.max_new_tokens)
+        if rank == 0:
+            prepared = prepare_builtin(w.cache_dir, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            prepared = prepare_builtin(w.cache_dir, **kwargs)  # now a cache hit
+
+    def pick(value: Optional[str], fallback: str, builtin_path: Optional[str] = None) -> str:
+        value = fallback if value is None else value
+        return builtin_path if value == "builtin" else value
+
+    actor = pick(m.actor, "builtin", prepared and prepared.actor)
+    reward = pick(m.reward, "builtin", prepared and prepared.reward)
+    tokenizer = m.tokenizer
+    if tokenizer is None:
+        tokenizer = actor if os.path.isdir(actor) else (prepared.tokenizer if prepared else None)
+    return Sources(actor=actor,
+                   reference=pick(m.reference, m.actor, prepared and prepared.actor),
+                   reward=reward,
+                   critic=pick(m.critic, m.reward, prepared and prepared.reward),
+                   tokenizer=tokenizer,
+                   prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
+                   builtin_prompts=d.prompts == "builtin")
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def gather_floats(values: list[float]) -> list[float]:
+    """Concatenate a per-rank list of floats over all ranks (small: per-sequence stats)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(values))
+    return [v for part in out for v in part]
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config):
+        from .engines import DeepSpeedTrainEngine, init_distributed_if_needed, prepare_frozen
+
+        self.cfg = cfg
+        if cfg.system.torch_threads:
+            torch.set_num_threads(cfg.system.torch_threads)
+        init_distributed_if_needed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        random.seed(cfg.seed + self.rank)
+        torch.manual_seed(cfg.seed)
+
+        src = self.sources = resolve_sources(cfg, self.rank)
+        self.tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code) \
+            if src.tokenizer else wl.build_tokenizer()
+        self.builtin_prompts = src.builtin_prompts
+        self.prompts = self._load_prompts(src.prompts)
+
+        p, s, g = cfg.ppo, cfg.system, cfg.generation
+        vocab = len(self.tokenizer)
+        common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
+                      seed=cfg.seed)
+        updates = cfg.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
+        engine_args = dict(total_steps=updates, weight_decay=p.weight_decay, warmup_steps=p.warmup_steps,
+                           scheduler=p.lr_schedule, micro_batch_size=p.micro_batch_size,
+                           gradient_accumulation_steps=p.mini_batch_size // p.micro_batch_size,
+                           zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,
+                           grad_clip=p.grad_clip, seed=cfg.seed)
+        self.actor = DeepSpeedTrainEngine(disable_dropout(build_causal_lm(src.actor, **common)),
+                                          lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
+                                          inference_tp_size=s.inference_tp_size, **engine_args)
+        self.critic = DeepSpeedTrainEngine(disable_dropout(build_value_model(src.critic, **common)),
+                                           lr=p.critic_lr, **engine_args)
+        self.device = self.actor.device
+        self.reference = prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, self.device)
+        self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common),
+                                     s.dtype, self.device)
+
+        eos = self.tokenizer.eos_token_id
+        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=(eos,),
+                                       pad_token_id=self.tokenizer.pad_token_id,
+                                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
+        # Separate generators, so that e.g. a different number of PPO epochs does not
+        # change which responses are sampled.
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed * 1000 + self.rank)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + self.rank)
+        self.stream = PromptStream(self.prompts, p.batch_size, cfg.seed, self.rank,
+                                   self.world_size, shuffle=cfg.data.shuffle)
+        self.step_count = 0
+        self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
+                                      rank=self.rank, keep_last=cfg.checkpoint.keep_last)
+        self._maybe_resume()
+        self.telemetry = Telemetry(cfg.logging.output_dir, enabled=self.is_main,
+                                   tensorboard=cfg.logging.tensorboard,
+                                   progress=cfg.logging.progress, total_steps=cfg.steps,
+                                   start_step=self.step_count, log_every=cfg.logging.log_every)
+        if self.is_main:
+            save_config(cfg, os.path.join(cfg.logging.output_dir, "config.yaml"))
+            logger.info("actor %s | critic %s | reward %s | reference %s | %d prompts | %d rank(s)"
+                        " | hybrid engine: %s", src.actor, src.critic, src.reward, src.reference,
+                        len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _load_prompts(self, path: str):
+        d, g = self.cfg.data, self.cfg.generation
+        rows = read_prompt_rows(path, prompt_key=d.prompt_key, split=d.split)
+        encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
+                                 chat_template=d.chat_template)
+        if self.is_main and (encoded.n_truncated or encoded.n_skipped):
+            logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", path,
+                           encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
+        if len(encoded.prompts) < self.world_size:
+            raise ValueError(f"{path}: {len(encoded.prompts)} usable prompts for {self.world_size} ranks")
+        return encoded.prompts
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "never":
+            return
+        tag = self.ckpt.latest() if resume == "auto" else resume
+        if tag is None:
+            return
+        state = self.ckpt.load(tag, engines={"actor": self.actor, "critic": self.critic})
+        self.step_count = state["step"]
+        self.stream.load_state_dict(state["stream"])
+        self.sample_gen.set_state(state["sample_gen"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        if self.is_main:
+            logger.info("resumed from %s at step %d", tag, self.step_count)
+
+    def save_checkpoint(self) -> None:
+        state = {"step": self.step_count, "stream": self.stream.state_dict(),
+                 "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state()}
+        self.ckpt.save(f"step{self.step_count}", state, engines={"actor": self.actor, "critic": self.critic})
+
+    # ------------------------------------------------------------------ the PPO step
+
+    def step(self) -> dict:
+        timer = PhaseTimer()
+        start = time.perf_counter()
+        batch = self.stream.next_batch()
+        with timer.phase("generate"):
+            gen = self.generate([x.input_ids for x in batch])
+        with timer.phase("score"):
+            exp = self.make_experience([x.id for x in batch], gen)
+        with timer.phase("advantages"):
+            self.compute_advantages(exp)
+        with timer.phase("train"):
+            train_stats = self.update(exp)
+        self.step_count += 1
+        metrics = self.step_metrics(exp, train_stats)
+        metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
+        metrics["time/step_s"] = time.perf_counter() - start
+        metrics["samples"] = len(exp) * self.world_size
+        return metrics
+
+    def generate(self, prompt_id_lists):
+        ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with self.actor.generation_context() as model:
+            return generate(model, ids, mask, self.sampling, self.sample_gen)
+
+    @torch.no_grad()
+    def make_experience(self, keys: list[str], gen) -> Experience:
+        """Reference log-probs, critic values, rewards and the actor's own (old) log-probs."""
+        temp = self.cfg.generation.temperature
+        args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+        old_logprobs = self._micro_batched(
+            lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]), args)
+        old_values = self._micro_batched(
+            lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)), args)
+        ref_logprobs = self._micro_batched(lambda *a: response_logprobs(self.reference, *a, temp)[0], args)
+        scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+        gold = None
+        if self.builtin_prompts:
+            gold = torch.tensor(self._gold(gen), dtype=torch.float32)
+        return Experience(prompt_keys=keys, prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask,
+                          response_ids=gen.response_ids, response_mask=gen.response_mask,
+                          behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
+
+    def _micro_batched(self, fn, args):
+        n = self.cfg.ppo.micro_batch_size
+        parts = [fn(*(a[i:i + n] for a in args)) for i in range(0, args[0].shape[0], n)]
+        return torch.cat(parts, dim=0)
+
+    def _gold(self, gen) -> list[float]:
+        prompts = self.tokenizer.batch_decode(gen.prompt_ids, skip_special_tokens=True)
+        responses = [self.tokenizer.decode(r[:n], skip_special_tokens=True)
+                     for r, n in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
+        out = []
+        for p, r in zip(prompts, responses):
+            task = wl.parse_prompt(p.split())
+            out.append(wl.gold_score(task, r.split()) if task else float("nan"))
+        return out
+
+    def compute_advantages(self, exp: Experience) -> None:
+        p = self.cfg.ppo
+        mask = exp.response_mask
+        exp.rewards, self._kl_stats = kl_shaped_rewards(
+            exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=p.kl_coef,
+            estimator=p.kl_estimator, reward_clip=p.reward_clip)
+        advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            # statistics over every rank's batch, so the update does not depend on the split
+            n, s, sq = all_reduce_sum(torch.stack([mask.sum(), (advantages * mask).sum(),
+                                                   (advantages.pow(2) * mask).sum()]).double())
+            mean = s / n
+            var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
+            advantages = masked_whiten(advantages, mask, mean=mean.float(), var=var.float())
+        exp.advantages = advantages
+
+    def update(self, exp: Experience) -> dict:
+        p = self.cfg.ppo
+        gas = p.mini_batch_size // p.micro_batch_size
+        sums: dict[str, torch.Tensor] = {}
+        total_tokens = torch.zeros((), dtype=torch.float64)
+        for _ in range(p.ppo_epochs):
+            order = torch.randperm(len(exp), generator=self.shuffle_gen)
+            for mini in order.split(p.mini_batch_size):
+                micro = [exp.select(idx) for idx in mini.split(p.micro_batch_size)]
+                tokens = all_reduce_sum(sum(m.response_mask.sum() for m in micro).double())
+                norm = token_normalizer(tokens.float(), gas, self.world_size)
+                actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))
+                critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
+                # token-weighted, so the logged losses do not depend on the micro-batch split
+                for mb, a, c in zip(micro, actor_stats, critic_stats):
+                    weight = mb.response_mask.sum().double()
+                    total_tokens += weight
+                    for key, value in {**a, **c}.items():
+                        sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().double()
+        return {k: (v / total_tokens).item() for k, v in sums.items()}
+
+    def _actor_loss(self, model, mb: Experience, normalizer):
+        p = self.cfg.ppo
+        logprobs, logits = response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                             mb.response_mask, self.cfg.generation.temperature)
+        if p.entropy_coef > 0:
+            entropy = entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits)
+        return clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+                                   p.clip_eps, normalizer, entropy=entropy, entropy_coef=p.entropy_coef)
+
+    def _critic_loss(self, model, mb: Experience, normalizer):
+        values = response_values(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+        return clipped_value_loss(values, mb.old_values, mb.returns, mb.response_mask,
+                                  self.cfg.ppo.value_clip_eps, normalizer)
+
+    def step_metrics(self, exp: Experience, train_stats: dict) -> dict:
+        lengths = gather_floats(exp.response_mask.sum(1).tolist())
+        scores = gather_floats(exp.scores.tolist())
+        metrics = {
+            "reward/mean": sum(scores) / len(scores),
+            "response/len_mean": sum(lengths) / len(lengths),
+            "response/len_max": max(lengths),
+            "response/len_p50": sorted(lengths)[len(lengths) // 2],
+            "kl/mean": all_reduce_sum(self._kl_stats["kl"].detach().float()).item() / self.world_size,
+            "value/mean": masked_mean(exp.old_values, exp.response_mask).item(),
+            "lr/actor": self.actor.lr(),
+            "lr/critic": self.critic.lr(),
+        }
+        if exp.gold is not None:
+            gold = gather_floats(exp.gold.tolist())
+            metrics["gold/mean"] = sum(gold) / len(gold)
+        for key, value in train_stats.items():
+            name = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
+                    "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
+                    "value_clip_frac": "value/clip_frac"}.get(key, f"train/{key}")
+            metrics[name] = all_reduce_sum(torch.tensor(value)).item() / self.world_size
+        return metrics
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> Optional[dict]:
+        cfg = self.cfg
+        t0 = time.time()
+        try:
+            while self.step_count < cfg.steps:
+                metrics = self.step()
+                self.telemetry.log_step(self.step_count, metrics)
+                if cfg.checkpoint.every and self.step_count % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+            if not cfg.checkpoint.every or self.step_count % cfg.checkpoint.every:
+                self.save_checkpoint()
+            if cfg.checkpoint.export_hf:
+                self.export(cfg.logging.output_dir)
+        finally:
+            summary = self.telemetry.close({"wall_total_s": time.time() - t0, "world_size": self.world_size,
+                                            "hybrid_engine": self.actor.hybrid_engine_path})
+        return summary
+
+    def export(self, out_dir: str) -> None:
+        """Final actor (and critic) in Hugging Face format, DeepSpeed-Chat's layout."""
+        with self.actor.generation_context() as model:
+            if self.is_main:
+                model.save_pretrained(os.path.join(out_dir, "actor"), safe_serialization=True)
+                self.tokenizer.save_pretrained(os.path.join(out_dir, "actor"))
+        with self.critic.generation_context() as model:
+            if self.is_main:
+                model.save_pretrained(os.path.join(out_dir, "critic"))
+                self.tokenizer.save_pretrained(os.path.join(out_dir, "critic"))
+        if dist.is_initialized():
+            dist.barrier()
