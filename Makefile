@@ -1,0 +1,39 @@
+# The two commands of the README. Each creates .venv when missing and installs what it needs.
+# On a machine without an NVIDIA GPU, torch is pinned to the CPU build (2.13.0) and every later
+# pip call is held to it, so no CUDA torch is pulled in. With a GPU, the torch already in the
+# environment (or pip's default CUDA build) is kept.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.oppo-installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+CPU_TORCH := torch==2.13.0
+CONSTRAINTS := $(VENV)/constraints.txt
+
+.PHONY: demo test install clean-cache
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(CONSTRAINTS)
+else
+	$(PIP) install -q "$(CPU_TORCH)"
+	echo "$(CPU_TORCH)" > $(CONSTRAINTS)
+endif
+	DS_BUILD_OPS=0 $(PIP) install -q -c $(CONSTRAINTS) -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on the built-in workload: prepare (SFT actor + reward model, cached), then PPO.
+demo: $(STAMP)
+	$(PY) -m oppo_ds.train --config examples/configs/tiny.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+clean-cache:
+	rm -rf .cache/oppo-builtin

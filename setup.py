@@ -1,0 +1,39 @@
+"""oppo-ds: PPO-based RLHF with pipeline overlap (OPPO) on DeepSpeed.
+
+torch is required but not pinned here: a CPU machine installs torch==2.13.0 first (the
+Makefile does), a GPU machine keeps the CUDA torch it has. Every requirement below is
+satisfied by either without replacing it.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="oppo-ds",
+    version="0.1.0",
+    description="PPO-based RLHF made faster by pipeline overlap (streaming scoring and "
+                "overcommitted rollouts), on DeepSpeed and Megatron-core",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["oppo_ds", "oppo_ds.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "transformers>=4.56",
+        "tokenizers",
+        "safetensors",
+        "pyyaml",
+        "tensorboard",
+        "tqdm",
+        "pyarrow",
+        "datasets",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "megatron": ["megatron-core"],
+        # TRL's last release with PPO; the OPPO paper's baseline
+        "peer": ["trl==1.12.0"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:main"]},
+)
