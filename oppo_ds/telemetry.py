@@ -14,6 +14,8 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,6 +66,8 @@ class Telemetry:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and value == value:
                     self.writer.add_scalar(key, value, step)
+                elif isinstance(value, list) and value:
+                    self.writer.add_histogram(key, torch.tensor(value, dtype=torch.float32), step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
@@ -128,7 +132,9 @@ def summarize(history: list[dict]) -> dict:
     total = sum(sum(column(k)) for k in phases)
     if total:
         out["phase_fraction"] = {k.rsplit("/", 1)[-1]: sum(column(k)) / total for k in phases}
-    lengths = column("response/len_mean")
+    lengths = sorted(x for row in column("response/lengths") for x in row)
     if lengths:
         out["response_len_mean"] = _mean(lengths)
+        out["response_len_p50"] = lengths[len(lengths) // 2]
+        out["response_len_p99"] = lengths[min(len(lengths) - 1, int(len(lengths) * 0.99))]
     return out

@@ -316,6 +316,7 @@ class PPOTrainer:
             "response/len_mean": sum(lengths) / len(lengths),
             "response/len_max": max(lengths),
             "response/len_p50": sorted(lengths)[len(lengths) // 2],
+            "response/lengths": [int(x) for x in lengths],  # for run-wide quantiles
             "kl/mean": all_reduce_sum(self._kl_stats["kl"].detach().float()).item() / self.world_size,
             "value/mean": masked_mean(exp.old_values, exp.response_mask).item(),
             "lr/actor": self.actor.lr(),

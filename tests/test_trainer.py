@@ -66,6 +66,10 @@ def test_run_writes_real_outputs(cache_dir, tmp_path):
                 "policy/clip_frac", "policy/entropy", "response/len_mean", "time/phase/generate"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3, 4]
+    assert "response/lengths" in acc.Tags()["histograms"]
+    lengths = sorted(x for row in history for x in row["response/lengths"])
+    assert len(lengths) == 4 * 8
+    assert summary["response_len_p50"] == lengths[16] and summary["response_len_p99"] == lengths[-1]
 
     # the exported actor is a loadable HF checkpoint equal to the trained weights
     from oppo_ds.models import build_causal_lm, load_tokenizer
