@@ -412,6 +412,12 @@ def iter_keys(cls=Config, prefix: str = ""):
             yield key, _describe(tp), getattr(default, f.name), docs.get(f.name, "")
 
 
+def _class_doc(cls) -> str:
+    """A section's own docstring, or "" for the one dataclasses generate (``Name(...)``)."""
+    doc = cls.__doc__ or ""
+    return "" if doc.startswith(cls.__name__ + "(") else " ".join(doc.split())
+
+
 def config_markdown() -> str:
     """The body of docs/config.md, generated from the dataclasses."""
     lines = ["# Configuration reference", "",
@@ -422,16 +428,13 @@ def config_markdown() -> str:
              "code 2 and a message naming the key and what it allows.", ""]
     section = None
     for key, tp, default, doc in iter_keys():
-        head = key.split(".")[0] if "." in key else "top level"
-        if head != section:
+        head = key.split(".")[0] if "." in key else None
+        if head != section or not lines[-1].startswith("|"):
             section = head
-            cls_doc = ""
-            if head != "top level":
-                sub = typing.get_type_hints(Config)[head]
-                cls_doc = " ".join((sub.__doc__ or "").split()) if sub.__doc__ and \
-                    not sub.__doc__.startswith(sub.__name__ + "(") else ""
-            lines += ["" if lines[-1] else None, f"## `{head}`" if head != "top level" else "## Top level", ""]
-            lines = [line for line in lines if line is not None]
+            if lines[-1]:
+                lines.append("")
+            lines += [f"## `{head}`" if head else "## Top level", ""]
+            cls_doc = _class_doc(typing.get_type_hints(Config)[head]) if head else ""
             if cls_doc:
                 lines += [cls_doc, ""]
             lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]

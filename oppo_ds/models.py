@@ -69,6 +69,16 @@ def _check_local_dir(path: str) -> None:
         raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
 
 
+def _build_tiny(from_config, arch: str, vocab_size: Optional[int], dtype, seed: Optional[int]):
+    """A tiny architecture with random weights; ``seed`` makes two builds identical (the
+    actor and its reference start equal)."""
+    if vocab_size is None:
+        raise ValueError(f"{arch} is built from config and needs vocab_size")
+    if seed is not None:
+        torch.manual_seed(seed)
+    return from_config(tiny_config(arch, vocab_size)).to(_torch_dtype(dtype) or torch.float32)
+
+
 def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None,
                     trust_remote_code: bool = False, seed: Optional[int] = None) -> nn.Module:
     """The actor or the reference model. ``source``: a local HF directory or a tiny arch name
@@ -76,12 +86,7 @@ def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if source in TINY_ARCHS:
-        if vocab_size is None:
-            raise ValueError(f"{source} is built from config and needs vocab_size")
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(source, vocab_size))
-        return model.to(_torch_dtype(dtype) or torch.float32)
+        return _build_tiny(AutoModelForCausalLM.from_config, source, vocab_size, dtype, seed)
     _check_local_dir(source)
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
@@ -197,12 +202,7 @@ def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=No
                       seed: Optional[int] = None) -> ValueHeadModel:
     """The critic or the reward model, from a local directory or a tiny arch name."""
     if source in TINY_ARCHS:
-        if vocab_size is None:
-            raise ValueError(f"{source} is built from config and needs vocab_size")
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = ValueHeadModel.from_config(tiny_config(source, vocab_size))
-        return model.to(_torch_dtype(dtype) or torch.float32)
+        return _build_tiny(ValueHeadModel.from_config, source, vocab_size, dtype, seed)
     return ValueHeadModel.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
                                           require_head=require_head)
 

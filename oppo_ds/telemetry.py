@@ -54,8 +54,9 @@ class Telemetry:
         if progress:
             from tqdm import tqdm
 
+            # disable=None: no bar when stderr is not a terminal (CI logs, redirected runs)
             self.bar = tqdm(total=total_steps, initial=start_step, desc="ppo", unit="step",
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, disable=None)
 
     def log_step(self, step: int, metrics: dict) -> None:
         if not self.enabled:
