@@ -1,0 +1,284 @@
+"""Tier 2: streamed scores equal whole-sequence scores.
+
+The streaming scorers prefill each decode chunk into their own KV caches; their results must
+be what ``experience.sequence_scores`` / ``response_logprobs`` / ``response_values`` give on
+the finished Generation, for every architecture and chunk size, with rows ending at different
+chunks, and when rows are fed on arbitrary schedules. Finished rows must leave the caches.
+"""
+
+import pytest
+import torch
+
+from oppo_ds.experience import response_logprobs, response_values, sequence_scores
+from oppo_ds.models import build_causal_lm, build_value_model
+from oppo_ds.rollout.generate import SamplingParams, generate
+from oppo_ds.rollout.streaming import (StreamingScorer, StreamTiming, _chunk_tokens,
+                                       stream_generate)
+
+VOCAB = 40
+PAD = 0
+ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]
+PROMPT_LENS = [3, 7, 5, 6, 2, 4]
+MAX_NEW = 20
+# three EOS ids in a vocabulary of 40: a near-uniform actor ends a row with p ~ 3/40 per token,
+# so rows end at different steps and some run to MAX_NEW
+PARAMS = SamplingParams(max_new_tokens=MAX_NEW, eos_token_ids=(2, 5, 7), pad_token_id=PAD,
+                        temperature=1.0)
+SEED = 7
+ATOL_FP32 = 1e-5
+
+# conftest's module fixture: one intra-op thread, the old value restored after this module
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+def _sharpen(model, seed, scale=0.3):
+    """Random weights far from the default init (std 0.02), whose outputs barely depend on
+    the context: a wrong position or mask then changes the scores by ~0.1-1, not ~1e-6.
+    Value heads are drawn with std 1/sqrt(hidden), so values are of order 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = p.shape[-1] ** -0.5 if name.startswith("value_head") else scale
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model.eval()
+
+
+_MODELS = {}
+
+
+def _models(arch, dtype="fp32"):
+    """actor (default init: near-uniform sampling, so EOS ends rows at varied steps),
+    reference, reward, critic."""
+    key = (arch, dtype)
+    if key not in _MODELS:
+        actor = build_causal_lm(arch, vocab_size=VOCAB, seed=0).eval()
+        reference = _sharpen(build_causal_lm(arch, vocab_size=VOCAB, seed=1), seed=11)
+        reward = _sharpen(build_value_model(arch, vocab_size=VOCAB, seed=2), seed=12)
+        critic = _sharpen(build_value_model(arch, vocab_size=VOCAB, seed=3), seed=13)
+        models = (actor, reference, reward, critic)
+        if dtype == "bf16":
+            models = tuple(m.to(torch.bfloat16) for m in models)
+        _MODELS[key] = models
+    return _MODELS[key]
+
+
+def _prompts(lens=PROMPT_LENS, seed=1):
+    width = max(lens)
+    ids = torch.full((len(lens), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(lens), width, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    for i, n in enumerate(lens):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def _scorers(reference, reward, critic, temperature=1.0):
+    return [RecordingScorer(reward, "reward"),
+            RecordingScorer(reference, "reference", temperature),
+            RecordingScorer(critic, "critic")]
+
+
+class RecordingScorer(StreamingScorer):
+    """Records the KV cache's batch size around every finish (read from the cache tensors,
+    not from our own bookkeeping)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finishes = []  # (rows finished, cache batch before, cache batch after)
+
+    def cache_batch(self) -> int:
+        return 0 if self.cache is None else self.cache.layers[0].keys.shape[0]
+
+    def finish(self, rows):
+        before = self.cache_batch()
+        out = super().finish(rows)
+        self.finishes.append((len(out), before, self.cache_batch()))
+        return out
+
+
+@torch.no_grad()
+def _whole(reference, reward, critic, gen, temperature=1.0):
+    """The sequential step's scoring: one forward over prompt + whole response."""
+    args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+    return {"reward": sequence_scores(reward, *args),
+            "reference": response_logprobs(reference, *args, temperature)[0].float(),
+            "critic": response_values(critic, *args)}
+
+
+def _max_diffs(streamed, whole, gen):
+    on = gen.response_mask.bool()
+    out = {"reward": (streamed["reward"] - whole["reward"]).abs().max().item()}
+    for kind in ("reference", "critic"):
+        assert (streamed[kind][~on] == 0).all(), kind  # right-padded with 0
+        out[kind] = (streamed[kind][on] - whole[kind][on]).abs().max().item()
+    return out
+
+
+# ---------------------------------------------------------------- exactness, fp32
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 16, MAX_NEW + 5])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_scores_equal_whole_sequence(arch, chunk_size):
+    actor, reference, reward, critic = _models(arch)
+    ids, mask = _prompts()
+    baseline = generate(actor, ids, mask, PARAMS, torch.Generator().manual_seed(SEED))
+    lengths = baseline.lengths.tolist()
+    assert len(set(lengths)) >= 3 and min(lengths) < MAX_NEW  # rows end at different steps
+
+    scorers = _scorers(reference, reward, critic)
+    gen, streamed, _ = stream_generate(actor, scorers, ids, mask, PARAMS,
+                                       torch.Generator().manual_seed(SEED), chunk_size)
+    # chunking decides only when the scorers see tokens, never what is sampled
+    assert torch.equal(gen.response_ids, baseline.response_ids)
+    assert torch.equal(gen.lengths, baseline.lengths)
+    assert torch.equal(gen.logprobs, baseline.logprobs)
+    assert streamed["reward"].shape == (len(PROMPT_LENS),)
+    assert streamed["reference"].shape == streamed["critic"].shape == gen.response_ids.shape
+
+    diffs = _max_diffs(streamed, _whole(reference, reward, critic, gen), gen)
+    assert max(diffs.values()) < ATOL_FP32, diffs
+
+    # every row finished in the chunk holding its last token, and left the cache then
+    chunks_ended = sorted({-(-n // chunk_size) for n in lengths})
+    for scorer in scorers:
+        per_chunk = [rows for rows, _, _ in scorer.finishes]
+        assert sum(per_chunk) == len(PROMPT_LENS)
+        assert [i + 1 for i, k in enumerate(per_chunk) if k] == chunks_ended
+        for rows, before, after in scorer.finishes:
+            assert before - after == rows
+        assert scorer.finishes[-1][2] == 0 and scorer.num_rows == 0 and scorer.cache is None
+
+
+def _random_schedule(scorers, gen, chunk_size, seed):
+    """Feed the rows of a finished Generation on an irregular schedule: each round a random
+    subset of the unfinished rows, each with 1..chunk_size tokens, rows finishing out of order.
+    Returns {kind: {row: result}}."""
+    g = torch.Generator().manual_seed(seed)
+    batch = gen.response_ids.shape[0]
+    fed = torch.zeros(batch, dtype=torch.long)
+    results = {s.kind: {} for s in scorers}
+    while (fed < gen.lengths).any():
+        open_rows = (fed < gen.lengths).nonzero().squeeze(-1)
+        pick = open_rows[torch.rand(open_rows.numel(), generator=g) < 0.6]
+        if pick.numel() == 0:
+            continue
+        pick = pick[torch.randperm(pick.numel(), generator=g)]  # any order of rows
+        want = torch.randint(1, chunk_size + 1, (pick.numel(),), generator=g)
+        counts = torch.minimum(want, gen.lengths[pick] - fed[pick])
+        cols = fed[pick][:, None] + torch.arange(chunk_size)[None, :]
+        cols = cols.clamp(max=gen.response_ids.shape[1] - 1)
+        tokens = gen.response_ids[pick[:, None], cols]
+        fed[pick] += counts
+        ended = pick[fed[pick] == gen.lengths[pick]]
+        for scorer in scorers:
+            scorer.consume(pick, tokens, counts)
+            results[scorer.kind].update(scorer.finish(ended))
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_subsets_and_irregular_chunks(arch):
+    """consume for a subset of the cached rows (the others take a masked all-padding chunk),
+    rows with fewer tokens than the chunk without finishing, finishing in any order; with a
+    reference temperature other than 1."""
+    actor, reference, reward, critic = _models(arch)
+    ids, mask = _prompts()
+    gen = generate(actor, ids, mask, PARAMS, torch.Generator().manual_seed(SEED))
+    temperature = 0.7
+    scorers = _scorers(reference, reward, critic, temperature)
+    for scorer in scorers:
+        scorer.begin(ids, mask)
+    per_row = _random_schedule(scorers, gen, chunk_size=4, seed=3)
+    whole = _whole(reference, reward, critic, gen, temperature)
+    for i, n in enumerate(gen.lengths.tolist()):
+        assert abs(per_row["reward"][i] - whole["reward"][i]) < ATOL_FP32
+        for kind in ("reference", "critic"):
+            assert per_row[kind][i].shape == (n,)
+            assert (per_row[kind][i] - whole[kind][i, :n]).abs().max() < ATOL_FP32, (kind, i)
+    assert all(s.num_rows == 0 and s.cache is None for s in scorers)
+
+
+# ---------------------------------------------------------------- bf16
+
+def test_streamed_scores_bf16():
+    """bf16 keeps 8 significant bits: each rounding is off by up to 2^-9 ~ 2e-3 relative, and
+    streaming changes the matmul shapes (a chunk vs the whole sequence), hence the order in
+    which products are summed and where results are rounded to bf16; so streamed and whole
+    scores, both in bf16, agree only to a few bf16 ulps of what is rounded last.
+    Measured (3 archs, chunk sizes 1/3/16/25): values (reward, critic; of order 0.5, ulp
+    2^-9 ~ 2e-3) differ by at most 5e-3, log-probs by at most 1.7e-2 (computed in fp32, but
+    from bf16 logits of magnitude 4-8, whose ulp is 2^-6..2^-5 ~ 1.6e-2..3e-2).
+    Tolerances: 2e-2 for values, 5e-2 for log-probs, 3-4x the measured maxima, and still well
+    below the spread of the scores (std 0.2-0.6), so a wrong position or mask would fail."""
+    actor, reference, reward, critic = _models("tiny-llama", "bf16")
+    ids, mask = _prompts()
+    baseline = generate(actor, ids, mask, PARAMS, torch.Generator().manual_seed(SEED))
+    scorers = _scorers(reference, reward, critic)
+    gen, streamed, _ = stream_generate(actor, scorers, ids, mask, PARAMS,
+                                       torch.Generator().manual_seed(SEED), chunk_size=3)
+    assert torch.equal(gen.response_ids, baseline.response_ids)
+    whole = _whole(reference, reward, critic, gen)  # also in bf16: same weights, same dtype
+    diffs = _max_diffs(streamed, whole, gen)
+    tolerance = {"reward": 2e-2, "critic": 2e-2, "reference": 5e-2}
+    assert all(diffs[k] < tolerance[k] for k in diffs), diffs
+    on = gen.response_mask.bool()
+    assert whole["critic"][on].std() > 5 * tolerance["critic"]
+    assert whole["reference"][on].std() > 5 * tolerance["reference"]
+
+
+# ---------------------------------------------------------------- timing, helpers, errors
+
+def test_timing_fields():
+    actor, reference, reward, critic = _models("tiny-gpt2")
+    ids, mask = _prompts()
+    scorers = _scorers(reference, reward, critic)
+    gen, _, timing = stream_generate(actor, scorers, ids, mask, PARAMS,
+                                     torch.Generator().manual_seed(SEED), chunk_size=4)
+    assert isinstance(timing, StreamTiming)
+    assert timing.chunks == -(-int(gen.lengths.max()) // 4)
+    assert timing.decode_s > 0 and timing.wall_s >= timing.decode_s
+    assert set(timing.scorers) == {"reward", "reference", "critic"}
+    for t in timing.scorers.values():
+        assert t.busy_s > 0 and 0 <= t.tail_s <= t.busy_s
+    busy = sum(t.busy_s for t in timing.scorers.values())
+    assert timing.decode_s + busy <= timing.wall_s + 1e-6  # inline: nothing runs concurrently
+
+
+def test_chunk_tokens_reads_the_new_tokens():
+    actor = _models("tiny-llama")[0]
+    ids, mask = _prompts()
+    from oppo_ds.rollout.generate import decode_steps, start_decode
+
+    state = start_decode(actor, ids, mask, PARAMS)
+    g = torch.Generator().manual_seed(SEED)
+    decode_steps(actor, state, PARAMS, g, max_steps=2)
+    rows, before = state.active.clone(), state.lengths[state.active].clone()
+    decode_steps(actor, state, PARAMS, g, max_steps=5)
+    tokens, counts = _chunk_tokens(state, rows, before)
+    assert tokens.shape == (rows.numel(), int(counts.max()))
+    for r, row in enumerate(rows.tolist()):
+        n = int(counts[r])
+        assert 1 <= n <= 5
+        assert tokens[r, :n].tolist() == state.tokens[row, 2:2 + n].tolist()
+
+
+def test_errors():
+    _, reference, reward, critic = _models("tiny-llama")
+    with pytest.raises(ValueError, match="kind"):
+        StreamingScorer(reward, "value")
+    ids, mask = _prompts()
+    scorer = StreamingScorer(critic, "critic")
+    scorer.begin(ids, mask)
+    with pytest.raises(ValueError, match="still holds"):
+        scorer.begin(ids, mask)
+    one = torch.tensor([1])
+    scorer.consume(one, torch.tensor([[5, 6]]), torch.tensor([2]))
+    assert scorer.finish(one)[1].shape == (2,)
+    with pytest.raises(KeyError, match="row 1"):
+        scorer.consume(one, torch.tensor([[5]]), torch.tensor([1]))
+    scorer.reset()
+    assert scorer.num_rows == 0
+    with pytest.raises(ValueError, match="one scorer per kind"):
+        stream_generate(_models("tiny-llama")[0], [StreamingScorer(reward, "reward")] * 2,
+                        ids, mask, PARAMS, None, 4)
