@@ -4,7 +4,14 @@ The streaming scorers prefill each decode chunk into their own KV caches; their 
 be what ``experience.sequence_scores`` / ``response_logprobs`` / ``response_values`` give on
 the finished Generation, for every architecture and chunk size, with rows ending at different
 chunks, and when rows are fed on arbitrary schedules. Finished rows must leave the caches.
+The ``colocated`` placement (scorers on a thread / side stream, concurrent with decoding) must
+give exactly what ``inline`` gives, surface a scorer's error, and never leave its thread behind.
 """
+
+import copy
+import json
+import threading
+import traceback
 
 import pytest
 import torch
@@ -12,8 +19,8 @@ import torch
 from oppo_ds.experience import response_logprobs, response_values, sequence_scores
 from oppo_ds.models import build_causal_lm, build_value_model
 from oppo_ds.rollout.generate import SamplingParams, generate
-from oppo_ds.rollout.streaming import (StreamingScorer, StreamTiming, _chunk_tokens,
-                                       stream_generate)
+from oppo_ds.rollout.streaming import (PLACEMENTS, StreamingScorer, StreamTiming, _chunk_tokens,
+                                       chrome_trace, stream_generate)
 
 VOCAB = 40
 PAD = 0
@@ -282,3 +289,174 @@ def test_errors():
     with pytest.raises(ValueError, match="one scorer per kind"):
         stream_generate(_models("tiny-llama")[0], [StreamingScorer(reward, "reward")] * 2,
                         ids, mask, PARAMS, None, 4)
+
+
+# ---------------------------------------------------------------- colocated placement
+
+SCORER_THREAD = "oppo-colocated-scorers"
+
+
+def _scorer_threads():
+    return [t for t in threading.enumerate() if t.name == SCORER_THREAD]
+
+
+def _run(placement, arch, chunk_size, device="cpu"):
+    actor, reference, reward, critic = _models(arch)
+    if device != "cpu":
+        actor, reference, reward, critic = (copy.deepcopy(m).to(device)
+                                            for m in (actor, reference, reward, critic))
+    ids, mask = (t.to(device) for t in _prompts())
+    scorers = _scorers(reference, reward, critic)
+    gen, results, timing = stream_generate(
+        actor, scorers, ids, mask, PARAMS, torch.Generator(device).manual_seed(SEED), chunk_size,
+        placement=placement)
+    return gen, results, timing, scorers
+
+
+@pytest.mark.parametrize("arch,chunk_size", [(a, 3) for a in ARCHS] + [("tiny-llama", 1)])
+def test_colocated_equals_inline(arch, chunk_size):
+    """Same calls in the same order, only on another thread: bit-identical results."""
+    gen_i, inline, timing_i, scorers_i = _run("inline", arch, chunk_size)
+    gen_c, colocated, timing_c, scorers_c = _run("colocated", arch, chunk_size)
+    for name in ("response_ids", "response_mask", "logprobs", "lengths"):
+        assert torch.equal(getattr(gen_c, name), getattr(gen_i, name)), name
+    assert set(colocated) == set(inline) == {"reward", "reference", "critic"}
+    for kind in inline:
+        assert torch.equal(colocated[kind], inline[kind]), kind
+    # the same rows finished at the same chunks, and left the caches
+    assert [s.finishes for s in scorers_c] == [s.finishes for s in scorers_i]
+    assert all(s.num_rows == 0 and s.cache is None for s in scorers_c)
+    assert timing_c.chunks == timing_i.chunks
+    assert not _scorer_threads()
+
+
+class FailingScorer(RecordingScorer):
+    """Raises in its consume of the given chunk (0-based)."""
+
+    def __init__(self, *args, fail_at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail_at, self.calls = fail_at, 0
+
+    def consume(self, rows, tokens, lengths):
+        self.calls += 1
+        if self.calls > self.fail_at:
+            raise RuntimeError("scorer exploded")
+        return super().consume(rows, tokens, lengths)
+
+
+class FailingActor(torch.nn.Module):
+    """The actor's forward raises after ``calls`` forwards."""
+
+    def __init__(self, model, calls):
+        super().__init__()
+        self.model, self.left = model, calls
+
+    def forward(self, **kwargs):
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("actor exploded")
+        return self.model(**kwargs)
+
+
+@pytest.mark.parametrize("fail_at", [0, 2, 10_000])
+def test_colocated_scorer_error_propagates(fail_at):
+    """A scorer raising in the scorer thread (at the first chunk, mid-rollout, or never: then
+    the actor fails instead) surfaces in the caller with the thread's frames in its traceback,
+    and the thread is joined."""
+    actor, reference, reward, critic = _models("tiny-llama")
+    ids, mask = _prompts()
+    threads_before = set(threading.enumerate())
+    failing = FailingScorer(critic, "critic", fail_at=fail_at)
+    scorers = [RecordingScorer(reward, "reward"), failing]
+    if fail_at == 10_000:
+        actor, message = FailingActor(actor, calls=5), "actor exploded"
+    else:
+        message = "scorer exploded"
+    with pytest.raises(RuntimeError, match=message) as info:
+        stream_generate(actor, scorers, ids, mask, PARAMS, torch.Generator().manual_seed(SEED),
+                        chunk_size=2, placement="colocated")
+    assert set(threading.enumerate()) == threads_before
+    assert not _scorer_threads()
+    if fail_at != 10_000:
+        frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+        assert "consume" in frames and "_work" in frames  # the scorer thread's own frames
+        assert failing.calls == fail_at + 1  # nothing queued after the failure ran
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_timing_invariants_and_chrome_trace(placement, tmp_path):
+    gen, _, timing, _ = _run(placement, "tiny-qwen2", chunk_size=2)
+    kinds = {"reward", "reference", "critic"}
+    assert 0.0 <= timing.scoring_hidden_frac <= 1.0
+    assert timing.scoring_tail_s >= 0.0
+    assert timing.decode_end_s <= timing.scoring_end_s <= timing.wall_s
+    assert timing.scoring_tail_s == pytest.approx(timing.scoring_end_s - timing.decode_end_s)
+    busy = sum(t.busy_s for t in timing.scorers.values())
+    assert timing.scoring_busy_s == pytest.approx(busy) and busy > 0
+    tail = sum(t.tail_s for t in timing.scorers.values())
+    assert timing.scoring_hidden_frac == pytest.approx((busy - tail) / busy)
+    # rows end at different chunks, so some scoring lies before the last token in any placement
+    assert timing.chunks > 1 and timing.scoring_hidden_frac > 0
+
+    lanes = {}
+    for e in timing.events:
+        assert 0.0 <= e.start_s <= e.end_s <= timing.wall_s
+        lanes.setdefault(e.lane, []).append(e)
+    assert set(lanes) == {"actor"} | kinds
+    actor = lanes["actor"]
+    assert [e.name for e in actor] == ["prefill"] + [f"chunk {i}" for i in range(timing.chunks)]
+    assert actor[-1].end_s == timing.decode_end_s
+    assert timing.decode_s == pytest.approx(sum(e.end_s - e.start_s for e in actor))
+    for kind in kinds:
+        assert len(lanes[kind]) == 1 + 2 * timing.chunks  # begin, then consume + finish per chunk
+        assert max(e.end_s for e in lanes[kind]) <= timing.scoring_end_s
+    # one thread per lane in colocated: each lane's events follow one another; inline: every
+    # event of every lane does
+    groups = [timing.events] if placement == "inline" else list(lanes.values())
+    for events in groups:
+        for a, b in zip(events, events[1:]):
+            assert a.end_s <= b.start_s, (a, b)
+
+    path = chrome_trace(timing.events, tmp_path / "trace" / "rollout.json", step=3)
+    trace = json.loads(path.read_text())["traceEvents"]
+    complete = [e for e in trace if e["ph"] == "X"]
+    assert len(complete) == len(timing.events)
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    assert sorted(names.values()) == sorted({"actor"} | kinds)
+    for e, event in zip(complete, timing.events):
+        assert names[e["tid"]] == event.lane and e["name"] == event.name
+        assert e["ts"] == pytest.approx(event.start_s * 1e6) and e["dur"] >= 0
+        assert e["args"]["step"] == 3
+
+
+def test_placement_errors():
+    actor, _, reward, _ = _models("tiny-llama")
+    ids, mask = _prompts()
+    for placement in ("stage", "side"):
+        with pytest.raises(ValueError, match="inline, colocated.*stage"):
+            stream_generate(actor, [StreamingScorer(reward, "reward")], ids, mask, PARAMS, None,
+                            4, placement=placement)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the colocated side stream")
+@pytest.mark.parametrize("chunk_size", [1, 4])
+def test_colocated_on_cuda_equals_inline(chunk_size):
+    """On CUDA the scorer thread issues its kernels on a side stream that waits for the
+    actor's stream: a scorer reading a chunk before the actor wrote it would score padding."""
+    gen_i, inline, _, _ = _run("inline", "tiny-llama", chunk_size, device="cuda")
+    gen_c, colocated, timing, scorers = _run("colocated", "tiny-llama", chunk_size, device="cuda")
+    assert torch.equal(gen_c.response_ids, gen_i.response_ids)
+    assert torch.equal(gen_c.lengths, gen_i.lengths)
+    for kind in inline:
+        assert colocated[kind].device.type == "cuda"
+        assert (colocated[kind] - inline[kind]).abs().max().item() < ATOL_FP32, kind
+    whole = _whole(*_models("tiny-llama")[1:], _to_cpu(gen_c))
+    diffs = _max_diffs({k: v.cpu() for k, v in colocated.items()}, whole, _to_cpu(gen_c))
+    assert max(diffs.values()) < 1e-4, diffs  # GPU vs CPU kernels: a looser bound
+    assert 0.0 <= timing.scoring_hidden_frac <= 1.0 and timing.scoring_tail_s >= 0.0
+    assert all(s.num_rows == 0 for s in scorers) and not _scorer_threads()
+
+
+def _to_cpu(gen):
+    return type(gen)(**{k: v.cpu() for k, v in vars(gen).items()})
