@@ -139,18 +139,41 @@ class GenerationConfig:
 
 @dataclass
 class OppoConfig:
+    """Speed settings of OPPO's two techniques; none of them changes the PPO math."""
     streaming: bool = False
-    """Intra-step overlap: stream decoded chunks into the scorers' prefill."""
+    """Intra-step overlap: the actor hands every chunk of decoded tokens to the scorers, which
+    prefill it into their own KV caches while decoding goes on (false = the sequential
+    baseline: generate everything, then score)."""
+    chunk_size: Union[int, Literal["auto"]] = 16
+    """Tokens the actor decodes between two hand-overs to the scorers, or `auto`: start from a
+    cost model fitted to two measured calibration steps, then every `chunk_explore_every`
+    steps try each of `chunk_candidates` for a step and keep the fastest (logged)."""
+    chunk_candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    """Chunk sizes `auto` chooses from."""
+    chunk_explore_every: int = 50
+    """Steps between two explorations of the candidates under `auto` (0 = never explore)."""
+    stream_to: list[Literal["reference", "critic"]] = field(default_factory=lambda: ["reference", "critic"])
+    """Scorers that stream besides the reward model (which always does when streaming is on);
+    the others score whole sequences after generation."""
+    placement: Literal["inline", "colocated"] = "inline"
+    """Where scorer prefill runs: inline = between decode chunks in the same thread (the
+    reference for correctness); colocated = concurrently on the same devices (a worker
+    thread on CPU, a side CUDA stream on GPU)."""
     overcommit: int = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap)."""
 
     def __post_init__(self):
-        # The two techniques switch on inside the same trainer; until they land the sequential
-        # baseline is the only schedule, and asking for more must not silently run it.
-        _require(self.streaming is False, "streaming",
-                 "only false is available in this version (sequential baseline)")
+        _require(self.chunk_size == "auto" or self.chunk_size >= 1, "chunk_size",
+                 f"must be >= 1 or auto, got {self.chunk_size}")
+        _require(bool(self.chunk_candidates) and min(self.chunk_candidates) >= 1, "chunk_candidates",
+                 f"must be a non-empty list of sizes >= 1, got {self.chunk_candidates}")
+        _require(self.chunk_explore_every >= 0, "chunk_explore_every", "must be >= 0")
+        _require(len(set(self.stream_to)) == len(self.stream_to), "stream_to",
+                 f"lists a scorer twice: {self.stream_to}")
+        # Overcommitment switches on inside the same trainer when it lands; until then asking
+        # for it must not silently run without it.
         _require(self.overcommit == 0, "overcommit",
-                 "only 0 is available in this version (sequential baseline)")
+                 "only 0 is available in this version (inter-step overlap not implemented yet)")
 
 
 @dataclass
@@ -222,6 +245,10 @@ class LoggingConfig:
     """Show a progress bar (rank 0)."""
     log_every: int = 10
     """Print a metrics line every N steps (0 = never)."""
+    trace_every: int = 0
+    """Write a Chrome/Perfetto trace of every N-th step's timeline (phases; with streaming
+    also decode chunks and scorer prefills) to output_dir/traces/ (0 = never). Open it in
+    https://ui.perfetto.dev or chrome://tracing."""
 
 
 @dataclass
@@ -275,6 +302,8 @@ def _describe(tp) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if origin is list:
+        return f"a list, each {_describe(typing.get_args(tp)[0])}"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
@@ -291,6 +320,10 @@ def _convert(key: str, value: Any, tp) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+        return [_convert(key, item, typing.get_args(tp)[0]) for item in value]
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
             return value

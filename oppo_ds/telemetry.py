@@ -20,10 +20,13 @@ logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
-    """Wall time of named phases within one step."""
+    """Wall time of named phases within one step, and their (start, end) offsets from the
+    timer's creation for a timeline trace."""
 
     def __init__(self):
+        self.origin = time.perf_counter()
         self.times: dict[str, float] = {}
+        self.events: list[tuple[str, str, float, float]] = []  # (lane, name, start_s, end_s)
 
     @contextmanager
     def phase(self, name: str):
@@ -31,7 +34,9 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            self.times[name] = self.times.get(name, 0.0) + end - start
+            self.events.append(("phases", name, start - self.origin, end - self.origin))
 
 
 class Telemetry:

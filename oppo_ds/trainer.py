@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -25,6 +26,8 @@ from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import Experience, response_logprobs, response_values, sequence_scores
 from .models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
 from .rollout.generate import SamplingParams, generate
+from .rollout.controllers import ChunkSizeController
+from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, stream_generate
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,15 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
                    tokenizer=tokenizer,
                    prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
                    builtin_prompts=d.prompts == "builtin")
+
+
+def streaming_metrics(timing) -> dict:
+    """Per-step telemetry of the streaming scorers: busy time, the share of it done while the
+    actor was still decoding, and the scoring tail left after the actor's last token."""
+    return {"stream/scorer_busy_s": timing.scoring_busy_s,
+            "stream/scoring_tail_s": timing.scoring_tail_s,
+            "stream/scoring_hidden_frac": timing.scoring_hidden_frac,
+            "stream/chunks": timing.chunks}
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -145,6 +157,10 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + self.rank)
         self.stream = PromptStream(self.prompts, p.batch_size, cfg.seed, self.rank,
                                    self.world_size, shuffle=cfg.data.shuffle)
+        o = cfg.oppo
+        self.chunk_ctl = ChunkSizeController(
+            candidates=tuple(o.chunk_candidates), explore_every=o.chunk_explore_every,
+            overlapped=o.placement != "inline") if o.streaming and o.chunk_size == "auto" else None
         self.step_count = 0
         self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
                                       rank=self.rank, keep_last=cfg.checkpoint.keep_last)
@@ -185,12 +201,15 @@ class PPOTrainer:
         self.stream.load_state_dict(state["stream"])
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
+        if self.chunk_ctl is not None and state.get("chunk_ctl"):
+            self.chunk_ctl.load_state_dict(state["chunk_ctl"])
         if self.is_main:
             logger.info("resumed from %s at step %d", tag, self.step_count)
 
     def save_checkpoint(self) -> None:
         state = {"step": self.step_count, "stream": self.stream.state_dict(),
-                 "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state()}
+                 "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
+                 "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None}
         self.ckpt.save(f"step{self.step_count}", state, engines={"actor": self.actor, "critic": self.critic})
 
     # ------------------------------------------------------------------ the PPO step
@@ -199,16 +218,29 @@ class PPOTrainer:
         timer = PhaseTimer()
         start = time.perf_counter()
         batch = self.stream.next_batch()
+        streamed, stream_metrics = {}, {}
         with timer.phase("generate"):
-            gen = self.generate([x.input_ids for x in batch])
+            if self.cfg.oppo.streaming:
+                chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl else self.cfg.oppo.chunk_size
+                gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch], chunk)
+                stream_metrics = streaming_metrics(timing)
+                stream_metrics["oppo/chunk_size"] = chunk
+            else:
+                gen = self.generate([x.input_ids for x in batch])
         with timer.phase("score"):
-            exp = self.make_experience([x.id for x in batch], gen)
+            exp = self.make_experience([x.id for x in batch], gen, streamed)
+        if self.chunk_ctl is not None:
+            self._control_chunk_size(chunk, timer.times, timing, gen)
         with timer.phase("advantages"):
             self.compute_advantages(exp)
         with timer.phase("train"):
             train_stats = self.update(exp)
         self.step_count += 1
         metrics = self.step_metrics(exp, train_stats)
+        metrics.update(stream_metrics)
+        every = self.cfg.logging.trace_every
+        if every and self.step_count % every == 0 and self.is_main:
+            self._write_trace(timer, timing if self.cfg.oppo.streaming else None)
         metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
         metrics["time/step_s"] = time.perf_counter() - start
         metrics["samples"] = len(exp) * self.world_size
@@ -220,17 +252,67 @@ class PPOTrainer:
         with self.actor.generation_context() as model:
             return generate(model, ids, mask, self.sampling, self.sample_gen)
 
+    def _write_trace(self, timer: PhaseTimer, timing) -> None:
+        """Chrome/Perfetto trace of this step: the phases, and with streaming the actor's
+        decode chunks and every scorer's prefills, on one clock."""
+        events = list(timer.events)
+        if timing is not None:
+            generate_start = next(start for lane, name, start, _ in timer.events if name == "generate")
+            events += [(e.lane, e.name, generate_start + e.start_s, generate_start + e.end_s)
+                       for e in timing.events]
+        path = os.path.join(self.cfg.logging.output_dir, "traces", f"step{self.step_count}.json")
+        chrome_trace([TimelineEvent(*e) for e in events], path, step=self.step_count)
+
+    def _control_chunk_size(self, chunk: int, phase_s: dict, timing, gen) -> None:
+        """Feed the chunk-size controller this step's rollout cost, averaged over ranks so
+        that every rank takes the same decision."""
+        tokens = float(gen.lengths.sum())
+        scorers = len(timing.scorers)
+        local = torch.tensor([(phase_s["generate"] + phase_s["score"]) / tokens,
+                              timing.chunks * scorers, tokens * scorers,
+                              sum(t.busy_s for t in timing.scorers.values()),
+                              float(gen.lengths.max())], dtype=torch.float64)
+        per_token, calls, scored, busy, longest = (all_reduce_sum(local) / self.world_size).tolist()
+        decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy, longest)
+        if decision and self.is_main:
+            logger.info("step %d: %s", self.step_count + 1, decision)
+
+    def generate_streaming(self, prompt_id_lists, chunk_size: int):
+        """Chunked decoding with the reward model (and the scorers in oppo.stream_to)
+        prefilling each chunk as it is decoded: returns (generation, streamed results, timing)."""
+        o = self.cfg.oppo
+        ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        temp = self.cfg.generation.temperature
+        with self.actor.generation_context() as actor, \
+                (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
+            scorers = [StreamingScorer(self.reward, "reward")]
+            if "reference" in o.stream_to:
+                scorers.append(StreamingScorer(self.reference, "reference", temperature=temp))
+            if critic is not None:
+                scorers.append(StreamingScorer(critic, "critic"))
+            return stream_generate(actor, scorers, ids, mask, self.sampling, self.sample_gen,
+                                   chunk_size, placement=o.placement)
+
     @torch.no_grad()
-    def make_experience(self, keys: list[str], gen) -> Experience:
-        """Reference log-probs, critic values, rewards and the actor's own (old) log-probs."""
+    def make_experience(self, keys: list[str], gen, streamed: Optional[dict] = None) -> Experience:
+        """Reference log-probs, critic values, rewards and the actor's own (old) log-probs;
+        what the streaming scorers already produced (``streamed``, by kind) is taken as is."""
+        streamed = streamed or {}
         temp = self.cfg.generation.temperature
         args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
         old_logprobs = self._micro_batched(
             lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]), args)
-        old_values = self._micro_batched(
-            lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)), args)
-        ref_logprobs = self._micro_batched(lambda *a: response_logprobs(self.reference, *a, temp)[0], args)
-        scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+        old_values = streamed.get("critic")
+        if old_values is None:
+            old_values = self._micro_batched(
+                lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)), args)
+        ref_logprobs = streamed.get("reference")
+        if ref_logprobs is None:
+            ref_logprobs = self._micro_batched(lambda *a: response_logprobs(self.reference, *a, temp)[0], args)
+        scores = streamed.get("reward")
+        if scores is None:
+            scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
         gold = None
         if self.builtin_prompts:
             gold = torch.tensor(self._gold(gen), dtype=torch.float32)
@@ -317,6 +399,9 @@ class PPOTrainer:
             "response/len_max": max(lengths),
             "response/len_p50": sorted(lengths)[len(lengths) // 2],
             "response/lengths": [int(x) for x in lengths],  # for run-wide quantiles
+            # decode slots spent waiting for the longest response when every row decodes to
+            # the end of the batch (what overcommitment recovers)
+            "rollout/tail_waste_frac": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
             "kl/mean": all_reduce_sum(self._kl_stats["kl"].detach().float()).item() / self.world_size,
             "value/mean": masked_mean(exp.old_values, exp.response_mask).item(),
             "lr/actor": self.actor.lr(),
