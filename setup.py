@@ -35,5 +35,6 @@ setup(
         "peer": ["trl==1.12.0"],
         "plot": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:main"]},
+    entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:main",
+                                    "oppo-bench = oppo_ds.cli.bench:main"]},
 )

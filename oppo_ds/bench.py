@@ -1,0 +1,234 @@
+"""oppo-bench logic: run each schedule (mode) on the same workload, summarise, compare, plot.
+
+Every mode runs as its own ``python -m oppo_ds.train`` process, one after another, so that no
+state (caches, RNG, allocator, threads) carries from one mode into the next. The summary of a
+run is a pure function of its ``metrics.jsonl`` rows (``summarize_mode``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Mode:
+    overrides: tuple[str, ...]
+    """Config overrides that select this schedule (applied before the user's)."""
+    streams: bool
+    """Whether scoring overlaps decoding; a mode that does not hides no scoring time."""
+
+
+# The one table of schedules oppo-bench can run: adding a mode is one line here.
+MODES: dict[str, Mode] = {
+    "sequential": Mode(("oppo.streaming=false",), streams=False),
+    "intra": Mode(("oppo.streaming=true",), streams=True),
+}
+# Named by the design (inter-step overcommitment, and both techniques together) but not
+# implemented yet: asked for, they are refused up front rather than silently run as another mode.
+PLANNED_MODES = ("inter", "oppo")
+
+# Every child run starts fresh and writes nothing the benchmark does not read.
+BASE_OVERRIDES = ("checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false")
+
+
+class BenchError(Exception):
+    """A failure shown to the user as one message; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def parse_modes(text: str) -> list[str]:
+    """``"sequential,intra"`` -> ["sequential", "intra"]; an unknown or planned mode raises
+    BenchError(code=2) naming the modes that are available."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        planned = [m for m in unknown if m in PLANNED_MODES]
+        what = (f"mode(s) {', '.join(planned)} not implemented yet" if planned and planned == unknown
+                else f"unknown mode(s) {', '.join(unknown) or repr(text)}")
+        raise BenchError(f"{what}; available modes: {', '.join(MODES)}", code=2)
+    if len(set(modes)) != len(modes):
+        raise BenchError(f"mode listed twice in {text!r}", code=2)
+    return modes
+
+
+def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[str]) -> list[str]:
+    return [f"steps={steps}", f"seed={seed}", f"logging.output_dir={run_dir}", *BASE_OVERRIDES,
+            *MODES[mode].overrides, *user]
+
+
+# ------------------------------------------------------------------ summary (pure)
+
+def _mean(xs: list[float]) -> Optional[float]:
+    return statistics.fmean(xs) if xs else None
+
+
+def tail_waste(lengths: list[int]) -> float:
+    """Share of decode slots spent waiting for the longest response, for a batch that decodes
+    every row until its longest one ends: 1 - sum(lengths) / (rows * max(lengths))."""
+    longest = max(lengths, default=0)
+    return 1.0 - sum(lengths) / (len(lengths) * longest) if longest > 0 else 0.0
+
+
+def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[float] = None) -> dict:
+    """A mode's benchmark fields from its metrics.jsonl rows (one dict per step).
+
+    Timing fields (step_time_s, samples_per_s, phase_fraction, scoring_hidden_frac) use the
+    steps after the first ``warmup`` (at least one step is always kept); reward, gold and tail
+    waste use every step. ``hidden_default`` is scoring_hidden_frac when no step reports it
+    (0.0 for a mode that does not stream: nothing is hidden).
+    """
+    if not steps:
+        raise ValueError("no steps to summarise")
+    skipped = min(warmup, len(steps) - 1)
+    timed = steps[skipped:]
+
+    def column(rows, key):
+        return [r[key] for r in rows if key in r]
+
+    step_times = column(timed, "time/step_s")
+    total_time = sum(step_times)
+    out = {
+        "steps": len(steps),
+        "warmup_steps": skipped,
+        "step_time_s": statistics.median(step_times) if step_times else None,
+        "samples_per_s": sum(column(timed, "samples")) / total_time if total_time > 0 else None,
+    }
+    for key, name in (("reward/mean", "reward"), ("gold/mean", "gold")):
+        values = column(steps, key)
+        if values:
+            out[f"{name}_first"] = _mean(values[:10])
+            out[f"{name}_last"] = _mean(values[-10:])
+    hidden = column(timed, "stream/scoring_hidden_frac")
+    out["scoring_hidden_frac"] = _mean(hidden) if hidden else hidden_default
+    out["tail_waste_frac"] = _mean([tail_waste(x) for x in column(steps, "response/lengths")])
+    phases = list(dict.fromkeys(k for r in timed for k in r if k.startswith("time/phase/")))  # step order
+    phase_total = sum(sum(column(timed, k)) for k in phases)
+    out["phase_fraction"] = ({k[len("time/phase/"):]: sum(column(timed, k)) / phase_total for k in phases}
+                             if phase_total > 0 else {})
+    return out
+
+
+def add_speedups(modes: dict[str, dict]) -> None:
+    """speedup = samples_per_s / sequential's samples_per_s (None without a sequential run)."""
+    base = modes.get("sequential", {}).get("samples_per_s")
+    for fields in modes.values():
+        rate = fields.get("samples_per_s")
+        fields["speedup"] = rate / base if base and rate is not None else None
+
+
+# ------------------------------------------------------------------ running
+
+def prepare_run_dir(run_dir: str) -> None:
+    """Start each mode in an empty directory; only a directory an earlier oppo-bench left
+    (it holds stdout.log) is cleared, never one the user keeps something else in."""
+    if os.path.isdir(run_dir) and os.listdir(run_dir):
+        if not os.path.isfile(os.path.join(run_dir, "stdout.log")):
+            raise BenchError(f"{run_dir} exists and was not written by oppo-bench; "
+                             f"choose another --workdir", code=2)
+        shutil.rmtree(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+
+
+def _last_lines(path: str, n: int = 20) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def run_mode(mode: str, config: str, overrides: list[str], run_dir: str) -> list[dict]:
+    """Train ``mode`` in a child process; returns its metrics rows or raises BenchError."""
+    prepare_run_dir(run_dir)
+    log_path = os.path.join(run_dir, "stdout.log")
+    cmd = [sys.executable, "-m", "oppo_ds.train", "--config", config, *overrides]
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if code != 0 or not os.path.isfile(metrics_path):
+        raise BenchError(f"mode {mode!r} failed (exit {code}); log: {log_path}; last lines:\n"
+                         + _last_lines(log_path))
+    with open(metrics_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def machine_info() -> dict:
+    """Where the numbers were taken; the load average shows whether others shared the CPU
+    (on a small CPU a busy neighbour slows torch's threads far more than its share)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        ds_version = version("deepspeed")
+    except PackageNotFoundError:
+        ds_version = None
+    cuda = torch.cuda.is_available()
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "deepspeed": ds_version,
+            "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
+            "cuda_device_count": torch.cuda.device_count() if cuda else 0,
+            "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+
+
+# ------------------------------------------------------------------ reporting
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(modes: dict[str, dict]) -> str:
+    header = ("mode", "step_time_s", "samples/s", "speedup", "hidden", "tail waste", "reward first->last")
+    rows = [header]
+    for name, m in modes.items():
+        rows.append((name, _fmt(m["step_time_s"], ".4f"), _fmt(m["samples_per_s"], ".2f"),
+                     _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
+                     _fmt(m["scoring_hidden_frac"], ".1%"), _fmt(m["tail_waste_frac"], ".1%"),
+                     f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def plot(histories: dict[str, list[dict]], modes: dict[str, dict], path: str) -> None:
+    """(a) reward/mean against samples seen per mode; (b) median step time per mode with its
+    phase breakdown stacked (each phase's share of phase time times the median step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (name, rows) in enumerate(histories.items()):
+        seen, total = [], 0
+        for r in rows:
+            total += r.get("samples", 0)
+            seen.append(total)
+        ax_reward.plot(seen, [r.get("reward/mean", float("nan")) for r in rows], label=name,
+                       linestyle=("-", "--", ":", "-.")[i % 4], marker="o", markersize=3)  # same seeds can overlap
+    ax_reward.set(xlabel="samples seen", ylabel="reward/mean", title="(a) reward")
+    ax_reward.legend()
+    names = list(modes)
+    phases = list(dict.fromkeys(p for m in modes.values() for p in m["phase_fraction"]))
+    bottoms = [0.0] * len(names)
+    for phase in phases:
+        heights = [(modes[n]["step_time_s"] or 0.0) * modes[n]["phase_fraction"].get(phase, 0.0)
+                   for n in names]
+        ax_time.bar(names, heights, bottom=bottoms, label=phase)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax_time.set(ylabel="median step time (s)", title="(b) step time by phase")
+    ax_time.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

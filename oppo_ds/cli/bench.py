@@ -1,0 +1,101 @@
+"""oppo-bench: the same workload and seeds under each schedule, one process after another.
+
+    oppo-bench --config examples/configs/tiny.yaml --modes sequential,intra --steps 50 \
+        --json bench.json --plot bench.png
+    oppo-bench --config FILE --modes sequential --steps 20 --json out.json ppo.batch_size=32
+
+Each mode runs ``python -m oppo_ds.train`` in its own process with its run directory under
+--workdir (default: next to the JSON, ``<json without .json>.runs/``); its output goes to
+``<workdir>/<mode>/stdout.log``. Modes and the overrides that select them: oppo_ds.bench.MODES.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from .. import bench
+from ..config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oppo-bench",
+        description="Compare PPO schedules (sequential baseline vs OPPO's overlaps) on one workload.")
+    parser.add_argument("--config", required=True, metavar="FILE", help="YAML config file (see examples/configs/)")
+    parser.add_argument("--modes", required=True,
+                        help=f"comma-separated modes to run; available: {', '.join(bench.MODES)}")
+    parser.add_argument("--steps", type=int, required=True, help="PPO steps per mode")
+    parser.add_argument("--json", required=True, dest="json_path", metavar="OUT.json", help="where to write the results")
+    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG: reward against samples, step time by phase")
+    parser.add_argument("--seed", type=int, default=0, help="seed shared by every mode (default 0)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="first steps left out of the timing (default 2)")
+    parser.add_argument("--workdir", metavar="DIR", help="keeps each mode's run directory (default <json>.runs/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides applied to every mode, e.g. ppo.batch_size=32")
+    return parser
+
+
+def check_inputs(args, modes: list[str], workdir: str) -> None:
+    """Everything that can be checked before the first (possibly long) run starts."""
+    if args.steps < 1:
+        raise bench.BenchError("--steps must be >= 1", code=2)
+    if args.warmup < 0:
+        raise bench.BenchError("--warmup must be >= 0", code=2)
+    for mode in modes:
+        overrides = bench.child_overrides(mode, args.steps, args.seed, os.path.join(workdir, mode),
+                                          args.overrides)
+        try:
+            load_config(args.config, overrides)
+        except ConfigError as err:
+            raise bench.BenchError(f"mode {mode!r}: {err}", code=2) from None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise bench.BenchError("--plot needs matplotlib (pip install 'oppo-ds[plot]')", code=2)
+
+
+def run(args) -> dict:
+    modes = bench.parse_modes(args.modes)
+    json_path = os.path.abspath(args.json_path)
+    workdir = os.path.abspath(args.workdir or os.path.splitext(json_path)[0] + ".runs")
+    check_inputs(args, modes, workdir)
+    machine = bench.machine_info()  # before the runs: the load average they started under
+    results, histories = {}, {}
+    for i, mode in enumerate(modes, 1):
+        run_dir = os.path.join(workdir, mode)
+        print(f"[{i}/{len(modes)}] {mode}: {args.steps} steps, log {run_dir}/stdout.log",
+              file=sys.stderr, flush=True)
+        overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides)
+        histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir)
+        hidden_default = None if bench.MODES[mode].streams else 0.0
+        results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
+    bench.add_speedups(results)
+    report = {"config": args.config, "steps": args.steps, "seed": args.seed,
+              "overrides": list(args.overrides), "workdir": workdir,
+              "machine": machine, "modes": results}
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(bench.format_table(results))
+    print(f"results: {json_path}")
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        bench.plot(histories, results, args.plot)
+        print(f"plot: {os.path.abspath(args.plot)}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except bench.BenchError as err:
+        print(f"oppo-bench: error: {err}", file=sys.stderr)
+        return err.code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""oppo-bench: the summary math against hand-derived values (tier 0), then whole benchmark
+runs of a few tiny steps, each mode in its own process (tier 2)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from oppo_ds import bench
+from oppo_ds.cli import bench as bench_cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "examples", "configs", "tiny.yaml")
+SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
+         "generation.max_new_tokens=24", "ppo.batch_size=8", "ppo.mini_batch_size=4",
+         "ppo.micro_batch_size=4",
+         # one thread per run: with two on a small shared CPU every op waits on a busy core
+         "system.torch_threads=1"]
+
+
+def step(t, samples=8, reward=0.0, lengths=(4, 4), **extra):
+    return {"time/step_s": t, "samples": samples, "reward/mean": reward,
+            "response/lengths": list(lengths), **extra}
+
+
+# ------------------------------------------------------------------ tier 0: summary math
+
+def test_tail_waste_by_hand():
+    assert bench.tail_waste([2, 4, 8, 8]) == pytest.approx(1 - 22 / 32)
+    assert bench.tail_waste([5, 5, 5]) == 0.0
+    assert bench.tail_waste([1, 9]) == pytest.approx(1 - 10 / 18)
+    assert bench.tail_waste([]) == 0.0 and bench.tail_waste([0, 0]) == 0.0
+
+
+def test_summarize_mode_by_hand():
+    steps = [
+        step(10.0, reward=0.0, lengths=[2, 4, 8, 8], **{"time/phase/generate": 9.0, "time/phase/train": 1.0}),
+        step(1.0, reward=1.0, lengths=[4, 4], **{"time/phase/generate": 0.5, "time/phase/train": 0.5}),
+        step(2.0, reward=2.0, lengths=[1, 9], **{"time/phase/generate": 1.0, "time/phase/train": 1.0}),
+        step(4.0, samples=16, reward=3.0, lengths=[3, 3, 3, 3],
+             **{"time/phase/generate": 3.0, "time/phase/train": 1.0}),
+        step(3.0, reward=4.0, lengths=[6], **{"time/phase/generate": 2.0, "time/phase/train": 1.0}),
+    ]
+    out = bench.summarize_mode(steps, warmup=2, hidden_default=0.0)
+    assert out["steps"] == 5 and out["warmup_steps"] == 2
+    assert out["step_time_s"] == 3.0                                   # median of 2, 4, 3
+    assert out["samples_per_s"] == pytest.approx((8 + 16 + 8) / (2 + 4 + 3))
+    assert out["reward_first"] == 2.0 and out["reward_last"] == 2.0    # fewer than 10 steps: all
+    assert "gold_first" not in out
+    assert out["tail_waste_frac"] == pytest.approx(((1 - 22 / 32) + 0 + (1 - 10 / 18) + 0 + 0) / 5)
+    # phases of the timed steps only: generate 1+3+2 = 6, train 1+1+1 = 3
+    assert out["phase_fraction"] == pytest.approx({"generate": 6 / 9, "train": 3 / 9})
+    assert out["scoring_hidden_frac"] == 0.0
+
+
+def test_summarize_mode_first_and_last_ten_gold_and_hidden():
+    steps = [step(1.0, reward=float(i), **{"gold/mean": 10.0 * i, "stream/scoring_hidden_frac": h})
+             for i, h in zip(range(25), [0.5, 0.9] * 13)]
+    out = bench.summarize_mode(steps, warmup=3)
+    assert out["reward_first"] == pytest.approx(4.5)    # mean of 0..9
+    assert out["reward_last"] == pytest.approx(19.5)    # mean of 15..24
+    assert out["gold_first"] == pytest.approx(45.0) and out["gold_last"] == pytest.approx(195.0)
+    # steps 3..24: 11 of 0.9 (odd indices) and 11 of 0.5
+    assert out["scoring_hidden_frac"] == pytest.approx(0.7)
+    assert out["phase_fraction"] == {}
+
+
+def test_warmup_longer_than_run_keeps_the_last_step():
+    out = bench.summarize_mode([step(5.0), step(1.0)], warmup=2)
+    assert out["warmup_steps"] == 1 and out["step_time_s"] == 1.0 and out["samples_per_s"] == 8.0
+    assert bench.summarize_mode([step(5.0)], warmup=2)["step_time_s"] == 5.0
+    assert bench.summarize_mode([step(5.0)])["scoring_hidden_frac"] is None  # not streamed, not known
+
+
+def test_speedup_relative_to_sequential():
+    modes = {"sequential": {"samples_per_s": 4.0}, "intra": {"samples_per_s": 6.0}}
+    bench.add_speedups(modes)
+    assert modes["sequential"]["speedup"] == 1.0 and modes["intra"]["speedup"] == 1.5
+    alone = {"intra": {"samples_per_s": 6.0}}
+    bench.add_speedups(alone)
+    assert alone["intra"]["speedup"] is None
+
+
+def test_parse_modes():
+    assert bench.parse_modes("sequential, intra") == ["sequential", "intra"]
+    available = "available modes: " + ", ".join(bench.MODES)
+    for text in ("inter", "sequential,oppo", "warp", "", "sequential,sequential"):
+        with pytest.raises(bench.BenchError) as err:
+            bench.parse_modes(text)
+        assert err.value.code == 2
+    with pytest.raises(bench.BenchError, match="inter not implemented yet; " + available):
+        bench.parse_modes("sequential,inter")
+
+
+def test_format_table_shows_every_mode():
+    fields = {"step_time_s": 0.5, "samples_per_s": 16.0, "speedup": 1.0, "scoring_hidden_frac": 0.0,
+              "tail_waste_frac": 0.25, "reward_first": 0.1, "reward_last": 0.3}
+    text = bench.format_table({"sequential": fields, "intra": {**fields, "speedup": None}})
+    assert "sequential" in text and "intra" in text and "0.100 -> 0.300" in text and "25.0%" in text
+
+
+# ------------------------------------------------------------------ tier 2: real runs
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+def bench_cmd(*args):
+    return [sys.executable, "-m", "oppo_ds.cli.bench", *args]
+
+
+def test_unavailable_mode_exits_2_with_one_line():
+    proc = subprocess.run(bench_cmd("--config", TINY, "--modes", "inter", "--steps", "3",
+                                    "--json", os.devnull), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "inter" in lines[0] and "available modes: " + ", ".join(bench.MODES) in lines[0]
+
+
+def check_mode_fields(fields: dict, steps: int) -> None:
+    assert fields["steps"] == steps
+    assert fields["step_time_s"] > 0 and fields["samples_per_s"] > 0
+    for key in ("reward_first", "reward_last", "gold_first", "gold_last"):
+        assert isinstance(fields[key], float) and fields[key] == fields[key]
+    assert 0.0 <= fields["scoring_hidden_frac"] <= 1.0
+    assert 0.0 <= fields["tail_waste_frac"] < 1.0
+    assert set(fields["phase_fraction"]) >= {"generate", "train"}
+    assert sum(fields["phase_fraction"].values()) == pytest.approx(1.0)
+
+
+def test_sequential_run_writes_json_table_and_plot(cache_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    proc = subprocess.run(bench_cmd("--config", TINY, "--modes", "sequential", "--steps", "3",
+                                    "--json", str(out), "--plot", str(png), "--seed", "1",
+                                    *SMALL, f"workload.cache_dir={cache_dir}"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"] == TINY and report["steps"] == 3 and report["seed"] == 1
+    assert {"platform", "cpu_count", "torch", "deepspeed", "cuda_device"} <= set(report["machine"])
+    seq = report["modes"]["sequential"]
+    check_mode_fields(seq, 3)
+    assert seq["speedup"] == 1.0 and seq["scoring_hidden_frac"] == 0.0
+    assert "sequential" in proc.stdout and "1.00x" in proc.stdout
+    run_dir = tmp_path / "bench.runs" / "sequential"
+    assert (run_dir / "stdout.log").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_mode_gets_its_overrides_and_own_run(cache_dir, tmp_path, monkeypatch):
+    # a second mode from the table: the same schedule with a different KL coefficient, so the
+    # child's saved config shows that the mode's overrides reached it
+    monkeypatch.setitem(bench.MODES, "strongkl", bench.Mode(("oppo.streaming=false", "ppo.kl_coef=0.7"),
+                                                            streams=False))
+    out = tmp_path / "b.json"
+    code = bench_cli.main(["--config", TINY, "--modes", "strongkl,sequential", "--steps", "2",
+                           "--json", str(out), "--workdir", str(tmp_path / "runs"),
+                           *SMALL, f"workload.cache_dir={cache_dir}"])
+    assert code == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["strongkl", "sequential"]
+    for fields in modes.values():
+        check_mode_fields(fields, 2)
+    assert modes["strongkl"]["speedup"] == pytest.approx(
+        modes["strongkl"]["samples_per_s"] / modes["sequential"]["samples_per_s"])
+
+    kl = {m: yaml.safe_load((tmp_path / "runs" / m / "config.yaml").read_text())["ppo"]["kl_coef"]
+          for m in modes}
+    assert kl == {"strongkl": 0.7, "sequential": 0.2}
+
+
+def test_failing_mode_names_mode_and_log(cache_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(bench.MODES, "broken", bench.Mode(
+        ("oppo.streaming=false", f"data.prompts={tmp_path / 'missing.jsonl'}"), streams=False))
+    code = bench_cli.main(["--config", TINY, "--modes", "broken", "--steps", "2",
+                           "--json", str(tmp_path / "b.json"), *SMALL, f"workload.cache_dir={cache_dir}"])
+    err = capsys.readouterr().err
+    log = tmp_path / "b.runs" / "broken" / "stdout.log"
+    assert code != 0 and not (tmp_path / "b.json").exists()
+    assert "'broken' failed" in err and str(log) in err and "missing.jsonl" in err
+
+
+def _streaming_config_error():
+    from oppo_ds.config import OppoConfig
+
+    try:
+        OppoConfig(streaming=True)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.skipif(_streaming_config_error() is not None,
+                    reason=f"oppo.streaming=true not available yet: {_streaming_config_error()}")
+def test_intra_against_sequential(cache_dir, tmp_path):
+    out = tmp_path / "b.json"
+    code = bench_cli.main(["--config", TINY, "--modes", "sequential,intra", "--steps", "3",
+                           "--json", str(out), *SMALL, f"workload.cache_dir={cache_dir}"])
+    assert code == 0
+    modes = json.loads(out.read_text())["modes"]
+    check_mode_fields(modes["intra"], 3)
+    assert modes["intra"]["speedup"] > 0
+
+    streaming = {m: yaml.safe_load((tmp_path / "b.runs" / m / "config.yaml").read_text())["oppo"]["streaming"]
+                 for m in modes}
+    assert streaming == {"sequential": False, "intra": True}
