@@ -144,11 +144,11 @@ def _last_lines(path: str, n: int = 20) -> str:
         return "".join(f.readlines()[-n:])
 
 
-def run_mode(mode: str, config: str, overrides: list[str], run_dir: str) -> list[dict]:
+def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: str) -> list[dict]:
     """Train ``mode`` in a child process; returns its metrics rows or raises BenchError."""
     prepare_run_dir(run_dir)
     log_path = os.path.join(run_dir, "stdout.log")
-    cmd = [sys.executable, "-m", "oppo_ds.train", "--config", config, *overrides]
+    cmd = [sys.executable, "-m", "oppo_ds.train", *(["--config", config] if config else []), *overrides]
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()

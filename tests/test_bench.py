@@ -187,26 +187,19 @@ def test_failing_mode_names_mode_and_log(cache_dir, tmp_path, monkeypatch, capsy
     assert "'broken' failed" in err and str(log) in err and "missing.jsonl" in err
 
 
-def _streaming_config_error():
-    from oppo_ds.config import OppoConfig
-
-    try:
-        OppoConfig(streaming=True)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-@pytest.mark.skipif(_streaming_config_error() is not None,
-                    reason=f"oppo.streaming=true not available yet: {_streaming_config_error()}")
-def test_intra_against_sequential(cache_dir, tmp_path):
+def test_intra_against_sequential_on_the_builtin_default(cache_dir, tmp_path):
+    """No --config: the built-in workload's defaults, as DESIGN.md promises."""
     out = tmp_path / "b.json"
-    code = bench_cli.main(["--config", TINY, "--modes", "sequential,intra", "--steps", "3",
+    code = bench_cli.main(["--modes", "sequential,intra", "--steps", "3",
                            "--json", str(out), *SMALL, f"workload.cache_dir={cache_dir}"])
     assert code == 0
     modes = json.loads(out.read_text())["modes"]
     check_mode_fields(modes["intra"], 3)
     assert modes["intra"]["speedup"] > 0
+    assert 0.0 < modes["intra"]["scoring_hidden_frac"] <= 1.0
+    assert modes["sequential"]["scoring_hidden_frac"] == 0.0
+    # streaming changes when scoring happens, not what is sampled or scored
+    assert modes["intra"]["reward_first"] == pytest.approx(modes["sequential"]["reward_first"], abs=1e-4)
 
     streaming = {m: yaml.safe_load((tmp_path / "b.runs" / m / "config.yaml").read_text())["oppo"]["streaming"]
                  for m in modes}

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oppo-bench",
         description="Compare PPO schedules (sequential baseline vs OPPO's overlaps) on one workload.")
-    parser.add_argument("--config", required=True, metavar="FILE", help="YAML config file (see examples/configs/)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML config file (see examples/configs/); default: the built-in workload")
     parser.add_argument("--modes", required=True,
                         help=f"comma-separated modes to run; available: {', '.join(bench.MODES)}")
     parser.add_argument("--steps", type=int, required=True, help="PPO steps per mode")
