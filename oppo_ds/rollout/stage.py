@@ -1,0 +1,517 @@
+"""The ``stage`` placement: the streaming scorers on their own rank, a pipeline stage after the
+actor.
+
+The actor rank decodes in chunks and hands every chunk to ``RemoteScorers``, which sends it
+to the scorer rank with ``isend`` and returns at once: the actor goes on decoding while the
+scorer rank prefills the chunk into its scorers' KV caches (two processes, real concurrency).
+The scorer rank runs ``ScorerStage.serve``: it receives the messages and applies them to its
+``StreamingScorer``s exactly as the ``inline`` placement does in one process, so the scores are
+the same computation on the same inputs.
+
+Ranks. ``actor_rank`` / ``scorer_rank`` are GLOBAL ranks (what ``torch.distributed``'s
+``dst`` / ``src`` take, with or without ``group``); the group passed in (default: the world
+group) must contain both. One actor rank talks to one scorer rank, so messages need no routing
+and arrive in the order they were sent. Several actor ranks per scorer rank (the paper's 7:1)
+would need the stage to serve one actor after another, or one scorer stage per actor rank:
+not done yet.
+
+Wire protocol. Every message is a header, an int64 tensor of ``HEADER_LEN`` entries
+``[op, a, b, c, d, 0, 0, 0]``, followed by the payload tensors the header's op and sizes
+determine (none when a size is 0), all on the wire device (CPU for gloo, the current CUDA
+device for NCCL). Actor -> scorer:
+
+    BEGIN        [BEGIN, B, P, ids dtype, mask dtype]   int64 (2, B, P): prompt ids, mask
+    CONSUME      [CONSUME, chunk, A, c]                 int64 (A, 2 + c): rows, lengths, tokens
+    FINISH       [FINISH, chunk, n]                     int64 (n,): rows that ended (n > 0)
+    END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
+    ABORT        [ABORT]                                -> ABORTED (or nothing after an ERROR)
+    SHUTDOWN     [SHUTDOWN]                             ``serve`` returns
+
+Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
+
+    RESULTS  [RESULTS, K, B, N, E]  int64 (K, 1 + B): kind code, then per-row result lengths;
+                                    float32 (N,): the rows' results, kind by kind, row by row;
+                                    float64 (E, 5): events (lane code, name code, chunk,
+                                    start_s, end_s), seconds from the scorer's BEGIN receipt
+    ERROR    [ERROR, nbytes]        uint8 (nbytes,): the scorer rank's traceback, UTF-8
+    ABORTED  [ABORTED]
+
+A scorer that raises makes the stage send ERROR at once and drop the rest of the rollout's
+messages up to its END_ROLLOUT / ABORT (then it resets its scorers and serves the next
+rollout). On gloo the actor posts the receive for the reply at BEGIN and a daemon thread
+waits on it (gloo's Work reports completion only to a waiter), so the actor stops decoding at
+the next chunk after the failure; on NCCL an early posted receive would hold the peer's stream
+and block the actor's sends behind it, so the reply is received at the end only.
+(A gloo control group for headers beside an NCCL group for payloads would remove that and the
+scorer's host sync on each header; not done, and NCCL is untested here.)
+
+Timing without a shared clock. Each process measures intervals on its own
+``time.perf_counter`` only. The scorer stamps its events from the moment it received the BEGIN
+header; it is idle in ``recv`` when BEGIN is sent (it has replied to the previous rollout and
+has nothing else to do), so that moment is the actor's BEGIN send plus one message's latency,
+and the actor places the scorer's events on its own timeline from its BEGIN send. The error
+is that one-way latency (tens of microseconds on gloo over loopback) plus the clocks' rate
+difference (ppm); no offset between machines' clocks enters. ``scoring_hidden_frac`` is then
+the share of the scorers' busy time that lay before the actor's last token on that timeline.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .generate import SamplingParams, decode_steps, finish, start_decode
+from .streaming import (SCORER_KINDS, ScorerTiming, StreamingScorer, StreamTiming,
+                        TimelineEvent, _assemble, _chunk_tokens, _clock, _no_wait, _summarize,
+                        _Timeline)
+
+HEADER_LEN = 8
+
+
+class Op(enum.IntEnum):
+    BEGIN = 1
+    CONSUME = 2
+    FINISH = 3
+    END_ROLLOUT = 4
+    ABORT = 5
+    SHUTDOWN = 6
+    RESULTS = 7
+    ERROR = 8
+    ABORTED = 9
+
+
+# dtypes the header can name (prompt ids and masks travel as int64 and are cast back)
+_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+           torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_EVENT_NAMES = ("begin", "consume", "finish")
+
+
+class RemoteScorerError(RuntimeError):
+    """A scorer on the scorer rank raised; the message holds the rank and its traceback."""
+
+
+def _wire_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _header(op: Op, *sizes: int, device) -> torch.Tensor:
+    values = [int(op), *sizes]
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.long,
+                        device=device)
+
+
+def _wait(work, timeout: Optional[timedelta]) -> None:
+    # no timeout: the group's own (init_process_group's ``timeout``)
+    work.wait() if timeout is None else work.wait(timeout)
+
+
+def _check_ranks(peer: int, group, what: str) -> None:
+    me = dist.get_rank()
+    if peer == me:
+        raise ValueError(f"{what} must be another rank than this one ({me})")
+    ranks = dist.get_process_group_ranks(group) if group is not None else \
+        range(dist.get_world_size())
+    if peer not in ranks or me not in ranks:
+        raise ValueError(f"{what} {peer} and this rank {me} must both be in the group "
+                         f"(global ranks {list(ranks)})")
+
+
+def _encode_events(events: Sequence[TimelineEvent]) -> torch.Tensor:
+    rows = []
+    for e in events:
+        name, _, chunk = e.name.partition(" ")
+        rows.append([SCORER_KINDS.index(e.lane), _EVENT_NAMES.index(name),
+                     int(chunk) if chunk else -1, e.start_s, e.end_s])
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 5)
+
+
+def _decode_events(table: torch.Tensor, offset: float) -> list[TimelineEvent]:
+    events = []
+    for lane, name, chunk, start, end in table.tolist():
+        label = _EVENT_NAMES[int(name)] + ("" if chunk < 0 else f" {int(chunk)}")
+        events.append(TimelineEvent(SCORER_KINDS[int(lane)], label, offset + start,
+                                    offset + end))
+    return events
+
+
+class ScorerStage:
+    """Runs on the scorer rank: applies the actor rank's messages to ``scorers``.
+
+    scorers: one ``StreamingScorer`` per kind (any object with ``kind``, ``begin``,
+    ``consume``, ``finish``, ``reset`` will do). actor_rank: GLOBAL rank of the one actor rank
+    served. group: the process group holding both (default: world). device: where the scorers
+    take their inputs (default: the first scorer's model's device). timeout: per receive
+    (default: the group's timeout; the stage waits a whole training phase between rollouts,
+    so keep it long).
+    """
+
+    def __init__(self, scorers: Sequence[StreamingScorer], actor_rank: int, group=None,
+                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None):
+        kinds = [s.kind for s in scorers]
+        if not kinds or len(set(kinds)) != len(kinds):
+            raise ValueError(f"one scorer per kind, at least one, got {kinds}")
+        _check_ranks(actor_rank, group, "actor_rank")
+        self.scorers = list(scorers)
+        self.actor_rank, self.group, self.timeout = actor_rank, group, timeout
+        self.wire = _wire_device(group)
+        self.device = device if device is not None else \
+            next(self.scorers[0].model.parameters()).device
+        self._start_rollout(0.0)
+
+    def _start_rollout(self, start: float) -> None:
+        self._events: list[TimelineEvent] = []
+        wait = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" \
+            else _no_wait
+        self._timeline = _Timeline(start, self._events, wait)
+        self._finished: dict[str, dict[int, torch.Tensor]] = {s.kind: {} for s in self.scorers}
+        self._replied = self._failed = False
+        self._batch = 0
+
+    def serve(self) -> int:
+        """Serve rollouts until SHUTDOWN; returns how many rollouts ended (END_ROLLOUT or
+        ABORT). A scorer's exception goes back to the actor; one of the transport (the actor
+        rank gone: the receive times out) propagates from here."""
+        rollouts = 0
+        while True:
+            op, head, payload = self._recv()
+            if op == Op.SHUTDOWN:
+                self._reset()
+                return rollouts
+            if op in (Op.END_ROLLOUT, Op.ABORT):
+                if not self._replied:
+                    if op == Op.END_ROLLOUT:
+                        self._guard(self._send_results)
+                    else:
+                        self._send(_header(Op.ABORTED, device=self.wire))
+                self._reset()
+                rollouts += 1
+            elif op == Op.BEGIN and not self._failed:
+                self._start_rollout(self._received)
+                self._guard(self._begin, head, payload)
+            elif not self._failed:  # the rest of a failed rollout is dropped
+                self._guard(self._apply, op, head, payload)
+
+    def _recv(self):
+        head = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire)
+        _wait(dist.irecv(head, src=self.actor_rank, group=self.group), self.timeout)
+        self._received = time.perf_counter()
+        head = head.tolist()  # on NCCL a host sync: the sizes decide the next receive
+        op = head[0]
+        shape = {Op.BEGIN: (2, head[1], head[2]), Op.CONSUME: (head[2], 2 + head[3]),
+                 Op.FINISH: (head[2],)}.get(op)
+        payload = None
+        if shape is not None and all(shape):
+            payload = torch.empty(shape, dtype=torch.long, device=self.wire)
+            _wait(dist.irecv(payload, src=self.actor_rank, group=self.group), self.timeout)
+            payload = payload.to(self.device)
+        return op, head, payload
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            text = (f"scorer rank {dist.get_rank()} failed:\n{traceback.format_exc()}")
+            data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+            self._send(_header(Op.ERROR, data.numel(), device=self.wire), data.to(self.wire))
+            self._failed = self._replied = True
+
+    def _begin(self, head, payload) -> None:
+        ids = payload[0].to(_DTYPES[head[3]])
+        mask = payload[1].to(_DTYPES[head[4]])
+        self._batch = ids.shape[0]
+        for scorer in self.scorers:
+            self._timeline.run(scorer.kind, "begin", scorer.begin, ids, mask)
+
+    def _apply(self, op, head, payload) -> None:
+        run, chunk = self._timeline.run, head[1]
+        if op == Op.CONSUME:
+            rows, lengths, tokens = payload[:, 0], payload[:, 1], payload[:, 2:]
+            for scorer in self.scorers:
+                run(scorer.kind, f"consume {chunk}", scorer.consume, rows, tokens, lengths)
+        elif op == Op.FINISH:
+            for scorer in self.scorers:
+                self._finished[scorer.kind].update(
+                    run(scorer.kind, f"finish {chunk}", scorer.finish, payload))
+        else:
+            raise ValueError(f"unknown op {op} in a rollout (header {head})")
+
+    def _send_results(self) -> None:
+        codes, values = [], []
+        for scorer in self.scorers:
+            per_row = self._finished[scorer.kind]
+            missing = sorted(set(range(self._batch)) - set(per_row))
+            if missing:
+                raise KeyError(f"{scorer.kind}: rows {missing} never finished")
+            rows = [per_row[i].float().reshape(-1).to(self.wire) for i in range(self._batch)]
+            codes.append([SCORER_KINDS.index(scorer.kind)] + [r.numel() for r in rows])
+            values.extend(rows)
+        codes = torch.tensor(codes, dtype=torch.long, device=self.wire)
+        values = torch.cat(values)
+        events = _encode_events(self._events).to(self.wire)
+        head = _header(Op.RESULTS, len(self.scorers), self._batch, values.numel(),
+                       events.shape[0], device=self.wire)
+        self._send(head, codes, values, events)
+
+    def _send(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.numel():
+                _wait(dist.isend(t, dst=self.actor_rank, group=self.group), self.timeout)
+
+    def _reset(self) -> None:
+        for scorer in self.scorers:
+            scorer.reset()
+        self._start_rollout(0.0)
+
+
+class RemoteScorers:
+    """Runs on the actor rank: the scorers of the stage on ``scorer_rank`` (GLOBAL rank).
+
+    ``begin`` / ``chunk`` send asynchronously (the sent tensors are kept until their sends
+    complete) and return at once; ``results`` ends the rollout and waits for the stage's
+    reply; ``abort`` ends it without results; ``close`` shuts the stage down. A scorer's
+    failure raises ``RemoteScorerError`` naming the rank, with its traceback.
+    """
+
+    def __init__(self, scorer_rank: int, group=None, timeout: Optional[timedelta] = None):
+        _check_ranks(scorer_rank, group, "scorer_rank")
+        self.scorer_rank, self.group, self.timeout = scorer_rank, group, timeout
+        self.wire = _wire_device(group)
+        self._early_reply = dist.get_backend(group) == "gloo"  # see the module docstring
+        self._inflight: list[tuple[object, tuple[torch.Tensor, ...]]] = []
+        self._reply = None  # (work, header, waiter) of the posted receive of the reply
+        self._open = self._ended = self._closed = False
+
+    @property
+    def in_rollout(self) -> bool:
+        return self._open
+
+    def begin(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> float:
+        """Send the prompts; returns ``time.perf_counter()`` at the send (the moment the
+        stage's event times count from)."""
+        if self._open or self._closed:
+            raise RuntimeError("begin: a rollout is already open" if self._open
+                               else "begin: the scorer stage was shut down")
+        batch, width = prompt_ids.shape
+        codes = _DTYPES.index(prompt_ids.dtype), _DTYPES.index(prompt_mask.dtype)
+        payload = torch.stack([prompt_ids.to(self.wire, torch.long),
+                               prompt_mask.to(self.wire, torch.long)])
+        self._open, self._ended = True, False
+        if self._early_reply:
+            self._post_reply()
+        sent = time.perf_counter()
+        self._isend(_header(Op.BEGIN, batch, width, *codes, device=self.wire), payload)
+        return sent
+
+    def chunk(self, name: str, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
+              ended: torch.Tensor) -> None:
+        """Send chunk ``name`` (an integer) of rows (A,): tokens (A, c), counts (A,), and the
+        rows that ended in it. Raises at once if the stage has already reported a failure."""
+        self._check_open()
+        if self._reply_arrived():
+            self._take_reply()  # only an ERROR can come before END_ROLLOUT: raises
+        chunk = int(name)
+        payload = torch.cat([rows[:, None], counts[:, None], tokens], dim=1).to(self.wire,
+                                                                                torch.long)
+        self._isend(_header(Op.CONSUME, chunk, *tokens.shape, device=self.wire), payload)
+        if ended.numel():
+            self._isend(_header(Op.FINISH, chunk, ended.numel(), device=self.wire),
+                        ended.to(self.wire, torch.long))
+        # drop the sends that are done, so long rollouts hold only what is still in flight
+        self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
+
+    def results(self) -> tuple[dict[str, dict[int, torch.Tensor]], list[TimelineEvent]]:
+        """End the rollout; returns ({kind: {row: result}}, the stage's events in seconds from
+        its BEGIN receipt)."""
+        self._check_open()
+        self._end(Op.END_ROLLOUT)
+        if self._reply is None:
+            self._post_reply()
+        return self._take_reply()
+
+    def abort(self) -> None:
+        """End an open rollout without results (the stage resets its scorers)."""
+        if not self._open:
+            return
+        if not self._ended:
+            self._end(Op.ABORT)
+        if self._reply is None:
+            self._post_reply()
+        try:
+            self._take_reply()
+        except RemoteScorerError:
+            pass  # the rollout is being dropped anyway
+
+    def close(self) -> None:
+        """Abort an open rollout and shut the stage down (``serve`` returns)."""
+        if self._closed:
+            return
+        self.abort()
+        self._isend(_header(Op.SHUTDOWN, device=self.wire))
+        self._drain()
+        self._closed = True
+
+    def _end(self, op: Op) -> None:
+        self._isend(_header(op, device=self.wire))
+        self._ended = True
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError("no rollout is open: call begin first")
+
+    def _isend(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.numel():
+                work = dist.isend(t, dst=self.scorer_rank, group=self.group)
+                self._inflight.append((work, (t,)))  # t must live until the send is done
+
+    def _drain(self) -> None:
+        for work, _ in self._inflight:
+            _wait(work, self.timeout)
+        self._inflight.clear()
+
+    def _post_reply(self) -> None:
+        head = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire)
+        work = dist.irecv(head, src=self.scorer_rank, group=self.group)
+        waiter = None
+        if self._early_reply:
+            # gloo's receive work never reports completion before someone waits on it, so a
+            # thread waits (without the GIL) and ``chunk`` looks at the thread
+            waiter = _Waiter(work)
+        self._reply = (work, head, waiter)
+
+    def _reply_arrived(self) -> bool:
+        return self._reply is not None and self._reply[2] is not None and \
+            self._reply[2].done.is_set()
+
+    def _recv(self, shape, dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.wire)
+        if t.numel():
+            _wait(dist.irecv(t, src=self.scorer_rank, group=self.group), self.timeout)
+        return t
+
+    def _take_reply(self):
+        """Receive the rollout's one reply; the rollout is closed afterwards either way."""
+        work, head, waiter = self._reply
+        self._reply = None
+        try:
+            waiter.result(self.timeout) if waiter is not None else _wait(work, self.timeout)
+            op, *sizes = head.tolist()
+            if op == Op.ERROR:
+                text = bytes(self._recv((sizes[0],), torch.uint8).cpu().tolist()).decode()
+                if not self._ended:
+                    # the stage drops the rest of the rollout until it sees this
+                    self._end(Op.ABORT)
+                raise RemoteScorerError(f"the scorer stage on rank {self.scorer_rank} "
+                                        f"raised; its traceback:\n{text}")
+            if op == Op.ABORTED:
+                return None
+            if op != Op.RESULTS:
+                raise RuntimeError(f"protocol error: reply op {op} from scorer rank "
+                                   f"{self.scorer_rank} (header {head.tolist()})")
+            kinds, batch, total, n_events = sizes[:4]
+            codes = self._recv((kinds, 1 + batch), torch.long).cpu()
+            values = self._recv((total,), torch.float32)
+            table = self._recv((n_events, 5), torch.float64).cpu()
+            return _split_results(codes, values), _decode_events(table, 0.0)
+        finally:
+            self._open = False
+            self._drain()
+
+
+class _Waiter:
+    """Waits on a Work in a daemon thread; ``result`` re-raises what the wait raised."""
+
+    def __init__(self, work):
+        self.done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                        name="oppo-stage-reply")
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work.wait()  # the group's timeout
+        except BaseException as err:
+            self._error = err
+        finally:
+            self.done.set()
+
+    def result(self, timeout: Optional[timedelta]) -> None:
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise TimeoutError(f"no reply from the scorer stage within {timeout}")
+        if self._error is not None:
+            raise self._error
+
+
+def _split_results(codes: torch.Tensor, values: torch.Tensor) -> dict[str, dict[int, torch.Tensor]]:
+    finished, offset = {}, 0
+    for kind_code, *counts in codes.tolist():
+        kind = SCORER_KINDS[kind_code]
+        parts = values[offset:offset + sum(counts)].split(counts)
+        offset += sum(counts)
+        # a reward is a scalar per row, the others (T_row,) vectors
+        finished[kind] = {i: (p.reshape(()) if kind == "reward" else p)
+                          for i, p in enumerate(parts)}
+    return finished
+
+
+def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor,
+                          prompt_mask: torch.Tensor, params: SamplingParams,
+                          generator: Optional[torch.Generator], chunk_size: int):
+    """``stream_generate`` with the scorers on the scorer stage behind ``remote``.
+
+    Returns (Generation, results, StreamTiming) as ``stream_generate`` does: the same
+    Generation (sampling is untouched) and the same scores (the same computation, in another
+    process). Timing: ``scoring_end_s`` is when this rank had received the results,
+    ``scoring_tail_s`` what it waited for after its last token (the stage's remaining work
+    and the transfer), ``scorers`` / ``scoring_busy_s`` / ``scoring_hidden_frac`` /
+    ``events`` come from the stage's own timestamps, placed on this rank's timeline as the
+    module docstring says.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    device = prompt_ids.device
+    events: list[TimelineEvent] = []
+    start = _clock(device)
+    timeline = _Timeline(start, events, (lambda: torch.cuda.synchronize(device))
+                         if device.type == "cuda" else _no_wait)
+    chunks = 0
+    try:
+        # the stage prefills the prompts while this rank prefills them too
+        begin_s = remote.begin(prompt_ids, prompt_mask) - start
+        state = timeline.run("actor", "prefill", start_decode, actor, prompt_ids, prompt_mask,
+                             params)
+        while not state.done:
+            rows = state.active.clone()
+            before = state.lengths[rows].clone()
+            name = str(chunks)
+            timeline.run("actor", f"chunk {name}", decode_steps, actor, state, params,
+                         generator, chunk_size)
+            chunks += 1
+            tokens, counts = _chunk_tokens(state, rows, before)
+            remote.chunk(name, rows, tokens, counts, rows[state.finished[rows]])
+        finished, stage_events = remote.results()
+    except BaseException:
+        remote.abort()
+        raise
+    received_s = _clock(device) - start
+
+    gen = finish(state)
+    results = {kind: _assemble(kind, per_row, gen) for kind, per_row in finished.items()}
+    timing = StreamTiming(chunks=chunks, scorers={k: ScorerTiming() for k in finished},
+                          events=events + [e._replace(start_s=e.start_s + begin_s,
+                                                      end_s=e.end_s + begin_s)
+                                           for e in stage_events])
+    timing.wall_s = _clock(device) - start
+    _summarize(timing)
+    timing.scoring_end_s = max(received_s, timing.decode_end_s)
+    timing.scoring_tail_s = timing.scoring_end_s - timing.decode_end_s
+    return gen, results, timing
