@@ -29,7 +29,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "matplotlib"],  # the bench plot is tested
         "megatron": ["megatron-core"],
         # TRL's last release with PPO; the OPPO paper's baseline
         "peer": ["trl==1.12.0"],
