@@ -5,6 +5,8 @@ uninterrupted decode."""
 import pytest
 import torch
 
+from _builders import left_padded_prompts
+
 from oppo_ds.models import build_causal_lm
 from oppo_ds.rollout.generate import (
     SamplingParams,
@@ -24,6 +26,10 @@ PAD = 0
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]
 PROMPT_LENS = [3, 7, 5, 6, 2, 4]
 
+
+def _prompts(lens=PROMPT_LENS, seed=1):
+    return left_padded_prompts(lens, VOCAB, PAD, seed)
+
 _MODELS = {}
 
 
@@ -39,17 +45,6 @@ def _model(arch):
         model.generation_config.eos_token_id = None
         _MODELS[arch] = model.eval()
     return _MODELS[arch]
-
-
-def _prompts(lens=PROMPT_LENS, seed=1):
-    width = max(lens)
-    ids = torch.full((len(lens), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(lens), width, dtype=torch.long)
-    g = torch.Generator().manual_seed(seed)
-    for i, n in enumerate(lens):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
 
 
 def _full_forward_logprobs(model, gen, temperature):

@@ -19,10 +19,16 @@ from datetime import timedelta
 import pytest
 import torch
 
+from _builders import left_padded_prompts, sharpen as _sharpen
+
 ARCHS = ["tiny-llama", "tiny-gpt2"]
 VOCAB = 40
 PAD = 0
 PROMPT_LENS = [3, 7, 5, 6, 2, 4]
+
+
+def _prompts(lens=PROMPT_LENS, seed=1):
+    return left_padded_prompts(lens, VOCAB, PAD, seed)
 MAX_NEW = 20
 CHUNKS = [1, 3, MAX_NEW + 5]
 SEED = 7
@@ -42,16 +48,6 @@ def _params():
                           temperature=1.0)
 
 
-def _sharpen(model, seed, scale=0.3):
-    """As in test_streaming: random weights far from the init, value heads non-zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = p.shape[-1] ** -0.5 if name.startswith("value_head") else scale
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
-
-
 def _models(arch):
     from oppo_ds.models import build_causal_lm, build_value_model
     actor = build_causal_lm(arch, vocab_size=VOCAB, seed=0).eval()
@@ -65,17 +61,6 @@ def _scorers(reference, reward, critic, cls=None):
     from oppo_ds.rollout.streaming import StreamingScorer
     cls = cls or StreamingScorer
     return [cls(reward, "reward"), cls(reference, "reference"), cls(critic, "critic")]
-
-
-def _prompts():
-    width = max(PROMPT_LENS)
-    ids = torch.full((len(PROMPT_LENS), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(PROMPT_LENS), width, dtype=torch.long)
-    g = torch.Generator().manual_seed(1)
-    for i, n in enumerate(PROMPT_LENS):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
 
 
 class _FailsOnce:

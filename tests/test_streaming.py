@@ -16,6 +16,8 @@ import traceback
 import pytest
 import torch
 
+from _builders import left_padded_prompts, sharpen as _sharpen
+
 from oppo_ds.experience import response_logprobs, response_values, sequence_scores
 from oppo_ds.models import build_causal_lm, build_value_model
 from oppo_ds.rollout.generate import SamplingParams, generate
@@ -26,6 +28,10 @@ VOCAB = 40
 PAD = 0
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]
 PROMPT_LENS = [3, 7, 5, 6, 2, 4]
+
+
+def _prompts(lens=PROMPT_LENS, seed=1):
+    return left_padded_prompts(lens, VOCAB, PAD, seed)
 MAX_NEW = 20
 # three EOS ids in a vocabulary of 40: a near-uniform actor ends a row with p ~ 3/40 per token,
 # so rows end at different steps and some run to MAX_NEW
@@ -36,18 +42,6 @@ ATOL_FP32 = 1e-5
 
 # conftest's module fixture: one intra-op thread, the old value restored after this module
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
-def _sharpen(model, seed, scale=0.3):
-    """Random weights far from the default init (std 0.02), whose outputs barely depend on
-    the context: a wrong position or mask then changes the scores by ~0.1-1, not ~1e-6.
-    Value heads are drawn with std 1/sqrt(hidden), so values are of order 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = p.shape[-1] ** -0.5 if name.startswith("value_head") else scale
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
 
 
 _MODELS = {}
@@ -67,17 +61,6 @@ def _models(arch, dtype="fp32"):
             models = tuple(m.to(torch.bfloat16) for m in models)
         _MODELS[key] = models
     return _MODELS[key]
-
-
-def _prompts(lens=PROMPT_LENS, seed=1):
-    width = max(lens)
-    ids = torch.full((len(lens), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(lens), width, dtype=torch.long)
-    g = torch.Generator().manual_seed(seed)
-    for i, n in enumerate(lens):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
 
 
 def _scorers(reference, reward, critic, temperature=1.0):
