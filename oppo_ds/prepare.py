@@ -16,7 +16,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

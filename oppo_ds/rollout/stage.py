@@ -66,9 +66,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .generate import SamplingParams, decode_steps, finish, start_decode
+from .generate import SamplingParams, finish, start_decode
 from .streaming import (SCORER_KINDS, ScorerTiming, StreamingScorer, StreamTiming,
-                        TimelineEvent, _assemble, _chunk_tokens, _clock, _no_wait, _summarize,
+                        TimelineEvent, _assemble, _clock, _decode_in_chunks, _no_wait, _summarize,
                         _Timeline)
 
 HEADER_LEN = 8
@@ -483,21 +483,12 @@ def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor
     start = _clock(device)
     timeline = _Timeline(start, events, (lambda: torch.cuda.synchronize(device))
                          if device.type == "cuda" else _no_wait)
-    chunks = 0
     try:
         # the stage prefills the prompts while this rank prefills them too
         begin_s = remote.begin(prompt_ids, prompt_mask) - start
         state = timeline.run("actor", "prefill", start_decode, actor, prompt_ids, prompt_mask,
                              params)
-        while not state.done:
-            rows = state.active.clone()
-            before = state.lengths[rows].clone()
-            name = str(chunks)
-            timeline.run("actor", f"chunk {name}", decode_steps, actor, state, params,
-                         generator, chunk_size)
-            chunks += 1
-            tokens, counts = _chunk_tokens(state, rows, before)
-            remote.chunk(name, rows, tokens, counts, rows[state.finished[rows]])
+        chunks = _decode_in_chunks(actor, state, remote, timeline, params, generator, chunk_size)
         finished, stage_events = remote.results()
     except BaseException:
         remote.abort()

@@ -467,16 +467,8 @@ def stream_generate(actor, scorers: Sequence[StreamingScorer], prompt_ids: torch
         state = timeline.run("actor", "prefill", start_decode, actor, prompt_ids, prompt_mask,
                              params)
         scoring.begin(prompt_ids, prompt_mask)
-        while not state.done:
-            rows = state.active.clone()
-            before = state.lengths[rows].clone()
-            name = str(timing.chunks)
-            timeline.run("actor", f"chunk {name}", decode_steps, actor, state, params, generator,
-                         chunk_size)
-            timing.chunks += 1
-            # new tensors, not views of the state the actor goes on writing
-            tokens, counts = _chunk_tokens(state, rows, before)
-            scoring.chunk(name, rows, tokens, counts, rows[state.finished[rows]])
+        timing.chunks = _decode_in_chunks(actor, state, scoring, timeline, params, generator,
+                                          chunk_size)
         finished = scoring.results()
     finally:
         scoring.close()
@@ -486,6 +478,26 @@ def stream_generate(actor, scorers: Sequence[StreamingScorer], prompt_ids: torch
     timing.wall_s = _clock(device) - start
     _summarize(timing)
     return gen, results, timing
+
+
+def _decode_in_chunks(actor, state: DecodeState, sink, timeline: "_Timeline",
+                      params: SamplingParams, generator: Optional[torch.Generator],
+                      chunk_size: int) -> int:
+    """Decode ``state`` to the end, ``chunk_size`` tokens at a time, handing every chunk to
+    ``sink.chunk(name, rows, tokens, counts, ended_rows)`` (the scorers, local or remote).
+    Returns the number of chunks."""
+    chunks = 0
+    while not state.done:
+        rows = state.active.clone()
+        before = state.lengths[rows].clone()
+        name = str(chunks)
+        timeline.run("actor", f"chunk {name}", decode_steps, actor, state, params, generator,
+                     chunk_size)
+        chunks += 1
+        # new tensors, not views of the state the actor goes on writing
+        tokens, counts = _chunk_tokens(state, rows, before)
+        sink.chunk(name, rows, tokens, counts, rows[state.finished[rows]])
+    return chunks
 
 
 def _summarize(timing: StreamTiming) -> None:
