@@ -38,12 +38,9 @@ def distributed():
     init_distributed_if_needed()
     assert torch.distributed.is_initialized()
     assert torch.distributed.get_world_size() == 1
-    # The group exists now; drop the rendezvous variables we added so that subprocesses
-    # started by other tests do not inherit (and collide on) this port. LOCAL_RANK stays:
-    # every deepspeed.initialize reads it.
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
+    # the rendezvous variables it invented are gone again, so subprocesses started by
+    # other tests do not inherit (and collide on) this port
+    assert {key: os.environ.get(key) for key in _RENDEZVOUS_KEYS} == before
     yield
     init_distributed_if_needed()  # a second call is a no-op
 

@@ -77,22 +77,30 @@ def init_distributed_if_needed() -> None:
     Under a launcher (``deepspeed``, ``torchrun``, Slurm wrappers) the rendezvous variables
     are set and used as they are. A bare ``python script.py`` (no ``WORLD_SIZE``, no MPI
     variables) is a single-process group: only the missing variables among MASTER_ADDR,
-    MASTER_PORT (a free port), RANK, WORLD_SIZE, LOCAL_RANK are filled in. The backend is the
-    accelerator's (NCCL on CUDA, gloo on CPU). Calling it again is a no-op.
+    MASTER_PORT (a free port), RANK, WORLD_SIZE, LOCAL_RANK are filled in, and all but
+    LOCAL_RANK are removed again once the group exists. The backend is the accelerator's
+    (NCCL on CUDA, gloo on CPU). Calling it again is a no-op.
     """
     if deepspeed.comm.is_initialized():
         return
+    added = []
     if not torch.distributed.is_initialized():
         launched_by_mpi = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
         if "WORLD_SIZE" not in os.environ and not launched_by_mpi:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(find_free_port())
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("LOCAL_RANK", "0")
+            defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": None, "RANK": "0",
+                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+            for key, value in defaults.items():
+                if key not in os.environ:
+                    os.environ[key] = value if value is not None else str(find_free_port())
+                    added.append(key)
     # If torch.distributed is already up, deepspeed.comm wraps the existing group.
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    # The group exists now: drop the rendezvous variables we invented, so that processes this
+    # one starts (a benchmark's runs, a test's launcher) do not inherit and collide on this
+    # port. LOCAL_RANK stays: every deepspeed.initialize reads it.
+    for key in added:
+        if key != "LOCAL_RANK":
+            os.environ.pop(key, None)
 
 
 # --------------------------------------------------------------------------------------
