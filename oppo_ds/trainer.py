@@ -99,8 +99,9 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def gather_floats(values: list[float]) -> list[float]:
-    """Concatenate a per-rank list of floats over all ranks (small: per-sequence stats)."""
+def gather_floats(values: list) -> list:
+    """Concatenate a per-rank list (of floats, or of rows of floats) over all ranks; small:
+    per-sequence stats."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return list(values)
     out = [None] * dist.get_world_size()
@@ -269,8 +270,7 @@ class PPOTrainer:
         tokens = float(gen.lengths.sum())
         scorers = len(timing.scorers)
         local = torch.tensor([(phase_s["generate"] + phase_s["score"]) / tokens,
-                              timing.chunks * scorers, tokens * scorers,
-                              sum(t.busy_s for t in timing.scorers.values()),
+                              timing.chunks * scorers, tokens * scorers, timing.scoring_busy_s,
                               float(gen.lengths.max())], dtype=torch.float64)
         per_token, calls, scored, busy, longest = (all_reduce_sum(local) / self.world_size).tolist()
         decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy, longest)
@@ -303,16 +303,15 @@ class PPOTrainer:
         args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
         old_logprobs = self._micro_batched(
             lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]), args)
-        old_values = streamed.get("critic")
-        if old_values is None:
-            old_values = self._micro_batched(
-                lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)), args)
-        ref_logprobs = streamed.get("reference")
-        if ref_logprobs is None:
-            ref_logprobs = self._micro_batched(lambda *a: response_logprobs(self.reference, *a, temp)[0], args)
-        scores = streamed.get("reward")
-        if scores is None:
-            scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+
+        def streamed_or_scored(kind, fn):
+            return streamed[kind] if kind in streamed else self._micro_batched(fn, args)
+
+        old_values = streamed_or_scored(
+            "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
+        ref_logprobs = streamed_or_scored(
+            "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
+        scores = streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a))
         gold = None
         if self.builtin_prompts:
             gold = torch.tensor(self._gold(gen), dtype=torch.float32)
@@ -391,8 +390,11 @@ class PPOTrainer:
                                   self.cfg.ppo.value_clip_eps, normalizer)
 
     def step_metrics(self, exp: Experience, train_stats: dict) -> dict:
-        lengths = gather_floats(exp.response_mask.sum(1).tolist())
-        scores = gather_floats(exp.scores.tolist())
+        """The step's metrics over all ranks: one gather of per-sequence values and one
+        all-reduce of the scalar means (not one collective per metric)."""
+        columns = [exp.response_mask.sum(1), exp.scores] + ([exp.gold] if exp.gold is not None else [])
+        rows = gather_floats(torch.stack([c.float() for c in columns], 1).tolist())
+        lengths, scores = [r[0] for r in rows], [r[1] for r in rows]
         metrics = {
             "reward/mean": sum(scores) / len(scores),
             "response/len_mean": sum(lengths) / len(lengths),
@@ -402,19 +404,20 @@ class PPOTrainer:
             # decode slots spent waiting for the longest response when every row decodes to
             # the end of the batch (what overcommitment recovers)
             "rollout/tail_waste_frac": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
-            "kl/mean": all_reduce_sum(self._kl_stats["kl"].detach().float()).item() / self.world_size,
             "value/mean": masked_mean(exp.old_values, exp.response_mask).item(),
             "lr/actor": self.actor.lr(),
             "lr/critic": self.critic.lr(),
         }
         if exp.gold is not None:
-            gold = gather_floats(exp.gold.tolist())
-            metrics["gold/mean"] = sum(gold) / len(gold)
-        for key, value in train_stats.items():
-            name = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
-                    "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
-                    "value_clip_frac": "value/clip_frac"}.get(key, f"train/{key}")
-            metrics[name] = all_reduce_sum(torch.tensor(value)).item() / self.world_size
+            metrics["gold/mean"] = sum(r[2] for r in rows) / len(rows)
+        names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
+                 "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
+                 "value_clip_frac": "value/clip_frac"}
+        scalars = {"kl/mean": self._kl_stats["kl"].detach().double()}
+        scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
+                        for k, v in train_stats.items()})
+        means = all_reduce_sum(torch.stack(list(scalars.values()))) / self.world_size
+        metrics.update(zip(scalars, means.tolist()))
         return metrics
 
     # ------------------------------------------------------------------ the loop
