@@ -23,6 +23,7 @@ from oppo_ds.algo import (
     masked_var,
     masked_whiten,
     token_normalizer,
+    truncated_is_weights,
 )
 
 F64 = torch.float64
@@ -275,6 +276,40 @@ def test_policy_loss_entropy_bonus_and_normalizer():
     torch.testing.assert_close(bonus_stats["entropy"], stats["entropy"])
     with pytest.raises(ValueError, match="entropy"):
         clipped_policy_loss(logp, old, adv, mask, 0.2, 4.0, entropy_coef=0.1)
+
+
+# ---- truncated importance sampling (deferred tokens sampled by an older policy) ---------
+
+
+def test_truncated_is_weights_hand_values():
+    # pi_old / mu per token: 0.3 / 0.6 = 0.5; 0.9 / 0.3 = 3 -> clipped to 2; equal -> 1;
+    # mu = e^-1000 would overflow exp(): the clip in log space gives 2; padding -> 0.
+    old = t([[math.log(0.3), math.log(0.9), math.log(0.2), 0.0, 5.0]])
+    mu = t([[math.log(0.6), math.log(0.3), math.log(0.2), -1000.0, 0.0]])
+    mask = t([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    w = truncated_is_weights(old, mu, mask, clip=2.0)
+    torch.testing.assert_close(w, t([[0.5, 2.0, 1.0, 2.0, 0.0]]))
+    assert not w.requires_grad and torch.isfinite(w).all()
+    with pytest.raises(ValueError, match="clip must be >= 1"):
+        truncated_is_weights(old, mu, mask, clip=0.5)
+
+
+def test_policy_loss_importance_weight_scales_loss_and_gradient():
+    # ratio 0.5, A = +1, unclipped: loss -0.5, grad -0.5 (above); weight 0.5 halves both,
+    # and the weight itself gets no gradient.
+    logp = t([[math.log(0.5)]]).requires_grad_()
+    w = t([[0.5]]).requires_grad_()
+    out, _ = clipped_policy_loss(logp, t([[0.0]]), t([[1.0]]), t([[1.0]]), 0.2, 1.0, is_weights=w)
+    out.backward()
+    torch.testing.assert_close(out, torch.tensor(-0.25, dtype=F64))
+    torch.testing.assert_close(logp.grad, t([[-0.25]]))
+    assert w.grad is None
+    # weights of 1 give exactly the unweighted loss
+    logp2 = t([[math.log(0.5), 0.1]])
+    args = (logp2, t([[0.0, 0.0]]), t([[1.0, -2.0]]), t([[1.0, 1.0]]), 0.2, 2.0)
+    plain, _ = clipped_policy_loss(*args)
+    ones, _ = clipped_policy_loss(*args, is_weights=t([[1.0, 1.0]]))
+    assert plain.item() == ones.item()
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from oppo_ds.algo.losses import (
     clipped_value_loss,
     entropy_bonus_loss,
     token_normalizer,
+    truncated_is_weights,
 )
 from oppo_ds.algo.masked import masked_mean, masked_var, masked_whiten
 from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index
@@ -38,4 +39,5 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "token_normalizer",
+    "truncated_is_weights",
 ]

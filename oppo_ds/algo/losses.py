@@ -75,6 +75,7 @@ def clipped_policy_loss(
     normalizer: Normalizer,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, optionally with an entropy bonus.
 
@@ -95,6 +96,10 @@ def clipped_policy_loss(
         entropy: optional (B, T) per-token policy entropy (with grad if
             ``entropy_coef`` is nonzero).
         entropy_coef: weight of the entropy bonus; needs ``entropy``.
+        is_weights: optional (B, T) detached per-token importance weights
+            (``truncated_is_weights``) multiplying each token's surrogate, for
+            tokens sampled by an older policy than the one ``old_logprobs``
+            come from.
 
     Returns:
         loss: 0-dim tensor.
@@ -115,6 +120,8 @@ def clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     token_loss = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        token_loss = token_loss * is_weights.detach()
     loss = aggregate_token_loss(token_loss, mask, normalizer)
     if entropy is not None and entropy_coef != 0.0:
         loss = loss - entropy_coef * aggregate_token_loss(entropy, mask, normalizer)
@@ -133,6 +140,41 @@ def clipped_policy_loss(
         if entropy is not None:
             stats["entropy"] = masked_mean(entropy, mask)
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+) -> torch.Tensor:
+    """Truncated importance weights ``min(pi_old / mu, clip)`` per token.
+
+    With overcommitment, the tokens of a deferred response were sampled by
+    ``mu``, the policy of the step that decoded them, while PPO's ratio is taken
+    against ``pi_old``, the current actor's log-probs recomputed at the start of
+    the update. Weighting each token's surrogate by ``pi_old(a) / mu(a)``
+    corrects the expectation to ``pi_old``'s; truncating at ``clip`` bounds the
+    variance (the bias is small while the policies are close), as in
+    truncated importance sampling (Espeholt et al., 2018, arXiv 1802.01561).
+    For a token sampled by ``pi_old`` itself the weight is 1 up to rounding.
+
+    Args:
+        old_logprobs: (B, T) log pi_old of the response tokens.
+        behaviour_logprobs: (B, T) log mu, recorded when each token was sampled.
+        mask: (B, T) 1.0 for response tokens, 0.0 for padding.
+        clip: upper bound of the weight, >= 1.
+
+    Returns:
+        (B, T) detached weights, 0.0 at padding.
+    """
+    if clip < 1.0:
+        raise ValueError(f"clip must be >= 1, got {clip}")
+    valid = mask.bool()
+    log_w = torch.where(valid, old_logprobs - behaviour_logprobs, 0.0)
+    # clamp in log space first: exp of a large log-ratio would overflow to inf
+    w = torch.exp(log_w.clamp(max=float(torch.log(torch.tensor(clip)))))
+    return torch.where(valid, w, 0.0).detach()
 
 
 def clipped_value_loss(
