@@ -80,3 +80,54 @@ def test_state_dict_round_trip_mid_exploration():
 def test_bad_candidates_are_rejected():
     with pytest.raises(ValueError, match="candidates"):
         ChunkSizeController(candidates=(0, 8))
+
+
+# ---- Delta (overcommitment degree) from the reward trend --------------------------------
+
+
+def test_slope_hand_values():
+    from oppo_ds.rollout.controllers import slope
+
+    assert slope([1.0, 2.0, 3.0]) == pytest.approx(1.0)
+    assert slope([3.0, 1.0]) == pytest.approx(-2.0)
+    assert slope([5.0, 5.0, 5.0, 5.0]) == pytest.approx(0.0)
+    # y = 0, 1, 0, 1: slope = sum((x - 1.5)(y - 0.5)) / sum((x - 1.5)^2) = 1 / 5
+    assert slope([0.0, 1.0, 0.0, 1.0]) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="at least 2"):
+        slope([1.0])
+
+
+def test_delta_grows_while_reward_rises_and_shrinks_to_min_otherwise():
+    from oppo_ds.rollout.controllers import DeltaController
+
+    ctl = DeltaController(delta_min=1, delta_max=4, window=3)
+    assert ctl.delta == 4  # starts at the top
+    decisions = []
+    # falling window: 4 -> 3; flat: 3 -> 2; rising: 2 -> 3; falling twice: -> 2 -> 1; again stays 1
+    for window in ([3.0, 2.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.5, 1.0], [1, 0, 0], [2, 1, 0], [5, 4, 3]):
+        for r in window[:-1]:
+            assert ctl.observe(r) is None  # decisions only when a window closes
+        decisions.append(ctl.observe(window[-1]))
+        assert decisions[-1] is not None and f"delta={ctl.delta}" in decisions[-1]
+    assert [int(d.split()[0].split("=")[1]) for d in decisions] == [3, 2, 3, 2, 1, 1]
+    assert "rising" in decisions[2] and "falling" in decisions[0]
+    # rising forever is capped at delta_max
+    for _ in range(5):
+        for r in (0.0, 1.0, 2.0):
+            ctl.observe(r)
+    assert ctl.delta == 4
+
+
+def test_delta_state_dict_round_trip_mid_window():
+    from oppo_ds.rollout.controllers import DeltaController
+
+    a = DeltaController(delta_min=0, delta_max=3, window=4)
+    for r in (1.0, 0.5):
+        a.observe(r)
+    b = DeltaController(delta_min=0, delta_max=3, window=4)
+    b.load_state_dict(a.state_dict())
+    for r in (0.2, 0.1):
+        assert a.observe(r) == b.observe(r)
+    assert a.delta == b.delta == 2
+    with pytest.raises(ValueError, match="delta_min <= delta_max"):
+        DeltaController(delta_min=3, delta_max=2)

@@ -113,3 +113,63 @@ class ChunkSizeController:
         self.calibration = [tuple(x) for x in state["calibration"]]
         self.exploring = list(state["exploring"])
         self.trials = {int(k): v for k, v in state["trials"].items()}
+
+
+def slope(values: Sequence[float]) -> float:
+    """Least-squares slope of ``values`` against their index (per step)."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"a slope needs at least 2 values, got {n}")
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    sxy = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+    sxx = sum((i - mean_x) ** 2 for i in range(n))
+    return sxy / sxx
+
+
+@dataclass
+class DeltaController:
+    """The overcommitment degree Delta, from the trend of the mean reward (the paper's rule).
+
+    Early in training the reward climbs and the policy moves fast, and overcommitting pays:
+    the long tail is cut and the slight staleness of deferred tokens costs little. As training
+    converges the reward flattens, and Delta shrinks toward ``delta_min`` so the final policy is
+    trained on-policy. Every ``window`` steps the least-squares slope of the per-step mean
+    reward over those steps decides: above ``tolerance`` Delta grows by ``step_size``, else it
+    shrinks by ``step_size``, within ``[delta_min, delta_max]``. Starts at ``delta_max``."""
+    delta_min: int = 0
+    delta_max: int = 8
+    window: int = 10
+    step_size: int = 1
+    tolerance: float = 0.0
+    delta: Optional[int] = None
+    rewards: list = field(default_factory=list)  # mean reward of the steps of this window
+
+    def __post_init__(self):
+        if not 0 <= self.delta_min <= self.delta_max:
+            raise ValueError(f"need 0 <= delta_min <= delta_max, got {self.delta_min}, {self.delta_max}")
+        if self.window < 2 or self.step_size < 1:
+            raise ValueError(f"window must be >= 2 and step_size >= 1, got {self.window}, {self.step_size}")
+        if self.delta is None:
+            self.delta = self.delta_max
+
+    def observe(self, mean_reward: float) -> Optional[str]:
+        """Record a step's mean reward. Returns a message when a window closes (to be
+        logged), else None; ``delta`` is then the next steps' Delta."""
+        self.rewards.append(float(mean_reward))
+        if len(self.rewards) < self.window:
+            return None
+        trend, previous = slope(self.rewards), self.delta
+        self.rewards = []
+        if trend > self.tolerance:
+            self.delta = min(self.delta + self.step_size, self.delta_max)
+        else:
+            self.delta = max(self.delta - self.step_size, self.delta_min)
+        word = "rising" if trend > self.tolerance else "flat or falling"
+        return f"delta={self.delta} (was {previous}): reward {word}, slope {trend:+.4f}/step over {self.window} steps"
+
+    def state_dict(self) -> dict:
+        return {"delta": self.delta, "rewards": list(self.rewards)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.delta = int(state["delta"])
+        self.rewards = list(state["rewards"])
