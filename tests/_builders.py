@@ -26,3 +26,17 @@ def sharpen(model, seed: int, scale: float = 0.3):
             std = p.shape[-1] ** -0.5 if name.startswith("value_head") else scale
             p.copy_(torch.randn(p.shape, generator=g) * std)
     return model.eval()
+
+
+def random_lm(arch: str, vocab: int, seed: int, scale: float = 0.5):
+    """A tiny causal LM with weights far from the init scale, so that its greedy tokens (and
+    where rows hit EOS) vary with the context: at the default std 0.02 a random model repeats
+    one token, which would hide where rows end."""
+    from oppo_ds.models import build_causal_lm
+
+    model = build_causal_lm(arch, vocab_size=vocab, seed=0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()

@@ -5,9 +5,8 @@ uninterrupted decode."""
 import pytest
 import torch
 
-from _builders import left_padded_prompts
+from _builders import left_padded_prompts, random_lm
 
-from oppo_ds.models import build_causal_lm
 from oppo_ds.rollout.generate import (
     SamplingParams,
     decode_steps,
@@ -37,13 +36,9 @@ def _model(arch):
     """A tiny model whose greedy outputs vary: at the default init scale (std 0.02) a random
     model repeats one token, which would hide where rows end."""
     if arch not in _MODELS:
-        model = build_causal_lm(arch, vocab_size=VOCAB, seed=0)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        model = random_lm(arch, VOCAB, seed=0)
         model.generation_config.eos_token_id = None
-        _MODELS[arch] = model.eval()
+        _MODELS[arch] = model
     return _MODELS[arch]
 
 

@@ -12,8 +12,8 @@ way), not the truncated one sampled from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -79,10 +79,17 @@ class DecodeState:
     cache_mask: torch.Tensor        # (A, cached positions) attention mask of the cache
     next_position: torch.Tensor     # (A,) position id of the next token fed
     next_logits: Optional[torch.Tensor]  # (A, V) logits predicting the next token
+    finish_order: list = field(default_factory=list)  # rows in the order they finished
+    stopped: bool = False           # a stop rule ended decoding before every row finished
 
     @property
     def done(self) -> bool:
         return self.active.numel() == 0
+
+    @property
+    def over(self) -> bool:
+        """Nothing more to decode: every row finished, or a stop rule said enough."""
+        return self.stopped or self.done
 
     def response_mask(self) -> torch.Tensor:
         steps = torch.arange(self.tokens.shape[1], device=self.tokens.device)
@@ -96,35 +103,78 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 params: SamplingParams) -> DecodeState:
-    """Prefill the prompts and return a state ready for ``decode_steps``."""
+                 params: SamplingParams, prefix_ids: Optional[torch.Tensor] = None,
+                 prefix_lengths: Optional[torch.Tensor] = None,
+                 prefix_logprobs: Optional[torch.Tensor] = None) -> DecodeState:
+    """Prefill the prompts and return a state ready for ``decode_steps``.
+
+    With ``prefix_ids`` (B, L) right-padded and ``prefix_lengths`` (B,), each row continues a
+    response already begun (a sequence deferred by the rollout pool): prompt and prefix are
+    prefilled in one forward under the current weights, which rebuilds the KV cache an update
+    made stale, and the prefix becomes the row's first response tokens. ``prefix_logprobs``
+    (B, L) are their recorded behaviour log-probs (kept as they are, not recomputed). Every
+    prefix must be shorter than ``max_new_tokens`` and must not end at EOS."""
     batch, device = prompt_ids.shape[0], prompt_ids.device
-    positions = position_ids_from_mask(prompt_mask)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                use_cache=True)
     n = params.max_new_tokens
+    tokens = torch.full((batch, n), params.pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch, n, dtype=torch.float32, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    context_ids, context_mask = prompt_ids, prompt_mask
+    if prefix_ids is not None and prefix_ids.shape[1] > 0:
+        lengths = prefix_lengths.to(device=device, dtype=torch.long)
+        if int(lengths.max()) >= n:
+            raise ValueError(f"a prefix of {int(lengths.max())} tokens leaves nothing to decode "
+                             f"(max_new_tokens={n})")
+        width = prefix_ids.shape[1]
+        tokens[:, :width] = prefix_ids.to(device)
+        if prefix_logprobs is not None:
+            logprobs[:, :width] = prefix_logprobs.to(device=device, dtype=torch.float32)
+        in_prefix = torch.arange(n, device=device)[None, :] < lengths[:, None]
+        tokens = torch.where(in_prefix, tokens, params.pad_token_id)
+        logprobs = torch.where(in_prefix, logprobs, 0.0)
+        context_ids, context_mask = _left_packed(prompt_ids, prompt_mask, tokens[:, :width],
+                                                 in_prefix[:, :width].to(prompt_mask.dtype),
+                                                 params.pad_token_id)
+    positions = position_ids_from_mask(context_mask)
+    out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
+                use_cache=True)
     return DecodeState(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        tokens=torch.full((batch, n), params.pad_token_id, dtype=torch.long, device=device),
-        logprobs=torch.zeros(batch, n, dtype=torch.float32, device=device),
-        lengths=torch.zeros(batch, dtype=torch.long, device=device),
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
+        lengths=lengths,
         finished=torch.zeros(batch, dtype=torch.bool, device=device),
         active=torch.arange(batch, device=device),
         past_key_values=out.past_key_values,
-        cache_mask=prompt_mask.clone(),
+        cache_mask=context_mask.clone(),
         next_position=positions[:, -1] + 1,
         next_logits=out.logits[:, -1, :],
     )
 
 
+def _left_packed(prompt_ids, prompt_mask, suffix_ids, suffix_mask, pad_id):
+    """Each row's real prompt tokens followed by its real suffix tokens, left-padded to one
+    width: (B, W) ids and mask. Rows of a left-padded prompt batch with right-padded
+    suffixes of different lengths would otherwise have holes in the middle."""
+    ids = torch.cat([prompt_ids, suffix_ids], dim=1)
+    mask = torch.cat([prompt_mask, suffix_mask], dim=1)
+    # a stable sort of "is real" moves the padding to the left and keeps the tokens' order
+    order = torch.sort(mask.long(), dim=1, stable=True).indices
+    ids, mask = ids.gather(1, order), mask.gather(1, order)
+    width = int(mask.sum(1).max())
+    ids, mask = ids[:, -width:], mask[:, -width:]
+    return torch.where(mask.bool(), ids, pad_id), mask
+
+
 @torch.no_grad()
 def decode_steps(model, state: DecodeState, params: SamplingParams,
-                 generator: Optional[torch.Generator], max_steps: Optional[int] = None) -> int:
+                 generator: Optional[torch.Generator], max_steps: Optional[int] = None,
+                 stop: Optional[Callable[[DecodeState], bool]] = None) -> int:
     """Advance every active row by up to ``max_steps`` tokens (None: until all finish).
-    Rows end at an EOS token or at ``max_new_tokens``. Returns the number of tokens appended."""
+    Rows end at an EOS token or at ``max_new_tokens``. ``stop(state)``, asked after every
+    token, ends decoding early when it returns True (``state.stopped``; the rollout pool stops
+    once it has its batch). Returns the number of tokens appended."""
     eos = torch.tensor(params.eos_token_ids, device=state.tokens.device)
     produced, steps = 0, 0
-    while not state.done and (max_steps is None or steps < max_steps):
+    while not state.over and (max_steps is None or steps < max_steps):
         tok, lp = sample_tokens(state.next_logits, params, generator)
         rows = state.active
         state.tokens[rows, state.lengths[rows]] = tok
@@ -135,12 +185,16 @@ def decode_steps(model, state: DecodeState, params: SamplingParams,
         ended = torch.isin(tok, eos) | (state.lengths[rows] >= params.max_new_tokens)
         if bool(ended.any()):  # a host sync, once per token: cheap next to the forward
             state.finished[rows[ended]] = True
+            state.finish_order.extend(rows[ended].tolist())
             keep = (~ended).nonzero().squeeze(-1)
             _select_rows(state, keep)
             tok = tok[keep]
             if state.done:
                 state.next_logits = None
                 break
+        if stop is not None and stop(state):
+            state.stopped = True
+            break
         _feed(model, state, tok)
     return produced
 

@@ -1,0 +1,265 @@
+"""The rollout pool: OPPO's inter-step overlap (overcommitment).
+
+A sequential PPO step decodes B prompts and waits for the longest. The pool instead holds
+B + Delta sequences; a step decodes them all, keeps the first B that finish as its experience,
+and *defers* the rest: they keep every token generated so far and continue in the next step,
+after new prompts have topped the pool back up to B + Delta. Nothing is thrown away.
+
+What a deferred sequence carries (``PoolEntry``): its prompt, its response tokens so far, the
+behaviour log-prob of each token and the policy version (training step) that sampled it, and
+how many times it was deferred. The actor's KV cache is not carried: the update makes it
+stale, and the next step rebuilds it with one prefill of prompt + partial response
+(``generate.start_decode(prefix_ids=...)``). The frozen scorers' caches stay valid and are
+carried by the streaming scorers themselves; the critic's are rebuilt like the actor's.
+
+Rules (see docs/inter-step-overlap.md):
+  * first B: the B entries that finished first (earlier steps' finished-but-not-taken entries
+    before this step's, then this step's in the order they ended); an entry deferred
+    ``max_defer_steps`` times is *forced*: the step does not stop before it ends, and it is
+    taken before the others.
+  * data parallel: each rank has its own pool and takes its own B; decoding stops for all
+    ranks together, once every rank has its B (``BatchStop``), so a rank that is done early
+    goes on decoding its deferred sequences instead of idling at the first collective.
+  * the ledger counts every prompt drawn, trained on and still in flight, so that a run can
+    prove that none was lost or trained twice.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .generate import DecodeState, Generation
+
+
+@dataclass
+class PoolEntry:
+    """One sequence of the pool, from its prompt to the step that trains on it."""
+    uid: int                  # unique per rank over the run (also the streaming scorers' row id)
+    key: str                  # the prompt's dataset id
+    prompt: list[int]         # prompt token ids
+    tokens: list[int] = field(default_factory=list)        # response so far
+    logprobs: list[float] = field(default_factory=list)    # behaviour log-prob of each token
+    versions: list[int] = field(default_factory=list)      # policy version that sampled each
+    finished: bool = False
+    deferrals: int = 0        # steps that ended with this entry unfinished or not taken
+    finished_at: Optional[tuple[int, int]] = None  # (step, order within the step)
+    # what streaming scorers returned when it finished, by kind; only the frozen scorers'
+    # survive a deferral (the critic trains, so its values are recomputed)
+    results: dict = field(default_factory=dict)
+
+    def forced(self, max_defer_steps: int) -> bool:
+        return self.deferrals >= max_defer_steps
+
+
+class PromptLedger:
+    """Counts, per prompt id, how often it was drawn into the pool and trained on. At any
+    moment ``drawn == trained + in flight`` for every id; a mismatch is a lost or duplicated
+    sequence (``check``)."""
+
+    def __init__(self):
+        self.drawn: Counter = Counter()
+        self.trained: Counter = Counter()
+
+    def check(self, in_flight: Sequence[str]) -> None:
+        pending = Counter(in_flight)
+        bad = {k: (self.drawn[k], self.trained[k], pending[k])
+               for k in set(self.drawn) | set(self.trained) | set(pending)
+               if self.drawn[k] != self.trained[k] + pending[k]}
+        if bad:
+            detail = ", ".join(f"{k}: drawn {d}, trained {t}, in flight {p}"
+                               for k, (d, t, p) in sorted(bad.items())[:5])
+            raise AssertionError(f"prompt ledger out of balance for {len(bad)} id(s): {detail}")
+
+    def state_dict(self) -> dict:
+        return {"drawn": dict(self.drawn), "trained": dict(self.trained)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn, self.trained = Counter(state["drawn"]), Counter(state["trained"])
+
+
+class RolloutPool:
+    def __init__(self, batch_size: int, max_defer_steps: int):
+        self.batch_size = batch_size
+        self.max_defer_steps = max_defer_steps
+        self.entries: list[PoolEntry] = []  # oldest first
+        self.next_uid = 0
+        self.ledger = PromptLedger()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def top_up(self, prompts: Sequence, size: int) -> None:
+        """Add ``prompts`` (objects with ``id`` and ``input_ids``), which the caller drew as
+        ``size - len(self)`` of them."""
+        if len(self.entries) + len(prompts) != max(size, len(self.entries)):
+            raise ValueError(f"pool of {len(self.entries)} topped up with {len(prompts)} "
+                             f"prompts does not reach {size}")
+        for p in prompts:
+            self.entries.append(PoolEntry(uid=self.next_uid, key=p.id, prompt=list(p.input_ids)))
+            self.ledger.drawn[p.id] += 1
+            self.next_uid += 1
+
+    def needed(self, size: int) -> int:
+        """New prompts to draw to reach ``size`` (0 when Delta shrank below what is carried)."""
+        return max(0, size - len(self.entries))
+
+    def running(self) -> list[PoolEntry]:
+        return [e for e in self.entries if not e.finished]
+
+    def waiting(self) -> list[PoolEntry]:
+        """Entries that finished in an earlier step but were not taken yet."""
+        return [e for e in self.entries if e.finished]
+
+    def decode_inputs(self, entries: Sequence[PoolEntry], pad_id: int, device) -> dict:
+        """``start_decode`` arguments continuing ``entries``: left-padded prompts, and their
+        responses so far as right-padded prefixes with behaviour log-probs."""
+        prompt_ids, prompt_mask = left_pad([e.prompt for e in entries], pad_id)
+        prefix, logprobs, lengths = _responses(entries, pad_id, min_width=0)
+        return dict(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+                    prefix_ids=prefix.to(device), prefix_lengths=lengths.to(device),
+                    prefix_logprobs=logprobs.to(device))
+
+    def absorb(self, entries: Sequence[PoolEntry], state: DecodeState, version: int,
+               step: int) -> None:
+        """Write a rollout's results back: row i of ``state`` continued ``entries[i]``; tokens
+        beyond what an entry held were sampled by policy ``version`` at ``step``."""
+        lengths = state.lengths.tolist()
+        tokens, logprobs = state.tokens.cpu(), state.logprobs.cpu()
+        for i, (e, n) in enumerate(zip(entries, lengths)):
+            old = len(e.tokens)
+            e.tokens.extend(tokens[i, old:n].tolist())
+            e.logprobs.extend(logprobs[i, old:n].tolist())
+            e.versions.extend([version] * (n - old))
+        for order, row in enumerate(state.finish_order):
+            entries[row].finished = True
+            entries[row].finished_at = (step, order)
+
+    def take(self) -> list[PoolEntry]:
+        """Remove and return the step's batch: forced entries first, then in finishing order;
+        every entry left behind is deferred once more."""
+        done = [e for e in self.entries if e.finished]
+        if len(done) < self.batch_size:
+            raise RuntimeError(f"the step ended with {len(done)} finished sequences, "
+                               f"fewer than the batch of {self.batch_size}")
+        done.sort(key=lambda e: (not e.forced(self.max_defer_steps), e.finished_at))
+        taken = done[:self.batch_size]
+        chosen = {e.uid for e in taken}
+        self.entries = [e for e in self.entries if e.uid not in chosen]
+        for e in self.entries:
+            e.deferrals += 1
+            e.results.pop("critic", None)
+        for e in taken:
+            self.ledger.trained[e.key] += 1
+        return taken
+
+    def check(self) -> None:
+        self.ledger.check([e.key for e in self.entries])
+
+    def state_dict(self) -> dict:
+        return {"entries": [asdict(e) for e in self.entries], "next_uid": self.next_uid,
+                "ledger": self.ledger.state_dict(), "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        entries = []
+        for e in state["entries"]:
+            e = dict(e)
+            if e["finished_at"] is not None:
+                e["finished_at"] = tuple(e["finished_at"])
+            entries.append(PoolEntry(**e))
+        self.entries, self.next_uid = entries, state["next_uid"]
+        self.ledger.load_state_dict(state["ledger"])
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..data import left_pad as _left_pad  # data imports tokenizers; keep this module light
+
+    return _left_pad(list(seqs), pad_id)
+
+
+def _responses(entries: Sequence[PoolEntry], pad_id: int, min_width: int):
+    """Responses so far, right-padded: (N, W) tokens, (N, W) behaviour log-probs, (N,) lengths."""
+    width = max([min_width] + [len(e.tokens) for e in entries])
+    ids = torch.full((len(entries), width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(len(entries), width)
+    for i, e in enumerate(entries):
+        ids[i, :len(e.tokens)] = torch.tensor(e.tokens, dtype=torch.long)
+        logprobs[i, :len(e.tokens)] = torch.tensor(e.logprobs, dtype=torch.float32)
+    return ids, logprobs, torch.tensor([len(e.tokens) for e in entries], dtype=torch.long)
+
+
+def entries_to_generation(entries: Sequence[PoolEntry], pad_id: int, device) -> Generation:
+    """The batch of finished entries as the ``Generation`` a sequential step would have made."""
+    prompt_ids, prompt_mask = left_pad([e.prompt for e in entries], pad_id)
+    ids, logprobs, lengths = _responses(entries, pad_id, min_width=1)
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).float()
+    return Generation(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+                      response_ids=ids.to(device), response_mask=mask.to(device),
+                      logprobs=logprobs.to(device), lengths=lengths.to(device))
+
+
+class BatchStop:
+    """``decode_steps``'s stop rule for one step of the pool.
+
+    Locally satisfied when at least ``need`` rows finished (``already`` counts entries that
+    finished in earlier steps) and every forced row ended. With ``sync`` (data parallel) the
+    answer is the minimum over ranks, one all-reduce per call, so all ranks stop at the same
+    token; a rank whose rows all ended keeps calling (``wait``) until the others are done.
+    Once True it stays True without further collectives, so every rank makes the same
+    number of calls."""
+
+    def __init__(self, need: int, already: int, forced_rows: Sequence[int], sync: bool):
+        self.need, self.already = need, already
+        self.forced = torch.as_tensor(list(forced_rows), dtype=torch.long)
+        self.sync = sync
+        self.satisfied = False
+        self.calls = 0
+
+    def local(self, state: Optional[DecodeState]) -> bool:
+        if state is None:
+            return self.already >= self.need and self.forced.numel() == 0
+        if state.done:
+            return True
+        ended = self.already + len(state.finish_order) >= self.need
+        return ended and bool(state.finished[self.forced.to(state.finished.device)].all())
+
+    def __call__(self, state: Optional[DecodeState]) -> bool:
+        if self.satisfied:
+            return True
+        ok = self.local(state)
+        if self.sync:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item())
+            self.calls += 1
+        self.satisfied = ok
+        return ok
+
+    def wait(self, state: Optional[DecodeState]) -> None:
+        """Called by a rank with nothing left to decode: join the other ranks' calls until
+        they are all satisfied."""
+        while not self(state):
+            pass
+
+
+def staleness_rows(taken: Sequence[PoolEntry], version: int) -> list[list[int]]:
+    """Per taken entry: [times deferred, tokens, tokens sampled by an older policy than
+    ``version``, versions behind of its oldest token] (gathered over ranks, then
+    ``staleness_metrics``)."""
+    return [[e.deferrals, len(e.tokens), sum(1 for v in e.versions if v < version),
+             version - min(e.versions, default=version)] for e in taken]
+
+
+def staleness_metrics(rows: Sequence[Sequence[int]]) -> dict:
+    """What overcommitment did to a batch: how often its sequences were deferred
+    (``pool/deferrals`` is the histogram's data), and the share of its tokens sampled by an
+    older policy than the one being trained."""
+    deferred = [int(r[0]) for r in rows]
+    return {"pool/deferred_frac": sum(1 for d in deferred if d > 0) / len(rows),
+            "pool/deferrals_max": max(deferred),
+            "pool/deferrals": deferred,
+            "pool/stale_token_frac": sum(r[2] for r in rows) / max(sum(r[1] for r in rows), 1),
+            "pool/policy_lag_max": max(int(r[3]) for r in rows)}

@@ -1,0 +1,251 @@
+"""Tier 0/2: the rollout pool (inter-step overlap) on real tiny models: a deferred sequence
+continues as if never interrupted, the first B are taken in finishing order with forced
+entries first, the ledger balances, the pool survives torch.save, and the lock-step stop rule
+over two real gloo processes stops every rank at the same token."""
+from __future__ import annotations
+
+import os
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from _builders import left_padded_prompts, random_lm
+
+from oppo_ds.rollout.generate import SamplingParams, decode_steps, finish, start_decode
+from oppo_ds.rollout.pool import (BatchStop, PromptLedger, RolloutPool, entries_to_generation,
+                                  staleness_metrics, staleness_rows)
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+VOCAB, PAD, EOS = 48, 0, 2
+LENS = [3, 7, 5, 6, 2, 4]
+_MODELS = {}
+
+
+def _model(arch):
+    """Random weights far from the init scale, so that tokens (and EOS) vary by context."""
+    if arch not in _MODELS:
+        _MODELS[arch] = random_lm(arch, VOCAB, seed=3)
+    return _MODELS[arch]
+
+
+def _prompts(n=len(LENS), seed=1):
+    ids, mask = left_padded_prompts(LENS[:n], VOCAB, PAD, seed)
+    return [SimpleNamespace(id=f"p{i}", input_ids=ids[i][mask[i].bool()].tolist()) for i in range(n)]
+
+
+class AfterTokens:
+    """A stop rule: enough after ``n`` calls (tokens)."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, state):
+        self.calls += 1
+        return self.calls >= self.n
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_deferred_sequences_continue_as_if_never_interrupted(arch, greedy):
+    """Stop after 5 tokens, carry every unfinished row through the pool, rebuild the actor's
+    cache with one prefill of prompt + partial response, decode to the end: the tokens equal
+    one uninterrupted decode with the same generator, and the log-probs within 1e-5 (the
+    prefill computes the prefix's keys in one matmul instead of one per token)."""
+    model = _model(arch)
+    params = SamplingParams(max_new_tokens=16, eos_token_ids=(EOS,), pad_token_id=PAD,
+                            temperature=0.0 if greedy else 1.0)
+    prompts = _prompts()
+    pool = RolloutPool(batch_size=2, max_defer_steps=3)
+    pool.top_up(prompts, len(prompts))
+    inputs = pool.decode_inputs(pool.running(), PAD, "cpu")
+
+    g_ref = torch.Generator().manual_seed(7)
+    ref = start_decode(model, inputs["prompt_ids"], inputs["prompt_mask"], params)
+    decode_steps(model, ref, params, g_ref)
+    reference = finish(ref)
+
+    g = torch.Generator().manual_seed(7)
+    running = pool.running()
+    state = start_decode(model, params=params, **inputs)
+    decode_steps(model, state, params, g, stop=AfterTokens(5))
+    assert state.stopped and not state.done
+    pool.absorb(running, state, version=0, step=0)
+    assert {len(e.tokens) for e in pool.running()} == {5}
+    # the update would happen here; the same weights make the continuation checkable
+    running = pool.running()
+    state = start_decode(model, params=params, **pool.decode_inputs(running, PAD, "cpu"))
+    assert state.lengths.tolist() == [5] * len(running)
+    decode_steps(model, state, params, g)
+    pool.absorb(running, state, version=1, step=1)
+
+    by_key = {e.key: e for e in pool.entries}
+    assert all(e.finished for e in pool.entries)
+    for i, p in enumerate(prompts):
+        n = int(reference.lengths[i])
+        e = by_key[p.id]
+        assert e.tokens == reference.response_ids[i, :n].tolist(), p.id
+        torch.testing.assert_close(torch.tensor(e.logprobs), reference.logprobs[i, :n],
+                                   atol=1e-5, rtol=0)
+        # versions: the first 5 tokens by policy 0, the rest by policy 1
+        assert e.versions == [0] * min(n, 5) + [1] * max(0, n - 5)
+
+
+def test_start_decode_rejects_a_prefix_with_nothing_left():
+    model = _model("tiny-llama")
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=(EOS,), pad_token_id=PAD)
+    ids, mask = left_padded_prompts([3, 2], VOCAB, PAD)
+    with pytest.raises(ValueError, match="leaves nothing to decode"):
+        start_decode(model, ids, mask, params, prefix_ids=torch.full((2, 4), 5),
+                     prefix_lengths=torch.tensor([4, 1]))
+
+
+def _finish_order_pool(max_defer_steps=2):
+    """A pool whose entries finished at known places: e0 and e3 in an earlier step, e1 and e4
+    at positions 0 and 1 of this step, e2 and e5 unfinished; e5 deferred to the limit."""
+    pool = RolloutPool(batch_size=3, max_defer_steps=max_defer_steps)
+    pool.top_up(_prompts(), 6)
+    e = pool.entries
+    for i, at in [(0, (0, 1)), (3, (0, 0)), (1, (1, 0)), (4, (1, 1))]:
+        e[i].finished, e[i].finished_at, e[i].tokens = True, at, [5, EOS]
+        e[i].logprobs, e[i].versions = [-1.0, -2.0], [0, 1]
+    e[5].tokens, e[5].logprobs, e[5].versions = [7], [-0.5], [0]
+    return pool
+
+
+def test_take_first_b_in_finishing_order_and_defer_the_rest():
+    pool = _finish_order_pool()
+    taken = pool.take()
+    # earlier steps' finished entries first, in their order, then this step's
+    assert [t.key for t in taken] == ["p3", "p0", "p1"]
+    assert [e.key for e in pool.entries] == ["p2", "p4", "p5"]
+    assert all(e.deferrals == 1 for e in pool.entries)
+    pool.check()  # drawn 6 = trained 3 + in flight 3
+    assert sum(pool.ledger.trained.values()) == 3
+
+
+def test_forced_entries_are_taken_first():
+    pool = _finish_order_pool(max_defer_steps=2)
+    e5 = pool.entries[5]
+    e5.deferrals, e5.finished, e5.finished_at = 2, True, (1, 7)  # forced, finished last
+    taken = pool.take()
+    assert taken[0].key == "p5" and [t.key for t in taken[1:]] == ["p3", "p0"]
+
+
+def test_take_refuses_a_short_batch_and_the_ledger_catches_a_loss():
+    pool = RolloutPool(batch_size=3, max_defer_steps=2)
+    pool.top_up(_prompts(), 6)
+    with pytest.raises(RuntimeError, match="fewer than the batch of 3"):
+        pool.take()
+    pool.entries.pop()  # a sequence lost by a bug
+    with pytest.raises(AssertionError, match="p5: drawn 1, trained 0, in flight 0"):
+        pool.check()
+    ledger = PromptLedger()
+    ledger.drawn["a"] += 1
+    ledger.trained["a"] += 2  # trained twice
+    with pytest.raises(AssertionError, match="a: drawn 1, trained 2"):
+        ledger.check([])
+    with pytest.raises(ValueError, match="does not reach 8"):
+        RolloutPool(3, 2).top_up(_prompts(), 8)
+
+
+def test_pool_state_survives_torch_save(tmp_path):
+    pool = _finish_order_pool()
+    pool.entries[1].results = {"reward": torch.tensor(0.25)}
+    torch.save(pool.state_dict(), tmp_path / "pool.pt")
+    other = RolloutPool(batch_size=3, max_defer_steps=2)
+    other.load_state_dict(torch.load(tmp_path / "pool.pt", weights_only=False))
+    assert other.next_uid == pool.next_uid == 6
+    for a, b in zip(pool.entries, other.entries):
+        assert (a.uid, a.key, a.prompt, a.tokens, a.logprobs, a.versions, a.finished,
+                a.deferrals, a.finished_at) == \
+               (b.uid, b.key, b.prompt, b.tokens, b.logprobs, b.versions, b.finished,
+                b.deferrals, b.finished_at)
+    assert other.entries[1].results["reward"].item() == 0.25
+    assert [t.uid for t in other.take()] == [t.uid for t in pool.take()]
+
+
+def test_generation_and_staleness_of_a_batch():
+    pool = _finish_order_pool()
+    taken = pool.take()
+    gen = entries_to_generation(taken, PAD, "cpu")
+    assert gen.response_ids.tolist() == [[5, EOS]] * 3
+    assert gen.response_mask.tolist() == [[1.0, 1.0]] * 3
+    assert gen.prompt_mask.sum(1).tolist() == [LENS[3], LENS[0], LENS[1]]
+    taken[0].deferrals = 1
+    m = staleness_metrics(staleness_rows(taken, version=1))
+    # 3 rows x 2 tokens, each with one token of policy 0 < 1
+    assert m["pool/stale_token_frac"] == pytest.approx(0.5)
+    assert m["pool/deferrals"] == [1, 0, 0] and m["pool/deferred_frac"] == pytest.approx(1 / 3)
+    assert m["pool/policy_lag_max"] == 1
+
+
+# ---- lock-step stopping over two real processes ----------------------------------------
+
+
+def _lockstep_worker(rank, port, out):
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2)
+        model = _model("tiny-llama")
+        # rank 0 needs 1 finished row and gets it early; rank 1 needs all 4 of its rows
+        params = SamplingParams(max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=PAD,
+                                temperature=1.0)
+        pool = RolloutPool(batch_size=1 if rank == 0 else 4, max_defer_steps=3)
+        pool.top_up(_prompts(4, seed=rank + 1), 4)
+        running = pool.running()
+        stop = BatchStop(pool.batch_size, 0, [], sync=True)
+        ticks_when_local = []
+
+        class Recording:
+            def __call__(self, state):
+                if stop.local(state) and not ticks_when_local:
+                    ticks_when_local.append(stop.calls)
+                return stop(state)
+
+        g = torch.Generator().manual_seed(rank)
+        state = None
+        if not stop(None):
+            state = start_decode(model, params=params, **pool.decode_inputs(running, PAD, "cpu"))
+            decode_steps(model, state, params, g, stop=Recording())
+            stop.wait(state)
+        pool.absorb(running, state, version=0, step=0)
+        out.put((rank, {"calls": stop.calls, "finished": len(state.finish_order),
+                        "first_local": ticks_when_local[0] if ticks_when_local else None,
+                        "tokens": int(state.lengths.sum())}))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_ranks_stop_together_and_the_early_rank_keeps_decoding():
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_lockstep_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    os.environ.clear()
+    os.environ.update(env)
+    for r in (0, 1):
+        assert isinstance(results[r], dict), results[r]
+    r0, r1 = results[0], results[1]
+    # one all-reduce per call, and every rank leaves at the same one
+    assert r0["calls"] == r1["calls"] > 1
+    # rank 1 needed all its rows: it decoded until they ended
+    assert r1["finished"] == 4
+    # rank 0 had its one row early, and went on decoding (more rows finished, more tokens)
+    assert r0["first_local"] is not None and r0["first_local"] < r0["calls"]
+    assert r0["finished"] >= 1 and r0["tokens"] > 4
