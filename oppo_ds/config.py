@@ -159,8 +159,26 @@ class OppoConfig:
     """Where scorer prefill runs: inline = between decode chunks in the same thread (the
     reference for correctness); colocated = concurrently on the same devices (a worker
     thread on CPU, a side CUDA stream on GPU)."""
-    overcommit: int = 0
-    """Delta: extra sequences started per step beyond batch_size (inter-step overlap)."""
+    overcommit: Union[int, Literal["auto"]] = 0
+    """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
+    decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the
+    others, with what they generated, into the next step. `auto`: Delta follows the trend of
+    the mean reward (grows while it rises, shrinks toward `delta_min` otherwise). 0 with
+    `streaming: false` is the sequential baseline."""
+    delta_min: int = 0
+    """Smallest Delta under `overcommit: auto`."""
+    delta_max: int = 8
+    """Largest Delta under `overcommit: auto`; also the starting Delta."""
+    delta_window: int = 10
+    """Steps of mean reward whose least-squares slope drives `overcommit: auto`."""
+    max_defer_steps: int = 2
+    """A sequence deferred this many times must finish in the next step: that step waits for it."""
+    off_policy: Literal["recompute", "truncated_is"] = "recompute"
+    """Tokens of a deferred sequence sampled by an older policy: `recompute` takes PPO's old
+    log-probs from the current actor (DeepSpeed-Chat's rule, no correction); `truncated_is`
+    also weights each token's policy loss by min(exp(old - behaviour log-prob), is_clip)."""
+    is_clip: float = 2.0
+    """Upper clip of the truncated importance weight (`off_policy: truncated_is`)."""
 
     def __post_init__(self):
         _require(self.chunk_size == "auto" or self.chunk_size >= 1, "chunk_size",
@@ -170,10 +188,18 @@ class OppoConfig:
         _require(self.chunk_explore_every >= 0, "chunk_explore_every", "must be >= 0")
         _require(len(set(self.stream_to)) == len(self.stream_to), "stream_to",
                  f"lists a scorer twice: {self.stream_to}")
-        # Overcommitment switches on inside the same trainer when it lands; until then asking
-        # for it must not silently run without it.
-        _require(self.overcommit == 0, "overcommit",
-                 "only 0 is available in this version (inter-step overlap not implemented yet)")
+        _require(self.overcommit == "auto" or self.overcommit >= 0, "overcommit",
+                 f"must be >= 0 or auto, got {self.overcommit}")
+        _require(0 <= self.delta_min <= self.delta_max, "delta_min",
+                 f"must satisfy 0 <= delta_min <= delta_max, got {self.delta_min} and {self.delta_max}")
+        _require(self.delta_window >= 2, "delta_window", f"must be >= 2, got {self.delta_window}")
+        _require(self.max_defer_steps >= 1, "max_defer_steps", f"must be >= 1, got {self.max_defer_steps}")
+        _require(self.is_clip >= 1.0, "is_clip", f"must be >= 1, got {self.is_clip}")
+
+    @property
+    def overcommits(self) -> bool:
+        """Whether steps go through the rollout pool (any Delta other than a fixed 0)."""
+        return self.overcommit != 0
 
 
 @dataclass

@@ -19,15 +19,19 @@ import torch.distributed as dist
 
 from . import workload as wl
 from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits, gae_advantages,
-                   kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer)
+                   kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
+                   truncated_is_weights)
 from .checkpoint import CheckpointManager
 from .config import Config, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import Experience, response_logprobs, response_values, sequence_scores
 from .models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
-from .rollout.generate import SamplingParams, generate
-from .rollout.controllers import ChunkSizeController
-from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, stream_generate
+from .rollout.generate import SamplingParams, decode_steps, generate, start_decode
+from .rollout.controllers import ChunkSizeController, DeltaController
+from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, staleness_metrics,
+                           staleness_rows)
+from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
+                                stream_generate)
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
@@ -90,6 +94,21 @@ def streaming_metrics(timing) -> dict:
             "stream/scoring_tail_s": timing.scoring_tail_s,
             "stream/scoring_hidden_frac": timing.scoring_hidden_frac,
             "stream/chunks": timing.chunks}
+
+
+def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
+                width: int) -> torch.Tensor:
+    """Per-row results (scalars, or (T_row,) right-padded to ``width``) as one tensor, rows
+    listed in ``missing`` taken in order from ``scored``."""
+    fill, missing = iter(scored.unbind(0)) if scored is not None else iter(()), set(missing)
+    rows = [next(fill) if i in missing else r for i, r in enumerate(rows)]
+    if rows[0].dim() == 0:
+        return torch.stack([r.float() for r in rows])
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device=rows[0].device)
+    for i, r in enumerate(rows):
+        n = min(r.numel(), width)
+        out[i, :n] = r[:n].to(out.device)
+    return out
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -162,6 +181,11 @@ class PPOTrainer:
         self.chunk_ctl = ChunkSizeController(
             candidates=tuple(o.chunk_candidates), explore_every=o.chunk_explore_every,
             overlapped=o.placement != "inline") if o.streaming and o.chunk_size == "auto" else None
+        # inter-step overlap: the pool of B + Delta sequences, carried from step to step
+        self.pool = RolloutPool(p.batch_size, o.max_defer_steps) if o.overcommits else None
+        self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window) \
+            if o.overcommit == "auto" else None
+        self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
         self.step_count = 0
         self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
                                       rank=self.rank, keep_last=cfg.checkpoint.keep_last)
@@ -204,13 +228,25 @@ class PPOTrainer:
         self.shuffle_gen.set_state(state["shuffle_gen"])
         if self.chunk_ctl is not None and state.get("chunk_ctl"):
             self.chunk_ctl.load_state_dict(state["chunk_ctl"])
+        if self.pool is not None:
+            if not state.get("pool"):
+                raise ValueError(f"checkpoint {tag} has no rollout pool: it was written without "
+                                 f"overcommitment and cannot continue a run with it")
+            self.pool.load_state_dict(state["pool"])
+            for kind, scorer_state in state.get("scorers", {}).items():
+                self._carried_scorer(kind).load_state_dict(scorer_state)
+        if self.delta_ctl is not None and state.get("delta_ctl"):
+            self.delta_ctl.load_state_dict(state["delta_ctl"])
         if self.is_main:
             logger.info("resumed from %s at step %d", tag, self.step_count)
 
     def save_checkpoint(self) -> None:
         state = {"step": self.step_count, "stream": self.stream.state_dict(),
                  "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
-                 "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None}
+                 "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
+                 "pool": self.pool.state_dict() if self.pool is not None else None,
+                 "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
+                 "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()}}
         self.ckpt.save(f"step{self.step_count}", state, engines={"actor": self.actor, "critic": self.critic})
 
     # ------------------------------------------------------------------ the PPO step
@@ -218,34 +254,136 @@ class PPOTrainer:
     def step(self) -> dict:
         timer = PhaseTimer()
         start = time.perf_counter()
-        batch = self.stream.next_batch()
-        streamed, stream_metrics = {}, {}
+        o = self.cfg.oppo
+        chunk = timing = None
+        streamed, extra = {}, {}
+        if o.streaming:
+            chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl else o.chunk_size
         with timer.phase("generate"):
-            if self.cfg.oppo.streaming:
-                chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl else self.cfg.oppo.chunk_size
-                gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch], chunk)
-                stream_metrics = streaming_metrics(timing)
-                stream_metrics["oppo/chunk_size"] = chunk
+            if self.pool is not None:
+                keys, gen, streamed, timing, extra, produced = self.rollout_pool(chunk)
             else:
-                gen = self.generate([x.input_ids for x in batch])
+                batch = self.stream.next_batch()
+                keys = [x.id for x in batch]
+                if o.streaming:
+                    gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch], chunk)
+                else:
+                    gen = self.generate([x.input_ids for x in batch])
+                produced = float(gen.lengths.sum())
+        if timing is not None:
+            extra.update(streaming_metrics(timing))
+            extra["oppo/chunk_size"] = chunk
         with timer.phase("score"):
-            exp = self.make_experience([x.id for x in batch], gen, streamed)
+            exp = self.make_experience(keys, gen, streamed)
         if self.chunk_ctl is not None:
-            self._control_chunk_size(chunk, timer.times, timing, gen)
+            self._control_chunk_size(chunk, timer.times, timing, produced, float(gen.lengths.max()))
         with timer.phase("advantages"):
             self.compute_advantages(exp)
         with timer.phase("train"):
             train_stats = self.update(exp)
         self.step_count += 1
         metrics = self.step_metrics(exp, train_stats)
-        metrics.update(stream_metrics)
+        metrics.update(extra)
+        if self.delta_ctl is not None:
+            decision = self.delta_ctl.observe(metrics["reward/mean"])
+            if decision and self.is_main:
+                logger.info("step %d: %s", self.step_count, decision)
         every = self.cfg.logging.trace_every
         if every and self.step_count % every == 0 and self.is_main:
-            self._write_trace(timer, timing if self.cfg.oppo.streaming else None)
+            self._write_trace(timer, timing)
         metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
         metrics["time/step_s"] = time.perf_counter() - start
         metrics["samples"] = len(exp) * self.world_size
         return metrics
+
+    def rollout_pool(self, chunk: Optional[int]):
+        """One step of the rollout pool: top it up to B + Delta, decode every unfinished
+        sequence (continuing the deferred ones) until this rank, and under data parallelism
+        every rank, has B finished, and take those B. Returns (prompt keys, generation of
+        the B, streamed results, stream timing or None, metrics, tokens decoded)."""
+        o, pool = self.cfg.oppo, self.pool
+        delta = self.delta_ctl.delta if self.delta_ctl is not None else o.overcommit
+        size = self.cfg.ppo.batch_size + delta
+        pool.top_up(self.stream.take(pool.needed(size)), size)
+        running, waiting = pool.running(), pool.waiting()
+        forced = [i for i, e in enumerate(running) if e.forced(o.max_defer_steps)]
+        stop = BatchStop(self.cfg.ppo.batch_size, len(waiting), forced, sync=self.world_size > 1)
+        before = [len(e.tokens) for e in running]
+        timing, results = None, {}
+        if not stop(None) and running:
+            inputs = pool.decode_inputs(running, self.tokenizer.pad_token_id, self.device)
+            if o.streaming:
+                state, results, timing = self._stream_pool(running, inputs, chunk, stop)
+            else:
+                with self.actor.generation_context() as model:
+                    state = start_decode(model, params=self.sampling, **inputs)
+                    decode_steps(model, state, self.sampling, self.sample_gen, stop=stop)
+            stop.wait(state)
+            pool.absorb(running, state, version=self.step_count, step=self.step_count)
+            for entry in running:
+                entry.results.update({kind: per_row[entry.uid] for kind, per_row in results.items()
+                                      if entry.uid in per_row})
+        else:
+            stop.wait(None)
+        new_tokens = [len(e.tokens) - n for e, n in zip(running, before)]
+        produced = float(sum(new_tokens))
+        # decode slots left idle: rows that had ended while the others went on
+        slots = len(running) * max(new_tokens, default=0)
+        tail_waste = 1.0 - produced / slots if slots else 0.0
+        taken = pool.take()
+        pool.check()
+        gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
+        streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
+        metrics = staleness_metrics(gather_floats(staleness_rows(taken, self.step_count)))
+        metrics.update({"pool/delta": delta, "pool/size": size, "pool/carried": len(pool),
+                        "pool/decoded_tokens": produced, "pool/sync_calls": stop.calls,
+                        "rollout/tail_waste_frac": tail_waste})
+        return [e.key for e in taken], gen, streamed, timing, metrics, produced
+
+    def _stream_pool(self, running, inputs: dict, chunk: int, stop: BatchStop):
+        """The pool's rollout with streaming scorers. The reward and reference scorers keep
+        their caches from step to step (frozen models: a deferred row's prefix stays valid),
+        so only rows they do not hold yet are added, with whatever response those rows
+        already have; the critic trains, so its scorer is new each step and prefills every
+        row's prompt + partial response."""
+        o = self.cfg.oppo
+        uids = torch.tensor([e.uid for e in running], dtype=torch.long)
+
+        def rows_of(idx: list[int]) -> tuple:
+            sub = torch.tensor(idx, dtype=torch.long, device=self.device)
+            prefix = inputs["prefix_ids"][sub]
+            return (uids[idx].tolist(), inputs["prompt_ids"][sub], inputs["prompt_mask"][sub],
+                    prefix if prefix.shape[1] else None,
+                    inputs["prefix_lengths"][sub] if prefix.shape[1] else None)
+
+        with self.actor.generation_context() as actor, \
+                (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
+            scorers, setup = [], []
+            for kind in ["reward"] + [k for k in o.stream_to if k == "reference"]:
+                scorer = self._carried_scorer(kind)
+                held = set(scorer.rows.tolist())
+                new = [i for i, e in enumerate(running) if e.uid not in held]
+                scorers.append(scorer)
+                if new:
+                    setup.append((kind, "add", scorer.add, rows_of(new)))
+            if critic is not None:
+                scorer = StreamingScorer(critic, "critic")
+                scorers.append(scorer)
+                setup.append(("critic", "add", scorer.add, rows_of(list(range(len(running))))))
+            return stream_continue(actor, scorers, setup, inputs, uids, self.sampling,
+                                   self.sample_gen, chunk, placement=o.placement, stop=stop)
+
+    def _streamed_kinds(self) -> list[str]:
+        o = self.cfg.oppo
+        return ["reward", *o.stream_to] if o.streaming else []
+
+    def _carried_scorer(self, kind: str) -> StreamingScorer:
+        """The reward / reference streaming scorer whose cache lives across steps."""
+        if kind not in self.carried_scorers:
+            model = self.reward if kind == "reward" else self.reference
+            self.carried_scorers[kind] = StreamingScorer(
+                model, kind, temperature=self.cfg.generation.temperature)
+        return self.carried_scorers[kind]
 
     def generate(self, prompt_id_lists):
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
@@ -264,14 +402,16 @@ class PPOTrainer:
         path = os.path.join(self.cfg.logging.output_dir, "traces", f"step{self.step_count}.json")
         chrome_trace([TimelineEvent(*e) for e in events], path, step=self.step_count)
 
-    def _control_chunk_size(self, chunk: int, phase_s: dict, timing, gen) -> None:
+    def _control_chunk_size(self, chunk: int, phase_s: dict, timing, tokens: float,
+                            longest: float) -> None:
         """Feed the chunk-size controller this step's rollout cost, averaged over ranks so
         that every rank takes the same decision."""
-        tokens = float(gen.lengths.sum())
-        scorers = len(timing.scorers)
+        tokens = max(tokens, 1.0)
+        scorers = len(timing.scorers) if timing is not None else 0
+        chunks, busy = (timing.chunks, timing.scoring_busy_s) if timing is not None else (0, 0.0)
         local = torch.tensor([(phase_s["generate"] + phase_s["score"]) / tokens,
-                              timing.chunks * scorers, tokens * scorers, timing.scoring_busy_s,
-                              float(gen.lengths.max())], dtype=torch.float64)
+                              chunks * scorers, tokens * scorers, busy, longest],
+                             dtype=torch.float64)
         per_token, calls, scored, busy, longest = (all_reduce_sum(local) / self.world_size).tolist()
         decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy, longest)
         if decision and self.is_main:
@@ -305,7 +445,16 @@ class PPOTrainer:
             lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]), args)
 
         def streamed_or_scored(kind, fn):
-            return streamed[kind] if kind in streamed else self._micro_batched(fn, args)
+            got = streamed.get(kind)
+            if got is None:
+                return self._micro_batched(fn, args)
+            if isinstance(got, torch.Tensor):
+                return got
+            # per row, from the rollout pool: None where nothing valid was streamed (a critic
+            # value from before the last update, or a scorer that did not see the row)
+            missing = [i for i, r in enumerate(got) if r is None]
+            scored = self._micro_batched(fn, tuple(a[missing] for a in args)) if missing else None
+            return _stack_rows(got, missing, scored, gen.response_ids.shape[1])
 
         old_values = streamed_or_scored(
             "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
@@ -321,6 +470,8 @@ class PPOTrainer:
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
 
     def _micro_batched(self, fn, args):
+        if args[0].shape[0] == 0:
+            raise ValueError("no rows to score")
         n = self.cfg.ppo.micro_batch_size
         parts = [fn(*(a[i:i + n] for a in args)) for i in range(0, args[0].shape[0], n)]
         return torch.cat(parts, dim=0)
@@ -381,8 +532,16 @@ class PPOTrainer:
         else:
             with torch.no_grad():
                 entropy = entropy_from_logits(logits)
-        return clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                   p.clip_eps, normalizer, entropy=entropy, entropy_coef=p.entropy_coef)
+        weights = None
+        if self.cfg.oppo.off_policy == "truncated_is":
+            weights = truncated_is_weights(mb.old_logprobs, mb.behaviour_logprobs, mb.response_mask,
+                                           self.cfg.oppo.is_clip)
+        loss, stats = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+                                          p.clip_eps, normalizer, entropy=entropy,
+                                          entropy_coef=p.entropy_coef, is_weights=weights)
+        if weights is not None:
+            stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
+        return loss, stats
 
     def _critic_loss(self, model, mb: Experience, normalizer):
         values = response_values(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)

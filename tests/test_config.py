@@ -243,7 +243,10 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["generation.temperature=-1"], "generation.temperature", ">= 0"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last", ">= 1"),
     (["steps=0"], "steps", ">= 1"),
-    (["oppo.overcommit=4"], "oppo.overcommit", "only 0"),
+    (["oppo.overcommit=-1"], "oppo.overcommit", ">= 0 or auto"),
+    (["oppo.delta_min=5", "oppo.delta_max=2"], "oppo.delta_min", "delta_min <= delta_max"),
+    (["oppo.max_defer_steps=0"], "oppo.max_defer_steps", ">= 1"),
+    (["oppo.is_clip=0.5"], "oppo.is_clip", ">= 1"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

@@ -211,3 +211,124 @@ def test_chunk_size_auto_and_step_trace(cache_dir, tmp_path):
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {"generate", "score", "train"} <= {e["name"] for e in spans}
     assert all(e["dur"] >= 0 for e in spans)
+
+
+# ---- inter-step overlap: the rollout pool -----------------------------------------------
+
+
+def _record_takes(trainer):
+    """Wrap the pool's take to record the sequence ids each step trains on."""
+    taken, real_take = [], trainer.pool.take
+
+    def take():
+        batch = real_take()
+        taken.append([e.uid for e in batch])
+        return batch
+    trainer.pool.take = take
+    return taken
+
+
+def test_overcommit_loses_nothing_and_trains_nothing_twice(cache_dir, tmp_path):
+    """6 steps of B=8 with Delta=4: every sequence drawn is trained exactly once or is still
+    in the pool at the end; deferrals happen and stay within max_defer_steps."""
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}",
+                                     f"logging.output_dir={tmp_path / 'run'}", "steps=6",
+                                     "checkpoint.export_hf=false", "oppo.overcommit=4",
+                                     "oppo.max_defer_steps=2"])
+    trainer = PPOTrainer(cfg)
+    taken = _record_takes(trainer)
+    trainer.train()
+    flat = [uid for step in taken for uid in step]
+    assert [len(step) for step in taken] == [8] * 6
+    assert len(flat) == len(set(flat))  # nothing twice
+    in_pool = [e.uid for e in trainer.pool.entries]
+    assert len(in_pool) == 4 and not set(in_pool) & set(flat)
+    assert sorted(flat + in_pool) == list(range(trainer.pool.next_uid))  # nothing lost
+    trainer.pool.check()
+    history = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    assert all(r["pool/size"] == 12 and r["samples"] == 8 for r in history)
+    assert max(r["pool/deferred_frac"] for r in history) > 0  # overcommitment did defer
+    assert all(r["pool/deferrals_max"] <= 2 for r in history)
+    assert all(0.0 <= r["pool/stale_token_frac"] <= 1.0 for r in history)
+
+
+def test_overcommit_resume_continues_exactly(cache_dir, tmp_path):
+    """A run with deferred sequences in its pool, killed after its step-3 checkpoint and
+    resumed, continues exactly (1e-6, as the sequential resume test): the pool, the ledger and
+    Delta's controller come back with the engines."""
+    over = ("steps=6", "checkpoint.every=3", "checkpoint.export_hf=false", "oppo.overcommit=auto",
+            "oppo.delta_max=4", "oppo.delta_window=2")
+    full, _ = run(cache_dir, tmp_path / "full", *over)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cache_dir, tmp_path / "cut", *over, crash_after=4)
+    saved = torch.load(tmp_path / "cut" / "checkpoints" / "trainer" / "step3" / "rank0.pt",
+                       weights_only=False)
+    assert saved["pool"]["entries"] and saved["delta_ctl"] is not None
+    resumed, _ = run(cache_dir, tmp_path / "cut", *over)
+    a, b = _metrics_by_step(tmp_path / "full" / "metrics.jsonl"), _metrics_by_step(tmp_path / "cut" / "metrics.jsonl")
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"]
+        for key in DETERMINISTIC + ("pool/delta", "pool/stale_token_frac", "pool/deferred_frac"):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-6), (step, key)
+    assert [e.uid for e in resumed.pool.entries] == [e.uid for e in full.pool.entries]
+    assert [e.tokens for e in resumed.pool.entries] == [e.tokens for e in full.pool.entries]
+    assert resumed.pool.ledger.state_dict() == full.pool.ledger.state_dict()
+    # Delta followed the reward trend and logged it (window 2 over 6 steps: 3 decisions)
+    assert len({a[s]["pool/delta"] for s in a}) >= 2
+
+
+def test_truncated_importance_sampling_option(cache_dir, tmp_path):
+    """Truncated importance sampling weights the loss by pi_old / mu, clipped: fresh tokens
+    weigh ~1, so its mean stays within [0, is_clip] and near 1."""
+    run(cache_dir, tmp_path / "is", "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=4",
+        "oppo.off_policy=truncated_is", "oppo.is_clip=1.5")
+    history = read_history(str(tmp_path / "is" / "metrics.jsonl"))
+    for r in history:
+        assert 0.0 < r["train/is_weight_mean"] <= 1.5
+    assert history[0]["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # step 1: all fresh
+
+
+@pytest.mark.parametrize("placement", ["inline", "colocated"])
+def test_streaming_pool_gives_the_pool_run(cache_dir, tmp_path, placement):
+    """Full OPPO (streaming + overcommitment) computes what overcommitment alone does: the
+    carried reward / reference caches and the critic rebuilt from prefixes give the scores of
+    whole-sequence scoring. Same tolerances as the streaming test (1e-5 at step 1, 1e-4 after
+    Adam updates)."""
+    over = ("steps=4", "checkpoint.export_hf=false", "oppo.overcommit=4")
+    run(cache_dir, tmp_path / "pool", *over)
+    run(cache_dir, tmp_path / "oppo", *over, "oppo.streaming=true", "oppo.chunk_size=3",
+        f"oppo.placement={placement}")
+    a = _metrics_by_step(tmp_path / "pool" / "metrics.jsonl")
+    b = _metrics_by_step(tmp_path / "oppo" / "metrics.jsonl")
+    for key in ("reward/mean", "kl/mean", "value/mean"):
+        assert b[1][key] == pytest.approx(a[1][key], abs=1e-5), key
+    for step in (2, 3, 4):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"]
+        assert b[step]["pool/deferrals"] == a[step]["pool/deferrals"]
+        for key in DETERMINISTIC:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+    assert max(r["pool/deferred_frac"] for r in b.values()) > 0
+    assert all(0.0 <= r["stream/scoring_hidden_frac"] <= 1.0 for r in b.values())
+
+
+def test_streaming_pool_resume_continues(cache_dir, tmp_path):
+    """The frozen scorers' caches of deferred rows are saved with the pool and loaded back.
+    Tolerance 1e-5: the loaded caches hold each row's positions packed (no padding columns),
+    which changes the float summation order of attention (measured ~1e-6 on scores)."""
+    over = ("steps=6", "checkpoint.every=3", "checkpoint.export_hf=false", "oppo.overcommit=4",
+            "oppo.streaming=true", "oppo.chunk_size=4")
+    run(cache_dir, tmp_path / "full", *over)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cache_dir, tmp_path / "cut", *over, crash_after=4)
+    saved = torch.load(tmp_path / "cut" / "checkpoints" / "trainer" / "step3" / "rank0.pt",
+                       weights_only=False)
+    assert saved["scorers"]["reward"]["rows"] and saved["scorers"]["reference"]["rows"]
+    run(cache_dir, tmp_path / "cut", *over)
+    a, b = _metrics_by_step(tmp_path / "full" / "metrics.jsonl"), _metrics_by_step(tmp_path / "cut" / "metrics.jsonl")
+    for step in (4, 5, 6):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"]
+        for key in DETERMINISTIC:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
