@@ -49,6 +49,30 @@ class Experience:
                 out[f.name] = value
         return Experience(**out)
 
+    def trimmed(self) -> "Experience":
+        """The same rows without the columns that are padding in every one of them: prompt
+        columns on the left, response columns on the right. A micro-batch of short responses
+        then costs its own length, not the longest of the step's batch; scores and gradients
+        are those of the padded batch (masked columns contribute nothing)."""
+        prompt_width, response_width = used_widths(self.prompt_mask, self.response_mask)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("prompt_ids", "prompt_mask"):
+                value = value[:, self.prompt_ids.shape[1] - prompt_width:]
+            elif isinstance(value, torch.Tensor) and value.dim() == 2:
+                value = value[:, :response_width]
+            out[f.name] = value
+        return Experience(**out)
+
+
+def used_widths(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
+    """(prompt columns, response columns) that hold a real token in some row: the longest
+    prompt (left-padded) and the longest response (right-padded), at least 1 each."""
+    prompt = int(prompt_mask.sum(1).max()) if prompt_mask.numel() else 0
+    response = int(response_mask.sum(1).max()) if response_mask.numel() else 0
+    return max(prompt, 1), max(response, 1)
+
 
 def model_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> dict:
     """Prompt + response as one left-padded-prompt / right-padded-response sequence."""

@@ -24,7 +24,8 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
 from .checkpoint import CheckpointManager
 from .config import Config, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
-from .experience import Experience, response_logprobs, response_values, sequence_scores
+from .experience import (Experience, response_logprobs, response_values, sequence_scores,
+                         used_widths)
 from .models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode
 from .rollout.controllers import ChunkSizeController, DeltaController
@@ -335,8 +336,12 @@ class PPOTrainer:
         gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
         metrics = staleness_metrics(gather_floats(staleness_rows(taken, self.step_count)))
+        calls = gather_floats([stop.calls])
+        if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
+            raise RuntimeError(f"ranks stopped decoding after different numbers of stop "
+                               f"checks: {calls}")
         metrics.update({"pool/delta": delta, "pool/size": size, "pool/carried": len(pool),
-                        "pool/decoded_tokens": produced, "pool/sync_calls": stop.calls,
+                        "pool/decoded_tokens": produced, "pool/sync_calls": calls[0],
                         "rollout/tail_waste_frac": tail_waste})
         return [e.key for e in taken], gen, streamed, timing, metrics, produced
 
@@ -470,10 +475,20 @@ class PPOTrainer:
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
 
     def _micro_batched(self, fn, args):
+        """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask),
+        each trimmed to its own longest prompt and response; (B,) or (B, T) results, padded
+        back to the batch's response width with zeros."""
         if args[0].shape[0] == 0:
             raise ValueError("no rows to score")
-        n = self.cfg.ppo.micro_batch_size
-        parts = [fn(*(a[i:i + n] for a in args)) for i in range(0, args[0].shape[0], n)]
+        n, width = self.cfg.ppo.micro_batch_size, args[2].shape[1]
+        parts = []
+        for i in range(0, args[0].shape[0], n):
+            prompt_ids, prompt_mask, response_ids, response_mask = (a[i:i + n] for a in args)
+            p, t = used_widths(prompt_mask, response_mask)
+            out = fn(prompt_ids[:, -p:], prompt_mask[:, -p:], response_ids[:, :t], response_mask[:, :t])
+            if out.dim() == 2 and out.shape[1] < width:
+                out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
+            parts.append(out)
         return torch.cat(parts, dim=0)
 
     def _gold(self, gen) -> list[float]:
@@ -510,7 +525,7 @@ class PPOTrainer:
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
-                micro = [exp.select(idx) for idx in mini.split(p.micro_batch_size)]
+                micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
                 tokens = all_reduce_sum(sum(m.response_mask.sum() for m in micro).double())
                 norm = token_normalizer(tokens.float(), gas, self.world_size)
                 actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))

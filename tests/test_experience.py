@@ -1,0 +1,54 @@
+"""Tier 0: the Experience batch: trimming a micro-batch to the columns it uses keeps every
+score and every real token."""
+import pytest
+import torch
+
+from _builders import left_padded_prompts, random_lm
+
+from oppo_ds.experience import Experience, response_logprobs, used_widths
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+VOCAB, PAD = 40, 0
+
+
+def _experience():
+    # rows 1 and 2 form a micro-batch with prompts of 2-3 tokens and responses of 1-2, inside
+    # a batch padded to prompts of 6 and responses of 5
+    prompt_ids, prompt_mask = left_padded_prompts([6, 3, 2], VOCAB, PAD)
+    lengths = torch.tensor([5, 2, 1])
+    mask = (torch.arange(5)[None, :] < lengths[:, None]).float()
+    response_ids = torch.where(mask.bool(), torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(0)), PAD)
+    per_token = torch.arange(15, dtype=torch.float32).reshape(3, 5) * mask
+    return Experience(prompt_keys=["a", "b", "c"], prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                      response_ids=response_ids, response_mask=mask, behaviour_logprobs=-per_token,
+                      old_logprobs=-per_token, ref_logprobs=-per_token, old_values=per_token,
+                      scores=torch.tensor([1.0, 2.0, 3.0]), gold=None, advantages=per_token)
+
+
+def test_trimmed_keeps_real_tokens_and_drops_shared_padding():
+    exp = _experience()
+    assert used_widths(exp.prompt_mask, exp.response_mask) == (6, 5)
+    micro = exp.select(torch.tensor([1, 2])).trimmed()
+    assert micro.prompt_ids.shape == (2, 3) and micro.response_ids.shape == (2, 2)
+    assert micro.prompt_mask.sum().item() == 5 and micro.response_mask.sum().item() == 3
+    assert micro.old_values.tolist() == [[5.0, 6.0], [10.0, 0.0]]
+    assert micro.advantages.shape == (2, 2) and micro.scores.tolist() == [2.0, 3.0]
+    assert micro.prompt_keys == ["b", "c"] and micro.gold is None
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+def test_trimmed_scores_equal_padded_scores(arch):
+    """Log-probs of the trimmed micro-batch equal those of the padded one within 1e-5, the
+    streaming tests' bound: only the number of masked columns in the attention sums differs
+    (measured 1.4e-6 on log-probs of magnitude ~6, 2e-7 relative)."""
+    model = random_lm(arch, VOCAB, seed=1)
+    micro = _experience().select(torch.tensor([1, 2]))
+    trimmed = micro.trimmed()
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, micro.prompt_ids, micro.prompt_mask,
+                                      micro.response_ids, micro.response_mask, 1.0)
+        short, _ = response_logprobs(model, trimmed.prompt_ids, trimmed.prompt_mask,
+                                     trimmed.response_ids, trimmed.response_mask, 1.0)
+    real = trimmed.response_mask.bool()
+    torch.testing.assert_close(short[real], padded[:, :2][real], atol=1e-5, rtol=0)
