@@ -1,0 +1,162 @@
+"""Does a faster schedule learn the same? Reward and gold against samples seen, over seeds.
+
+    for s in 0 1 2; do
+        oppo-bench --config examples/configs/tiny.yaml --modes sequential,oppo --steps 300 \
+            --seed $s --json bench/seed$s.json
+    done
+    python -m oppo_ds.cli.convergence bench/seed0.runs bench/seed1.runs bench/seed2.runs \
+        --baseline sequential --json bench/convergence.json --plot docs/img/convergence.png
+
+Each argument is an oppo-bench run directory (one seed) holding one sub-directory per mode
+with its ``metrics.jsonl``. Per mode and metric, each seed's curve is smoothed by a trailing
+moving average of ``--window`` steps (steps carry the same number of samples in every mode, so
+step i is the same number of samples seen). The baseline's band is the minimum to maximum over
+its seeds at each step; the report gives, per other mode and seed, the share of steps whose
+smoothed value lies inside the band, and the final values. With overcommitment, the pool's
+``pool/deferrals`` histogram gives the share of deferred sequences that finished within one
+extra step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+METRICS = (("reward/mean", "reward"), ("gold/mean", "gold score"))
+
+
+def read_runs(seed_dirs: list[str]) -> dict[str, list[list[dict]]]:
+    """{mode: [rows of seed 0, rows of seed 1, ...]} from oppo-bench run directories."""
+    runs: dict[str, list[list[dict]]] = {}
+    for seed_dir in seed_dirs:
+        if not os.path.isdir(seed_dir):
+            raise SystemExit(f"convergence: error: {seed_dir} is not a directory")
+        for mode in sorted(os.listdir(seed_dir)):
+            path = os.path.join(seed_dir, mode, "metrics.jsonl")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    runs.setdefault(mode, []).append([json.loads(line) for line in f if line.strip()])
+    return runs
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists so far)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def samples_seen(rows: list[dict]) -> list[int]:
+    seen, total = [], 0
+    for r in rows:
+        total += r.get("samples", 0)
+        seen.append(total)
+    return seen
+
+
+def band(curves: list[list[float]]) -> tuple[list[float], list[float]]:
+    n = min(len(c) for c in curves)
+    return ([min(c[i] for c in curves) for i in range(n)],
+            [max(c[i] for c in curves) for i in range(n)])
+
+
+def deferral_finish_share(rows: list[dict]) -> Optional[dict]:
+    """Of the trained sequences that had been deferred, the share deferred exactly once
+    (finished within one extra step), from the per-step ``pool/deferrals`` lists."""
+    counts = [d for r in rows for d in r.get("pool/deferrals", [])]
+    deferred = [d for d in counts if d > 0]
+    if not counts:
+        return None
+    return {"trained": len(counts), "deferred": len(deferred),
+            "deferred_share": len(deferred) / len(counts),
+            "within_one_extra_step": (sum(1 for d in deferred if d == 1) / len(deferred)
+                                      if deferred else 1.0),
+            "max_deferrals": max(counts)}
+
+
+def report(runs: dict, baseline: str, window: int) -> dict:
+    if baseline not in runs:
+        raise SystemExit(f"convergence: error: no {baseline!r} runs in the given directories "
+                         f"(found modes: {', '.join(runs) or 'none'})")
+    out = {"baseline": baseline, "window": window, "seeds": len(runs[baseline]), "modes": {}}
+    for key, _ in METRICS:
+        base = [smooth([r[key] for r in rows if key in r], window) for rows in runs[baseline]]
+        if not all(base):
+            continue
+        low, high = band(base)
+        for mode, seeds in runs.items():
+            entry = out["modes"].setdefault(mode, {})
+            per_seed = []
+            for rows in seeds:
+                curve = smooth([r[key] for r in rows if key in r], window)
+                n = min(len(curve), len(low))
+                inside = sum(1 for i in range(n) if low[i] <= curve[i] <= high[i])
+                per_seed.append({"inside_band": inside / n if n else None,
+                                 "final": curve[-1] if curve else None})
+            entry[key] = per_seed
+    for mode, seeds in runs.items():
+        shares = [deferral_finish_share(rows) for rows in seeds]
+        if any(shares):
+            out["modes"][mode]["deferrals"] = shares
+    return out
+
+
+def plot(runs: dict, baseline: str, window: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 4.2))
+    for ax, (key, label) in zip(axes, METRICS):
+        base = [smooth([r[key] for r in rows if key in r], window) for rows in runs[baseline]]
+        if not all(base):
+            continue
+        low, high = band(base)
+        seen = samples_seen(runs[baseline][0])[:len(low)]
+        ax.fill_between(seen, low, high, alpha=0.25, label=f"{baseline} (band of {len(base)} seeds)")
+        for i, (mode, seeds) in enumerate(m for m in runs.items() if m[0] != baseline):
+            for j, rows in enumerate(seeds):
+                curve = smooth([r[key] for r in rows if key in r], window)
+                ax.plot(samples_seen(rows)[:len(curve)], curve, color=f"C{i + 1}", linewidth=1,
+                        label=f"{mode} ({len(seeds)} seeds)" if j == 0 else None)
+        ax.set(xlabel="samples seen", ylabel=f"{label} (moving average of {window} steps)",
+               title=label)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oppo_ds.cli.convergence", description=__doc__.split("\n")[0])
+    parser.add_argument("seed_dirs", nargs="+", metavar="RUNS_DIR", help="oppo-bench run directories, one per seed")
+    parser.add_argument("--baseline", default="sequential", help="the mode whose seeds make the band")
+    parser.add_argument("--window", type=int, default=20, help="moving-average window in steps (default 20)")
+    parser.add_argument("--json", dest="json_path", help="write the report here")
+    parser.add_argument("--plot", help="write the PNG here")
+    args = parser.parse_args(argv)
+    if args.window < 1:
+        parser.error("--window must be >= 1")
+    runs = read_runs(args.seed_dirs)
+    result = report(runs, args.baseline, args.window)
+    text = json.dumps(result, indent=2)
+    if args.json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
+        with open(args.json_path, "w") as f:
+            f.write(text)
+    print(text)
+    if args.plot:
+        plot(runs, args.baseline, args.window, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
