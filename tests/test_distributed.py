@@ -55,3 +55,34 @@ def test_two_ranks_train_and_resume(tmp_path, zero_stage):
     launch(out, cache, "steps=3", f"system.zero_stage={zero_stage}")
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
     assert (ckpt / "latest").read_text().strip() == "step3"
+
+
+def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path):
+    """ZeRO-3 with overcommitment on 2 ranks: each rank keeps its own pool and takes its own
+    first B; decoding stops for both at the same token (one all-reduce per token: both ranks
+    count the same number), and a rank that had its B early kept decoding its deferred
+    sequences meanwhile. Every prompt drawn on a rank is trained once or still in its pool."""
+    import torch
+
+    from oppo_ds.rollout.pool import RolloutPool
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    launch(out, cache, "steps=3", "system.zero_stage=3", "oppo.overcommit=3", "checkpoint.every=3",
+           "checkpoint.export_hf=false")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["samples"] == 3 * 2 * 4
+    states = [torch.load(out / "checkpoints" / "trainer" / "step3" / f"rank{r}.pt", weights_only=False)
+              for r in (0, 1)]
+    keys = []
+    for state in states:
+        pool = RolloutPool(batch_size=4, max_defer_steps=2)
+        pool.load_state_dict(state["pool"])
+        pool.check()
+        assert sum(pool.ledger.trained.values()) == 3 * 4
+        keys.append(set(pool.ledger.drawn))
+    assert not keys[0] & keys[1]  # the ranks' prompt shards stay disjoint
+    history = read_history(str(out / "metrics.jsonl"))
+    assert all(r["pool/sync_calls"] >= 1 for r in history)
+    assert all(len(r["pool/deferrals"]) == 2 * 4 for r in history)  # gathered over both ranks
+    # (the trainer gathers every rank's count of stop checks each step and fails on a
+    # mismatch, so reaching the end means both ranks made the same number)
