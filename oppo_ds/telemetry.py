@@ -143,4 +143,22 @@ def summarize(history: list[dict]) -> dict:
         out["response_len_mean"] = _mean(lengths)
         out["response_len_p50"] = lengths[len(lengths) // 2]
         out["response_len_p99"] = lengths[min(len(lengths) - 1, int(len(lengths) * 0.99))]
+    deferrals = deferral_summary(history)
+    if deferrals:
+        out["deferrals"] = deferrals
     return out
+
+
+def deferral_summary(history: list[dict]) -> Optional[dict]:
+    """Overcommitment over a run, from the per-step ``pool/deferrals`` lists (times each
+    trained sequence was deferred): how many were deferred, and the share of those that
+    finished within one extra step. None for a run without the pool."""
+    counts = [d for r in history for d in r.get("pool/deferrals", [])]
+    if not counts:
+        return None
+    deferred = [d for d in counts if d > 0]
+    return {"trained": len(counts), "deferred": len(deferred),
+            "deferred_share": len(deferred) / len(counts),
+            "within_one_extra_step": (sum(1 for d in deferred if d == 1) / len(deferred)
+                                      if deferred else 1.0),
+            "max_deferrals": max(counts)}

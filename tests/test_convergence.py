@@ -5,6 +5,7 @@ import json
 import pytest
 
 from oppo_ds.cli import convergence
+from oppo_ds.telemetry import deferral_summary
 
 
 def test_smooth_and_band_hand_values():
@@ -15,10 +16,10 @@ def test_smooth_and_band_hand_values():
 
 def test_deferral_share():
     rows = [{"pool/deferrals": [0, 1, 0, 2]}, {"pool/deferrals": [1, 1, 0, 0]}]
-    share = convergence.deferral_finish_share(rows)
+    share = deferral_summary(rows)
     assert share == {"trained": 8, "deferred": 4, "deferred_share": 0.5,
                      "within_one_extra_step": 0.75, "max_deferrals": 2}
-    assert convergence.deferral_finish_share([{"reward/mean": 1.0}]) is None
+    assert deferral_summary([{"reward/mean": 1.0}]) is None
 
 
 def _write(root, seed, mode, rewards, deferrals=None):

@@ -239,7 +239,7 @@ def test_overcommit_loses_nothing_and_trains_nothing_twice(cache_dir, tmp_path):
                                      "oppo.max_defer_steps=2"])
     trainer = PPOTrainer(cfg)
     taken = _record_takes(trainer)
-    trainer.train()
+    summary = trainer.train()
     flat = [uid for step in taken for uid in step]
     assert [len(step) for step in taken] == [8] * 6
     assert len(flat) == len(set(flat))  # nothing twice
@@ -252,6 +252,9 @@ def test_overcommit_loses_nothing_and_trains_nothing_twice(cache_dir, tmp_path):
     assert max(r["pool/deferred_frac"] for r in history) > 0  # overcommitment did defer
     assert all(r["pool/deferrals_max"] <= 2 for r in history)
     assert all(0.0 <= r["pool/stale_token_frac"] <= 1.0 for r in history)
+    deferrals = summary["deferrals"]  # the run's summary counts what the steps logged
+    assert deferrals["trained"] == 48 and 0 < deferrals["deferred"] < 48
+    assert deferrals["deferred"] == sum(1 for r in history for d in r["pool/deferrals"] if d > 0)
 
 
 def test_overcommit_resume_continues_exactly(cache_dir, tmp_path):

@@ -24,6 +24,8 @@ import os
 import sys
 from typing import Optional
 
+from ..telemetry import deferral_summary
+
 METRICS = (("reward/mean", "reward"), ("gold/mean", "gold score"))
 
 
@@ -66,20 +68,6 @@ def band(curves: list[list[float]]) -> tuple[list[float], list[float]]:
             [max(c[i] for c in curves) for i in range(n)])
 
 
-def deferral_finish_share(rows: list[dict]) -> Optional[dict]:
-    """Of the trained sequences that had been deferred, the share deferred exactly once
-    (finished within one extra step), from the per-step ``pool/deferrals`` lists."""
-    counts = [d for r in rows for d in r.get("pool/deferrals", [])]
-    deferred = [d for d in counts if d > 0]
-    if not counts:
-        return None
-    return {"trained": len(counts), "deferred": len(deferred),
-            "deferred_share": len(deferred) / len(counts),
-            "within_one_extra_step": (sum(1 for d in deferred if d == 1) / len(deferred)
-                                      if deferred else 1.0),
-            "max_deferrals": max(counts)}
-
-
 def report(runs: dict, baseline: str, window: int) -> dict:
     if baseline not in runs:
         raise SystemExit(f"convergence: error: no {baseline!r} runs in the given directories "
@@ -101,7 +89,7 @@ def report(runs: dict, baseline: str, window: int) -> dict:
                                  "final": curve[-1] if curve else None})
             entry[key] = per_seed
     for mode, seeds in runs.items():
-        shares = [deferral_finish_share(rows) for rows in seeds]
+        shares = [deferral_summary(rows) for rows in seeds]
         if any(shares):
             out["modes"][mode]["deferrals"] = shares
     return out
