@@ -132,6 +132,31 @@ def add_speedups(modes: dict[str, dict]) -> None:
         fields["speedup"] = rate / base if base and rate is not None else None
 
 
+def ideal_step_time(steps: list[dict], warmup: int = 2) -> Optional[float]:
+    """The step time of a sequential run if scoring were fully hidden under decoding and no
+    decode slot were wasted on the tail, from its own measured phases (median over the steps
+    after ``warmup``): per step, ``generate * (1 - tail_waste) + advantages + train``, with the
+    tail waste of that step's lengths (decoding costs per token step: a batch whose rows all
+    had the mean length would decode mean / max of the steps). None without phase times."""
+    timed = steps[min(warmup, len(steps) - 1):]
+    ideal = []
+    for r in timed:
+        if "time/phase/generate" not in r or "response/lengths" not in r:
+            continue
+        waste = tail_waste(r["response/lengths"])
+        ideal.append(r["time/phase/generate"] * (1.0 - waste) + r.get("time/phase/advantages", 0.0)
+                     + r.get("time/phase/train", 0.0))
+    return statistics.median(ideal) if ideal else None
+
+
+def add_ideal(modes: dict[str, dict], ideal_s: Optional[float]) -> None:
+    """of_ideal = ideal step time / the mode's median step time (1.0 = the bound reached)."""
+    for fields in modes.values():
+        step = fields.get("step_time_s")
+        fields["ideal_step_time_s"] = ideal_s
+        fields["of_ideal"] = ideal_s / step if ideal_s and step else None
+
+
 # ------------------------------------------------------------------ running
 
 def prepare_run_dir(run_dir: str) -> None:
@@ -194,12 +219,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_table(modes: dict[str, dict]) -> str:
-    header = ("mode", "step_time_s", "samples/s", "speedup", "hidden", "tail waste", "reward first->last")
+    header = ("mode", "step_time_s", "samples/s", "speedup", "of ideal", "hidden", "tail waste",
+              "reward first->last")
     rows = [header]
     for name, m in modes.items():
         rows.append((name, _fmt(m["step_time_s"], ".4f"), _fmt(m["samples_per_s"], ".2f"),
                      _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
-                     _fmt(m["scoring_hidden_frac"], ".1%"), _fmt(m["tail_waste_frac"], ".1%"),
+                     _fmt(m.get("of_ideal"), ".1%"), _fmt(m["scoring_hidden_frac"], ".1%"), _fmt(m["tail_waste_frac"], ".1%"),
                      f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

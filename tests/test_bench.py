@@ -85,6 +85,24 @@ def test_speedup_relative_to_sequential():
     assert alone["intra"]["speedup"] is None
 
 
+def test_ideal_step_time_hand_values():
+    # step 1 is warm-up; step 2: lengths 2, 4 -> waste 1 - 6/8 = 0.25: 0.4 * 0.75 + 0.05 + 0.3
+    # = 0.65; step 3: lengths 3, 3 -> no waste: 0.2 + 0.05 + 0.3 = 0.55; median 0.6
+    rows = [{"time/phase/generate": 9.0, "time/phase/train": 9.0, "response/lengths": [1, 9]},
+            {"time/phase/generate": 0.4, "time/phase/score": 0.2, "time/phase/advantages": 0.05,
+             "time/phase/train": 0.3, "response/lengths": [2, 4]},
+            {"time/phase/generate": 0.2, "time/phase/score": 0.2, "time/phase/advantages": 0.05,
+             "time/phase/train": 0.3, "response/lengths": [3, 3]}]
+    ideal = bench.ideal_step_time(rows, warmup=1)
+    assert ideal == pytest.approx(0.6)
+    modes = {"sequential": {"step_time_s": 0.8}, "oppo": {"step_time_s": 0.6}}
+    bench.add_ideal(modes, ideal)
+    assert modes["sequential"]["of_ideal"] == pytest.approx(0.75)
+    assert modes["oppo"]["of_ideal"] == pytest.approx(1.0)
+    bench.add_ideal(modes, None)
+    assert modes["oppo"]["of_ideal"] is None
+
+
 def test_parse_modes():
     assert bench.parse_modes("sequential, intra") == ["sequential", "intra"]
     assert bench.parse_modes("sequential,inter,oppo") == ["sequential", "inter", "oppo"]

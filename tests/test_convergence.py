@@ -48,6 +48,10 @@ def test_report_and_plot(tmp_path):
     assert [s["inside_band"] for s in oppo["reward/mean"]] == [1.0, 0.5]
     assert [s["final"] for s in oppo["gold/mean"]] == [pytest.approx(0.1), pytest.approx(0.9)]
     assert oppo["deferrals"][0]["within_one_extra_step"] == 1.0
+    # seed 1 paired with sequential seed 1 (constant 2.0, no spread): last mean 9 vs 2
+    assert oppo["reward/mean"][1]["last_mean"] == 9.0
+    assert oppo["reward/mean"][1]["baseline_last_mean"] == 2.0
+    assert oppo["reward/mean"][1]["diff_in_baseline_std"] is None
     assert report["seeds"] == 2
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="no 'intra' runs"):

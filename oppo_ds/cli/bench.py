@@ -73,6 +73,9 @@ def run(args) -> dict:
         hidden_default = None if bench.MODES[mode].streams else 0.0
         results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
     bench.add_speedups(results)
+    # the bound comes from the baseline's own phases: without a sequential run there is none
+    bench.add_ideal(results, bench.ideal_step_time(histories["sequential"], args.warmup)
+                    if "sequential" in histories else None)
     report = {"config": args.config, "steps": args.steps, "seed": args.seed,
               "overrides": list(args.overrides), "workdir": workdir,
               "machine": machine, "modes": results}

@@ -12,7 +12,10 @@ with its ``metrics.jsonl``. Per mode and metric, each seed's curve is smoothed b
 moving average of ``--window`` steps (steps carry the same number of samples in every mode, so
 step i is the same number of samples seen). The baseline's band is the minimum to maximum over
 its seeds at each step; the report gives, per other mode and seed, the share of steps whose
-smoothed value lies inside the band, and the final values. With overcommitment, the pool's
+smoothed value lies inside the band, the final values, and a paired comparison with the
+baseline run of the same seed (which shares its prepared models, so its reward scale): the
+mean of the last ``--window`` steps and their difference in units of the baseline's
+step-to-step standard deviation there. With overcommitment, the pool's
 ``pool/deferrals`` histogram gives the share of deferred sequences that finished within one
 extra step.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from typing import Optional
 
@@ -81,12 +85,25 @@ def report(runs: dict, baseline: str, window: int) -> dict:
         for mode, seeds in runs.items():
             entry = out["modes"].setdefault(mode, {})
             per_seed = []
-            for rows in seeds:
-                curve = smooth([r[key] for r in rows if key in r], window)
+            for seed, rows in enumerate(seeds):
+                raw = [r[key] for r in rows if key in r]
+                curve = smooth(raw, window)
                 n = min(len(curve), len(low))
                 inside = sum(1 for i in range(n) if low[i] <= curve[i] <= high[i])
-                per_seed.append({"inside_band": inside / n if n else None,
-                                 "final": curve[-1] if curve else None})
+                entry_seed = {"inside_band": inside / n if n else None,
+                              "final": curve[-1] if curve else None}
+                # paired with the baseline run of the same seed (same prepared models and
+                # prompts): the last `window` steps' mean, and their difference in units of
+                # the baseline's step-to-step spread over those steps
+                if seed < len(runs[baseline]) and raw:
+                    base_raw = [r[key] for r in runs[baseline][seed] if key in r][-window:]
+                    mine = raw[-window:]
+                    spread = statistics.pstdev(base_raw) if len(base_raw) > 1 else 0.0
+                    diff = statistics.fmean(mine) - statistics.fmean(base_raw)
+                    entry_seed.update({"last_mean": statistics.fmean(mine),
+                                       "baseline_last_mean": statistics.fmean(base_raw),
+                                       "diff_in_baseline_std": diff / spread if spread else None})
+                per_seed.append(entry_seed)
             entry[key] = per_seed
     for mode, seeds in runs.items():
         shares = [deferral_summary(rows) for rows in seeds]
