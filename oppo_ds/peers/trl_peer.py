@@ -1,0 +1,507 @@
+"""TRL 1.12's PPO trainer as a peer on our workload.
+
+    python -m oppo_ds.peers.trl_peer [--config FILE] --steps N --seed S --out DIR [KEY=VALUE ...]
+
+:func:`run_trl_peer` loads our config (the same YAML and overrides as a mode of oppo-bench),
+resolves the actor, reference, reward model, critic, tokenizer and prompts through our code
+(``builtin`` included), and trains them with ``trl.experimental.ppo.PPOTrainer`` (TRL 1.12.0,
+the last release with PPO):
+
+* policy: our actor checkpoint as an ``AutoModelForCausalLM``; reference: a second copy of it;
+* reward and value model: ``AutoModelForSequenceClassification(num_labels=1)`` of the same
+  architecture carrying our value-head model's body and head (:func:`to_sequence_classifier`),
+  so TRL's ``get_reward`` computes exactly our reward-model score;
+* prompts: our encoded prompt ids, in the order our ``PromptStream`` hands them to the
+  sequential trainer (step k trains on the same prompts in both);
+* settings: :func:`trl_settings` (the whole mapping from our config is in that one function).
+
+Per step it appends one row in our metrics format to ``DIR/metrics.jsonl``: ``step``,
+``time/step_s``, ``samples``, ``reward/mean``, ``gold/mean`` (built-in prompts only),
+``response/lengths``, ``rollout/tail_waste_frac``, ``time/phase/{generate,score,advantages,
+train}``, a few of TRL's statistics under our names (``kl/mean``, ``loss/policy``, ...) and
+every number TRL logs under ``trl/``. How steps and phases are timed: :func:`_instrumented`
+and :class:`_StepRecorder`. What still differs from our PPO: docs/benchmarks.md, section
+"TRL 1.12 PPO peer".
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRL_VERSION = "1.12.0"
+INSTALL_HINT = "pip install 'oppo-ds[peer]'"
+
+
+class PeerUnavailable(RuntimeError):
+    """TRL (with its PPO trainer) cannot be imported; ``str()`` says how to install it."""
+
+
+def _import_trl():
+    """(PPOConfig, PPOTrainer, the ppo_trainer module, trl version), or PeerUnavailable."""
+    try:
+        import trl
+    except ImportError:
+        raise PeerUnavailable(f"trl is not installed: {INSTALL_HINT}") from None
+    try:
+        with warnings.catch_warnings():  # trl.experimental warns on import that it is experimental
+            warnings.simplefilter("ignore")
+            from trl.experimental.ppo import PPOConfig, PPOTrainer
+            from trl.experimental.ppo import ppo_trainer as module
+    except ImportError as err:
+        raise PeerUnavailable(f"trl {getattr(trl, '__version__', '?')} has no PPO trainer "
+                              f"(removed after {TRL_VERSION}; {err}): {INSTALL_HINT}") from None
+    return PPOConfig, PPOTrainer, module, trl.__version__
+
+
+# ------------------------------------------------------------------ models
+
+def to_sequence_classifier(value_model):
+    """Our value-head model (an AutoModel body + ``Linear(hidden, 1)`` head) as the
+    ``AutoModelForSequenceClassification(num_labels=1)`` of the same architecture, with the
+    same weights: TRL scores with ``model.score(backbone(...).hidden_states[-1])`` where the
+    backbone is ``getattr(model, model.base_model_prefix)``, which then computes exactly our
+    ``value_head(body(...).last_hidden_state)``."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(value_model.body.config)
+    config.num_labels = 1
+    body_param = next(value_model.body.parameters())
+    model = AutoModelForSequenceClassification.from_config(config).to(body_param.dtype)
+    backbone = getattr(model, model.base_model_prefix, None)
+    if backbone is None or not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no `{model.base_model_prefix}` backbone and "
+                         f"`score` head; TRL's PPO cannot use it as a reward or value model")
+    with torch.no_grad():
+        backbone.load_state_dict(value_model.body.state_dict(), strict=True)
+        model.score.weight.copy_(value_model.value_head.weight.to(model.score.weight.dtype))
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    return model.to(body_param.device).eval()
+
+
+# ------------------------------------------------------------------ settings
+
+def trl_settings(cfg, *, out_dir: str, eos_token_id: int, use_cpu: bool,
+                 sft_model_path: str = "", reward_model_path: str = "") -> tuple[dict, list[str]]:
+    """TRL ``PPOConfig`` keyword arguments for our config, and notes on what of ours TRL
+    cannot express (each also logged as a warning by :func:`run_trl_peer`).
+
+    Batching: TRL's rollout batch is ``per_device_train_batch_size * gradient_accumulation_steps``
+    and its optimizer steps every ``gradient_accumulation_steps`` micro-batches, whatever the
+    mini-batch boundaries; with ``gradient_accumulation_steps=1`` and ``num_mini_batches = B / M``
+    each mini-batch of M is one forward/backward and one optimizer update, as in ours (our
+    micro-batch size, a memory knob, has no TRL counterpart)."""
+    p, g = cfg.ppo, cfg.generation
+    notes = []
+    updates_per_step = p.ppo_epochs * (p.batch_size // p.mini_batch_size)
+    warmup = math.ceil(p.warmup_steps / updates_per_step) if p.warmup_steps else 0
+    if p.warmup_steps:
+        notes.append(f"ppo.warmup_steps={p.warmup_steps} updates -> {warmup} PPO steps "
+                     f"(TRL steps its scheduler once per PPO step)")
+    schedule = {"constant": "constant_with_warmup" if warmup else "constant",
+                "linear": "linear", "cosine": "cosine"}[p.lr_schedule]
+    if p.kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"ppo.kl_estimator={p.kl_estimator!r}: TRL's PPO has only k1 and k3")
+    if not p.whiten_advantages:
+        notes.append("ppo.whiten_advantages=false: TRL always whitens advantages")
+    if p.reward_clip is not None:
+        notes.append(f"ppo.reward_clip={p.reward_clip}: TRL does not clip scores")
+    if p.grad_clip is not None:
+        notes.append(f"ppo.grad_clip={p.grad_clip}: TRL's PPO loop clips no gradients")
+    if p.critic_lr != p.actor_lr:
+        notes.append(f"ppo.critic_lr={p.critic_lr}: TRL trains policy and value model with one "
+                     f"optimizer at ppo.actor_lr={p.actor_lr}")
+    if p.entropy_coef:
+        notes.append(f"ppo.entropy_coef={p.entropy_coef}: TRL's PPO has no entropy bonus")
+    if g.top_k or g.top_p < 1.0:
+        notes.append(f"generation.top_k={g.top_k}, top_p={g.top_p}: TRL samples with top_k=0, top_p=1")
+    if g.temperature == 0:
+        notes.append("generation.temperature=0 (greedy): TRL samples at temperature 1e-7")
+    if cfg.system.dtype != "fp32":
+        notes.append(f"system.dtype={cfg.system.dtype}: the peer runs in fp32")
+    settings = dict(
+        output_dir=os.path.join(out_dir, "trl"),
+        seed=cfg.seed, data_seed=cfg.seed, use_cpu=use_cpu,
+        # batches: one rollout of B per step, an update per mini-batch of M (see above)
+        per_device_train_batch_size=p.batch_size, gradient_accumulation_steps=1,
+        num_mini_batches=p.batch_size // p.mini_batch_size, num_ppo_epochs=p.ppo_epochs,
+        total_episodes=cfg.steps * p.batch_size,
+        local_rollout_forward_batch_size=p.batch_size,  # generate / score the batch at once
+        # generation
+        response_length=g.max_new_tokens, temperature=g.temperature,
+        stop_token_id=eos_token_id, missing_eos_penalty=None,
+        # PPO math
+        kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, cliprange=p.clip_eps,
+        cliprange_value=p.value_clip_eps, vf_coef=1.0, gamma=p.gamma, lam=p.lam,
+        whiten_rewards=False,
+        # optimizer: torch AdamW with our engine's betas / eps
+        learning_rate=p.actor_lr, weight_decay=p.weight_decay, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+        max_grad_norm=p.grad_clip if p.grad_clip is not None else 0.0,  # unused by TRL's PPO loop
+        lr_scheduler_type=schedule, warmup_steps=warmup,
+        # precision and memory
+        bf16=False, fp16=False, gradient_checkpointing=False,
+        # nothing but training: no reports, saves, evals or sample generations
+        report_to=[], save_strategy="no", eval_strategy="no", push_to_hub=False,
+        num_sample_generations=0, logging_steps=1, disable_tqdm=True,
+        dataloader_pin_memory=not use_cpu,
+        sft_model_path=sft_model_path, reward_model_path=reward_model_path,
+    )
+    return settings, notes
+
+
+# ------------------------------------------------------------------ per-step rows
+
+def _gold_scores(tokenizer, queries: torch.Tensor, responses: torch.Tensor,
+                 lengths: list[int]) -> list[float]:
+    """The built-in task's gold score per row, as PPOTrainer._gold computes it in our trainer."""
+    from .. import workload as wl
+
+    prompts = tokenizer.batch_decode(queries, skip_special_tokens=True)
+    texts = [tokenizer.decode(r[:n], skip_special_tokens=True)
+             for r, n in zip(responses.tolist(), lengths)]
+    out = []
+    for p, r in zip(prompts, texts):
+        task = wl.parse_prompt(p.split())
+        out.append(wl.gold_score(task, r.split()) if task else float("nan"))
+    return out
+
+
+# TRL's statistics under the names our trainer logs them
+_TRL_TO_OURS = {"objective/kl": "kl/mean", "loss/policy_avg": "loss/policy",
+                "loss/value_avg": "loss/value", "policy/clipfrac_avg": "policy/clip_frac",
+                "policy/approxkl_avg": "policy/approx_kl", "val/clipfrac_avg": "value/clip_frac",
+                "policy/entropy_avg": "policy/entropy", "lr": "lr/actor"}
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _StepRecorder:
+    """Collects one row per PPO step (created by :func:`_make_recorder`, which mixes in
+    transformers' ``TrainerCallback``).
+
+    Step time: TRL's ``train()`` calls ``on_train_begin`` once, then ``on_step_end`` once per
+    PPO step (after the update, its metrics and ``lr_scheduler.step()``); a step's wall time
+    runs from the previous boundary to its ``on_step_end``. The recorder's own work (lengths,
+    decoding for the gold score, writing the row) happens after the end is taken and before
+    the next start, so it is in no step.
+
+    Phases, from the events of :func:`_instrumented` (contiguous, all inside the step):
+    generate = time in ``batch_generation``; score = end of generation -> end of the reward
+    model's ``get_reward`` (behaviour log-probs from the generation logits, reference forward,
+    value forward, reward forward); advantages = -> the first training ``forward`` (EOS
+    handling, KL-shaped rewards, GAE, whitening); train = -> ``on_step_end`` (PPO epochs,
+    TRL's metrics, scheduler step); gc = the ``gc.collect()`` calls TRL makes in its loop
+    (after the rollout and after each step), taken out of the phase they fall in. Not in any
+    phase: taking the next prompts."""
+
+    def __init__(self, *, tokenizer, pad_token_id: int, builtin_prompts: bool, metrics_path: str,
+                 first_true_indices):
+        self.tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+        self.builtin_prompts = builtin_prompts
+        self.metrics_path = metrics_path
+        self.first_true_indices = first_true_indices  # TRL's own, for lengths as TRL sees them
+        self.rows: list[dict] = []
+        self.step_start: Optional[float] = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.generate_s = 0.0
+        self.generated_at = self.scored_at = self.train_at = None
+        self.gc_calls: list[tuple[float, float]] = []
+        self.scored: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self.logs: dict = {}
+
+    # events from the instrumented TRL functions
+    def on_generated(self, start: float, end: float) -> None:
+        self.generate_s += end - start
+        self.generated_at = end
+
+    def on_scored(self, query_responses: torch.Tensor, context_length: int, scores: torch.Tensor,
+                  end: float) -> None:
+        self.scored.append((query_responses, context_length, scores))
+        self.scored_at = end
+
+    def on_train_forward(self, start: float) -> None:
+        if self.train_at is None:
+            self.train_at = start
+
+    def on_gc(self, start: float, end: float) -> None:
+        self.gc_calls.append((start, end))
+
+    def _gc_within(self, start: float, end: float) -> float:
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.gc_calls)
+
+    # TrainerCallback hooks
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step_start = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.update(logs or {})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        end = time.perf_counter()
+        self._write(self._row(len(self.rows) + 1, end))
+        self._clear()
+        self.step_start = time.perf_counter()
+
+    def _row(self, step: int, end: float) -> dict:
+        from ..bench import tail_waste
+
+        scores = torch.cat([s.float().cpu() for _, _, s in self.scored]) if self.scored else torch.zeros(0)
+        lengths, gold = [], []
+        for query_responses, context, _ in self.scored:
+            responses = query_responses[:, context:].cpu()
+            # as TRL: the response ends before its first pad (truncate_response put pads after
+            # the stop token), so a length counts the EOS
+            n = self.first_true_indices(responses == self.pad_token_id).tolist()
+            lengths += n
+            if self.builtin_prompts:
+                gold += _gold_scores(self.tokenizer, query_responses[:, :context].cpu(), responses, n)
+        row = {"step": step, "time/step_s": end - self.step_start, "samples": len(lengths),
+               "reward/mean": scores.mean().item() if scores.numel() else float("nan")}
+        if gold:
+            row["gold/mean"] = sum(gold) / len(gold)
+        if lengths:
+            row.update({"response/len_mean": sum(lengths) / len(lengths),
+                        "response/len_max": max(lengths),
+                        "response/len_p50": sorted(lengths)[len(lengths) // 2],
+                        "response/lengths": [int(x) for x in lengths],
+                        # HF generate decodes every row until the batch's longest one ends
+                        "rollout/tail_waste_frac": tail_waste(lengths)})
+        marks = [self.step_start, self.generated_at, self.scored_at, self.train_at, end]
+        if None not in marks:
+            spans = {"score": (self.generated_at, self.scored_at),
+                     "advantages": (self.scored_at, self.train_at), "train": (self.train_at, end)}
+            row["time/phase/generate"] = self.generate_s
+            for name, (a, b) in spans.items():
+                row[f"time/phase/{name}"] = (b - a) - self._gc_within(a, b)
+            row["time/phase/gc"] = self._gc_within(self.step_start, end)
+        for key, value in self.logs.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[f"trl/{key}"] = value
+                if key in _TRL_TO_OURS:
+                    row[_TRL_TO_OURS[key]] = value
+        return row
+
+    def _write(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _make_recorder(**kwargs) -> _StepRecorder:
+    cls = type("StepRecorder", (_StepRecorder, _callback_base()), {})
+    return cls(**kwargs)
+
+
+@contextmanager
+def _instrumented(module, trainer, recorder: _StepRecorder):
+    """The one place that patches TRL, only while the block runs.
+
+    ``PPOTrainer.train()`` is one long function; it reaches three functions and the ``gc``
+    module through module-level names of its module (``trl.experimental.ppo.ppo_trainer``).
+    Each is replaced by a wrapper that calls the original unchanged and tells the recorder
+    when it ran: ``batch_generation`` (the rollout's HF generate), ``get_reward`` (value and
+    reward model forwards; for the reward model the wrapper also passes on the scored
+    sequences and their scores), ``forward`` (reference forward in the rollout, policy+value
+    forward in the update) and ``gc.collect``. The originals are restored on exit, also on
+    error."""
+    names = ("batch_generation", "get_reward", "forward", "gc")
+    originals = {name: getattr(module, name) for name in names}
+
+    def batch_generation(*args, **kwargs):
+        start = time.perf_counter()
+        out = originals["batch_generation"](*args, **kwargs)
+        recorder.on_generated(start, time.perf_counter())
+        return out
+
+    def get_reward(model, query_responses, pad_token_id, context_length):
+        out = originals["get_reward"](model, query_responses, pad_token_id, context_length)
+        if model is trainer.reward_model:
+            recorder.on_scored(query_responses, context_length, out[1].detach(), time.perf_counter())
+        return out
+
+    def forward(model, query_responses, pad_token_id):
+        if model is not trainer.ref_model:
+            recorder.on_train_forward(time.perf_counter())
+        return originals["forward"](model, query_responses, pad_token_id)
+
+    class TimedGC:
+        """Stands for the ``gc`` module in TRL's module: ``gc.collect()`` timed, the rest as is."""
+
+        def __getattr__(self, name):
+            return getattr(originals["gc"], name)
+
+        def collect(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = originals["gc"].collect(*args, **kwargs)
+            recorder.on_gc(start, time.perf_counter())
+            return out
+
+    wrappers = {"batch_generation": batch_generation, "get_reward": get_reward, "forward": forward,
+                "gc": TimedGC()}
+    try:
+        for name in names:
+            setattr(module, name, wrappers[name])
+        yield
+    finally:
+        for name in names:
+            setattr(module, name, originals[name])
+
+
+# ------------------------------------------------------------------ the run
+
+def _ordered_prompt_ids(prompts, cfg) -> list[list[int]]:
+    """Prompt ids for ``cfg.steps`` steps of ``cfg.ppo.batch_size``, in the order our
+    sequential trainer's PromptStream gives them (epochs wrap as there)."""
+    from ..data import PromptStream
+
+    stream = PromptStream(prompts, cfg.ppo.batch_size, cfg.seed, 0, 1, shuffle=cfg.data.shuffle)
+    return [list(x.input_ids) for _ in range(cfg.steps) for x in stream.next_batch()]
+
+
+def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, seed: int,
+                 out_dir: str) -> list[dict]:
+    """Train ``steps`` PPO steps with TRL's PPOTrainer on the workload of our config
+    (``config_path`` + ``overrides``, as a mode of oppo-bench gets them; ``steps`` and ``seed``
+    win over the same keys there). Writes ``out_dir/metrics.jsonl`` (one row per step, our
+    format), ``out_dir/config.yaml`` (our resolved config) and ``out_dir/peer.json`` (TRL
+    version, the PPOConfig used, notes on unmapped settings); returns the rows.
+
+    Raises PeerUnavailable when TRL's PPO cannot be imported, ConfigError for a bad config."""
+    PPOConfig, PPOTrainer, module, trl_version = _import_trl()
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+    from transformers import PrinterCallback, ProgressCallback, set_seed
+
+    from .. import workload as wl
+    from ..config import load_config, save_config
+    from ..data import encode_prompts, read_prompt_rows
+    from ..models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
+    from ..trainer import resolve_sources
+
+    cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
+                                    f"logging.output_dir={out_dir}"])
+    os.makedirs(out_dir, exist_ok=True)
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    open(metrics_path, "w").close()  # a fresh history
+    save_config(cfg, os.path.join(out_dir, "config.yaml"))
+    if cfg.system.torch_threads:
+        torch.set_num_threads(cfg.system.torch_threads)
+    set_seed(cfg.seed)  # python, numpy (TRL's mini-batch permutations) and torch
+
+    # the same sources, tokenizer and prompts as our trainer
+    src = resolve_sources(cfg, rank=0)
+    tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code) \
+        if src.tokenizer else wl.build_tokenizer()
+    tokenizer.padding_side = "left"  # TRL's collator pads the queries; PPO needs them left-padded
+    d, g = cfg.data, cfg.generation
+    rows = read_prompt_rows(src.prompts, prompt_key=d.prompt_key, split=d.split)
+    prompts = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
+                             chat_template=d.chat_template).prompts
+    dataset = Dataset.from_dict({"input_ids": _ordered_prompt_ids(prompts, cfg)})
+
+    common = dict(vocab_size=len(tokenizer), dtype="fp32",
+                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed)
+    policy = disable_dropout(build_causal_lm(src.actor, **common))
+    reference = disable_dropout(build_causal_lm(src.reference, **common))  # a separate copy
+    reward = to_sequence_classifier(build_value_model(src.reward, require_head=True, **common))
+    value = disable_dropout(to_sequence_classifier(build_value_model(src.critic, **common)))
+
+    settings, notes = trl_settings(cfg, out_dir=out_dir, eos_token_id=tokenizer.eos_token_id,
+                                   use_cpu=not torch.cuda.is_available(),
+                                   sft_model_path=src.actor, reward_model_path=src.reward)
+    for note in notes:
+        logger.warning("TRL peer: %s", note)
+    args = PPOConfig(**settings)
+    recorder = _make_recorder(tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
+                              builtin_prompts=src.builtin_prompts, metrics_path=metrics_path,
+                              first_true_indices=module.first_true_indices)
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=reference,
+                         reward_model=reward, value_model=value, train_dataset=dataset,
+                         callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)  # it would print TRL's metrics every step
+    trainer.remove_callback(ProgressCallback)
+    # TRL's DataLoader shuffles (shuffle=True, fixed in PPOTrainer.__init__); the dataset is
+    # already in our order, so replace it by the same loader without shuffling.
+    trainer.dataloader = trainer.accelerator.prepare(DataLoader(
+        trainer.train_dataset, batch_size=trainer.local_dataloader_batch_size, shuffle=False,
+        collate_fn=trainer.data_collator, drop_last=True))
+    with open(os.path.join(out_dir, "peer.json"), "w") as f:
+        json.dump({"peer": "trl", "trl_version": trl_version, "notes": notes,
+                   "ppo_config": {k: v for k, v in args.to_dict().items()
+                                  if k in settings or k in ("batch_size", "mini_batch_size",
+                                                            "local_mini_batch_size",
+                                                            "num_total_batches")}},
+                  f, indent=2, default=str)
+    with _instrumented(module, trainer, recorder):
+        trainer.train()
+    return recorder.rows
+
+
+# ------------------------------------------------------------------ CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m oppo_ds.peers.trl_peer",
+        description="Run TRL 1.12's PPOTrainer on the workload of an oppo-ds config and write "
+                    "its per-step metrics in oppo-ds's format (DIR/metrics.jsonl).")
+    parser.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in workload)")
+    parser.add_argument("--steps", type=int, required=True, help="PPO steps")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = "oppo-trl-peer"
+    if args.steps < 1:
+        print(f"{prog}: error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # accelerate warns once per TRL statistic per step that the data set "had no length"
+    for name in ("accelerate", "transformers", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5's renamed arguments
+    from ..config import ConfigError
+    from ..data import DataError
+
+    try:
+        _import_trl()
+        run_trl_peer(args.config, args.overrides, args.steps, args.seed, args.out)
+    except PeerUnavailable as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(os.path.abspath(os.path.join(args.out, "metrics.jsonl")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

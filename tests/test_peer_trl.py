@@ -1,0 +1,123 @@
+"""The TRL 1.12 PPO peer (oppo_ds.peers.trl_peer) on the built-in workload, tiny settings.
+
+TRL is an optional extra (`pip install 'oppo-ds[peer]'`); the tests that run it are skipped
+without it, the CLI's answer to a missing TRL is tested either way.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from oppo_ds.config import load_config
+from oppo_ds.peers import trl_peer
+
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                               reason="trl not installed (pip install 'oppo-ds[peer]')")
+
+# tests/test_trainer.py's SMALL workload
+SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
+         "generation.max_new_tokens=24", "ppo.batch_size=8", "ppo.mini_batch_size=4",
+         "ppo.micro_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+def _sequences(tokenizer, prompts_path: str):
+    """Four real prompts of the built-in task (left-padded) with responses of letters of
+    different lengths (right-padded): three end at EOS, the longest fills the width without."""
+    from oppo_ds import workload as wl
+    from oppo_ds.data import encode_prompts, left_pad, read_prompt_rows
+
+    prompts = encode_prompts(read_prompt_rows(prompts_path)[:4], tokenizer, 32).prompts
+    prompt_ids, prompt_mask = left_pad([p.input_ids for p in prompts], tokenizer.pad_token_id)
+    letters = tokenizer.convert_tokens_to_ids(list(wl.LETTERS))
+    rows = [letters[:1] + [wl.EOS_ID], letters[3:8] + [wl.EOS_ID], letters[5:16] + [wl.EOS_ID],
+            letters[2:17]]
+    width = max(len(r) for r in rows)
+    response_ids = torch.full((4, width), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(4, width)
+    for i, r in enumerate(rows):
+        response_ids[i, :len(r)] = torch.tensor(r)
+        response_mask[i, :len(r)] = 1.0
+    return prompt_ids, prompt_mask, response_ids, response_mask
+
+
+@needs_trl
+def test_sequence_classifier_scores_like_our_reward_model(cache_dir, torch_one_thread):
+    """TRL's get_reward on the converted model gives our reward-model score (at the last
+    response token) and, per token, our value-head values, on real sequences."""
+    from oppo_ds.experience import response_values, sequence_scores
+    from oppo_ds.models import build_value_model, load_tokenizer
+    from oppo_ds.trainer import resolve_sources
+
+    _, _, module, _ = trl_peer._import_trl()
+    src = resolve_sources(load_config(None, SMALL + [f"workload.cache_dir={cache_dir}"]), rank=0)
+    tokenizer = load_tokenizer(src.tokenizer)
+    ours = build_value_model(src.reward, require_head=True).eval()
+    theirs = trl_peer.to_sequence_classifier(ours)
+    assert type(theirs).__name__ == "LlamaForSequenceClassification"
+    prompt_ids, prompt_mask, response_ids, response_mask = _sequences(tokenizer, src.prompts)
+    context = prompt_ids.shape[1]
+    with torch.no_grad():
+        logits, trl_scores, _ = module.get_reward(theirs, torch.cat([prompt_ids, response_ids], 1),
+                                                  tokenizer.pad_token_id, context)
+        our_scores = sequence_scores(ours, prompt_ids, prompt_mask, response_ids, response_mask)
+        our_values = response_values(ours, prompt_ids, prompt_mask, response_ids, response_mask)
+    assert len({round(x, 3) for x in our_scores.tolist()}) == 4  # real, different scores
+    torch.testing.assert_close(trl_scores.float(), our_scores, atol=1e-5, rtol=0)
+    trl_values = logits[:, context - 1:-1, 0].float()
+    valid = response_mask.bool()
+    torch.testing.assert_close(trl_values[valid], our_values[valid], atol=1e-5, rtol=0)
+
+
+@needs_trl
+def test_two_step_run_writes_our_metrics(cache_dir, tmp_path, torch_one_thread):
+    _, _, module, _ = trl_peer._import_trl()
+    originals = (module.batch_generation, module.get_reward, module.forward, module.gc)
+    out = tmp_path / "trl"
+    rows = trl_peer.run_trl_peer(None, SMALL + [f"workload.cache_dir={cache_dir}"], 2, 0, str(out))
+    assert (module.batch_generation, module.get_reward, module.forward, module.gc) == originals
+
+    written = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert written == rows and [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["samples"] == 8
+        assert len(row["response/lengths"]) == 8
+        assert all(1 <= n <= 24 for n in row["response/lengths"])
+        assert math.isfinite(row["reward/mean"])
+        assert row["reward/mean"] == pytest.approx(row["trl/objective/scores"], abs=1e-5)
+        assert -1.0 <= row["gold/mean"] <= 1.0
+        assert 0.0 <= row["rollout/tail_waste_frac"] < 1.0
+        phases = [row[f"time/phase/{p}"] for p in ("generate", "score", "advantages", "train", "gc")]
+        assert all(t > 0 for t in phases)
+        assert sum(phases) <= row["time/step_s"]
+        for key in ("kl/mean", "loss/policy", "loss/value", "lr/actor"):
+            assert math.isfinite(row[key]), key
+
+    from oppo_ds.bench import summarize_mode
+
+    summary = summarize_mode(rows, warmup=1)
+    assert summary["samples_per_s"] > 0 and summary["gold_first"] is not None
+    peer = json.loads((out / "peer.json").read_text())
+    assert peer["trl_version"] == trl_peer.TRL_VERSION
+    assert peer["ppo_config"]["num_mini_batches"] == 2 and peer["ppo_config"]["response_length"] == 24
+
+
+def test_cli_without_trl_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
+    def missing():
+        raise trl_peer.PeerUnavailable(f"trl is not installed: {trl_peer.INSTALL_HINT}")
+
+    monkeypatch.setattr(trl_peer, "_import_trl", missing)
+    for name in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.setenv(name, "1" if name != "TRANSFORMERS_VERBOSITY" else "error")  # main sets them
+    code = trl_peer.main(["--steps", "1", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "pip install 'oppo-ds[peer]'" in err
