@@ -11,7 +11,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 CPU_TORCH := torch==2.13.0
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test install clean-cache
+.PHONY: demo test bench install clean-cache
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
+
+# Every mode and the TRL 1.12 PPO peer on the built-in workload, one after another (about
+# 6 minutes on 2 CPU cores once the workload is prepared): bench/results.json, results.md,
+# plots.png (reward and gold against samples and time, step time by phase) and
+# plots-timeline.png (one step per mode, lanes as in the paper's Figure 1).
+BENCH_STEPS ?= 100
+bench: $(STAMP)
+	$(PY) -m oppo_ds.cli.bench --modes sequential,intra,inter,oppo --peers trl \
+		--steps $(BENCH_STEPS) --json bench/results.json --table bench/results.md \
+		--plot bench/plots.png
 
 clean-cache:
 	rm -rf .cache/oppo-builtin

@@ -29,7 +29,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "matplotlib"],  # the bench plot is tested
+        # the bench plot and the TRL peer are tested too
+        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "trl==1.12.0"],
         "megatron": ["megatron-core"],
         # TRL's last release with PPO; the OPPO paper's baseline
         "peer": ["trl==1.12.0"],

@@ -32,6 +32,12 @@ MODES: dict[str, Mode] = {
     "inter": Mode(("oppo.streaming=false", "oppo.overcommit=auto"), streams=False),
     "oppo": Mode(("oppo.streaming=true", "oppo.overcommit=auto"), streams=True),
 }
+# Other systems run on the same workload for comparison: name -> the module whose CLI takes
+# [--config FILE] --steps N --seed S --out DIR [KEY=VALUE ...] and writes DIR/metrics.jsonl in
+# our format (oppo_ds/peers/).
+PEERS: dict[str, str] = {"trl": "oppo_ds.peers.trl_peer"}
+PEER_PACKAGES = {"trl": "trl"}
+
 # Named by the design but not implemented yet: asked for, a mode here is refused up front
 # rather than silently run as another mode.
 PLANNED_MODES: tuple[str, ...] = ()
@@ -63,9 +69,20 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
-def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[str]) -> list[str]:
+def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[str],
+                    trace_step: Optional[int] = None) -> list[str]:
+    """The child run's overrides; ``trace_step`` asks for the Chrome trace of that step (and
+    of its multiples) for the timeline plot."""
+    trace = [f"logging.trace_every={trace_step}"] if trace_step else []
     return [f"steps={steps}", f"seed={seed}", f"logging.output_dir={run_dir}", *BASE_OVERRIDES,
-            *MODES[mode].overrides, *user]
+            *trace, *MODES[mode].overrides, *user]
+
+
+def trace_step(steps: int, warmup: int) -> int:
+    """The step whose timeline is drawn: the middle of the timed steps (past the warm-up, and
+    past chunk_size: auto's two calibration steps)."""
+    first = min(warmup, steps - 1) + 1
+    return max(first, (first + steps) // 2)
 
 
 # ------------------------------------------------------------------ summary (pure)
@@ -175,11 +192,29 @@ def _last_lines(path: str, n: int = 20) -> str:
         return "".join(f.readlines()[-n:])
 
 
-def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: str) -> list[dict]:
+def parse_peers(text: Optional[str]) -> list[str]:
+    peers = [p.strip() for p in (text or "").split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise BenchError(f"unknown peer(s) {', '.join(unknown)}; available peers: {', '.join(PEERS)}",
+                         code=2)
+    return peers
+
+
+def run_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list[str],
+             run_dir: str) -> list[dict]:
+    """Run a peer system in a child process on the same workload; its metrics rows."""
+    cmd_args = [*(["--config", config] if config else []), "--steps", str(steps), "--seed", str(seed),
+                "--out", run_dir, *user]
+    return run_mode(f"peer {peer}", None, cmd_args, run_dir, module=PEERS[peer])
+
+
+def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: str,
+             module: str = "oppo_ds.train") -> list[dict]:
     """Train ``mode`` in a child process; returns its metrics rows or raises BenchError."""
     prepare_run_dir(run_dir)
     log_path = os.path.join(run_dir, "stdout.log")
-    cmd = [sys.executable, "-m", "oppo_ds.train", *(["--config", config] if config else []), *overrides]
+    cmd = [sys.executable, "-m", module, *(["--config", config] if config else []), *overrides]
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -233,24 +268,60 @@ def format_table(modes: dict[str, dict]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
+def format_markdown(report: dict) -> str:
+    """The results as a markdown table (modes, then peers), with the run's facts."""
+    machine = report.get("machine", {})
+    lines = [f"`oppo-bench` {report.get('steps')} steps per run, seed {report.get('seed')}, "
+             f"config {report.get('config') or 'built-in workload'}; {machine.get('platform')}, "
+             f"{machine.get('cpu_count')} CPUs, GPU: {machine.get('cuda_device') or 'none'}, "
+             f"torch {machine.get('torch')}, DeepSpeed {machine.get('deepspeed')}.",
+             "",
+             "| run | step time (median) | samples/s | speedup | of ideal | scoring hidden | "
+             "tail waste | reward first -> last | gold first -> last |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [(name, m) for name, m in report.get("modes", {}).items()]
+    rows += [(f"{name} (peer)", m) for name, m in report.get("peers", {}).items()]
+    for name, m in rows:
+        lines.append(
+            f"| {name} | {_fmt(m.get('step_time_s'), '.4f')} s | {_fmt(m.get('samples_per_s'), '.2f')} | "
+            f"{_fmt(m.get('speedup'), '.2f')}x | {_fmt(m.get('of_ideal'), '.1%')} | "
+            f"{_fmt(m.get('scoring_hidden_frac'), '.1%')} | {_fmt(m.get('tail_waste_frac'), '.1%')} | "
+            f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')} | "
+            f"{_fmt(m.get('gold_first'), '.3f')} -> {_fmt(m.get('gold_last'), '.3f')} |")
+    for name, ratio in report.get("ratios", {}).items():
+        lines.append(f"\n{name}: {_fmt(ratio, '.2f')}x")
+    return "\n".join(lines) + "\n"
+
+
 def plot(histories: dict[str, list[dict]], modes: dict[str, dict], path: str) -> None:
-    """(a) reward/mean against samples seen per mode; (b) median step time per mode with its
-    phase breakdown stacked (each phase's share of phase time times the median step)."""
+    """(a) reward and (b) gold against samples seen, (c) reward against wall time, per mode;
+    (d) median step time per mode with its phase breakdown stacked (each phase's share of
+    phase time times the median step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    (ax_reward, ax_gold), (ax_wall, ax_time) = axes
     for i, (name, rows) in enumerate(histories.items()):
-        seen, total = [], 0
+        seen, wall, total, elapsed = [], [], 0, 0.0
         for r in rows:
             total += r.get("samples", 0)
+            elapsed += r.get("time/step_s", 0.0)
             seen.append(total)
-        ax_reward.plot(seen, [r.get("reward/mean", float("nan")) for r in rows], label=name,
-                       linestyle=("-", "--", ":", "-.")[i % 4], marker="o", markersize=3)  # same seeds can overlap
-    ax_reward.set(xlabel="samples seen", ylabel="reward/mean", title="(a) reward")
-    ax_reward.legend()
+            wall.append(elapsed)
+        style = dict(label=name, linestyle=("-", "--", ":", "-.")[i % 4], marker="o",
+                     markersize=2)  # modes with the same samples overlap: keep them visible
+        ax_reward.plot(seen, [r.get("reward/mean", float("nan")) for r in rows], **style)
+        ax_gold.plot(seen, [r.get("gold/mean", float("nan")) for r in rows], **style)
+        ax_wall.plot(wall, [r.get("reward/mean", float("nan")) for r in rows], **style)
+    ax_reward.set(xlabel="samples seen", ylabel="reward/mean", title="(a) reward against samples")
+    ax_gold.set(xlabel="samples seen", ylabel="gold/mean", title="(b) gold score against samples")
+    ax_wall.set(xlabel="training time (s, sum of step times)", ylabel="reward/mean",
+                title="(c) reward against time")
+    for ax in (ax_reward, ax_gold, ax_wall):
+        ax.legend(fontsize="small")
     names = list(modes)
     phases = list(dict.fromkeys(p for m in modes.values() for p in m["phase_fraction"]))
     bottoms = [0.0] * len(names)
@@ -259,8 +330,82 @@ def plot(histories: dict[str, list[dict]], modes: dict[str, dict], path: str) ->
                    for n in names]
         ax_time.bar(names, heights, bottom=bottoms, label=phase)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax_time.set(ylabel="median step time (s)", title="(b) step time by phase")
+    ax_time.set(ylabel="median step time (s)", title="(d) step time by phase")
     ax_time.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# Lanes of the timeline, top to bottom; trace lanes map onto them (see timeline_lanes).
+TIMELINE_LANES = ("actor decode", "reward", "reference", "critic", "scoring (batched)", "training")
+
+
+def timeline_lanes(trace: dict) -> dict[str, list[tuple[float, float]]]:
+    """One step's Chrome trace (the trainer's ``traces/stepN.json``) as {lane: [(start_s,
+    duration_s)]} from the step's start. Streamed runs have the actor's chunks and each
+    scorer's calls on their own lanes; the phases give the rest: ``generate`` is the actor
+    lane when no chunk was traced, ``score`` is scoring after decoding, ``advantages`` and
+    ``train`` are training."""
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = [(names.get(e["tid"], "?"), e["name"], e["ts"] / 1e6, e["dur"] / 1e6)
+             for e in events if e.get("ph") == "X"]
+    origin = min((start for _, _, start, _ in spans), default=0.0)
+    lanes: dict[str, list[tuple[float, float]]] = {lane: [] for lane in TIMELINE_LANES}
+    streamed = any(lane == "actor" for lane, _, _, _ in spans)
+    for lane, name, start, dur in spans:
+        at = (start - origin, dur)
+        if lane == "actor":
+            lanes["actor decode"].append(at)
+        elif lane in ("reward", "reference", "critic"):
+            lanes[lane].append(at)
+        elif lane == "phases":
+            if name == "generate" and not streamed:
+                lanes["actor decode"].append(at)
+            elif name == "score":
+                lanes["scoring (batched)"].append(at)
+            elif name in ("advantages", "train"):
+                lanes["training"].append(at)
+    return lanes
+
+
+def plot_timeline(traces: dict[str, dict], path: str) -> None:
+    """One traced step per mode, lanes as in the OPPO paper's Figure 1: the actor's decode,
+    each scorer's prefill, batched scoring and training, on one time axis per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 1.2 + 1.6 * len(traces)), sharex=True,
+                             squeeze=False)
+    for ax, (mode, trace) in zip(axes[:, 0], traces.items()):
+        lanes = timeline_lanes(trace)
+        used = [lane for lane in TIMELINE_LANES if lanes[lane]]
+        for y, lane in enumerate(reversed(used)):
+            ax.broken_barh(lanes[lane], (y - 0.35, 0.7), color=f"C{TIMELINE_LANES.index(lane)}")
+        ax.set_yticks(range(len(used)), list(reversed(used)), fontsize="small")
+        step = trace.get("step")
+        ax.set_title(f"{mode}" + (f" (step {step})" if step is not None else ""), fontsize="medium",
+                     loc="left")
+    axes[-1, 0].set_xlabel("seconds from the start of the step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def timeline_path(plot_path: str) -> str:
+    """Where ``--plot OUT.png`` puts the timeline: ``OUT-timeline.png``."""
+    root, ext = os.path.splitext(plot_path)
+    return f"{root}-timeline{ext or '.png'}"
+
+
+def read_trace(run_dir: str, step: int) -> Optional[dict]:
+    path = os.path.join(run_dir, "traces", f"step{step}.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        trace = json.load(f)
+    trace["step"] = step
+    return trace

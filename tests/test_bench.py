@@ -206,20 +206,67 @@ def test_failing_mode_names_mode_and_log(cache_dir, tmp_path, monkeypatch, capsy
     assert "'broken' failed" in err and str(log) in err and "missing.jsonl" in err
 
 
-def test_intra_against_sequential_on_the_builtin_default(cache_dir, tmp_path):
-    """No --config: the built-in workload's defaults, as DESIGN.md promises."""
+def test_every_mode_on_the_builtin_default(cache_dir, tmp_path):
+    """No --config: the built-in workload's defaults, as DESIGN.md promises; every mode, and
+    the plots (the timeline from each mode's traced step)."""
     out = tmp_path / "b.json"
-    code = bench_cli.main(["--modes", "sequential,intra", "--steps", "3",
-                           "--json", str(out), *SMALL, f"workload.cache_dir={cache_dir}"])
+    png = tmp_path / "b.png"
+    code = bench_cli.main(["--modes", "sequential,intra,inter,oppo", "--steps", "3",
+                           "--json", str(out), "--plot", str(png), *SMALL,
+                           f"workload.cache_dir={cache_dir}"])
     assert code == 0
     modes = json.loads(out.read_text())["modes"]
-    check_mode_fields(modes["intra"], 3)
-    assert modes["intra"]["speedup"] > 0
+    for mode in ("intra", "inter", "oppo"):
+        check_mode_fields(modes[mode], 3)
+        assert modes[mode]["speedup"] > 0
     assert 0.0 < modes["intra"]["scoring_hidden_frac"] <= 1.0
-    assert modes["sequential"]["scoring_hidden_frac"] == 0.0
-    # streaming changes when scoring happens, not what is sampled or scored
+    assert 0.0 < modes["oppo"]["scoring_hidden_frac"] <= 1.0
+    assert modes["sequential"]["scoring_hidden_frac"] == 0.0 == modes["inter"]["scoring_hidden_frac"]
+    # the bound comes from the sequential run and every mode is compared with it
+    assert all(m["ideal_step_time_s"] == modes["sequential"]["ideal_step_time_s"] > 0 for m in modes.values())
+    assert all(0 < m["of_ideal"] for m in modes.values())
+    # streaming changes when scoring happens, not what is sampled or scored; overcommitment
+    # changes which responses a step trains on, and both pool modes sample the same ones
     assert modes["intra"]["reward_first"] == pytest.approx(modes["sequential"]["reward_first"], abs=1e-4)
+    assert modes["oppo"]["reward_first"] == pytest.approx(modes["inter"]["reward_first"], abs=1e-4)
 
-    streaming = {m: yaml.safe_load((tmp_path / "b.runs" / m / "config.yaml").read_text())["oppo"]["streaming"]
-                 for m in modes}
-    assert streaming == {"sequential": False, "intra": True}
+    configs = {m: yaml.safe_load((tmp_path / "b.runs" / m / "config.yaml").read_text())["oppo"]
+               for m in modes}
+    assert {m: (c["streaming"], c["overcommit"]) for m, c in configs.items()} == {
+        "sequential": (False, 0), "intra": (True, 0), "inter": (False, "auto"), "oppo": (True, "auto")}
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "b-timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lanes = {m: bench.timeline_lanes(bench.read_trace(str(tmp_path / "b.runs" / m), 3)) for m in modes}
+    for m in ("sequential", "inter"):  # scoring after decoding, in one batch
+        assert lanes[m]["actor decode"] and lanes[m]["scoring (batched)"] and not lanes[m]["reward"]
+    for m in ("intra", "oppo"):  # every scorer on its own lane, while the actor decodes
+        assert all(lanes[m][k] for k in ("actor decode", "reward", "reference", "critic", "training"))
+        first_prefill = min(start for start, _ in lanes[m]["reward"])
+        last_decode = max(start + dur for start, dur in lanes[m]["actor decode"])
+        assert first_prefill < last_decode
+
+
+def test_unknown_peer_is_refused():
+    with pytest.raises(bench.BenchError, match="unknown peer.* verl; available peers: trl"):
+        bench.parse_peers("trl,verl")
+    assert bench.parse_peers(None) == [] and bench.parse_peers("trl") == ["trl"]
+
+
+def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path):
+    """--peers trl runs TRL 1.12's PPO on the same workload in its own process; its fields
+    are a mode's, and the JSON carries it under peers.trl with our modes' ratio to it."""
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    code = bench_cli.main(["--modes", "sequential,oppo", "--peers", "trl", "--steps", "3",
+                           "--json", str(out), "--table", str(md), *SMALL,
+                           f"workload.cache_dir={cache_dir}"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    trl = report["peers"]["trl"]
+    check_mode_fields(trl, 3)
+    assert trl["speedup"] == pytest.approx(trl["samples_per_s"] / report["modes"]["sequential"]["samples_per_s"])
+    ratio = report["ratios"]["oppo / trl samples/s"]
+    assert ratio == pytest.approx(report["modes"]["oppo"]["samples_per_s"] / trl["samples_per_s"])
+    table = md.read_text()
+    assert "| trl (peer) |" in table and "| oppo |" in table and "oppo / trl samples/s" in table
+    assert (tmp_path / "b.runs" / "peer-trl" / "metrics.jsonl").is_file()

@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated modes to run; available: {', '.join(bench.MODES)}")
     parser.add_argument("--steps", type=int, required=True, help="PPO steps per mode")
     parser.add_argument("--json", required=True, dest="json_path", metavar="OUT.json", help="where to write the results")
-    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG: reward against samples, step time by phase")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="write PNGs: OUT.png (reward and gold against samples and time, step "
+                             "time by phase) and OUT-timeline.png (one traced step per mode)")
+    parser.add_argument("--peers", metavar="PEERS",
+                        help=f"other systems to run on the same workload; available: {', '.join(bench.PEERS)}")
+    parser.add_argument("--table", metavar="OUT.md", help="also write the results as a markdown table")
     parser.add_argument("--seed", type=int, default=0, help="seed shared by every mode (default 0)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="first steps left out of the timing (default 2)")
@@ -53,6 +58,10 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
             load_config(args.config, overrides)
         except ConfigError as err:
             raise bench.BenchError(f"mode {mode!r}: {err}", code=2) from None
+    for peer in bench.parse_peers(args.peers):
+        if importlib.util.find_spec(bench.PEER_PACKAGES[peer]) is None:
+            raise bench.BenchError(f"peer {peer!r} needs {bench.PEER_PACKAGES[peer]} "
+                                   f"(pip install 'oppo-ds[peer]')", code=2)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise bench.BenchError("--plot needs matplotlib (pip install 'oppo-ds[plot]')", code=2)
 
@@ -63,31 +72,58 @@ def run(args) -> dict:
     workdir = os.path.abspath(args.workdir or os.path.splitext(json_path)[0] + ".runs")
     check_inputs(args, modes, workdir)
     machine = bench.machine_info()  # before the runs: the load average they started under
-    results, histories = {}, {}
+    results, histories, traces = {}, {}, {}
+    traced = bench.trace_step(args.steps, args.warmup) if args.plot else None
     for i, mode in enumerate(modes, 1):
         run_dir = os.path.join(workdir, mode)
         print(f"[{i}/{len(modes)}] {mode}: {args.steps} steps, log {run_dir}/stdout.log",
               file=sys.stderr, flush=True)
-        overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides)
+        overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides,
+                                          trace_step=traced)
         histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir)
+        trace = bench.read_trace(run_dir, traced) if traced else None
+        if trace is not None:
+            traces[mode] = trace
         hidden_default = None if bench.MODES[mode].streams else 0.0
         results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
+    peers = {}
+    for peer in bench.parse_peers(args.peers):
+        run_dir = os.path.join(workdir, f"peer-{peer}")
+        print(f"[peer] {peer}: {args.steps} steps, log {run_dir}/stdout.log", file=sys.stderr, flush=True)
+        rows = bench.run_peer(peer, args.config, args.steps, args.seed, args.overrides, run_dir)
+        peers[peer] = bench.summarize_mode(rows, args.warmup, hidden_default=0.0)
     bench.add_speedups(results)
+    base = results.get("sequential", {}).get("samples_per_s")
+    for fields in peers.values():
+        fields["speedup"] = fields["samples_per_s"] / base if base and fields["samples_per_s"] else None
     # the bound comes from the baseline's own phases: without a sequential run there is none
     bench.add_ideal(results, bench.ideal_step_time(histories["sequential"], args.warmup)
                     if "sequential" in histories else None)
+    ratios = {f"{mode} / {peer} samples/s": results[mode]["samples_per_s"] / p["samples_per_s"]
+              for peer, p in peers.items() for mode in results
+              if mode != "sequential" and results[mode]["samples_per_s"] and p["samples_per_s"]}
     report = {"config": args.config, "steps": args.steps, "seed": args.seed,
               "overrides": list(args.overrides), "workdir": workdir,
-              "machine": machine, "modes": results}
+              "machine": machine, "modes": results, "peers": peers, "ratios": ratios}
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
-    print(bench.format_table(results))
+    print(bench.format_table({**results, **{f"{p} (peer)": f for p, f in peers.items()}}))
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x")
     print(f"results: {json_path}")
+    if args.table:
+        os.makedirs(os.path.dirname(os.path.abspath(args.table)), exist_ok=True)
+        with open(args.table, "w") as f:
+            f.write(bench.format_markdown(report))
+        print(f"table: {os.path.abspath(args.table)}")
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         bench.plot(histories, results, args.plot)
         print(f"plot: {os.path.abspath(args.plot)}")
+        if traces:
+            bench.plot_timeline(traces, bench.timeline_path(args.plot))
+            print(f"timeline: {os.path.abspath(bench.timeline_path(args.plot))}")
     return report
 
 
