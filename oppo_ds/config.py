@@ -56,8 +56,10 @@ class ModelConfig:
     """Tokenizer directory; null = the actor's directory (or the built-in tokenizer)."""
     trust_remote_code: bool = False
     """Allow model code shipped inside a checkpoint directory to run (off by default)."""
-    builtin_arch: Literal["tiny-llama", "tiny-qwen2", "tiny-gpt2"] = "tiny-llama"
-    """Architecture of the built-in workload's models."""
+    builtin_arch: Literal["tiny-llama", "tiny-qwen2", "tiny-gpt2", "qwen2.5-0.5b", "qwen2.5-1.5b",
+                          "qwen2.5-7b"] = "tiny-llama"
+    """Architecture of the built-in workload's models; the real shapes (qwen2.5-*) only with
+    `workload.kind: length_oracle` (random weights, built from config)."""
 
 
 @dataclass
@@ -155,10 +157,15 @@ class OppoConfig:
     stream_to: list[Literal["reference", "critic"]] = field(default_factory=lambda: ["reference", "critic"])
     """Scorers that stream besides the reward model (which always does when streaming is on);
     the others score whole sequences after generation."""
-    placement: Literal["inline", "colocated"] = "inline"
+    placement: Literal["inline", "colocated", "stage"] = "inline"
     """Where scorer prefill runs: inline = between decode chunks in the same thread (the
     reference for correctness); colocated = concurrently on the same devices (a worker
-    thread on CPU, a side CUDA stream on GPU)."""
+    thread on CPU, a side CUDA stream on GPU); stage = on a rank of their own, the last one:
+    launch N + 1 ranks (`deepspeed --num_gpus N+1 --module oppo_ds.train ...`), N actor ranks
+    train, the last one holds the reward and reference models and receives each chunk by
+    torch.distributed point-to-point. The critic trains, so under `stage` it does not stream:
+    its values are computed on the actor ranks after generation. Needs `streaming: true`;
+    not with `overcommit` yet, nor with ZeRO-3 or the hybrid engine."""
     overcommit: Union[int, Literal["auto"]] = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the
@@ -195,6 +202,14 @@ class OppoConfig:
         _require(self.delta_window >= 2, "delta_window", f"must be >= 2, got {self.delta_window}")
         _require(self.max_defer_steps >= 1, "max_defer_steps", f"must be >= 1, got {self.max_defer_steps}")
         _require(self.is_clip >= 1.0, "is_clip", f"must be >= 1, got {self.is_clip}")
+        if self.placement == "stage":
+            _require(self.streaming, "placement",
+                     "stage needs streaming: true (the scorer rank scores the streamed chunks)")
+            # the rollout pool keeps the frozen scorers' caches of deferred sequences in the
+            # actor's process from step to step
+            _require(not self.overcommits, "placement",
+                     f"stage placement with overcommitment is not supported yet (overcommit: "
+                     f"{self.overcommit}); use overcommit: 0")
 
     @property
     def overcommits(self) -> bool:
@@ -247,6 +262,12 @@ class DataConfig:
 @dataclass
 class WorkloadConfig:
     """The built-in long-tail task (used when model/data point at `builtin`)."""
+    kind: Literal["task", "length_oracle"] = "task"
+    """`task`: the built-in task (SFT actor and reward model trained by us, gold score).
+    `length_oracle`: every `builtin` model is `model.builtin_arch` built from config with
+    random weights, prompts are random token ids, and each response ends at a target length
+    drawn from the same long-tailed distribution (`median_len`, `tail_sigma`): a speed
+    benchmark of real model shapes without trained weights."""
     cache_dir: str = ".cache/oppo-builtin"
     """Where the prepared tokenizer, prompts, SFT actor and reward model are cached."""
     num_prompts: int = 2048
@@ -312,6 +333,10 @@ class Config:
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1")
+        # a real shape has no trained weights of ours: only the oracle can time it
+        _require(self.workload.kind == "length_oracle" or self.model.builtin_arch.startswith("tiny-"),
+                 "model.builtin_arch", f"{self.model.builtin_arch} is built with random weights and "
+                 f"needs workload.kind: length_oracle (the built-in task trains tiny-* models)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,7 +22,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
-from .config import Config, save_config
+from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
@@ -31,11 +31,16 @@ from .rollout.generate import SamplingParams, decode_steps, generate, start_deco
 from .rollout.controllers import ChunkSizeController, DeltaController
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, staleness_metrics,
                            staleness_rows)
+from .rollout.stage import Op, RemoteScorers, ScorerStage, StageRanks, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
+
+# world barriers in one CheckpointManager.save (checkpoint.py: after the rank files, after
+# `latest`); the stage placement's scorer rank joins them
+CHECKPOINT_MANAGER_BARRIERS = 2
 
 
 @dataclass
@@ -48,12 +53,21 @@ class Sources:
     tokenizer: Optional[str]
     prompts: str
     builtin_prompts: bool
+    oracle: bool = False  # workload.kind length_oracle: models from config, random weights
 
 
 def resolve_sources(cfg: Config, rank: int) -> Sources:
     """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
     wait), and fill the defaults: reference = actor, critic = reward."""
     m, d = cfg.model, cfg.data
+    if cfg.workload.kind == "length_oracle":
+        # nothing to prepare: `builtin` models are the architecture built from config
+        def arch(value: Optional[str], fallback: Optional[str]) -> str:
+            value = fallback if value is None else value
+            return m.builtin_arch if value in (None, "builtin") else value
+        return Sources(actor=arch(m.actor, "builtin"), reference=arch(m.reference, m.actor),
+                       reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
+                       tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
     needs_builtin = "builtin" in (m.actor, m.reward, m.critic, m.reference, d.prompts)
     prepared = None
     if needs_builtin:
@@ -112,64 +126,105 @@ def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
     return out
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def oracle_vocab(arch: str) -> int:
+    """The vocabulary of the length oracle's models: a real shape's own, or a fixed size for
+    the tiny architectures."""
+    from .models import SHAPES
+
+    return SHAPES[arch][5] if arch in SHAPES else wl.ORACLE_TINY_VOCAB
+
+
+def _targets(batch) -> Optional[torch.Tensor]:
+    """The length oracle's per-prompt response lengths, or None for ordinary prompts."""
+    if all(getattr(p, "target_len", None) is None for p in batch):
+        return None
+    return torch.tensor([p.target_len if p.target_len is not None else 2 ** 31 - 1 for p in batch],
+                        dtype=torch.long)
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over the ranks of ``group`` (default: the world)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     return t
 
 
-def gather_floats(values: list) -> list:
-    """Concatenate a per-rank list (of floats, or of rows of floats) over all ranks; small:
-    per-sequence stats."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def gather_floats(values: list, group=None) -> list:
+    """Concatenate a per-rank list (of floats, or of rows of floats) over the ranks of
+    ``group`` (default: the world); small: per-sequence stats."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return list(values)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, list(values))
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, list(values), group=group)
     return [v for part in out for v in part]
 
 
 class PPOTrainer:
     def __init__(self, cfg: Config):
         from .engines import DeepSpeedTrainEngine, init_distributed_if_needed, prepare_frozen
+        from .engines.deepspeed_engine import DataParallelSubgroup
 
         self.cfg = cfg
         if cfg.system.torch_threads:
             torch.set_num_threads(cfg.system.torch_threads)
         init_distributed_if_needed()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # oppo.placement=stage: the last rank scores, the others are the actor ranks, data
+        # parallel over their own group (see "the stage placement" below); else the world
+        self.stage = self._split_for_stage() if cfg.oppo.placement == "stage" else None
+        self.dp_group = self.stage.actor_group if self.stage is not None else None
+        self.rank = dist.get_rank()  # the actor ranks are 0..N-1 in the world and the group
+        self.world_size = len(self.stage.actor_ranks) if self.stage is not None \
+            else dist.get_world_size()
         self.is_main = self.rank == 0
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
 
         src = self.sources = resolve_sources(cfg, self.rank)
-        self.tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code) \
-            if src.tokenizer else wl.build_tokenizer()
+        if src.tokenizer:
+            self.tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+        elif src.oracle:
+            self.tokenizer = wl.build_oracle_tokenizer(oracle_vocab(cfg.model.builtin_arch))
+        else:
+            self.tokenizer = wl.build_tokenizer()
         self.builtin_prompts = src.builtin_prompts
-        self.prompts = self._load_prompts(src.prompts)
+        scorer_rank = self.stage is not None and self.stage.is_scorer
+        self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
 
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
         common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       seed=cfg.seed)
+        if scorer_rank:
+            self._init_scorer_rank(src, common)
+            return
         updates = cfg.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
         engine_args = dict(total_steps=updates, weight_decay=p.weight_decay, warmup_steps=p.warmup_steps,
                            scheduler=p.lr_schedule, micro_batch_size=p.micro_batch_size,
                            gradient_accumulation_steps=p.mini_batch_size // p.micro_batch_size,
                            zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,
-                           grad_clip=p.grad_clip, seed=cfg.seed)
+                           grad_clip=p.grad_clip, seed=cfg.seed,
+                           data_parallel=DataParallelSubgroup(self.dp_group)
+                           if self.stage is not None else None)
         self.actor = DeepSpeedTrainEngine(disable_dropout(build_causal_lm(src.actor, **common)),
                                           lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                           inference_tp_size=s.inference_tp_size, **engine_args)
         self.critic = DeepSpeedTrainEngine(disable_dropout(build_value_model(src.critic, **common)),
                                            lr=p.critic_lr, **engine_args)
         self.device = self.actor.device
-        self.reference = prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, self.device)
-        self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common),
-                                     s.dtype, self.device)
+        # stage: the reward model, and the reference model when it streams, are on the scorer rank
+        on_stage = {"reward", *cfg.oppo.stream_to} if self.stage is not None else set()
+        self.reference = None if "reference" in on_stage else \
+            prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, self.device)
+        self.reward = None if "reward" in on_stage else \
+            prepare_frozen(build_value_model(src.reward, require_head=True, **common), s.dtype,
+                           self.device)
+        self.remote = RemoteScorers(self.stage.scorer_rank, group=self.stage.links[self.rank]) \
+            if self.stage is not None else None
 
-        eos = self.tokenizer.eos_token_id
-        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=(eos,),
+        # under the length oracle only the targets end a response: a random model's EOS is noise
+        eos = () if src.oracle else (self.tokenizer.eos_token_id,)
+        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
                                        pad_token_id=self.tokenizer.pad_token_id,
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
         # Separate generators, so that e.g. a different number of PPO epochs does not
@@ -205,6 +260,10 @@ class PPOTrainer:
 
     def _load_prompts(self, path: str):
         d, g = self.cfg.data, self.cfg.generation
+        if self.sources.oracle and path == "builtin":
+            w = self.cfg.workload
+            return wl.oracle_prompts(w.num_prompts, len(self.tokenizer), self.cfg.seed, w.median_len,
+                                     w.tail_sigma, g.max_new_tokens)
         rows = read_prompt_rows(path, prompt_key=d.prompt_key, split=d.split)
         encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
                                  chat_template=d.chat_template)
@@ -242,13 +301,17 @@ class PPOTrainer:
             logger.info("resumed from %s at step %d", tag, self.step_count)
 
     def save_checkpoint(self) -> None:
+        engines = {"actor": self.actor, "critic": self.critic}
+        # the world barriers of CheckpointManager.save and of each engine's save
+        self._scorer_rank_joins(CHECKPOINT_MANAGER_BARRIERS +
+                                sum(e.WORLD_BARRIERS_PER_SAVE for e in engines.values()))
         state = {"step": self.step_count, "stream": self.stream.state_dict(),
                  "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
                  "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
                  "pool": self.pool.state_dict() if self.pool is not None else None,
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()}}
-        self.ckpt.save(f"step{self.step_count}", state, engines={"actor": self.actor, "critic": self.critic})
+        self.ckpt.save(f"step{self.step_count}", state, engines=engines)
 
     # ------------------------------------------------------------------ the PPO step
 
@@ -266,10 +329,12 @@ class PPOTrainer:
             else:
                 batch = self.stream.next_batch()
                 keys = [x.id for x in batch]
+                targets = _targets(batch)
                 if o.streaming:
-                    gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch], chunk)
+                    gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch],
+                                                                    chunk, targets)
                 else:
-                    gen = self.generate([x.input_ids for x in batch])
+                    gen = self.generate([x.input_ids for x in batch], targets)
                 produced = float(gen.lengths.sum())
         if timing is not None:
             extra.update(streaming_metrics(timing))
@@ -335,8 +400,9 @@ class PPOTrainer:
         pool.check()
         gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
-        metrics = staleness_metrics(gather_floats(staleness_rows(taken, self.step_count)))
-        calls = gather_floats([stop.calls])
+        metrics = staleness_metrics(gather_floats(staleness_rows(taken, self.step_count),
+                                                  self.dp_group))
+        calls = gather_floats([stop.calls], self.dp_group)
         if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
             raise RuntimeError(f"ranks stopped decoding after different numbers of stop "
                                f"checks: {calls}")
@@ -390,11 +456,11 @@ class PPOTrainer:
                 model, kind, temperature=self.cfg.generation.temperature)
         return self.carried_scorers[kind]
 
-    def generate(self, prompt_id_lists):
+    def generate(self, prompt_id_lists, targets: Optional[torch.Tensor] = None):
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         with self.actor.generation_context() as model:
-            return generate(model, ids, mask, self.sampling, self.sample_gen)
+            return generate(model, ids, mask, self.sampling, self.sample_gen, targets=targets)
 
     def _write_trace(self, timer: PhaseTimer, timing) -> None:
         """Chrome/Perfetto trace of this step: the phases, and with streaming the actor's
@@ -417,17 +483,23 @@ class PPOTrainer:
         local = torch.tensor([(phase_s["generate"] + phase_s["score"]) / tokens,
                               chunks * scorers, tokens * scorers, busy, longest],
                              dtype=torch.float64)
-        per_token, calls, scored, busy, longest = (all_reduce_sum(local) / self.world_size).tolist()
+        per_token, calls, scored, busy, longest = \
+            (all_reduce_sum(local, self.dp_group) / self.world_size).tolist()
         decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy, longest)
         if decision and self.is_main:
             logger.info("step %d: %s", self.step_count + 1, decision)
 
-    def generate_streaming(self, prompt_id_lists, chunk_size: int):
+    def generate_streaming(self, prompt_id_lists, chunk_size: int,
+                           targets: Optional[torch.Tensor] = None):
         """Chunked decoding with the reward model (and the scorers in oppo.stream_to)
         prefilling each chunk as it is decoded: returns (generation, streamed results, timing)."""
         o = self.cfg.oppo
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
+        if self.remote is not None:  # stage: the scorers are on the scorer rank (no critic)
+            with self.actor.generation_context() as actor:
+                return stage_stream_generate(actor, self.remote, ids, mask, self.sampling,
+                                             self.sample_gen, chunk_size, targets=targets)
         temp = self.cfg.generation.temperature
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
@@ -437,7 +509,7 @@ class PPOTrainer:
             if critic is not None:
                 scorers.append(StreamingScorer(critic, "critic"))
             return stream_generate(actor, scorers, ids, mask, self.sampling, self.sample_gen,
-                                   chunk_size, placement=o.placement)
+                                   chunk_size, placement=o.placement, targets=targets)
 
     @torch.no_grad()
     def make_experience(self, keys: list[str], gen, streamed: Optional[dict] = None) -> Experience:
@@ -511,7 +583,8 @@ class PPOTrainer:
         if p.whiten_advantages:
             # statistics over every rank's batch, so the update does not depend on the split
             n, s, sq = all_reduce_sum(torch.stack([mask.sum(), (advantages * mask).sum(),
-                                                   (advantages.pow(2) * mask).sum()]).double())
+                                                   (advantages.pow(2) * mask).sum()]).double(),
+                                      self.dp_group)
             mean = s / n
             var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
             advantages = masked_whiten(advantages, mask, mean=mean.float(), var=var.float())
@@ -526,7 +599,8 @@ class PPOTrainer:
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
                 micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
-                tokens = all_reduce_sum(sum(m.response_mask.sum() for m in micro).double())
+                tokens = all_reduce_sum(sum(m.response_mask.sum() for m in micro).double(),
+                                        self.dp_group)
                 norm = token_normalizer(tokens.float(), gas, self.world_size)
                 actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
@@ -567,7 +641,7 @@ class PPOTrainer:
         """The step's metrics over all ranks: one gather of per-sequence values and one
         all-reduce of the scalar means (not one collective per metric)."""
         columns = [exp.response_mask.sum(1), exp.scores] + ([exp.gold] if exp.gold is not None else [])
-        rows = gather_floats(torch.stack([c.float() for c in columns], 1).tolist())
+        rows = gather_floats(torch.stack([c.float() for c in columns], 1).tolist(), self.dp_group)
         lengths, scores = [r[0] for r in rows], [r[1] for r in rows]
         metrics = {
             "reward/mean": sum(scores) / len(scores),
@@ -590,13 +664,15 @@ class PPOTrainer:
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double()}
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
-        means = all_reduce_sum(torch.stack(list(scalars.values()))) / self.world_size
+        means = all_reduce_sum(torch.stack(list(scalars.values())), self.dp_group) / self.world_size
         metrics.update(zip(scalars, means.tolist()))
         return metrics
 
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> Optional[dict]:
+        if self.stage is not None and self.stage.is_scorer:
+            return self._serve_as_scorer_rank()
         cfg = self.cfg
         t0 = time.time()
         try:
@@ -609,6 +685,8 @@ class PPOTrainer:
                 self.save_checkpoint()
             if cfg.checkpoint.export_hf:
                 self.export(cfg.logging.output_dir)
+            if self.remote is not None:
+                self.remote.close()  # the scorer rank's train() returns
         finally:
             summary = self.telemetry.close({"wall_total_s": time.time() - t0, "world_size": self.world_size,
                                             "hybrid_engine": self.actor.hybrid_engine_path})
@@ -616,6 +694,7 @@ class PPOTrainer:
 
     def export(self, out_dir: str) -> None:
         """Final actor (and critic) in Hugging Face format, DeepSpeed-Chat's layout."""
+        self._scorer_rank_joins(1)  # the barrier at the end
         with self.actor.generation_context() as model:
             if self.is_main:
                 model.save_pretrained(os.path.join(out_dir, "actor"), safe_serialization=True)
@@ -626,3 +705,73 @@ class PPOTrainer:
                 self.tokenizer.save_pretrained(os.path.join(out_dir, "critic"))
         if dist.is_initialized():
             dist.barrier()
+
+    # ------------------------------------------------------------------ the stage placement
+    # The last rank of the world is the scorer stage: it holds the reward model (and the
+    # reference model when it streams) and serves the actor ranks' chunks (rollout/stage.py).
+    # The actor ranks train over their own group; the world-wide barriers that remain
+    # (checkpoints, the export) are announced to the scorer rank, which joins them.
+
+    def _split_for_stage(self) -> StageRanks:
+        """Collective over the world: the actor ranks' group and one link per actor rank."""
+        # DeepSpeed 0.19.8 issues world collectives there that the scorer rank would have to
+        # join: ZeRO-3 while it builds an engine and in every forward (runtime/zero/utils.py
+        # assert_ints_same_as_other_ranks), the hybrid engine when it is built (RNG broadcast)
+        s = self.cfg.system
+        if s.zero_stage == 3 or s.hybrid_engine:
+            what = "system.zero_stage 3" if s.zero_stage == 3 else "system.hybrid_engine"
+            raise ConfigError("oppo.placement", f"stage placement with {what} is not supported "
+                              f"yet (DeepSpeed then issues collectives over the whole world, "
+                              f"which holds the scorer rank)")
+        world = dist.get_world_size()
+        if world < 2:
+            raise ConfigError("oppo.placement", f"stage needs a rank of its own for the scorers "
+                              f"besides the actor ranks: launch N + 1 ranks (deepspeed "
+                              f"--num_gpus N+1 --module oppo_ds.train ...), got a world of {world}")
+        stage = StageRanks.split_world()
+        if dist.get_rank() == 0:
+            stream_to = self.cfg.oppo.stream_to
+            kinds = ["reward"] + [k for k in stream_to if k == "reference"]
+            logger.info("oppo.placement=stage: rank %d scores (%s) for actor ranks %s%s",
+                        stage.scorer_rank, ", ".join(kinds), stage.actor_ranks,
+                        "; the critic trains, so it does not stream: its values are computed on "
+                        "the actor ranks after generation" if "critic" in stream_to else "")
+        return stage
+
+    def _init_scorer_rank(self, src: Sources, common: dict) -> None:
+        """The scorer rank's models, frozen as the actor ranks would build them, and one
+        ScorerStage per actor rank over the same scorers (served in turn)."""
+        from .engines import prepare_frozen
+
+        dtype, temp = self.cfg.system.dtype, self.cfg.generation.temperature
+        self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common), dtype)
+        scorers = [StreamingScorer(self.reward, "reward")]
+        self.reference = None
+        if "reference" in self.cfg.oppo.stream_to:
+            self.reference = prepare_frozen(build_causal_lm(src.reference, **common), dtype)
+            scorers.append(StreamingScorer(self.reference, "reference", temperature=temp))
+        self.scorer_stages = [ScorerStage(scorers, actor_rank=a, group=self.stage.links[a])
+                              for a in self.stage.actor_ranks]
+
+    def _serve_as_scorer_rank(self) -> None:
+        """The scorer rank's run: each step one rollout of every actor rank, in turn; between
+        steps the actor ranks may ask it to join world barriers; it returns when they shut the
+        stage down at the end of training."""
+        while True:
+            for stage in self.scorer_stages:
+                stage.serve(rollouts=1)
+            stops = {(stage.stopped_by, stage.pause_code) for stage in self.scorer_stages}
+            if len(stops) > 1:
+                raise RuntimeError(f"the actor ranks are out of step: {sorted(stops, key=str)}")
+            (stop, barriers), = stops
+            if stop == Op.SHUTDOWN:
+                return None
+            if stop == Op.PAUSE:
+                for _ in range(barriers):
+                    dist.barrier()
+
+    def _scorer_rank_joins(self, barriers: int) -> None:
+        """Before a section with ``barriers`` world barriers: under the stage placement every
+        actor rank asks the scorer rank to join them (it is in the world, not in their group)."""
+        if self.remote is not None:
+            self.remote.pause(barriers)

@@ -10,10 +10,11 @@ the same computation on the same inputs.
 
 Ranks. ``actor_rank`` / ``scorer_rank`` are GLOBAL ranks (what ``torch.distributed``'s
 ``dst`` / ``src`` take, with or without ``group``); the group passed in (default: the world
-group) must contain both. One actor rank talks to one scorer rank, so messages need no routing
-and arrive in the order they were sent. Several actor ranks per scorer rank (the paper's 7:1)
-would need the stage to serve one actor after another, or one scorer stage per actor rank:
-not done yet.
+group) must contain both. One ``ScorerStage`` talks to one actor rank, so messages need no
+routing and arrive in the order they were sent. Several actor ranks per scorer rank (the
+paper's 7:1): one ``ScorerStage`` per actor rank, all holding the same scorers, each serving
+one rollout in turn (``serve(rollouts=1)``); an actor rank's chunks wait in transit while the
+stage serves the one before it (see ``StageRanks`` for the trainer's layout).
 
 Wire protocol. Every message is a header, an int64 tensor of ``HEADER_LEN`` entries
 ``[op, a, b, c, d, 0, 0, 0]``, followed by the payload tensors the header's op and sizes
@@ -26,6 +27,9 @@ device for NCCL). Actor -> scorer:
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
     ABORT        [ABORT]                                -> ABORTED (or nothing after an ERROR)
     SHUTDOWN     [SHUTDOWN]                             ``serve`` returns
+    PAUSE        [PAUSE, code]                          ``serve`` returns; between rollouts only
+                                                        (the code means what the caller agreed:
+                                                        the trainer's world barriers to join)
 
 Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
 
@@ -60,6 +64,7 @@ import enum
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -84,6 +89,7 @@ class Op(enum.IntEnum):
     RESULTS = 7
     ERROR = 8
     ABORTED = 9
+    PAUSE = 10
 
 
 # dtypes the header can name (prompt ids and masks travel as int64 and are cast back)
@@ -164,6 +170,8 @@ class ScorerStage:
         self.wire = _wire_device(group)
         self.device = device if device is not None else \
             next(self.scorers[0].model.parameters()).device
+        self.stopped_by: Optional[Op] = None
+        self.pause_code: Optional[int] = None
         self._start_rollout(0.0)
 
     def _start_rollout(self, start: float) -> None:
@@ -172,19 +180,29 @@ class ScorerStage:
             else _no_wait
         self._timeline = _Timeline(start, self._events, wait)
         self._finished: dict[str, dict[int, torch.Tensor]] = {s.kind: {} for s in self.scorers}
-        self._replied = self._failed = False
+        self._replied = self._failed = self._in_rollout = False
         self._batch = 0
 
-    def serve(self) -> int:
-        """Serve rollouts until SHUTDOWN; returns how many rollouts ended (END_ROLLOUT or
-        ABORT). A scorer's exception goes back to the actor; one of the transport (the actor
-        rank gone: the receive times out) propagates from here."""
-        rollouts = 0
-        while True:
+    def serve(self, rollouts: Optional[int] = None) -> int:
+        """Serve rollouts until SHUTDOWN or PAUSE, or until ``rollouts`` of them have ended
+        (default: no limit); returns how many ended (END_ROLLOUT or ABORT). ``stopped_by`` is
+        then ``Op.SHUTDOWN``, ``Op.PAUSE`` (its code in ``pause_code``) or None (the count
+        was reached). A scorer's exception goes back to the actor; one of the transport (the
+        actor rank gone: the receive times out) propagates from here."""
+        ended = 0
+        self.stopped_by = self.pause_code = None
+        while rollouts is None or ended < rollouts:
             op, head, payload = self._recv()
             if op == Op.SHUTDOWN:
                 self._reset()
-                return rollouts
+                self.stopped_by = Op.SHUTDOWN
+                return ended
+            if op == Op.PAUSE:
+                if self._in_rollout:
+                    raise RuntimeError(f"protocol error: PAUSE from actor rank "
+                                       f"{self.actor_rank} inside a rollout")
+                self.stopped_by, self.pause_code = Op.PAUSE, head[1]
+                return ended
             if op in (Op.END_ROLLOUT, Op.ABORT):
                 if not self._replied:
                     if op == Op.END_ROLLOUT:
@@ -192,12 +210,14 @@ class ScorerStage:
                     else:
                         self._send(_header(Op.ABORTED, device=self.wire))
                 self._reset()
-                rollouts += 1
+                ended += 1
             elif op == Op.BEGIN and not self._failed:
                 self._start_rollout(self._received)
+                self._in_rollout = True
                 self._guard(self._begin, head, payload)
             elif not self._failed:  # the rest of a failed rollout is dropped
                 self._guard(self._apply, op, head, payload)
+        return ended
 
     def _recv(self):
         head = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire)
@@ -349,6 +369,15 @@ class RemoteScorers:
         except RemoteScorerError:
             pass  # the rollout is being dropped anyway
 
+    def pause(self, code: int) -> None:
+        """Make the stage's ``serve`` return between rollouts with ``pause_code == code``
+        (the trainer: to join ``code`` world barriers); returns once the message is sent."""
+        if self._open or self._closed:
+            raise RuntimeError("pause: a rollout is open" if self._open
+                               else "pause: the scorer stage was shut down")
+        self._isend(_header(Op.PAUSE, code, device=self.wire))
+        self._drain()
+
     def close(self) -> None:
         """Abort an open rollout and shut the stage down (``serve`` returns)."""
         if self._closed:
@@ -465,7 +494,8 @@ def _split_results(codes: torch.Tensor, values: torch.Tensor) -> dict[str, dict[
 
 def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor,
                           prompt_mask: torch.Tensor, params: SamplingParams,
-                          generator: Optional[torch.Generator], chunk_size: int):
+                          generator: Optional[torch.Generator], chunk_size: int,
+                          targets: Optional[torch.Tensor] = None):
     """``stream_generate`` with the scorers on the scorer stage behind ``remote``.
 
     Returns (Generation, results, StreamTiming) as ``stream_generate`` does: the same
@@ -486,8 +516,8 @@ def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor
     try:
         # the stage prefills the prompts while this rank prefills them too
         begin_s = remote.begin(prompt_ids, prompt_mask) - start
-        state = timeline.run("actor", "prefill", start_decode, actor, prompt_ids, prompt_mask,
-                             params)
+        state = timeline.run("actor", "prefill", lambda: start_decode(
+            actor, prompt_ids, prompt_mask, params, targets=targets))
         chunks = _decode_in_chunks(actor, state, remote, timeline, params, generator, chunk_size)
         finished, stage_events = remote.results()
     except BaseException:
@@ -506,3 +536,33 @@ def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor
     timing.scoring_end_s = max(received_s, timing.decode_end_s)
     timing.scoring_tail_s = timing.scoring_end_s - timing.decode_end_s
     return gen, results, timing
+
+
+@dataclass
+class StageRanks:
+    """The trainer's split of the world under the ``stage`` placement: actor ranks 0..N-1,
+    data parallel among themselves over ``actor_group``, and the scorer rank N, the last one.
+    ``links[a]`` is the two-rank group of actor rank ``a`` and the scorer rank that carries
+    that actor's chunks (its own group, so nothing else is ever queued on it)."""
+    actor_ranks: list[int]
+    scorer_rank: int
+    actor_group: object  # a ProcessGroup; GroupMember.NON_GROUP_MEMBER on the scorer rank
+    links: dict[int, object]
+
+    @property
+    def is_scorer(self) -> bool:
+        return dist.get_rank() == self.scorer_rank
+
+    @classmethod
+    def split_world(cls) -> "StageRanks":
+        """Collective: every rank of the world must call it, in the same order as its other
+        ``new_group`` calls. Needs a world of at least 2 ranks."""
+        world = dist.get_world_size()
+        if world < 2:
+            raise ValueError(f"the stage placement needs at least 2 ranks (actor ranks and "
+                             f"one scorer rank), got a world of {world}")
+        scorer = world - 1
+        actors = list(range(scorer))
+        actor_group = dist.new_group(actors)
+        links = {a: dist.new_group([a, scorer]) for a in actors}
+        return cls(actors, scorer, actor_group, links)

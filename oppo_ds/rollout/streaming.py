@@ -714,8 +714,9 @@ class _ColocatedScoring(_InlineScoring):
 def stream_generate(actor, scorers: Sequence[StreamingScorer], prompt_ids: torch.Tensor,
                     prompt_mask: torch.Tensor, params: SamplingParams,
                     generator: Optional[torch.Generator], chunk_size: int,
-                    placement: str = "inline"):
+                    placement: str = "inline", targets: Optional[torch.Tensor] = None):
     """Decode a batch in chunks of ``chunk_size`` tokens and stream every chunk to the scorers.
+    ``targets``: per-row length limits (a length oracle, see ``start_decode``).
 
     placement: ``"inline"`` runs the scorers' work between chunks in this thread;
     ``"colocated"`` runs it on one scorer thread (on CUDA, on a side stream) concurrently with
@@ -739,8 +740,8 @@ def stream_generate(actor, scorers: Sequence[StreamingScorer], prompt_ids: torch
     kinds = [s.kind for s in scorers]
     timing, timeline, scoring = _open_scoring(scorers, placement, prompt_ids.device)
     try:
-        state = timeline.run("actor", "prefill", start_decode, actor, prompt_ids, prompt_mask,
-                             params)
+        state = timeline.run("actor", "prefill", lambda: start_decode(
+            actor, prompt_ids, prompt_mask, params, targets=targets))
         scoring.begin(prompt_ids, prompt_mask)
         timing.chunks = _decode_in_chunks(actor, state, scoring, timeline, params, generator,
                                           chunk_size)

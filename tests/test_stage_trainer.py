@@ -1,0 +1,216 @@
+"""Tier 1/2: the ``stage`` placement in the trainer (``oppo.placement: stage``).
+
+The main test launches a real run with DeepSpeed's own launcher on CPU, 2 processes: rank 0
+is the actor rank (DeepSpeed engines over a group of its own), rank 1 the scorer stage
+(reward and reference models). It must give the metrics of an in-process single-rank run
+with the ``inline`` placement and the same seed: the same sampled responses (sampling does
+not depend on where scoring runs) and the same scores. Step 1 is compared at 1e-5 and later
+steps at 1e-4, the tolerances of ``test_streaming_gives_the_sequential_run``: the scores are
+the same computation in another process (bit-identical in ``test_stage.py``), but the critic
+does not stream under ``stage`` (its values come from one whole-sequence forward after
+generation, inline streams it chunk by chunk), which differs by float summation order
+(~1e-7), and later steps carry such differences through Adam updates. The run checkpoints
+every step and is resumed, so the scorer rank's part in the world barriers of checkpoints
+and the export is exercised too. A second launch puts two actor ranks on one scorer rank
+(3 processes) against a 2-rank inline run. The scorer rank's joins rest on what an engine
+over a subgroup does on the world group, which the last test counts (single process).
+Ports are chosen free, never fixed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oppo_ds.config import ConfigError, load_config
+from oppo_ds.engines.deepspeed_engine import find_free_port
+from oppo_ds.telemetry import read_history
+
+SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
+         "generation.max_new_tokens=24", "ppo.batch_size=4", "ppo.mini_batch_size=4",
+         "ppo.micro_batch_size=2", "logging.progress=false", "logging.log_every=0",
+         "logging.tensorboard=false", "system.torch_threads=1", "oppo.streaming=true",
+         "oppo.chunk_size=3"]
+DETERMINISTIC = ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "loss/value",
+                 "response/len_mean", "policy/clip_frac", "value/mean")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+def run_in_process(cache_dir, out_dir, *overrides):
+    from oppo_ds.trainer import PPOTrainer
+
+    threads = torch.get_num_threads()
+    try:
+        cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}",
+                                         f"logging.output_dir={out_dir}", *overrides])
+        return PPOTrainer(cfg).train()
+    finally:
+        torch.set_num_threads(threads)  # system.torch_threads=1 is process-wide
+
+
+def launch(out_dir, cache_dir, *overrides, ranks=2, placement="stage"):
+    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
+    assert launcher, "the deepspeed launcher is installed with deepspeed"
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(find_free_port()),
+           "--module", "oppo_ds.train", *SMALL, f"oppo.placement={placement}",
+           f"workload.cache_dir={cache_dir}", f"logging.output_dir={out_dir}", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _by_step(path):
+    return {r["step"]: r for r in read_history(str(path))}
+
+
+def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
+    run_in_process(cache_dir, tmp_path / "inline", "steps=3", "checkpoint.export_hf=false")
+    out = tmp_path / "stage"
+    # steps 1-2 with a checkpoint after each, then a second launch resumes for step 3
+    launch(out, cache_dir, "steps=2", "checkpoint.every=1", "checkpoint.export_hf=false")
+    ckpt = out / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step2"
+    # only the actor rank has trainer state; the scorer rank has nothing to save
+    assert sorted(os.listdir(ckpt / "trainer" / "step2")) == ["rank0.pt"]
+    proc = launch(out, cache_dir, "steps=3")
+    assert "resumed from step2 at step 2" in proc.stdout + proc.stderr
+    assert "the critic trains, so it does not stream" in proc.stdout + proc.stderr
+    assert (ckpt / "latest").read_text().strip() == "step3"
+    assert (out / "actor" / "model.safetensors").is_file()  # the export's barrier was joined
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 3  # the actor ranks only
+    assert summary["samples"] == 3 * 4
+
+    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(out / "metrics.jsonl")
+    assert sorted(b) == [1, 2, 3]
+    assert b[1]["response/lengths"] == a[1]["response/lengths"]
+    for key in ("reward/mean", "kl/mean", "value/mean"):
+        assert b[1][key] == pytest.approx(a[1][key], abs=1e-5), key
+    for step in (2, 3):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        for key in DETERMINISTIC:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+    for step in (1, 2, 3):
+        assert 0.0 <= b[step]["stream/scoring_hidden_frac"] <= 1.0
+        assert b[step]["stream/scorer_busy_s"] > 0
+        assert b[step]["stream/chunks"] == a[step]["stream/chunks"]
+
+
+def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
+    """3 processes: actor ranks 0 and 1, data parallel over their own group, both served by
+    scorer rank 2 (in turn). Same metrics as a 2-rank inline run: the same prompt shards,
+    responses, scores and all-reduced updates (tolerances as above)."""
+    launch(tmp_path / "inline", cache_dir, "steps=2", "checkpoint.export_hf=false",
+           placement="inline")
+    launch(tmp_path / "stage", cache_dir, "steps=2", "checkpoint.export_hf=false", ranks=3)
+    summary = json.loads((tmp_path / "stage" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["samples"] == 2 * 2 * 4
+    trainer_state = tmp_path / "stage" / "checkpoints" / "trainer" / "step2"
+    assert sorted(os.listdir(trainer_state)) == ["rank0.pt", "rank1.pt"]
+    a = _by_step(tmp_path / "inline" / "metrics.jsonl")
+    b = _by_step(tmp_path / "stage" / "metrics.jsonl")
+    for step, tol in ((1, 1e-5), (2, 1e-4)):
+        assert len(b[step]["response/lengths"]) == 2 * 4  # gathered over both actor ranks
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        for key in ("reward/mean", "kl/mean", "value/mean") if step == 1 else DETERMINISTIC:
+            assert b[step][key] == pytest.approx(a[step][key], abs=tol), (step, key)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["oppo.placement=stage"], "stage needs streaming: true"),
+    (["oppo.placement=stage", "oppo.streaming=true", "oppo.overcommit=2"],
+     "stage placement with overcommitment is not supported yet"),
+    (["oppo.placement=stage", "oppo.streaming=true", "oppo.overcommit=auto"],
+     "stage placement with overcommitment is not supported yet"),
+])
+def test_stage_config_errors(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.key == "oppo.placement"
+    assert words in str(err.value)
+    load_config(None, ["oppo.placement=stage", "oppo.streaming=true"])  # the valid form
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ([], "got a world of 1"),
+    (["system.zero_stage=3"], "system.zero_stage 3 is not supported yet"),
+    (["system.hybrid_engine=true"], "system.hybrid_engine is not supported yet"),
+])
+def test_stage_refused_at_trainer_start(cache_dir, tmp_path, overrides, words):
+    """One process: no rank is left for the scorers; ZeRO-3 and the hybrid engine would put
+    DeepSpeed collectives on the world. The error names the key, before any model is built."""
+    with pytest.raises(ConfigError) as err:
+        run_in_process(cache_dir, tmp_path / "run", "steps=1", "oppo.placement=stage", *overrides)
+    assert err.value.key == "oppo.placement" and words in str(err.value)
+
+
+# ---- the actor ranks' engines over a subgroup ---------------------------------------------
+
+_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "reduce",
+                "gather", "scatter", "all_to_all_single", "monitored_barrier")
+
+
+@pytest.fixture
+def world_collectives(monkeypatch):
+    """Records every torch.distributed collective issued on the world group."""
+    import inspect
+
+    calls = []
+    for name in _COLLECTIVES:
+        original = getattr(dist, name)
+        signature = inspect.signature(original)
+
+        def wrapper(*args, _original=original, _signature=signature, _name=name, **kwargs):
+            group = _signature.bind(*args, **kwargs).arguments.get("group")
+            if group is None or group is dist.GroupMember.WORLD:
+                calls.append(_name)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(dist, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_subgroup_engine_leaves_the_world_alone_but_for_save_barriers(tmp_path, zero_stage,
+                                                                      world_collectives,
+                                                                      torch_one_thread):
+    """What the scorer rank's joins rely on: an engine built over a subgroup issues no
+    collective on the world while it is built, trains or loads, and exactly
+    ``WORLD_BARRIERS_PER_SAVE`` barriers (nothing else) on the world when it saves. If a
+    DeepSpeed upgrade changes that, this fails instead of the stage run hanging."""
+    from oppo_ds.engines import init_distributed_if_needed
+    from oppo_ds.engines.deepspeed_engine import DataParallelSubgroup, DeepSpeedTrainEngine
+    from oppo_ds.models import build_value_model
+
+    init_distributed_if_needed()
+    world_collectives.clear()
+    group = dist.new_group([dist.get_rank()])  # a group other than the world
+    data_parallel = DataParallelSubgroup(group)
+    engine = DeepSpeedTrainEngine(build_value_model("tiny-llama", vocab_size=32, seed=0),
+                                  lr=1e-3, total_steps=4, micro_batch_size=2, zero_stage=zero_stage,
+                                  data_parallel=data_parallel)
+    assert engine.world_size == 1 and engine.ds_engine.dp_world_size == 1
+    assert engine.ds_engine.data_parallel_group is group
+
+    def loss(model, batch):
+        out = model(input_ids=batch, attention_mask=torch.ones_like(batch))
+        return out.values.pow(2).mean(), {}
+
+    engine.train_step([torch.randint(3, 32, (2, 5))], loss)
+    assert world_collectives == [], "built or trained with a world collective"
+    engine.save(str(tmp_path), "step1")
+    assert world_collectives == ["barrier"] * engine.WORLD_BARRIERS_PER_SAVE
+    world_collectives.clear()
+    engine.load(str(tmp_path), "step1")
+    assert world_collectives == []
