@@ -22,7 +22,7 @@ import json
 import os
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -81,6 +81,7 @@ class Prompt:
     source: str
     line: int
     unit: str = "line"
+    target_len: Optional[int] = None  # length oracle: the response ends after this many tokens
 
     @property
     def where(self) -> str:

@@ -4,7 +4,9 @@
 A model source is one of
   * a local Hugging Face checkpoint directory (``config.json`` + safetensors/bin weights);
   * ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gpt2``: a small architecture built from config
-    with random weights (tests, length-oracle benchmarks).
+    with random weights (tests, length-oracle benchmarks);
+  * ``qwen2.5-0.5b`` / ``qwen2.5-1.5b`` / ``qwen2.5-7b``: a real shape built from config with
+    random weights (length-oracle benchmarks on GPUs).
 Nothing is ever fetched from a hub: every load passes ``local_files_only=True``.
 """
 from __future__ import annotations
@@ -50,6 +52,30 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, num_layers
 
 TINY_ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2")
 
+# Real model shapes, built from config with random weights for length-oracle benchmarks
+# (their published config.json values; nothing is downloaded): hidden, layers, heads, KV
+# heads, MLP width, vocabulary, tied embeddings.
+SHAPES = {
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, False),
+}
+FROM_CONFIG_ARCHS = TINY_ARCHS + tuple(SHAPES)
+
+
+def shape_config(arch: str, vocab_size: Optional[int] = None):
+    """The config of a named real shape (``SHAPES``); ``vocab_size`` overrides its vocabulary."""
+    from transformers import Qwen2Config
+
+    if arch not in SHAPES:
+        raise ValueError(f"unknown model shape {arch!r}; allowed: {', '.join(SHAPES)}")
+    hidden, layers, heads, kv_heads, mlp, vocab, tied = SHAPES[arch]
+    return Qwen2Config(vocab_size=vocab_size or vocab, hidden_size=hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       intermediate_size=mlp, max_position_embeddings=32768, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+
 
 def _torch_dtype(dtype: str | torch.dtype | None):
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -70,13 +96,19 @@ def _check_local_dir(path: str) -> None:
 
 
 def _build_tiny(from_config, arch: str, vocab_size: Optional[int], dtype, seed: Optional[int]):
-    """A tiny architecture with random weights; ``seed`` makes two builds identical (the
-    actor and its reference start equal)."""
-    if vocab_size is None:
+    """An architecture built from config with random weights (a tiny one, or a real shape);
+    ``seed`` makes two builds identical (the actor and its reference start equal)."""
+    if arch in SHAPES:
+        config = shape_config(arch, vocab_size)
+    elif vocab_size is None:
         raise ValueError(f"{arch} is built from config and needs vocab_size")
+    else:
+        config = tiny_config(arch, vocab_size)
     if seed is not None:
         torch.manual_seed(seed)
-    return from_config(tiny_config(arch, vocab_size)).to(_torch_dtype(dtype) or torch.float32)
+    dtype = _torch_dtype(dtype) or torch.float32
+    # a 7B shape in fp32 is 30 GB: build directly in the target dtype
+    return from_config(config, dtype=dtype).to(dtype)
 
 
 def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None,
@@ -85,7 +117,7 @@ def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None
     (then ``vocab_size`` is required and ``seed`` fixes the random init)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if source in TINY_ARCHS:
+    if source in FROM_CONFIG_ARCHS:
         return _build_tiny(AutoModelForCausalLM.from_config, source, vocab_size, dtype, seed)
     _check_local_dir(source)
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
@@ -147,10 +179,11 @@ class ValueHeadModel(nn.Module):
                   os.path.join(path, VALUE_HEAD_FILE))
 
     @classmethod
-    def from_config(cls, config) -> "ValueHeadModel":
+    def from_config(cls, config, dtype=None) -> "ValueHeadModel":
         from transformers import AutoModel
 
-        return cls(AutoModel.from_config(config))
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        return cls(AutoModel.from_config(config, **kwargs))
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype=None, trust_remote_code: bool = False,
@@ -201,7 +234,7 @@ def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=No
                       trust_remote_code: bool = False, require_head: bool = False,
                       seed: Optional[int] = None) -> ValueHeadModel:
     """The critic or the reward model, from a local directory or a tiny arch name."""
-    if source in TINY_ARCHS:
+    if source in FROM_CONFIG_ARCHS:
         return _build_tiny(ValueHeadModel.from_config, source, vocab_size, dtype, seed)
     return ValueHeadModel.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
                                           require_head=require_head)

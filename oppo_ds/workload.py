@@ -113,3 +113,45 @@ def preference_pair(rng: random.Random, median_len: int, tail_sigma: float, max_
 def make_prompts(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"id": f"builtin-{i}", "prompt": sample_task(rng).prompt} for i in range(n)]
+
+
+# ---- the length-oracle workload (speed benchmarks of models with random weights) -------
+
+ORACLE_TINY_VOCAB = 4096  # vocabulary of a tiny architecture under the oracle
+
+
+def build_oracle_tokenizer(vocab_size: int):
+    """A tokenizer of ``vocab_size`` ids for models built from config: the four specials, then
+    placeholder tokens ``<tN>``. The oracle's prompts are token ids and its responses are never
+    read as text; the tokenizer is there for the pad / eos ids and for exports."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= len(SPECIALS):
+        raise ValueError(f"vocab_size must exceed {len(SPECIALS)}, got {vocab_size}")
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"<t{i}>": i for i in range(len(SPECIALS), vocab_size)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+def oracle_prompts(num: int, vocab_size: int, seed: int, median_len: int, tail_sigma: float,
+                   max_new_tokens: int, prompt_len: tuple[int, int] = (8, 32)):
+    """``num`` prompts of random token ids with a target response length each, drawn from the
+    same log-normal as the task's supervised data (median ``median_len``, spread
+    ``tail_sigma``), clipped to [1, max_new_tokens]: the decode loop ends a row there
+    (``start_decode(targets=...)``), so a model with random weights has the long tail of a
+    trained one."""
+    from .data import Prompt
+
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num):
+        n = rng.randint(*prompt_len)
+        ids = [BOS_ID] + [rng.randrange(len(SPECIALS), vocab_size) for _ in range(n - 1)]
+        target = int(round(math.exp(math.log(median_len) + tail_sigma * rng.gauss(0.0, 1.0))))
+        prompts.append(Prompt(id=f"oracle-{i}", input_ids=ids, source="length-oracle", line=i + 1,
+                              unit="prompt", target_len=min(max(target, 1), max_new_tokens)))
+    return prompts

@@ -79,6 +79,7 @@ class DecodeState:
     cache_mask: torch.Tensor        # (A, cached positions) attention mask of the cache
     next_position: torch.Tensor     # (A,) position id of the next token fed
     next_logits: Optional[torch.Tensor]  # (A, V) logits predicting the next token
+    targets: Optional[torch.Tensor] = None  # (B,) per-row length limit (a length oracle)
     finish_order: list = field(default_factory=list)  # rows in the order they finished
     stopped: bool = False           # a stop rule ended decoding before every row finished
 
@@ -105,7 +106,8 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams, prefix_ids: Optional[torch.Tensor] = None,
                  prefix_lengths: Optional[torch.Tensor] = None,
-                 prefix_logprobs: Optional[torch.Tensor] = None) -> DecodeState:
+                 prefix_logprobs: Optional[torch.Tensor] = None,
+                 targets: Optional[torch.Tensor] = None) -> DecodeState:
     """Prefill the prompts and return a state ready for ``decode_steps``.
 
     With ``prefix_ids`` (B, L) right-padded and ``prefix_lengths`` (B,), each row continues a
@@ -113,7 +115,11 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     prefilled in one forward under the current weights, which rebuilds the KV cache an update
     made stale, and the prefix becomes the row's first response tokens. ``prefix_logprobs``
     (B, L) are their recorded behaviour log-probs (kept as they are, not recomputed). Every
-    prefix must be shorter than ``max_new_tokens`` and must not end at EOS."""
+    prefix must be shorter than ``max_new_tokens`` and must not end at EOS.
+
+    ``targets`` (B,): a length oracle, each row ends after that many tokens (or earlier at
+    EOS, or at ``max_new_tokens``): benchmarks of models with random weights, whose own EOS
+    would come at random, time a long-tailed length distribution this way."""
     batch, device = prompt_ids.shape[0], prompt_ids.device
     n = params.max_new_tokens
     tokens = torch.full((batch, n), params.pad_token_id, dtype=torch.long, device=device)
@@ -147,6 +153,7 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         cache_mask=context_mask.clone(),
         next_position=positions[:, -1] + 1,
         next_logits=out.logits[:, -1, :],
+        targets=None if targets is None else targets.to(device=device, dtype=torch.long),
     )
 
 
@@ -183,6 +190,8 @@ def decode_steps(model, state: DecodeState, params: SamplingParams,
         produced += rows.numel()
         steps += 1
         ended = torch.isin(tok, eos) | (state.lengths[rows] >= params.max_new_tokens)
+        if state.targets is not None:
+            ended |= state.lengths[rows] >= state.targets[rows]
         if bool(ended.any()):  # a host sync, once per token: cheap next to the forward
             state.finished[rows[ended]] = True
             state.finish_order.extend(rows[ended].tolist())
@@ -230,9 +239,10 @@ class Generation:
 
 
 def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-             generator: Optional[torch.Generator] = None) -> Generation:
+             generator: Optional[torch.Generator] = None,
+             targets: Optional[torch.Tensor] = None) -> Generation:
     """Decode a whole batch to the end (the sequential baseline's generation phase)."""
-    state = start_decode(model, prompt_ids, prompt_mask, params)
+    state = start_decode(model, prompt_ids, prompt_mask, params, targets=targets)
     decode_steps(model, state, params, generator)
     return finish(state)
 

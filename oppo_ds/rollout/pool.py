@@ -50,6 +50,7 @@ class PoolEntry:
     # what streaming scorers returned when it finished, by kind; only the frozen scorers'
     # survive a deferral (the critic trains, so its values are recomputed)
     results: dict = field(default_factory=dict)
+    target: Optional[int] = None  # length oracle: the response ends after this many tokens
 
     def forced(self, max_defer_steps: int) -> bool:
         return self.deferrals >= max_defer_steps
@@ -99,7 +100,8 @@ class RolloutPool:
             raise ValueError(f"pool of {len(self.entries)} topped up with {len(prompts)} "
                              f"prompts does not reach {size}")
         for p in prompts:
-            self.entries.append(PoolEntry(uid=self.next_uid, key=p.id, prompt=list(p.input_ids)))
+            self.entries.append(PoolEntry(uid=self.next_uid, key=p.id, prompt=list(p.input_ids),
+                                          target=getattr(p, "target_len", None)))
             self.ledger.drawn[p.id] += 1
             self.next_uid += 1
 
@@ -119,9 +121,13 @@ class RolloutPool:
         responses so far as right-padded prefixes with behaviour log-probs."""
         prompt_ids, prompt_mask = left_pad([e.prompt for e in entries], pad_id)
         prefix, logprobs, lengths = _responses(entries, pad_id, min_width=0)
+        targets = None
+        if any(e.target is not None for e in entries):
+            targets = torch.tensor([e.target if e.target is not None else 2 ** 31 - 1
+                                    for e in entries], dtype=torch.long).to(device)
         return dict(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
                     prefix_ids=prefix.to(device), prefix_lengths=lengths.to(device),
-                    prefix_logprobs=logprobs.to(device))
+                    prefix_logprobs=logprobs.to(device), targets=targets)
 
     def absorb(self, entries: Sequence[PoolEntry], state: DecodeState, version: int,
                step: int) -> None:
