@@ -28,9 +28,10 @@ class Mode:
 # The one table of schedules oppo-bench can run: adding a mode is one line here.
 MODES: dict[str, Mode] = {
     "sequential": Mode(("oppo.streaming=false",), streams=False),
-    "intra": Mode(("oppo.streaming=true",), streams=True),
+    # the streaming modes choose their chunk size online, as OPPO does (chunk_size: auto)
+    "intra": Mode(("oppo.streaming=true", "oppo.chunk_size=auto"), streams=True),
     "inter": Mode(("oppo.streaming=false", "oppo.overcommit=auto"), streams=False),
-    "oppo": Mode(("oppo.streaming=true", "oppo.overcommit=auto"), streams=True),
+    "oppo": Mode(("oppo.streaming=true", "oppo.chunk_size=auto", "oppo.overcommit=auto"), streams=True),
 }
 # Other systems run on the same workload for comparison: name -> the module whose CLI takes
 # [--config FILE] --steps N --seed S --out DIR [KEY=VALUE ...] and writes DIR/metrics.jsonl in
@@ -294,16 +295,17 @@ def format_markdown(report: dict) -> str:
 
 
 def plot(histories: dict[str, list[dict]], modes: dict[str, dict], path: str) -> None:
-    """(a) reward and (b) gold against samples seen, (c) reward against wall time, per mode;
-    (d) median step time per mode with its phase breakdown stacked (each phase's share of
-    phase time times the median step)."""
+    """(a) reward and (b) gold against samples seen, (c) reward and (d) gold against training
+    time, per mode; (e) median step time per mode with its phase breakdown stacked (each
+    phase's share of phase time times the median step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    (ax_reward, ax_gold), (ax_wall, ax_time) = axes
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11.5))
+    (ax_reward, ax_gold), (ax_wall, ax_gold_wall), (ax_time, ax_unused) = axes
+    ax_unused.axis("off")
     for i, (name, rows) in enumerate(histories.items()):
         seen, wall, total, elapsed = [], [], 0, 0.0
         for r in rows:
@@ -316,11 +318,14 @@ def plot(histories: dict[str, list[dict]], modes: dict[str, dict], path: str) ->
         ax_reward.plot(seen, [r.get("reward/mean", float("nan")) for r in rows], **style)
         ax_gold.plot(seen, [r.get("gold/mean", float("nan")) for r in rows], **style)
         ax_wall.plot(wall, [r.get("reward/mean", float("nan")) for r in rows], **style)
+        ax_gold_wall.plot(wall, [r.get("gold/mean", float("nan")) for r in rows], **style)
     ax_reward.set(xlabel="samples seen", ylabel="reward/mean", title="(a) reward against samples")
     ax_gold.set(xlabel="samples seen", ylabel="gold/mean", title="(b) gold score against samples")
     ax_wall.set(xlabel="training time (s, sum of step times)", ylabel="reward/mean",
                 title="(c) reward against time")
-    for ax in (ax_reward, ax_gold, ax_wall):
+    ax_gold_wall.set(xlabel="training time (s, sum of step times)", ylabel="gold/mean",
+                     title="(d) gold score against time")
+    for ax in (ax_reward, ax_gold, ax_wall, ax_gold_wall):
         ax.legend(fontsize="small")
     names = list(modes)
     phases = list(dict.fromkeys(p for m in modes.values() for p in m["phase_fraction"]))
@@ -330,7 +335,7 @@ def plot(histories: dict[str, list[dict]], modes: dict[str, dict], path: str) ->
                    for n in names]
         ax_time.bar(names, heights, bottom=bottoms, label=phase)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax_time.set(ylabel="median step time (s)", title="(d) step time by phase")
+    ax_time.set(ylabel="median step time (s)", title="(e) step time by phase")
     ax_time.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

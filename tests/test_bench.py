@@ -257,8 +257,9 @@ def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path):
     """--peers trl runs TRL 1.12's PPO on the same workload in its own process; its fields
     are a mode's, and the JSON carries it under peers.trl with our modes' ratio to it."""
     out, md = tmp_path / "b.json", tmp_path / "b.md"
+    png = tmp_path / "b.png"
     code = bench_cli.main(["--modes", "sequential,oppo", "--peers", "trl", "--steps", "3",
-                           "--json", str(out), "--table", str(md), *SMALL,
+                           "--json", str(out), "--table", str(md), "--plot", str(png), *SMALL,
                            f"workload.cache_dir={cache_dir}"])
     assert code == 0
     report = json.loads(out.read_text())
@@ -270,3 +271,4 @@ def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path):
     table = md.read_text()
     assert "| trl (peer) |" in table and "| oppo |" in table and "oppo / trl samples/s" in table
     assert (tmp_path / "b.runs" / "peer-trl" / "metrics.jsonl").is_file()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the peer's curves drawn with ours

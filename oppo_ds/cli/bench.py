@@ -86,12 +86,13 @@ def run(args) -> dict:
             traces[mode] = trace
         hidden_default = None if bench.MODES[mode].streams else 0.0
         results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
-    peers = {}
+    peers, peer_histories = {}, {}
     for peer in bench.parse_peers(args.peers):
         run_dir = os.path.join(workdir, f"peer-{peer}")
         print(f"[peer] {peer}: {args.steps} steps, log {run_dir}/stdout.log", file=sys.stderr, flush=True)
         rows = bench.run_peer(peer, args.config, args.steps, args.seed, args.overrides, run_dir)
         peers[peer] = bench.summarize_mode(rows, args.warmup, hidden_default=0.0)
+        peer_histories[f"{peer} (peer)"] = rows
     bench.add_speedups(results)
     base = results.get("sequential", {}).get("samples_per_s")
     for fields in peers.values():
@@ -119,7 +120,8 @@ def run(args) -> dict:
         print(f"table: {os.path.abspath(args.table)}")
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        bench.plot(histories, results, args.plot)
+        bench.plot({**histories, **peer_histories},
+                   {**results, **{f"{p} (peer)": f for p, f in peers.items()}}, args.plot)
         print(f"plot: {os.path.abspath(args.plot)}")
         if traces:
             bench.plot_timeline(traces, bench.timeline_path(args.plot))
