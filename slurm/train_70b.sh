@@ -1,0 +1,35 @@
+#!/bin/bash
+# A Llama-3-70B-shaped actor and reward/critic (examples/configs/llama3_70b.yaml) on N nodes
+# of 8 GPUs: ZeRO-3, bf16, hybrid engine generating with tensor parallel 8 inside a node.
+# Only the allocation and the config differ from slurm/train.sh, which this job runs (its
+# header explains the environment variables, requeue on USR1 and what a checkpoint holds).
+#
+#   sbatch --nodes=8 slurm/train_70b.sh
+#   OVERRIDES="system.offload=true" sbatch --nodes=4 slurm/train_70b.sh
+#
+# Before the first run: set model.actor, model.reward and data.prompts in
+# examples/configs/llama3_70b.yaml to your local checkpoints and prompts (or pass them in
+# OVERRIDES). Run it from the repository root.
+
+# ======================= change these ======================================================
+#SBATCH --job-name=oppo-llama3-70b
+#SBATCH --nodes=8
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --exclusive
+#SBATCH --time=48:00:00
+#SBATCH --output=slurm-%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@120
+##SBATCH --partition=YOUR_PARTITION
+##SBATCH --account=YOUR_ACCOUNT
+
+export CONFIG=${CONFIG:-examples/configs/llama3_70b.yaml}
+export OUTPUT_DIR=${OUTPUT_DIR:-runs/llama3-70b}
+# ===========================================================================================
+
+cd "${REPO_DIR:-${SLURM_SUBMIT_DIR:-.}}"
+# exec: same process, so the USR1 that Slurm sends to the batch shell reaches train.sh's trap
+exec bash slurm/train.sh
