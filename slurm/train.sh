@@ -46,7 +46,10 @@ cd "${REPO_DIR:-${SLURM_SUBMIT_DIR:-.}}"
 # one rank per task: torch's intra-op threads from the CPUs Slurm gave the task
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 # first host of the allocation hosts rank 0; the port is derived from SLURM_JOB_ID unless set
-# here (export MASTER_PORT=29500 to fix it)
+# here (export MASTER_PORT=29500 to fix it). sbatch exports the submitting shell's variables:
+# a launcher's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR left there would make every task take
+# them for its own, so they go; Slurm's say who is who.
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
 
 requeue() {
     echo "oppo-train: USR1 (time limit or preemption): requeueing job ${SLURM_JOB_ID}; it" \

@@ -155,7 +155,11 @@ def slurm_cluster(tmp_path_factory):
     first_job_id = random.randrange(1, 1_000_000)
     conf.write_text(SLURM_CONF.format(d=d, ctld_port=find_free_port(), d_port=find_free_port(),
                                       first_job_id=first_job_id))
-    env = dict(os.environ, SLURM_CONF=str(conf))
+    # earlier tests in this process may have left a launcher's rendezvous variables behind;
+    # the jobs must see only what a user's shell would (slurm/train.sh unsets them as well)
+    launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["SLURM_CONF"] = str(conf)
     started: list[subprocess.Popen] = []
     try:
         if not _munge_works():
