@@ -72,9 +72,9 @@ import torch
 import torch.distributed as dist
 
 from .generate import SamplingParams, finish, start_decode
-from .streaming import (SCORER_KINDS, ScorerTiming, StreamingScorer, StreamTiming,
-                        TimelineEvent, _assemble, _clock, _decode_in_chunks, _no_wait, _summarize,
-                        _Timeline)
+from .scorer import SCORER_KINDS, StreamingScorer
+from .streaming import (ScorerTiming, StreamTiming, TimelineEvent, _assemble, _clock,
+                        _decode_in_chunks, _no_wait, _summarize, _Timeline)
 
 HEADER_LEN = 8
 
