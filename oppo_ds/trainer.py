@@ -27,7 +27,7 @@ from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
-from .rollout.generate import SamplingParams, decode_steps, generate, start_decode
+from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, staleness_metrics,
                            staleness_rows)
@@ -132,14 +132,6 @@ def oracle_vocab(arch: str) -> int:
     from .models import SHAPES
 
     return SHAPES[arch][5] if arch in SHAPES else wl.ORACLE_TINY_VOCAB
-
-
-def _targets(batch) -> Optional[torch.Tensor]:
-    """The length oracle's per-prompt response lengths, or None for ordinary prompts."""
-    if all(getattr(p, "target_len", None) is None for p in batch):
-        return None
-    return torch.tensor([p.target_len if p.target_len is not None else 2 ** 31 - 1 for p in batch],
-                        dtype=torch.long)
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -329,7 +321,7 @@ class PPOTrainer:
             else:
                 batch = self.stream.next_batch()
                 keys = [x.id for x in batch]
-                targets = _targets(batch)
+                targets = target_lengths([p.target_len for p in batch])
                 if o.streaming:
                     gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch],
                                                                     chunk, targets)

@@ -157,6 +157,14 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     )
 
 
+def target_lengths(targets: Sequence[Optional[int]]) -> Optional[torch.Tensor]:
+    """``start_decode``'s ``targets`` from per-row length-oracle targets: None when no row has
+    one; a row without one gets no limit beyond ``max_new_tokens``."""
+    if all(t is None for t in targets):
+        return None
+    return torch.tensor([2 ** 31 - 1 if t is None else t for t in targets], dtype=torch.long)
+
+
 def _left_packed(prompt_ids, prompt_mask, suffix_ids, suffix_mask, pad_id):
     """Each row's real prompt tokens followed by its real suffix tokens, left-padded to one
     width: (B, W) ids and mask. Rows of a left-padded prompt batch with right-padded

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .generate import DecodeState, Generation
+from .generate import DecodeState, Generation, target_lengths
 
 
 @dataclass
@@ -121,13 +121,10 @@ class RolloutPool:
         responses so far as right-padded prefixes with behaviour log-probs."""
         prompt_ids, prompt_mask = left_pad([e.prompt for e in entries], pad_id)
         prefix, logprobs, lengths = _responses(entries, pad_id, min_width=0)
-        targets = None
-        if any(e.target is not None for e in entries):
-            targets = torch.tensor([e.target if e.target is not None else 2 ** 31 - 1
-                                    for e in entries], dtype=torch.long).to(device)
         return dict(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
                     prefix_ids=prefix.to(device), prefix_lengths=lengths.to(device),
-                    prefix_logprobs=logprobs.to(device), targets=targets)
+                    prefix_logprobs=logprobs.to(device),
+                    targets=target_lengths([e.target for e in entries]))  # start_decode moves it
 
     def absorb(self, entries: Sequence[PoolEntry], state: DecodeState, version: int,
                step: int) -> None:
