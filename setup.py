@@ -37,5 +37,6 @@ setup(
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:main",
-                                    "oppo-bench = oppo_ds.cli.bench:main"]},
+                                    "oppo-bench = oppo_ds.cli.bench:main",
+                                    "oppo-plan = oppo_ds.cli.plan:main"]},
 )

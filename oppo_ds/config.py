@@ -60,6 +60,27 @@ class ModelConfig:
                           "qwen2.5-7b"] = "tiny-llama"
     """Architecture of the built-in workload's models; the real shapes (qwen2.5-*) only with
     `workload.kind: length_oracle` (random weights, built from config)."""
+    actor_lora_dim: int = 0
+    """LoRA rank added to the actor's linear layers named by `lora_module_name` (0 = off).
+    The LoRA weights are merged into the base weights for export."""
+    critic_lora_dim: int = 0
+    """LoRA rank added to the critic's linear layers named by `lora_module_name` (0 = off)."""
+    lora_module_name: str = "layers."
+    """LoRA goes into every `nn.Linear` whose qualified name contains this text (Llama/Qwen2
+    decoder layers: `layers.`; GPT-2: `h.`)."""
+    lora_alpha: Optional[float] = None
+    """LoRA scale numerator: the update is (alpha / rank) * B A (null = alpha equal to the
+    rank, i.e. scale 1)."""
+    only_optimize_lora: bool = False
+    """Freeze every weight except the LoRA matrices (and the critic's value head), so the
+    optimizer states are those of the LoRA weights only. Needs a LoRA dim > 0."""
+
+    def __post_init__(self):
+        for key in ("actor_lora_dim", "critic_lora_dim"):
+            _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        _require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha", "must be > 0 or null")
+        _require(not self.only_optimize_lora or self.actor_lora_dim or self.critic_lora_dim,
+                 "only_optimize_lora", "needs actor_lora_dim or critic_lora_dim > 0")
 
 
 @dataclass
@@ -219,12 +240,28 @@ class OppoConfig:
 
 @dataclass
 class SystemConfig:
-    backend: Literal["deepspeed"] = "deepspeed"
-    """Training engine."""
+    backend: Literal["deepspeed", "megatron"] = "deepspeed"
+    """Training engine: DeepSpeed (ZeRO, hybrid engine) or Megatron-core (tensor and pipeline
+    parallel GPTModels; see docs/megatron.md)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of the Megatron-core models (backend: megatron only)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size of the Megatron-core models (backend: megatron only)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage for actor and critic."""
     offload: bool = False
     """Offload optimizer states (and at stage 3 parameters) to CPU memory."""
+    partition_reference: bool = False
+    """Partition the frozen reference model over the data-parallel ranks with ZeRO-3 and
+    gather it one layer at a time in its forward (DeepSpeed-Chat's evaluation config), for
+    when a full copy per GPU does not fit (70B). Needs zero_stage 3; the reference then scores
+    whole sequences after generation (not in oppo.stream_to)."""
+    offload_reference: bool = False
+    """Keep the reference model's weights in CPU memory (ZeRO-3 parameter offload; DeepSpeed-
+    Chat's --offload_reference_model). Needs partition_reference."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward of actor and critic (less memory, ~30% more
+    compute per training forward)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training and inference precision."""
     hybrid_engine: bool = False
@@ -239,6 +276,15 @@ class SystemConfig:
     def __post_init__(self):
         _require(self.inference_tp_size >= 1, "inference_tp_size", "must be >= 1")
         _require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+            _require(self.backend == "megatron" or getattr(self, key) == 1, key,
+                     f"needs backend: megatron (DeepSpeed's tensor parallel for generation is "
+                     f"inference_tp_size), got {getattr(self, key)} with backend: {self.backend}")
+        _require(not self.partition_reference or self.zero_stage == 3, "partition_reference",
+                 f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")
+        _require(not self.offload_reference or self.partition_reference, "offload_reference",
+                 "needs partition_reference: true (the offloaded weights are ZeRO-3 partitions)")
 
 
 @dataclass
@@ -337,6 +383,10 @@ class Config:
         _require(self.workload.kind == "length_oracle" or self.model.builtin_arch.startswith("tiny-"),
                  "model.builtin_arch", f"{self.model.builtin_arch} is built with random weights and "
                  f"needs workload.kind: length_oracle (the built-in task trains tiny-* models)")
+        _require(not (self.system.partition_reference and "reference" in self.oppo.stream_to
+                      and self.oppo.streaming), "system.partition_reference",
+                 "a partitioned reference cannot stream (each forward is collective over the "
+                 "ranks); remove reference from oppo.stream_to")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

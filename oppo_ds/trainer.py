@@ -26,7 +26,7 @@ from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
-from .models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
+from .models import build_causal_lm, build_value_model, load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, staleness_metrics,
@@ -154,8 +154,9 @@ def gather_floats(values: list, group=None) -> list:
 
 class PPOTrainer:
     def __init__(self, cfg: Config):
-        from .engines import DeepSpeedTrainEngine, init_distributed_if_needed, prepare_frozen
+        from .engines import init_distributed_if_needed
         from .engines.deepspeed_engine import DataParallelSubgroup
+        from .engines.factory import build_models
 
         self.cfg = cfg
         if cfg.system.torch_threads:
@@ -198,19 +199,12 @@ class PPOTrainer:
                            grad_clip=p.grad_clip, seed=cfg.seed,
                            data_parallel=DataParallelSubgroup(self.dp_group)
                            if self.stage is not None else None)
-        self.actor = DeepSpeedTrainEngine(disable_dropout(build_causal_lm(src.actor, **common)),
-                                          lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
-                                          inference_tp_size=s.inference_tp_size, **engine_args)
-        self.critic = DeepSpeedTrainEngine(disable_dropout(build_value_model(src.critic, **common)),
-                                           lr=p.critic_lr, **engine_args)
-        self.device = self.actor.device
         # stage: the reward model, and the reference model when it streams, are on the scorer rank
         on_stage = {"reward", *cfg.oppo.stream_to} if self.stage is not None else set()
-        self.reference = None if "reference" in on_stage else \
-            prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, self.device)
-        self.reward = None if "reward" in on_stage else \
-            prepare_frozen(build_value_model(src.reward, require_head=True, **common), s.dtype,
-                           self.device)
+        models = build_models(cfg, src, common, engine_args, on_stage=on_stage)
+        self.actor, self.critic = models.actor, models.critic
+        self.reference, self.reward = models.reference, models.reward
+        self.device = self.actor.device
         self.remote = RemoteScorers(self.stage.scorer_rank, group=self.stage.links[self.rank]) \
             if self.stage is not None else None
 

@@ -1,0 +1,60 @@
+"""The four models of a PPO run, built by the configured backend (``system.backend``).
+
+The trainer asks for them here and sees only the engine interface (``base.TrainEngine``)
+for the two trained models and plain ``nn.Module`` scorers for the two frozen ones, so a
+backend is added by one more branch below, not by edits across the trainer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..config import Config
+from .base import TrainEngine
+
+
+@dataclass
+class Models:
+    actor: TrainEngine
+    critic: TrainEngine
+    reference: Optional[torch.nn.Module]  # None when it lives on the scorer rank (stage)
+    reward: Optional[torch.nn.Module]
+
+
+def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
+                 on_stage: frozenset | set = frozenset()) -> Models:
+    """Actor and critic as training engines, reference and reward as frozen scorers.
+
+    Args:
+        sources: ``trainer.Sources`` (resolved model directories or tiny architectures).
+        common: keyword arguments of ``models.build_causal_lm`` / ``build_value_model``.
+        engine_args: the optimizer / schedule / batch arguments shared by actor and critic.
+        on_stage: frozen models held by the scorer rank instead (``oppo.placement: stage``).
+    """
+    if cfg.system.backend == "deepspeed":
+        return _deepspeed_models(cfg, sources, common, engine_args, on_stage)
+    if cfg.system.backend == "megatron":
+        from .megatron_engine import build_megatron_models
+
+        return build_megatron_models(cfg, sources, common, engine_args, on_stage=on_stage)
+    raise ValueError(f"unknown system.backend {cfg.system.backend!r}")
+
+
+def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage) -> Models:
+    from ..models import build_causal_lm, build_value_model, disable_dropout
+    from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen
+
+    p, s = cfg.ppo, cfg.system
+    actor = DeepSpeedTrainEngine(disable_dropout(build_causal_lm(src.actor, **common)),
+                                 lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
+                                 inference_tp_size=s.inference_tp_size, **engine_args)
+    critic = DeepSpeedTrainEngine(disable_dropout(build_value_model(src.critic, **common)),
+                                  lr=p.critic_lr, **engine_args)
+    device = actor.device
+    reference = None if "reference" in on_stage else \
+        prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)
+    reward = None if "reward" in on_stage else \
+        prepare_frozen(build_value_model(src.reward, require_head=True, **common), s.dtype, device)
+    return Models(actor=actor, critic=critic, reference=reference, reward=reward)
