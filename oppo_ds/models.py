@@ -170,13 +170,20 @@ class ValueHeadModel(nn.Module):
         values = self.value_head(out.last_hidden_state).squeeze(-1)
         return ValueOutput(values=values, past_key_values=out.past_key_values if use_cache else None)
 
-    def save_pretrained(self, path: str) -> None:
+    def save_pretrained(self, path: str, state_dict: Optional[dict] = None) -> None:
+        """The body as an HF checkpoint plus the head in its own file; ``state_dict`` (this
+        module's keys, e.g. with LoRA merged) replaces the module's own weights."""
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
-        self.body.save_pretrained(path, safe_serialization=True)
-        save_file({"weight": self.value_head.weight.detach().contiguous().cpu()},
-                  os.path.join(path, VALUE_HEAD_FILE))
+        if state_dict is None:
+            self.body.save_pretrained(path, safe_serialization=True)
+            head = self.value_head.weight
+        else:
+            body = {k[len("body."):]: v for k, v in state_dict.items() if k.startswith("body.")}
+            self.body.save_pretrained(path, state_dict=body, safe_serialization=True)
+            head = state_dict["value_head.weight"]
+        save_file({"weight": head.detach().contiguous().cpu()}, os.path.join(path, VALUE_HEAD_FILE))
 
     @classmethod
     def from_config(cls, config, dtype=None) -> "ValueHeadModel":

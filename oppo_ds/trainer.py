@@ -26,6 +26,7 @@ from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
+from .lora import has_lora, merged_state_dict
 from .models import build_causal_lm, build_value_model, load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController
@@ -681,14 +682,13 @@ class PPOTrainer:
     def export(self, out_dir: str) -> None:
         """Final actor (and critic) in Hugging Face format, DeepSpeed-Chat's layout."""
         self._scorer_rank_joins(1)  # the barrier at the end
-        with self.actor.generation_context() as model:
-            if self.is_main:
-                model.save_pretrained(os.path.join(out_dir, "actor"), safe_serialization=True)
-                self.tokenizer.save_pretrained(os.path.join(out_dir, "actor"))
-        with self.critic.generation_context() as model:
-            if self.is_main:
-                model.save_pretrained(os.path.join(out_dir, "critic"))
-                self.tokenizer.save_pretrained(os.path.join(out_dir, "critic"))
+        for name, engine in (("actor", self.actor), ("critic", self.critic)):
+            with engine.generation_context() as model:
+                if self.is_main:
+                    # LoRA folded into the weights: a plain checkpoint of the base architecture
+                    state = merged_state_dict(model) if has_lora(model) else None
+                    model.save_pretrained(os.path.join(out_dir, name), state_dict=state)
+                    self.tokenizer.save_pretrained(os.path.join(out_dir, name))
         if dist.is_initialized():
             dist.barrier()
 

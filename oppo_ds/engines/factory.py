@@ -42,16 +42,40 @@ def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
     raise ValueError(f"unknown system.backend {cfg.system.backend!r}")
 
 
+def prepare_trained(model: torch.nn.Module, cfg: Config, kind: str) -> torch.nn.Module:
+    """LoRA (``model.<kind>_lora_dim``, ``only_optimize_lora``) and gradient checkpointing
+    (``system.gradient_checkpointing``) on a trained HF model (actor) or ValueHeadModel
+    (critic), in place, before its engine is built. Returns ``model``."""
+    from ..lora import add_lora, only_optimize_lora
+
+    m = cfg.model
+    rank = m.actor_lora_dim if kind == "actor" else m.critic_lora_dim
+    if rank:
+        add_lora(model, rank, m.lora_module_name, alpha=m.lora_alpha, seed=cfg.seed)
+        if m.only_optimize_lora:
+            only_optimize_lora(model, keep=("value_head",) if kind == "critic" else ())
+    if cfg.system.gradient_checkpointing:
+        body = getattr(model, "body", model)  # the critic's LM body
+        # transformers 5 renamed it (the old name warns); non-reentrant: works when the
+        # inputs of a block need no gradient (frozen embeddings under only_optimize_lora)
+        kwargs = {"use_reentrant": False}
+        if hasattr(body, "activation_checkpointing_enable"):
+            body.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            body.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage) -> Models:
     from ..models import build_causal_lm, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen
 
     p, s = cfg.ppo, cfg.system
-    actor = DeepSpeedTrainEngine(disable_dropout(build_causal_lm(src.actor, **common)),
-                                 lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
+    actor_model = prepare_trained(disable_dropout(build_causal_lm(src.actor, **common)), cfg, "actor")
+    actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, **engine_args)
-    critic = DeepSpeedTrainEngine(disable_dropout(build_value_model(src.critic, **common)),
-                                  lr=p.critic_lr, **engine_args)
+    critic_model = prepare_trained(disable_dropout(build_value_model(src.critic, **common)), cfg, "critic")
+    critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
     device = actor.device
     reference = None if "reference" in on_stage else \
         prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)

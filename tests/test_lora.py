@@ -1,0 +1,171 @@
+"""LoRA (oppo_ds/lora.py) on tiny HF models and in real DeepSpeed engines, and gradient
+checkpointing: what a user of DeepSpeed-Chat's --actor_lora_dim / --only_optimize_lora and
+--actor_gradient_checkpointing expects."""
+import json
+import os
+
+import pytest
+import torch
+
+from oppo_ds.config import ConfigError, load_config
+from oppo_ds.engines.factory import prepare_trained
+from oppo_ds.lora import LoRALayer, add_lora, has_lora, merged_state_dict, only_optimize_lora
+from oppo_ds.models import build_causal_lm, build_value_model
+
+VOCAB = 64
+
+
+def _ids(batch=3, length=9, seed=0):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch,modules", [("tiny-llama", "layers."), ("tiny-qwen2", "layers."),
+                                          ("tiny-gpt2", "h.")])
+def test_fresh_lora_computes_the_base_model(arch, modules):
+    base = build_causal_lm(arch, vocab_size=VOCAB, seed=0).eval()  # GPT-2 has dropout
+    lora = build_causal_lm(arch, vocab_size=VOCAB, seed=0).eval()
+    changed = add_lora(lora, 4, modules, seed=1)
+    assert changed and all(modules in n for n in changed)
+    x = _ids()
+    # B starts at zero: exactly the base model's logits
+    assert torch.equal(base(input_ids=x).logits, lora(input_ids=x).logits)
+    # parameter names of the base weights are unchanged; the new ones are *.lora_A / lora_B
+    names = dict(lora.named_parameters())
+    assert set(dict(base.named_parameters())) <= set(names)
+    assert {n.rsplit(".", 1)[-1] for n in set(names) - set(dict(base.named_parameters()))} == \
+        {"lora_A", "lora_B"}
+
+
+def test_lora_update_and_merged_export_agree(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+    add_lora(model, 4, "layers.", alpha=8.0, seed=1)
+    layer = next(m for m in model.modules() if isinstance(m, LoRALayer))
+    assert layer.lora_scale == 2.0
+    for m in model.modules():  # a trained update: B no longer zero
+        if isinstance(m, LoRALayer):
+            torch.nn.init.normal_(m.lora_B, std=0.02)
+    x = _ids()
+    want = model(input_ids=x).logits
+    state = merged_state_dict(model)
+    assert not any("lora" in k for k in state)
+    model.save_pretrained(tmp_path, state_dict=state)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not has_lora(plain)
+    # fp32: (W + sBA) x and W x + s B (A x) differ by summation order only
+    torch.testing.assert_close(plain(input_ids=x).logits, want, atol=1e-5, rtol=0)
+
+
+def test_value_model_export_with_lora(tmp_path):
+    critic = build_value_model("tiny-qwen2", vocab_size=VOCAB, seed=0)
+    add_lora(critic, 2, "layers.", seed=1)
+    torch.nn.init.normal_(critic.value_head.weight)
+    for m in critic.modules():
+        if isinstance(m, LoRALayer):
+            torch.nn.init.normal_(m.lora_B, std=0.05)
+    x = _ids()
+    want = critic(input_ids=x).values
+    critic.save_pretrained(str(tmp_path), state_dict=merged_state_dict(critic))
+    loaded = build_value_model(str(tmp_path), require_head=True)
+    torch.testing.assert_close(loaded(input_ids=x).values, want, atol=1e-5, rtol=0)
+
+
+def test_only_optimize_lora_freezes_the_rest():
+    critic = build_value_model("tiny-llama", vocab_size=VOCAB, seed=0)
+    add_lora(critic, 2, "layers.")
+    n = only_optimize_lora(critic, keep=("value_head",))
+    trainable = {k for k, p in critic.named_parameters() if p.requires_grad}
+    assert trainable and all(k.endswith(("lora_A", "lora_B")) or k.startswith("value_head")
+                             for k in trainable)
+    assert n == sum(p.numel() for p in critic.parameters() if p.requires_grad)
+
+
+def test_no_matching_layer_is_an_error_naming_the_key():
+    model = build_causal_lm("tiny-gpt2", vocab_size=VOCAB, seed=0)
+    with pytest.raises(ValueError, match="lora_module_name 'layers.' matches no linear layer"):
+        add_lora(model, 4, "layers.")
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="model.only_optimize_lora: needs actor_lora_dim"):
+        load_config(None, ["model.only_optimize_lora=true"])
+    with pytest.raises(ConfigError, match="model.actor_lora_dim: must be >= 0"):
+        load_config(None, ["model.actor_lora_dim=-1"])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    cfg = load_config(None, ["system.gradient_checkpointing=true", "model.actor_lora_dim=2",
+                             "model.only_optimize_lora=true"])
+    plain_cfg = load_config(None, ["model.actor_lora_dim=2", "model.only_optimize_lora=true"])
+    x = _ids()
+    grads = []
+    for c in (plain_cfg, cfg):
+        model = prepare_trained(build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0), c, "actor")
+        assert model.is_gradient_checkpointing == c.system.gradient_checkpointing
+        model.train()
+        for m in model.modules():
+            if isinstance(m, LoRALayer):
+                torch.nn.init.normal_(m.lora_B, std=0.05, generator=torch.Generator().manual_seed(3))
+        model(input_ids=x).logits.float().pow(2).mean().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-5)
+
+
+def _run(tmp_path, *extra, steps=2):
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, [f"steps={steps}", "model.actor=tiny-llama",
+                             "model.reward=" + _reward(tmp_path),
+                             "data.prompts=" + _prompts(tmp_path), "ppo.batch_size=4",
+                             "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
+                             "generation.max_new_tokens=6", "logging.progress=false",
+                             "logging.tensorboard=false", f"logging.output_dir={tmp_path}/run",
+                             *extra])
+    trainer = PPOTrainer(cfg)
+    return trainer, trainer.train()
+
+
+def _reward(tmp_path):
+    """A tiny reward model with a random (non-zero) head, so that PPO has advantages."""
+    from oppo_ds import workload as wl
+
+    path = tmp_path / "reward"
+    if not path.exists():
+        model = build_value_model("tiny-llama", vocab_size=len(wl.build_tokenizer()), seed=0)
+        torch.nn.init.normal_(model.value_head.weight, generator=torch.Generator().manual_seed(0))
+        model.save_pretrained(str(path))
+    return str(path)
+
+
+def _prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"prompt": f"q {i} a"}) + "\n" for i in range(16)))
+    return str(path)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_ppo_with_lora_only_trains_lora_and_exports_a_plain_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, summary = _run(tmp_path, "model.actor_lora_dim=4", "model.critic_lora_dim=2",
+                            "model.only_optimize_lora=true", "system.gradient_checkpointing=true")
+    actor = trainer.actor.module
+    base = build_causal_lm("tiny-llama", vocab_size=len(trainer.tokenizer), seed=0)
+    # the base weights did not move; the LoRA matrices did
+    for name, p in base.named_parameters():
+        torch.testing.assert_close(dict(actor.named_parameters())[name].detach(), p, atol=0, rtol=0)
+    assert any(m.lora_B.abs().sum() > 0 for m in actor.modules() if isinstance(m, LoRALayer))
+    # the optimizer holds the LoRA matrices only
+    opt_params = {id(p) for g in trainer.actor.ds_engine.optimizer.param_groups for p in g["params"]}
+    lora_params = {id(p) for n, p in actor.named_parameters() if "lora_" in n}
+    assert opt_params == lora_params
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path, "run", "actor"))
+    x = _ids(seed=5) % len(trainer.tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=x).logits, actor(input_ids=x).logits,
+                                   atol=1e-5, rtol=0)
+    assert summary is not None
