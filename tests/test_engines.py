@@ -373,3 +373,25 @@ def test_prepare_frozen():
     assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in model.parameters())
     with pytest.raises(ValueError, match="dtype must be one of"):
         prepare_frozen(tiny_model("gpt2"), "int4")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_partitioned_reference_scores_like_a_full_copy(offload):
+    """system.partition_reference: the frozen model's weights live as ZeRO-3 partitions (in
+    CPU memory with offload) and its forward, gathering layer by layer, gives the full
+    model's logits exactly (fp32: gathering moves the same numbers)."""
+    from oppo_ds.engines import prepare_partitioned
+
+    full = prepare_frozen(tiny_model("llama"), "fp32", "cpu")
+    part = prepare_partitioned(tiny_model("llama"), "fp32", offload=offload)
+    for p in part.parameters():
+        assert p.numel() == 0 and p.ds_numel > 0  # nothing gathered outside a forward
+        assert not p.requires_grad
+        if offload:
+            assert p.ds_tensor.device.type == "cpu"
+    batch = fixed_batch()
+    with torch.no_grad():
+        want = full(**batch).logits
+        got = part(**batch).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert all(p.numel() == 0 for p in part.parameters())  # released after the forward

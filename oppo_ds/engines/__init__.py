@@ -10,6 +10,7 @@ from oppo_ds.engines.ds_config import build_ds_config, build_inference_ds_config
 _DEEPSPEED_NAMES = (
     "DeepSpeedTrainEngine",
     "prepare_frozen",
+    "prepare_partitioned",
     "init_distributed_if_needed",
     "find_free_port",
     "HYBRID_OFF",

@@ -47,7 +47,7 @@ from oppo_ds.engines.base import (
     check_schedule,
     lr_multiplier,
 )
-from oppo_ds.engines.ds_config import DTYPES, build_ds_config
+from oppo_ds.engines.ds_config import DTYPES, build_ds_config, build_inference_ds_config
 
 logger = logging.getLogger(__name__)
 
@@ -597,9 +597,7 @@ def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | st
     """Make ``model`` (in place) a frozen scorer: eval mode, no gradients, cast to ``dtype``,
     on ``device`` (default: the accelerator's current device). Returns ``model``.
 
-    Every rank holds the full weights. ZeRO-3-partitioned frozen models (DeepSpeed-Chat's
-    ``get_eval_ds_config`` route, see ``ds_config.build_inference_ds_config``) are future
-    work: they need the same gathered-decode treatment as ``generation_context``.
+    Every rank holds the full weights; :func:`prepare_partitioned` shards them instead.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -608,3 +606,31 @@ def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | st
     model.eval()
     model.requires_grad_(False)
     return model.to(device=device, dtype=_TORCH_DTYPES[dtype])
+
+
+def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = False,
+                        data_parallel: DataParallelSubgroup | None = None) -> torch.nn.Module:
+    """Make ``model`` a frozen scorer partitioned over the data-parallel ranks by ZeRO-3
+    (DeepSpeed-Chat's evaluation config for its reference model); ``offload`` keeps the
+    partitions in CPU memory. Returns the module: ZeRO-3's hooks on its submodules gather
+    each layer's weights for its forward and release them after, so a rank holds 1 / world
+    of the weights plus one layer at a time.
+
+    Every forward is collective over the data-parallel group: all ranks must call it the
+    same number of times (the trainer scores its B sequences in the same number of
+    micro-batches on every rank; a partitioned model is refused as a streaming scorer).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    init_distributed_if_needed()
+    group = data_parallel.group if data_parallel is not None else None
+    config = build_inference_ds_config(zero_stage=3, offload=offload, dtype=dtype,
+                                       world_size=deepspeed.comm.get_world_size(group))
+    model.requires_grad_(False)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=data_parallel)
+    engine.eval()
+    module = engine.module
+    module.eval()
+    # the engine owns the partitioning coordinator behind the hooks: keep it alive
+    module.__dict__["_oppo_zero3_engine"] = engine
+    return module

@@ -68,7 +68,7 @@ def prepare_trained(model: torch.nn.Module, cfg: Config, kind: str) -> torch.nn.
 
 def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage) -> Models:
     from ..models import build_causal_lm, build_value_model, disable_dropout
-    from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen
+    from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
 
     p, s = cfg.ppo, cfg.system
     actor_model = prepare_trained(disable_dropout(build_causal_lm(src.actor, **common)), cfg, "actor")
@@ -77,8 +77,14 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     critic_model = prepare_trained(disable_dropout(build_value_model(src.critic, **common)), cfg, "critic")
     critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
     device = actor.device
-    reference = None if "reference" in on_stage else \
-        prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)
+    if "reference" in on_stage:
+        reference = None
+    elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
+        reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
+                                        offload=s.offload_reference,
+                                        data_parallel=engine_args.get("data_parallel"))
+    else:
+        reference = prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)
     reward = None if "reward" in on_stage else \
         prepare_frozen(build_value_model(src.reward, require_head=True, **common), s.dtype, device)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)
