@@ -355,6 +355,11 @@ class CheckpointConfig:
     """Checkpoints to keep (older ones are removed)."""
     export_hf: bool = True
     """Export the final actor in Hugging Face format (safetensors) to output_dir/actor."""
+    on_signals: list[Literal["USR1", "USR2", "TERM", "INT"]] = field(
+        default_factory=lambda: ["USR1", "TERM"])
+    """Signals that stop training after the current step with a checkpoint (every rank
+    agrees on it at the step's end); the process then exits with code 75 so a job script can
+    requeue it (slurm/train.sh does). A second TERM or INT stops at once."""
 
     def __post_init__(self):
         _require(self.every >= 0, "every", "must be >= 0")

@@ -35,6 +35,7 @@ from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, stalen
 from .rollout.stage import Op, RemoteScorers, ScorerStage, StageRanks, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
+from .preemption import StopOnSignal
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,12 @@ class PPOTrainer:
         self.actor, self.critic = models.actor, models.critic
         self.reference, self.reward = models.reference, models.reward
         self.device = self.actor.device
+        # a model-parallel backend (megatron) has fewer data-parallel ranks than processes: the
+        # ranks of one model replica must draw the same prompts and sample the same tokens
+        if self.stage is None:
+            self.world_size = self.actor.world_size
+            self.dp_group = getattr(self.actor, "data_parallel_group", None)
+        data_rank = self.actor.rank
         self.remote = RemoteScorers(self.stage.scorer_rank, group=self.stage.links[self.rank]) \
             if self.stage is not None else None
 
@@ -216,9 +223,9 @@ class PPOTrainer:
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
         # Separate generators, so that e.g. a different number of PPO epochs does not
         # change which responses are sampled.
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed * 1000 + self.rank)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + self.rank)
-        self.stream = PromptStream(self.prompts, p.batch_size, cfg.seed, self.rank,
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed * 1000 + data_rank)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + data_rank)
+        self.stream = PromptStream(self.prompts, p.batch_size, cfg.seed, data_rank,
                                    self.world_size, shuffle=cfg.data.shuffle)
         o = cfg.oppo
         self.chunk_ctl = ChunkSizeController(
@@ -230,6 +237,7 @@ class PPOTrainer:
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
         self.step_count = 0
+        self.preempted: Optional[str] = None  # the signal that stopped training early
         self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
                                       rank=self.rank, keep_last=cfg.checkpoint.keep_last)
         self._maybe_resume()
@@ -662,21 +670,34 @@ class PPOTrainer:
             return self._serve_as_scorer_rank()
         cfg = self.cfg
         t0 = time.time()
+        stop = StopOnSignal(cfg.checkpoint.on_signals)
         try:
-            while self.step_count < cfg.steps:
-                metrics = self.step()
-                self.telemetry.log_step(self.step_count, metrics)
-                if cfg.checkpoint.every and self.step_count % cfg.checkpoint.every == 0:
-                    self.save_checkpoint()
-            if not cfg.checkpoint.every or self.step_count % cfg.checkpoint.every:
-                self.save_checkpoint()
-            if cfg.checkpoint.export_hf:
-                self.export(cfg.logging.output_dir)
+            with stop:
+                while self.step_count < cfg.steps:
+                    metrics = self.step()
+                    self.telemetry.log_step(self.step_count, metrics)
+                    saved = bool(cfg.checkpoint.every) and self.step_count % cfg.checkpoint.every == 0
+                    if saved:
+                        self.save_checkpoint()
+                    self.preempted = stop.agreed(self.dp_group)
+                    if self.preempted:
+                        if not saved:
+                            self.save_checkpoint()
+                        logger.warning("rank %d: stopped by SIG%s after step %d with a checkpoint; "
+                                       "the same command resumes from it", self.rank, self.preempted,
+                                       self.step_count)
+                        break
+                else:
+                    if not cfg.checkpoint.every or self.step_count % cfg.checkpoint.every:
+                        self.save_checkpoint()
+                    if cfg.checkpoint.export_hf:
+                        self.export(cfg.logging.output_dir)
             if self.remote is not None:
                 self.remote.close()  # the scorer rank's train() returns
         finally:
+            extra = {"stopped_by_signal": "SIG" + self.preempted} if self.preempted else {}
             summary = self.telemetry.close({"wall_total_s": time.time() - t0, "world_size": self.world_size,
-                                            "hybrid_engine": self.actor.hybrid_engine_path})
+                                            "hybrid_engine": self.actor.hybrid_engine_path, **extra})
         return summary
 
     def export(self, out_dir: str) -> None:

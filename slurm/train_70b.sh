@@ -22,7 +22,7 @@
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@300
 ##SBATCH --partition=YOUR_PARTITION
 ##SBATCH --account=YOUR_ACCOUNT
 

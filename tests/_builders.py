@@ -40,3 +40,40 @@ def random_lm(arch: str, vocab: int, seed: int, scale: float = 0.5):
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model.eval()
+
+
+def tiny_reward_dir(root) -> str:
+    """A tiny-llama reward model with a random (non-zero) head over the built-in tokenizer,
+    saved under ``root/reward``: PPO runs on tiny models then have advantages to learn from
+    (a fresh value head is zero, so a tiny-* reward scores everything 0)."""
+    import os
+
+    from oppo_ds import workload as wl
+    from oppo_ds.models import build_value_model
+
+    path = os.path.join(str(root), "reward")
+    if not os.path.exists(path):
+        model = build_value_model("tiny-llama", vocab_size=len(wl.build_tokenizer()), seed=0)
+        torch.nn.init.normal_(model.value_head.weight, generator=torch.Generator().manual_seed(0))
+        model.save_pretrained(path)
+    return path
+
+
+def prompt_file(root, n: int = 16) -> str:
+    """A .jsonl of ``n`` short prompts under ``root``."""
+    import json
+    import os
+
+    path = os.path.join(str(root), "prompts.jsonl")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"prompt": f"q {i} a"}) + "\n" for i in range(n))
+    return path
+
+
+def tiny_run_overrides(root, steps: int) -> list[str]:
+    """Config overrides of a seconds-long PPO run on tiny models (no workload preparation)."""
+    return [f"steps={steps}", "model.actor=tiny-llama", "model.reward=" + tiny_reward_dir(root),
+            "data.prompts=" + prompt_file(root), "ppo.batch_size=4", "ppo.mini_batch_size=4",
+            "ppo.micro_batch_size=2", "generation.max_new_tokens=6", "logging.progress=false",
+            "logging.log_every=0", f"logging.output_dir={root}/run"]

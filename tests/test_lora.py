@@ -1,12 +1,12 @@
 """LoRA (oppo_ds/lora.py) on tiny HF models and in real DeepSpeed engines, and gradient
 checkpointing: what a user of DeepSpeed-Chat's --actor_lora_dim / --only_optimize_lora and
 --actor_gradient_checkpointing expects."""
-import json
 import os
 
 import pytest
 import torch
 
+from _builders import tiny_run_overrides
 from oppo_ds.config import ConfigError, load_config
 from oppo_ds.engines.factory import prepare_trained
 from oppo_ds.lora import LoRALayer, add_lora, has_lora, merged_state_dict, only_optimize_lora
@@ -117,34 +117,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def _run(tmp_path, *extra, steps=2):
     from oppo_ds.trainer import PPOTrainer
 
-    cfg = load_config(None, [f"steps={steps}", "model.actor=tiny-llama",
-                             "model.reward=" + _reward(tmp_path),
-                             "data.prompts=" + _prompts(tmp_path), "ppo.batch_size=4",
-                             "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
-                             "generation.max_new_tokens=6", "logging.progress=false",
-                             "logging.tensorboard=false", f"logging.output_dir={tmp_path}/run",
-                             *extra])
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, steps), "logging.tensorboard=false", *extra])
     trainer = PPOTrainer(cfg)
     return trainer, trainer.train()
-
-
-def _reward(tmp_path):
-    """A tiny reward model with a random (non-zero) head, so that PPO has advantages."""
-    from oppo_ds import workload as wl
-
-    path = tmp_path / "reward"
-    if not path.exists():
-        model = build_value_model("tiny-llama", vocab_size=len(wl.build_tokenizer()), seed=0)
-        torch.nn.init.normal_(model.value_head.weight, generator=torch.Generator().manual_seed(0))
-        model.save_pretrained(str(path))
-    return str(path)
-
-
-def _prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    if not path.exists():
-        path.write_text("".join(json.dumps({"prompt": f"q {i} a"}) + "\n" for i in range(16)))
-    return str(path)
 
 
 @pytest.mark.filterwarnings("ignore")

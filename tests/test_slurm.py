@@ -207,13 +207,14 @@ def workload_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("workload-cache")
 
 
-def _sbatch_70b(env, tmp_path, cache, steps: int, wait: bool = True) -> tuple[str, str]:
+def _sbatch_70b(env, tmp_path, cache, steps: int, wait: bool = True, launcher: str = "srun",
+                extra: tuple = ()) -> tuple[str, str]:
     """Submits slurm/train_70b.sh on the tiny config with 2 CPU tasks; returns the job id and
     the path of its output file (complete once the job ended, when ``wait``)."""
     job_env = dict(env, CONFIG="examples/configs/tiny.yaml", OUTPUT_DIR=str(tmp_path / "run"),
-                   PYTHON=sys.executable, OMP_NUM_THREADS="1",
-                   OVERRIDES=" ".join([*SMALL, f"steps={steps}", f"workload.cache_dir={cache}"]))
-    log = tmp_path / f"job-steps{steps}.out"
+                   PYTHON=sys.executable, OMP_NUM_THREADS="1", LAUNCHER=launcher,
+                   OVERRIDES=" ".join([*SMALL, f"steps={steps}", f"workload.cache_dir={cache}", *extra]))
+    log = tmp_path / f"job-steps{steps}-{launcher}.out"
     # sbatch flags override the script's #SBATCH lines: one node of 2 CPUs, no GPUs
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), "--nodes=1", "--ntasks-per-node=2",
            "--cpus-per-task=1", "--gpus-per-node=0", "--time=10", f"--output={log}", "slurm/train_70b.sh"]
@@ -251,25 +252,42 @@ def test_sbatch_70b_script_trains_tiny_then_resumes(slurm_cluster, workload_cach
     assert (out / "checkpoints" / "latest").read_text().strip() == "step3"
 
 
-def test_usr1_requeues_the_job_and_it_resumes(slurm_cluster, workload_cache, tmp_path):
-    """What the time limit does (--signal=B:USR1@120): USR1 to the batch shell, whose trap
-    requeues the job; the requeued job resumes from the latest periodic checkpoint."""
+def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, workload_cache, tmp_path):
+    """What the time limit does (--signal=B:USR1@300): USR1 to the batch shell, whose trap
+    passes it to the srun tasks; both ranks stop after the same step with a checkpoint (no
+    periodic ones here), exit 75, the script requeues the job, and the requeued job resumes
+    from exactly that step."""
     out = tmp_path / "run"
-    steps = 40  # a tiny step takes ~0.2 s with its checkpoint: long enough to interrupt
-    job, log = _sbatch_70b(slurm_cluster, tmp_path, workload_cache, steps=steps, wait=False)
-    latest = out / "checkpoints" / "latest"
-    _wait_for(lambda: latest.exists(), "a first checkpoint", 240, poll=0.1)
-    assert latest.read_text().strip() != f"step{steps}", "the job ended before it was signalled"
+    steps = 60  # far more than run before the signal (a tiny 2-rank step: ~0.1-0.3 s)
+    job, log = _sbatch_70b(slurm_cluster, tmp_path, workload_cache, steps=steps, wait=False,
+                           extra=("checkpoint.every=0",))
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+              "two steps logged", 240, poll=0.1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_cluster, check=True)
-    _wait_for(lambda: _job_field(slurm_cluster, job, "Restarts") == "1", "the job is requeued")
+    _wait_for(lambda: _job_field(slurm_cluster, job, "Restarts") == "1", "the job is requeued", 240)
     # Slurm holds a requeued job back (its BeginTime, ~2 min later): release it now
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_cluster, check=True)
     _wait_for(lambda: _job_field(slurm_cluster, job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
-              "the requeued job ends", 240)
+              "the requeued job ends", 420)
     text = _read(log)
     assert _job_field(slurm_cluster, job, "JobState") == "COMPLETED", text[-3000:]
+    stopped = re.findall(r"rank (\d): stopped by SIGUSR1 after step (\d+)", text)
+    assert sorted(r for r, _ in stopped) == ["0", "1"], text[-3000:]  # both ranks, same step
+    (at,) = {int(n) for _, n in stopped}
+    assert 2 <= at < steps
     assert "requeueing job" in text and f"job {job} restart 1" in text, text[-3000:]
-    resumed = re.search(r"resumed from step(\d+) at step \1", text)
-    assert resumed and 1 <= int(resumed.group(1)) < steps, text[-3000:]
-    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == list(range(1, steps + 1))
-    assert latest.read_text().strip() == f"step{steps}"
+    assert f"resumed from step{at} at step {at}" in text, text[-3000:]
+    assert [r["step"] for r in read_history(str(metrics))] == list(range(1, steps + 1))
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step{steps}"
+
+
+def test_deepspeed_launcher_with_a_hostfile_from_the_nodelist(slurm_cluster, workload_cache, tmp_path):
+    """LAUNCHER=deepspeed: the job writes a hostfile from SLURM_JOB_NODELIST and the deepspeed
+    launcher starts the 2 ranks from it."""
+    out = tmp_path / "run"
+    _, log = _sbatch_70b(slurm_cluster, tmp_path, workload_cache, steps=2, launcher="deepspeed")
+    text = _read(log)
+    assert '"world_size": 2' in text, text[-3000:]
+    assert (out / "hostfile").read_text() == "localhost slots=2\n"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"

@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None:
         print(json.dumps(summary, indent=2))
         print(f"run directory: {os.path.abspath(cfg.logging.output_dir)}")
+    if trainer.preempted:  # stopped on a signal after a checkpoint: a job script requeues
+        from ..preemption import PREEMPTED_EXIT
+
+        return PREEMPTED_EXIT
     return 0
 
 

@@ -1,0 +1,72 @@
+"""Stop on a signal with a checkpoint: what a preempted or time-limited cluster job needs.
+
+Slurm sends a signal some time before it stops a job (``#SBATCH --signal=B:USR1@300``;
+slurm/train.sh forwards it to the tasks). A rank that receives one of
+``checkpoint.on_signals`` only records it; at the end of the step every rank learns whether
+any rank got one (one all-reduce of a flag), so all of them stop after the same step, save
+the same checkpoint and exit with :data:`PREEMPTED_EXIT`, which the job script turns into
+a requeue. The resumed job continues from that checkpoint exactly (checkpoint.resume=auto).
+
+A second TERM or INT stops the process at once (the default action), for a user who does
+not want to wait for the step to end.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PREEMPTED_EXIT = 75
+"""Exit code after a checkpoint on a signal (EX_TEMPFAIL: run the same command again)."""
+
+
+class StopOnSignal:
+    """Records the first of ``names`` (``"USR1"``, ``"TERM"``, ...) that arrives; installed
+    while training runs (:meth:`__enter__`), the previous handlers restored after."""
+
+    def __init__(self, names: list[str] | tuple[str, ...]):
+        self.signals = [getattr(signal, f"SIG{name}") for name in names]
+        self.received: Optional[str] = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        if self.received is not None and signum in (signal.SIGTERM, signal.SIGINT):
+            # asked twice: stop now, as without us
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        if self.received is None:
+            self.received = name
+            logger.warning("SIG%s received: stopping after this step with a checkpoint", name)
+
+    def __enter__(self) -> "StopOnSignal":
+        # Python runs handlers in the main thread only; elsewhere (a trainer inside a worker
+        # thread) the process keeps its own handling
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def agreed(self, group=None) -> Optional[str]:
+        """Collective over ``group``: the name of a signal received by any rank (the
+        lowest-numbered one when ranks got different ones), or None."""
+        code = float(getattr(signal, f"SIG{self.received}")) if self.received else 0.0
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.received
+        flag = torch.tensor([code if code else float("inf")], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if flag.item() == float("inf"):
+            return None
+        return signal.Signals(int(flag.item())).name.removeprefix("SIG")
