@@ -69,7 +69,7 @@ class ModelConfig:
     """LoRA goes into every `nn.Linear` whose qualified name contains this text (Llama/Qwen2
     decoder layers: `layers.`; GPT-2: `h.`)."""
     lora_alpha: Optional[float] = None
-    """LoRA scale numerator: the update is (alpha / rank) * B A (null = alpha equal to the
+    """LoRA scale numerator: the update is (alpha / rank) * R L (null = alpha equal to the
     rank, i.e. scale 1)."""
     only_optimize_lora: bool = False
     """Freeze every weight except the LoRA matrices (and the critic's value head), so the

@@ -1,18 +1,22 @@
 """LoRA for the trained models (``model.actor_lora_dim``, ``critic_lora_dim``).
 
-Every ``nn.Linear`` (and GPT-2 ``Conv1D``) whose qualified name contains ``model.lora_module_name`` gains two
-matrices, A (rank x in) and B (out x rank), and computes ``x W^T + b + s * (x A^T) B^T`` with
-``s = lora_alpha / rank``. B starts at zero, so a fresh LoRA model computes exactly what its
-base model does (PPO's first ratio against the reference is 1).
+Every ``nn.Linear`` (and GPT-2 ``Conv1D``) whose qualified name contains
+``model.lora_module_name`` gains two matrices, R (in x rank) and L (rank x out), and computes
+``x W^T + b + s * (x R) L`` with ``s = lora_alpha / rank``. L starts at zero, so a fresh LoRA
+model computes exactly what its base model does (PPO's first ratio against the reference is 1).
 
-The layer keeps its class's parameter names (``q_proj.weight`` stays ``q_proj.weight``; the
-new ones are ``q_proj.lora_A`` and ``q_proj.lora_B``): the object's class is switched to
-:class:`LoRALinear`, a subclass of ``nn.Linear``, so HF code that checks
-``isinstance(module, nn.Linear)`` and DeepSpeed's ZeRO-3 hooks see an ordinary linear layer.
+The names and layout are the ones DeepSpeed's hybrid engine looks for
+(``lora_right_weight`` = R, ``lora_left_weight`` = L, ``lora_scaling`` = s, see
+``deepspeed/module_inject/policy.py`` ``maybe_get_lora``): with its inference kernels it
+folds the update into the weights it generates with, instead of silently generating with
+the base weights. The layer keeps its class's parameter names (``q_proj.weight`` stays
+``q_proj.weight``): the object's class is switched to :class:`LoRALinear`, a subclass of
+``nn.Linear``, so HF code that checks ``isinstance(module, nn.Linear)`` and DeepSpeed's
+ZeRO-3 hooks see an ordinary linear layer.
 
 ``only_optimize_lora`` freezes everything else except the parameters named in ``keep``
 (the critic's value head), so the optimizer holds states for the LoRA matrices only.
-For export, :func:`merged_state_dict` folds ``s * B A`` into each weight and drops the LoRA
+For export, :func:`merged_state_dict` folds ``s * R L`` into each weight and drops the LoRA
 keys: the exported checkpoint is a plain HF model of the base architecture.
 """
 from __future__ import annotations
@@ -24,21 +28,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LORA_KEYS = ("lora_A", "lora_B")
+LORA_KEYS = ("lora_right_weight", "lora_left_weight")
 
 
 class LoRALayer:
     """A layer with a low-rank update (mixin of both kinds: nn.Linear, GPT-2 Conv1D)."""
 
-    lora_A: nn.Parameter  # (rank, in)
-    lora_B: nn.Parameter  # (out, rank)
-    lora_scale: float
+    lora_right_weight: nn.Parameter  # R: (in, rank)
+    lora_left_weight: nn.Parameter   # L: (rank, out)
+    lora_scaling: float              # s
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+        return (x @ self.lora_right_weight @ self.lora_left_weight) * self.lora_scaling
+
+    def _update(self) -> torch.Tensor:
+        """``s * R L``: (in, out)."""
+        return (self.lora_right_weight @ self.lora_left_weight) * self.lora_scaling
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, lora_rank={self.lora_A.shape[0]}, lora_scale={self.lora_scale:g}"
+        return (f"{super().extra_repr()}, lora_rank={self.lora_right_weight.shape[1]}, "
+                f"lora_scaling={self.lora_scaling:g}")
 
 
 class LoRALinear(LoRALayer, nn.Linear):
@@ -48,8 +57,8 @@ class LoRALinear(LoRALayer, nn.Linear):
         return F.linear(x, self.weight, self.bias) + self._lora(x)
 
     def delta_weight(self) -> torch.Tensor:
-        """``s * B A``, shaped like ``weight`` (out, in)."""
-        return (self.lora_B @ self.lora_A) * self.lora_scale
+        """The update shaped like ``weight`` (out, in)."""
+        return self._update().t()
 
 
 def _conv1d_class():
@@ -61,8 +70,8 @@ def _conv1d_class():
             return Conv1D.forward(self, x) + self._lora(x)
 
         def delta_weight(self) -> torch.Tensor:
-            """``(s * B A)^T``, shaped like ``weight`` (in, out)."""
-            return ((self.lora_B @ self.lora_A) * self.lora_scale).t()
+            """The update shaped like ``weight`` (in, out)."""
+            return self._update()
 
     return Conv1D, LoRAConv1D
 
@@ -88,7 +97,7 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 def add_lora(model: nn.Module, rank: int, module_name: str, *, alpha: Optional[float] = None,
              seed: int = 0) -> list[str]:
-    """Turn (in place) every ``nn.Linear`` of ``model`` whose name contains ``module_name``
+    """Turn (in place) every ``nn.Linear`` (or GPT-2 ``Conv1D``) of ``model`` whose name contains ``module_name``
     into a :class:`LoRALinear` of rank ``rank``. Returns the names of the layers changed.
 
     Raises ``ValueError`` when no layer matches (a LoRA that trains nothing is a config
@@ -105,14 +114,14 @@ def add_lora(model: nn.Module, rank: int, module_name: str, *, alpha: Optional[f
             continue
         weight = module.weight
         fan_in, fan_out = _features(module)
-        a = torch.empty(rank, fan_in, dtype=torch.float32)
-        # A as nn.Linear initialises its weight (kaiming uniform, a=sqrt(5)); B = 0
+        right = torch.empty(fan_in, rank, dtype=torch.float32)
+        # R as nn.Linear initialises a weight of fan-in `in` (kaiming uniform, a=sqrt(5)); L = 0
         bound = 1.0 / math.sqrt(fan_in)
-        a.uniform_(-bound, bound, generator=gen)
-        module.lora_A = nn.Parameter(a.to(device=weight.device, dtype=weight.dtype))
-        module.lora_B = nn.Parameter(torch.zeros(fan_out, rank, device=weight.device,
-                                                 dtype=weight.dtype))
-        module.lora_scale = scale
+        right.uniform_(-bound, bound, generator=gen)
+        module.lora_right_weight = nn.Parameter(right.to(device=weight.device, dtype=weight.dtype))
+        module.lora_left_weight = nn.Parameter(torch.zeros(rank, fan_out, device=weight.device,
+                                                           dtype=weight.dtype))
+        module.lora_scaling = scale
         module.__class__ = cls
         changed.append(name)
     if not changed:

@@ -27,13 +27,13 @@ def test_fresh_lora_computes_the_base_model(arch, modules):
     changed = add_lora(lora, 4, modules, seed=1)
     assert changed and all(modules in n for n in changed)
     x = _ids()
-    # B starts at zero: exactly the base model's logits
+    # L starts at zero: exactly the base model's logits
     assert torch.equal(base(input_ids=x).logits, lora(input_ids=x).logits)
-    # parameter names of the base weights are unchanged; the new ones are *.lora_A / lora_B
+    # parameter names of the base weights are unchanged; the new ones are LoRA matrices
     names = dict(lora.named_parameters())
     assert set(dict(base.named_parameters())) <= set(names)
     assert {n.rsplit(".", 1)[-1] for n in set(names) - set(dict(base.named_parameters()))} == \
-        {"lora_A", "lora_B"}
+        {"lora_right_weight", "lora_left_weight"}
 
 
 def test_lora_update_and_merged_export_agree(tmp_path):
@@ -42,10 +42,10 @@ def test_lora_update_and_merged_export_agree(tmp_path):
     model = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
     add_lora(model, 4, "layers.", alpha=8.0, seed=1)
     layer = next(m for m in model.modules() if isinstance(m, LoRALayer))
-    assert layer.lora_scale == 2.0
-    for m in model.modules():  # a trained update: B no longer zero
+    assert layer.lora_scaling == 2.0
+    for m in model.modules():  # a trained update: L no longer zero
         if isinstance(m, LoRALayer):
-            torch.nn.init.normal_(m.lora_B, std=0.02)
+            torch.nn.init.normal_(m.lora_left_weight, std=0.02)
     x = _ids()
     want = model(input_ids=x).logits
     state = merged_state_dict(model)
@@ -63,7 +63,7 @@ def test_value_model_export_with_lora(tmp_path):
     torch.nn.init.normal_(critic.value_head.weight)
     for m in critic.modules():
         if isinstance(m, LoRALayer):
-            torch.nn.init.normal_(m.lora_B, std=0.05)
+            torch.nn.init.normal_(m.lora_left_weight, std=0.05)
     x = _ids()
     want = critic(input_ids=x).values
     critic.save_pretrained(str(tmp_path), state_dict=merged_state_dict(critic))
@@ -76,7 +76,7 @@ def test_only_optimize_lora_freezes_the_rest():
     add_lora(critic, 2, "layers.")
     n = only_optimize_lora(critic, keep=("value_head",))
     trainable = {k for k, p in critic.named_parameters() if p.requires_grad}
-    assert trainable and all(k.endswith(("lora_A", "lora_B")) or k.startswith("value_head")
+    assert trainable and all(k.endswith(("lora_right_weight", "lora_left_weight")) or k.startswith("value_head")
                              for k in trainable)
     assert n == sum(p.numel() for p in critic.parameters() if p.requires_grad)
 
@@ -106,7 +106,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model.train()
         for m in model.modules():
             if isinstance(m, LoRALayer):
-                torch.nn.init.normal_(m.lora_B, std=0.05, generator=torch.Generator().manual_seed(3))
+                torch.nn.init.normal_(m.lora_left_weight, std=0.05, generator=torch.Generator().manual_seed(3))
         model(input_ids=x).logits.float().pow(2).mean().backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad})
     assert grads[0].keys() == grads[1].keys() and grads[0]
@@ -133,10 +133,11 @@ def test_ppo_with_lora_only_trains_lora_and_exports_a_plain_model(tmp_path):
     # the base weights did not move; the LoRA matrices did
     for name, p in base.named_parameters():
         torch.testing.assert_close(dict(actor.named_parameters())[name].detach(), p, atol=0, rtol=0)
-    assert any(m.lora_B.abs().sum() > 0 for m in actor.modules() if isinstance(m, LoRALayer))
+    assert any(m.lora_left_weight.abs().sum() > 0 for m in actor.modules() if isinstance(m, LoRALayer))
     # the optimizer holds the LoRA matrices only
     opt_params = {id(p) for g in trainer.actor.ds_engine.optimizer.param_groups for p in g["params"]}
     lora_params = {id(p) for n, p in actor.named_parameters() if "lora_" in n}
+    assert lora_params
     assert opt_params == lora_params
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path, "run", "actor"))
     x = _ids(seed=5) % len(trainer.tokenizer)
@@ -144,3 +145,19 @@ def test_ppo_with_lora_only_trains_lora_and_exports_a_plain_model(tmp_path):
         torch.testing.assert_close(exported(input_ids=x).logits, actor(input_ids=x).logits,
                                    atol=1e-5, rtol=0)
     assert summary is not None
+
+
+def test_deepspeed_hybrid_engine_finds_and_fuses_our_lora():
+    """DeepSpeed's hybrid engine folds LoRA into the weights its inference kernels generate
+    with, finding it by attribute names (module_inject/policy.py maybe_get_lora) and fusing
+    W += s * L^T R^T (containers/features/hybrid_engine.py): its fused weight must be ours."""
+    from deepspeed.module_inject.policy import maybe_get_lora
+
+    model = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+    add_lora(model, 4, "layers.", alpha=2.0)
+    layer = model.model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(layer.lora_left_weight)
+    right, left, scaling = maybe_get_lora(layer)
+    assert right is layer.lora_right_weight and left is layer.lora_left_weight
+    fused_by_deepspeed = layer.weight + scaling * torch.matmul(left.t(), right.t())
+    torch.testing.assert_close(fused_by_deepspeed, layer.weight + layer.delta_weight())
