@@ -27,9 +27,11 @@ class Mode:
 
 # The one table of schedules oppo-bench can run: adding a mode is one line here.
 MODES: dict[str, Mode] = {
-    "sequential": Mode(("oppo.streaming=false",), streams=False),
+    # each mode sets both techniques, so a config that turns one on (llama3_70b.yaml
+    # overcommits) still gives a true baseline
+    "sequential": Mode(("oppo.streaming=false", "oppo.overcommit=0"), streams=False),
     # the streaming modes choose their chunk size online, as OPPO does (chunk_size: auto)
-    "intra": Mode(("oppo.streaming=true", "oppo.chunk_size=auto"), streams=True),
+    "intra": Mode(("oppo.streaming=true", "oppo.chunk_size=auto", "oppo.overcommit=0"), streams=True),
     "inter": Mode(("oppo.streaming=false", "oppo.overcommit=auto"), streams=False),
     "oppo": Mode(("oppo.streaming=true", "oppo.chunk_size=auto", "oppo.overcommit=auto"), streams=True),
 }

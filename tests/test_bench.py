@@ -272,3 +272,11 @@ def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path):
     assert "| trl (peer) |" in table and "| oppo |" in table and "oppo / trl samples/s" in table
     assert (tmp_path / "b.runs" / "peer-trl" / "metrics.jsonl").is_file()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the peer's curves drawn with ours
+
+
+def test_every_mode_sets_both_techniques():
+    """A config that switches a technique on (llama3_70b.yaml overcommits) must not leak it
+    into a mode that compares against it: each mode states streaming and overcommit."""
+    for name, mode in bench.MODES.items():
+        keys = {o.split("=", 1)[0] for o in mode.overrides}
+        assert {"oppo.streaming", "oppo.overcommit"} <= keys, name

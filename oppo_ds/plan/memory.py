@@ -1,0 +1,213 @@
+"""Per-GPU memory of a PPO step: what each model and cache takes, phase by phase.
+
+Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
+  * trained models (actor, critic): weights 2 (bf16/fp16; 4 in fp32), gradients 2, and the
+    optimizer's 16: fp32 master weights 4, fp32 gradients 4, Adam's two moments 8 (fp32
+    training: moments only, 8); at stage 3 the 16-bit gradients turn into the fp32 ones at
+    the step (gradients 4, optimizer 12: 18 in all, as at stages 1-2). ZeRO partitions the optimizer states over the data-parallel
+    ranks at stage >= 1, the gradients at stage >= 2 and the weights at stage 3; stage 3 also
+    holds the gathered weights and gradients of the module being computed (2 x the largest
+    module). `system.offload` moves the optimizer (and the gradients, stage >= 2) to CPU
+    memory, at stage 3 the weights too. With LoRA and `only_optimize_lora`, gradients and
+    optimizer states exist only for the LoRA matrices (and the critic's value head).
+  * frozen models: weights only; the reward model is a full copy on every GPU, the reference
+    too unless `system.partition_reference` (ZeRO-3 partitioned, gathered one module at a
+    time; with `offload_reference` the partition sits in CPU memory).
+  * caches: the actor's KV cache for B + Delta rows at prompt + response length, and the
+    streaming scorers' caches for the same rows; the frozen scorers of the rollout pool keep
+    the caches of the deferred rows through the update.
+  * the hybrid engine's inference copy: the gathered actor weights split over
+    `inference_tp_size` GPUs, alive during generation.
+  * activations of one training micro-batch (flash attention, no seq x seq scores), with
+    gradient checkpointing only each layer's input plus one layer recomputed; fp32 logits.
+The model-state part is checked against DeepSpeed's own estimators (tests/test_plan.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Config
+from .costs import GIB, Device
+from .shapes import ModelShape, Shapes
+
+FRAMEWORK_GIB = 2.0  # CUDA context, NCCL and DeepSpeed's communication buckets (assumed)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def optimizer_bytes_per_param(dtype: str) -> int:
+    """Adam's moments (8) plus, in mixed precision, fp32 master weights and gradients (8)."""
+    return 8 if dtype == "fp32" else 16
+
+
+@dataclass
+class ModelStates:
+    """Bytes one GPU holds for a trained model, and what its node's CPU memory holds."""
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    gathered: float = 0.0      # ZeRO-3: the module being computed, gathered (weights + grads)
+    cpu_per_node: float = 0.0
+
+    @property
+    def gpu(self) -> float:
+        return self.params + self.grads + self.optimizer + self.gathered
+
+
+def model_states(total_params: int, trainable: int, largest_module: int, *, zero_stage: int,
+                 offload: bool, gpus: int, gpus_per_node: int, dtype: str = "bf16") -> ModelStates:
+    """Weights, gradients and optimizer states of one trained model on one GPU."""
+    w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype), dtype_bytes(dtype)
+    if zero_stage == 3 and dtype != "fp32":
+        # stage 3 keeps no separate fp32 gradient partition: at the step each sub-group's
+        # 16-bit gradients become fp32 ones (and are freed), so gradients peak at 4 bytes
+        g, opt = 4, opt - 4
+    s = ModelStates()
+    s.params = w * total_params / (gpus if zero_stage == 3 else 1)
+    s.grads = g * trainable / (gpus if zero_stage >= 2 else 1)
+    s.optimizer = opt * trainable / (gpus if zero_stage >= 1 else 1)
+    if zero_stage == 3:
+        s.gathered = 2 * w * largest_module
+    if offload:
+        s.cpu_per_node = s.optimizer * gpus_per_node
+        s.optimizer = 0.0
+        if zero_stage >= 2:  # reduced into buckets and copied out, never kept on the GPU
+            s.cpu_per_node += s.grads * gpus_per_node
+            s.grads = 0.0
+        if zero_stage == 3:
+            s.cpu_per_node += s.params * gpus_per_node
+            s.params = 0.0
+    return s
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU bytes by item, the three phases' totals and the verdict."""
+    items: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    cpu_per_node: float = 0.0
+    capacity: float = 0.0
+    headroom: float = 0.1
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity * (1.0 - self.headroom)
+
+    def to_json(self) -> dict:
+        gib = lambda b: round(b / GIB, 3)  # noqa: E731
+        return {"fits": self.fits, "peak_mem_gib": gib(self.peak), "peak_phase": self.peak_phase,
+                "capacity_gib": gib(self.capacity), "headroom": self.headroom,
+                "usable_gib": gib(self.capacity * (1.0 - self.headroom)),
+                "phases_gib": {k: gib(v) for k, v in self.phases.items()},
+                "breakdown_gib": {k: gib(v) for k, v in self.items.items()},
+                "cpu_per_node_gib": gib(self.cpu_per_node)}
+
+
+def rollout_rows(cfg: Config) -> tuple[int, int]:
+    """(B, Delta) per data-parallel rank; Delta under `overcommit: auto` is its largest value."""
+    o = cfg.oppo
+    delta = o.delta_max if o.overcommit == "auto" else o.overcommit
+    return cfg.ppo.batch_size, delta
+
+
+def streamed_scorers(cfg: Config) -> list[str]:
+    """Scorers that prefill each chunk during decoding (none in the sequential baseline)."""
+    return ["reward", *cfg.oppo.stream_to] if cfg.oppo.streaming else []
+
+
+def _trained(shape: ModelShape, value_head: bool, lora_dim: int, cfg: Config, gpus: int,
+             gpus_per_node: int) -> ModelStates:
+    lora = shape.lora_params(lora_dim)
+    total = shape.params(value_head) + lora
+    trainable = total
+    if cfg.model.only_optimize_lora and lora_dim:
+        trainable = lora + (shape.hidden if value_head else 0)
+    s = cfg.system
+    return model_states(total, trainable, shape.largest_module_params(), zero_stage=s.zero_stage,
+                        offload=s.offload, gpus=gpus, gpus_per_node=gpus_per_node, dtype=s.dtype)
+
+
+def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool, logits: bool) -> float:
+    per_layer = shape.activation_bytes_per_token(w, checkpointing) * tokens
+    out = shape.layers * per_layer
+    if checkpointing:  # the layer being recomputed holds everything once
+        out += shape.activation_bytes_per_token(w, False) * tokens
+    if logits:  # fp32 logits and their gradient (log-softmax over the vocabulary)
+        out += 2 * 4 * tokens * shape.vocab
+    return out
+
+
+def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, device: Device,
+                headroom: float = 0.1) -> MemoryPlan:
+    s, gen = cfg.system, cfg.generation
+    gpus = nodes * gpus_per_node
+    w = dtype_bytes(s.dtype)
+    b, delta = rollout_rows(cfg)
+    rows = b + delta
+    seq = gen.max_prompt_len + gen.max_new_tokens
+    plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
+    items = plan.items
+
+    actor = _trained(shapes.actor, False, cfg.model.actor_lora_dim, cfg, gpus, gpus_per_node)
+    critic = _trained(shapes.critic, True, cfg.model.critic_lora_dim, cfg, gpus, gpus_per_node)
+    for name, st in (("actor", actor), ("critic", critic)):
+        items[f"{name}_params"] = st.params
+        items[f"{name}_grads"] = st.grads
+        items[f"{name}_optimizer"] = st.optimizer
+    items["zero3_gathered"] = max(actor.gathered, critic.gathered)
+    plan.cpu_per_node = actor.cpu_per_node + critic.cpu_per_node
+
+    ref = shapes.reference
+    if s.partition_reference:
+        part = w * ref.params() / gpus
+        items["reference"] = 0.0 if s.offload_reference else part
+        items["reference_gathered"] = 2 * w * ref.largest_module_params()
+        plan.cpu_per_node += part * gpus_per_node if s.offload_reference else 0.0
+    else:
+        items["reference"] = w * ref.params()
+        items["reference_gathered"] = 0.0
+    items["reward"] = w * shapes.reward.params(value_head=True)
+
+    gathered_actor = s.hybrid_engine and (s.zero_stage == 3 or s.inference_tp_size > 1)
+    items["hybrid_engine_copy"] = (w * shapes.actor.params() / s.inference_tp_size
+                                   if gathered_actor else 0.0)
+    # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
+    items["actor_kv"] = rows * seq * shapes.actor.kv_bytes_per_token(w)
+    scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
+    streamed = streamed_scorers(cfg)
+    items["scorer_kv"] = sum(rows * seq * scorer_shape[k].kv_bytes_per_token(w) for k in streamed)
+    # frozen scorers of the pool keep their deferred rows' caches through the update
+    carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
+    items["carried_scorer_kv"] = sum(delta * seq * scorer_shape[k].kv_bytes_per_token(w) for k in carried)
+    items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2
+
+    micro_tokens = cfg.ppo.micro_batch_size * seq
+    ckpt = s.gradient_checkpointing
+    items["activations_train"] = max(_activations(shapes.actor, micro_tokens, w, ckpt, True),
+                                     _activations(shapes.critic, micro_tokens, w, ckpt, False))
+    # no-grad scoring forwards keep one layer's activations and the fp32 logits
+    items["activations_score"] = max(_activations(shapes.actor, micro_tokens, w, False, True) / shapes.actor.layers,
+                                     4 * micro_tokens * shapes.actor.vocab * 2)
+    items["framework"] = FRAMEWORK_GIB * GIB
+
+    resident = (actor.params + actor.grads + actor.optimizer + critic.params + critic.grads
+                + critic.optimizer + items["reference"] + items["reward"] + items["framework"])
+    plan.phases = {
+        "generate": resident + items["hybrid_engine_copy"] + items["actor_kv"] + items["scorer_kv"]
+                    + items["decode_logits"] + (0.0 if gathered_actor else items["zero3_gathered"]),
+        "score": resident + items["activations_score"] + items["carried_scorer_kv"]
+                 + max(items["zero3_gathered"], items["reference_gathered"]),
+        "train": resident + items["activations_train"] + items["carried_scorer_kv"]
+                 + items["zero3_gathered"],
+    }
+    return plan
