@@ -235,10 +235,11 @@ def test_calibration_fit_recovers_known_costs():
     assert dev.step_other_s == pytest.approx(0.005, rel=1e-6)
 
 
-BENCH = os.path.join(REPO, "bench", "results.json")
+# make bench's results and its four runs' metrics on the 2-core CPU VM (2026-11-22, the run
+# the cpu device's constants were fitted to), kept with the tests so the check runs anywhere
+BENCH = os.path.join(REPO, "tests", "data", "bench-cpu-2core", "results.json")
 
 
-@pytest.mark.skipif(not os.path.isfile(BENCH), reason="bench/results.json absent (make bench writes it)")
 def test_simulator_predicts_measured_speedups_within_20_percent():
     from oppo_ds.plan.calibrate import calibrate
 
