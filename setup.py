@@ -30,8 +30,10 @@ setup(
     ],
     extras_require={
         # the bench plot and the TRL peer are tested too
-        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "trl==1.12.0"],
-        "megatron": ["megatron-core"],
+        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "trl==1.12.0",
+                 "megatron-core==0.16.1"],
+        # the version oppo_ds/megatron/compat.py was checked against (its signature test)
+        "megatron": ["megatron-core==0.16.1"],
         # TRL's last release with PPO; the OPPO paper's baseline
         "peer": ["trl==1.12.0"],
         "plot": ["matplotlib"],

@@ -77,3 +77,42 @@ def tiny_run_overrides(root, steps: int) -> list[str]:
             "data.prompts=" + prompt_file(root), "ppo.batch_size=4", "ppo.mini_batch_size=4",
             "ppo.micro_batch_size=2", "generation.max_new_tokens=6", "logging.progress=false",
             "logging.log_every=0", f"logging.output_dir={root}/run"]
+
+
+def spawn_and_collect(target, args_of_rank, world: int, join_s: float) -> list:
+    """Run ``target(*args_of_rank(rank, port, out))`` in ``world`` fresh (spawned) processes
+    and return what they put on the queue ``out``. A process that puts ``("crash", rank,
+    traceback)`` fails the test with that traceback; one still running after ``join_s``
+    seconds is killed and fails it too; so does a non-zero exit code."""
+    import multiprocessing as mp
+    import queue
+
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port()
+    procs = [ctx.Process(target=target, args=args_of_rank(rank, port, out), daemon=True)
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(join_s)
+        hung = [p.pid for p in procs if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    messages = []
+    while True:
+        try:
+            messages.append(out.get(timeout=1))
+        except queue.Empty:
+            break
+    crashes = [m for m in messages if m[0] == "crash"]
+    assert not crashes, crashes[0][2]
+    assert not hung, f"processes {hung} did not exit; messages: {messages}"
+    assert [p.exitcode for p in procs] == [0] * world, messages
+    return messages

@@ -10,16 +10,13 @@ stage must serve the next rollout, and both processes must exit (timeouts everyw
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 
-from _builders import left_padded_prompts, sharpen as _sharpen
+from _builders import left_padded_prompts, sharpen as _sharpen, spawn_and_collect
 
 ARCHS = ["tiny-llama", "tiny-gpt2"]
 VOCAB = 40
@@ -34,12 +31,6 @@ CHUNKS = [1, 3, MAX_NEW + 5]
 SEED = 7
 ATOL = 1e-6
 JOIN_S = 90  # per spawn; the processes take a few seconds to import torch and transformers
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _params():
@@ -138,33 +129,7 @@ def _worker(rank, port, scenario, out):
 
 
 def _spawn(scenario):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, scenario, out), daemon=True)
-             for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(JOIN_S)
-        hung = [p.pid for p in procs if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    messages = []
-    while True:
-        try:
-            messages.append(out.get(timeout=1))
-        except queue.Empty:
-            break
-    crashes = [m for m in messages if m[0] == "crash"]
-    assert not hung, f"processes {hung} did not exit; messages: {messages}"
-    assert not crashes, crashes[0][2]
-    assert [p.exitcode for p in procs] == [0, 0], messages
-    return messages
+    return spawn_and_collect(_worker, lambda rank, port, out: (rank, port, scenario, out), 2, JOIN_S)
 
 
 def test_stage_scores_equal_inline():

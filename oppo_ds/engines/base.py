@@ -11,9 +11,10 @@ Nothing here imports deepspeed or megatron.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -61,6 +62,17 @@ def check_schedule(*, warmup_steps: int, total_steps: int, scheduler: str) -> No
             or not 0 <= warmup_steps <= total_steps):
         raise ValueError(f"warmup_steps must be an integer in [0, total_steps={total_steps}], "
                          f"got {warmup_steps!r}")
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``module`` in eval mode (dropout off) inside, its previous mode restored after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
 
 
 class TrainEngine(ABC):
@@ -129,3 +141,10 @@ class TrainEngine(ABC):
     def grad_norm(self) -> float | None:
         """Global gradient norm of the last update (before clipping), if known."""
         return None
+
+    def _check_micro_batches(self, micro_batches: list) -> None:
+        """The rule of :meth:`train_step`: one call is exactly one update."""
+        if len(micro_batches) != self.gradient_accumulation_steps:
+            raise ValueError(f"train_step needs exactly gradient_accumulation_steps="
+                             f"{self.gradient_accumulation_steps} micro-batches, "
+                             f"got {len(micro_batches)}")

@@ -45,6 +45,7 @@ from oppo_ds.engines.base import (
     ModelCallable,
     TrainEngine,
     check_schedule,
+    eval_mode,
     lr_multiplier,
 )
 from oppo_ds.engines.ds_config import DTYPES, build_ds_config, build_inference_ds_config
@@ -491,10 +492,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         return self._engine
 
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
-        if len(micro_batches) != self.gradient_accumulation_steps:
-            raise ValueError(f"train_step needs exactly gradient_accumulation_steps="
-                             f"{self.gradient_accumulation_steps} micro-batches, "
-                             f"got {len(micro_batches)}")
+        self._check_micro_batches(micro_batches)
         self._engine.train()
         all_stats = []
         for i, micro_batch in enumerate(micro_batches):
@@ -511,13 +509,8 @@ class DeepSpeedTrainEngine(TrainEngine):
     def forward_no_grad(self, fn: Callable[[ModelCallable], Any]) -> Any:
         # module.eval(), not engine.eval(): the hybrid engine's eval() would switch to its
         # inference kernels, and old log-probs must come from the training forward.
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                return fn(self._engine)
-        finally:
-            self.module.train(was_training)
+        with eval_mode(self.module), torch.no_grad():
+            return fn(self._engine)
 
     @contextlib.contextmanager
     def generation_context(self) -> Iterator[torch.nn.Module]:

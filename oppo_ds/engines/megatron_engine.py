@@ -1,0 +1,284 @@
+"""Megatron-core implementation of :class:`~oppo_ds.engines.base.TrainEngine`
+(``system.backend: megatron``): tensor- and pipeline-parallel GPTModels for actor, critic,
+reference and reward.
+
+Design (docs/megatron.md has the long version):
+
+* **Models.** Each model is a megatron-core ``GPTModel`` (local layer spec) built from an HF
+  Llama / Qwen2 model by ``megatron.convert``, wrapped in ``megatron.model.MegatronModel``,
+  which presents it HF-style (``.logits`` / ``.values``, a ``DynamicCache`` KV cache) to the
+  decode loop, the streaming scorers and the loss functions, so the trainer and the PPO math
+  are the same for both backends. Critic and reward: a GPTModel without ``output_layer`` plus
+  a scalar value head.
+* **Process groups** come from ``megatron.parallel.init_model_parallel`` once and are passed
+  to every model and engine (``ParallelGroups``). ``rank`` / ``world_size`` of an engine are
+  its *data-parallel* rank and size: ranks of one model replica (its tensor-parallel and
+  pipeline ranks) must see the same prompts and sample the same tokens.
+* **Training.** ``train_step`` runs the trainer's loss function on every rank for each
+  micro-batch and backpropagates through the model's own forward: tensor-parallel layers
+  communicate in their autograd functions, pipeline stages pass activations forward and
+  gradients back point-to-point (a stage waits while another works: no interleaving of
+  micro-batches, the simple schedule). Then the gradients are averaged over the
+  data-parallel group, the global norm (shards counted once over tensor x pipeline ranks) is
+  clipped, and a plain ``torch.optim.AdamW`` steps over this rank's shards (fp32 master
+  copies when the model is bf16/fp16). megatron-core's DistributedOptimizer is not used: it
+  needs its DDP wrapper and contiguous CUDA grad buffers; with AdamW over local shards every
+  data-parallel rank keeps full optimizer state of its shards (ZeRO-1 style sharding over
+  data parallel is left to a later version).
+* **Checkpoints**: one file per (tensor, pipeline) rank, written by data-parallel rank 0:
+  weights, optimizer, LR scheduler, client state.
+
+Everything megatron-specific lives here and in ``oppo_ds/megatron/``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import re
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError
+from .base import LossFn, ModelCallable, TrainEngine, check_schedule, eval_mode, lr_multiplier
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MegatronTrainEngine(TrainEngine):
+    """A ``megatron.model.MegatronModel`` trained with AdamW over its local shards.
+
+    Args:
+        model: this rank's part of the model (on its device, in its dtype).
+        groups: ``megatron.parallel.ParallelGroups`` of this process.
+        lr, weight_decay, betas, eps, warmup_steps, total_steps, scheduler: AdamW and the
+            LR schedule (:func:`~oppo_ds.engines.base.lr_multiplier`), as for DeepSpeed.
+        gradient_accumulation_steps: micro-batches per update.
+        grad_clip: clip the global gradient norm to this (None: no clipping).
+    """
+
+    WORLD_BARRIERS_PER_SAVE = 0  # save() uses no world collective
+    hybrid_engine_path = "off"
+
+    def __init__(self, model, groups, *, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 warmup_steps: int = 0, total_steps: int, scheduler: str = "constant",
+                 gradient_accumulation_steps: int = 1, grad_clip: float | None = 1.0):
+        check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr!r}")
+        self.module, self.groups = model, groups
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.world_size, self.rank = groups.dp, groups.dp_rank
+        self.data_parallel_group = groups.dp_group
+        self.device = model.device
+        self.grad_clip = grad_clip
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        # fp32 master copies for bf16 / fp16 weights, so small updates are not rounded away
+        self._master = None
+        if model.dtype != torch.float32:
+            self._master = [p.detach().float().clone().requires_grad_(True) for p in self._params]
+        trained = self._master if self._master is not None else self._params
+        decay = [m for m, p in zip(trained, self._params) if p.ndim >= 2]
+        no_decay = [m for m, p in zip(trained, self._params) if p.ndim < 2]
+        groups_ = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = torch.optim.AdamW(groups_, lr=lr, betas=betas, eps=eps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
+                                              total_steps=total_steps, scheduler=scheduler))
+        self._grad_norm: float | None = None
+
+    # -- TrainEngine ---------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
+        self._check_micro_batches(micro_batches)
+        self.module.train()
+        all_stats = []
+        for micro_batch in micro_batches:
+            loss, stats = loss_fn(self.module, micro_batch)
+            (loss / self.gradient_accumulation_steps).backward()
+            all_stats.append(stats)
+        self._reduce_gradients()
+        self._grad_norm = self._clip()
+        self._step()
+        return all_stats
+
+    def _reduce_gradients(self) -> None:
+        """Average over data-parallel replicas (one flat all-reduce)."""
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.groups.dp == 1:
+            return
+        grads = [p.grad for p in self._params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=self.groups.dp_group)
+        flat /= self.groups.dp
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+    def _clip(self) -> float:
+        """Global L2 norm over the whole model: a tensor-parallel shard counts on its rank,
+        a replicated parameter (norm weights, the value head) once, on tensor rank 0."""
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self._params:
+            if getattr(p, "tensor_model_parallel", False) or self.groups.tp_rank == 0:
+                local += p.grad.double().pow(2).sum()
+        if self.groups.tp * self.groups.pp > 1:
+            dist.all_reduce(local, group=self.groups.mp_group)
+        norm = float(local.sqrt())
+        if self.grad_clip is not None and norm > self.grad_clip:
+            for p in self._params:
+                p.grad.mul_(self.grad_clip / (norm + 1e-6))
+        return norm
+
+    def _step(self) -> None:
+        if self._master is not None:
+            for master, p in zip(self._master, self._params):
+                master.grad = p.grad.float()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._params:
+            p.grad = None
+        if self._master is not None:
+            with torch.no_grad():
+                for master, p in zip(self._master, self._params):
+                    p.copy_(master)
+
+    def forward_no_grad(self, fn: Callable[[ModelCallable], Any]) -> Any:
+        with eval_mode(self.module), torch.no_grad():
+            return fn(self.module)
+
+    @contextlib.contextmanager
+    def generation_context(self) -> Iterator[torch.nn.Module]:
+        with eval_mode(self.module), torch.no_grad():
+            yield self.module
+
+    def _shard_path(self, ckpt_dir: str, tag: str) -> str:
+        g = self.groups
+        return os.path.join(ckpt_dir, tag, f"mp_rank_{g.tp_rank:02d}_{g.pp_rank:03d}.pt")
+
+    def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
+        if self.groups.dp_rank != 0:  # the replicas hold the same state
+            return
+        path = self._shard_path(ckpt_dir, tag)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "client_state": client_state or {},
+                 "master": None if self._master is None else [m.detach() for m in self._master],
+                 "parallel": (self.groups.tp, self.groups.pp)}
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load(self, ckpt_dir: str, tag: str | None = None) -> dict:
+        if tag is None:  # the newest: highest step number (step10 after step9)
+            tags = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+            numbered = [(int(m.group(1)), t) for t in tags if (m := re.fullmatch(r"\D*(\d+)", t))]
+            tag = max(numbered)[1] if numbered else None
+        path = self._shard_path(ckpt_dir, tag) if tag is not None else None
+        if path is None or not os.path.isfile(path):
+            raise FileNotFoundError(f"no Megatron checkpoint shard in {ckpt_dir!r} (tag={tag!r})")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if tuple(state["parallel"]) != (self.groups.tp, self.groups.pp):
+            raise ValueError(f"{path} was saved with (tensor, pipeline) parallel "
+                             f"{tuple(state['parallel'])}, this run uses "
+                             f"{(self.groups.tp, self.groups.pp)}")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self._master is not None:
+            with torch.no_grad():
+                for master, saved in zip(self._master, state["master"]):
+                    master.copy_(saved)
+        return state["client_state"]
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        return self._grad_norm
+
+
+# --------------------------------------------------------------------------------------
+# The four models
+# --------------------------------------------------------------------------------------
+
+def check_megatron_config(cfg: Config) -> None:
+    """``ConfigError`` for settings this backend does not have (yet)."""
+    s, o = cfg.system, cfg.oppo
+    if s.zero_stage != 0 or s.offload or s.hybrid_engine or s.partition_reference:
+        raise ConfigError("system.backend", "megatron shards models by tensor_parallel and "
+                          "pipeline_parallel; zero_stage, offload, hybrid_engine and "
+                          "partition_reference are DeepSpeed settings (leave them at 0/false)")
+    if cfg.model.actor_lora_dim or cfg.model.critic_lora_dim or s.gradient_checkpointing:
+        raise ConfigError("system.backend", "LoRA and gradient_checkpointing are implemented "
+                          "for the DeepSpeed backend only (set them to 0/false with megatron)")
+    if s.dtype == "fp16":
+        raise ConfigError("system.dtype", "backend megatron supports fp32 and bf16 (fp16 would "
+                          "need loss scaling)")
+    if o.placement == "stage":
+        raise ConfigError("oppo.placement", "stage placement with backend megatron is not wired "
+                          "into the trainer yet: the scorer rank would build HF models (see "
+                          "docs/megatron.md); use inline or colocated")
+    if cfg.checkpoint.export_hf and s.tensor_parallel * s.pipeline_parallel > 1:
+        raise ConfigError("checkpoint.export_hf", "exporting Hugging Face weights from a "
+                          "tensor/pipeline-parallel run is not supported yet (the trainer saves "
+                          "on rank 0 only); set checkpoint.export_hf=false and convert the "
+                          "checkpoint shards with oppo_ds.megatron.convert.megatron_to_hf")
+
+
+def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict, *,
+                          on_stage=frozenset()):
+    """Actor and critic as ``MegatronTrainEngine``s, reference and reward as frozen
+    ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``.
+
+    The HF models are built as the DeepSpeed backend builds them (same seeds, same
+    checkpoints) and converted; every rank converts only its own shard."""
+    from ..megatron.model import build_model
+    from ..megatron.parallel import device as accelerator, init_model_parallel
+    from ..models import build_causal_lm, build_value_model, disable_dropout
+    from .factory import Models
+
+    check_megatron_config(cfg)
+    p, s = cfg.ppo, cfg.system
+    if on_stage:
+        raise ConfigError("oppo.placement", "backend megatron keeps every model on the model "
+                          "ranks (no scorer rank)")
+    groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed)
+    dtype, where = _DTYPES[s.dtype], accelerator()
+    hf_args = dict(common, dtype="fp32")  # converted in fp32, cast after sharding
+
+    def convert(hf_model, kind: str):
+        try:
+            return build_model(disable_dropout(hf_model), groups, kind, dtype=dtype, device=where)
+        except ValueError as err:  # an architecture or a size the conversion cannot take
+            raise ConfigError("system.backend", f"megatron: {err}") from None
+
+    train = dict(total_steps=engine_args["total_steps"], weight_decay=engine_args["weight_decay"],
+                 warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
+                 gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
+                 grad_clip=engine_args["grad_clip"])
+    actor = MegatronTrainEngine(convert(build_causal_lm(sources.actor, **hf_args), "lm"), groups,
+                                lr=p.actor_lr, **train)
+    critic = MegatronTrainEngine(convert(build_value_model(sources.critic, **hf_args), "value"),
+                                 groups, lr=p.critic_lr, **train)
+    reference = _frozen(convert(build_causal_lm(sources.reference, **hf_args), "lm"))
+    reward = _frozen(convert(build_value_model(sources.reward, require_head=True, **hf_args),
+                             "value"))
+    if dist.get_rank() == 0:
+        logger.info("Megatron-core backend: tensor_parallel=%d pipeline_parallel=%d "
+                    "data_parallel=%d, %s on %s", groups.tp, groups.pp, groups.dp, s.dtype, where)
+    return Models(actor=actor, critic=critic, reference=reference, reward=reward)
+
+
+def _frozen(model):
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,241 @@
+"""Hugging Face <-> Megatron-core weights for Llama and Qwen2 (grouped-query attention).
+
+Both families are the same decoder to Megatron's ``GPTModel`` with the local layer spec:
+RMSNorm, rotary embeddings (non-interleaved, HF's ``rotate_half``), SwiGLU MLP, no linear
+biases except Qwen2's query/key/value bias. What differs is the layout of three fused or
+split matrices:
+
+* **query/key/value.** HF keeps ``q_proj`` (n_heads*D, H), ``k_proj`` and ``v_proj``
+  (n_groups*D, H). Megatron fuses them into one ``linear_qkv`` ordered by query group: for
+  group g the rows are its n_heads/n_groups query heads, then its key head, then its value
+  head. A tensor-parallel rank holds n_groups/tp consecutive groups (a contiguous row block
+  of the fused matrix), so the fused matrix of a rank is built from the groups it owns.
+  Qwen2's biases follow the same order.
+* **MLP.** HF's ``gate_proj`` and ``up_proj`` (F, H) are one ``linear_fc1`` in Megatron; on a
+  tensor-parallel rank it is ``[gate shard; up shard]`` (Megatron chunks the rank's own fc1
+  output in two), so each is split first and then stacked per rank.
+* **row-parallel matrices** (``o_proj`` -> ``linear_proj``, ``down_proj`` -> ``linear_fc2``)
+  are split along their input dimension; column-parallel ones (embedding, ``lm_head`` ->
+  ``output_layer``) along their output dimension, the vocabulary padded to a multiple of tp.
+
+Tied embeddings (small Qwen2 models) become two copies in Megatron (``output_layer`` starts
+equal to the embedding and trains on its own): a tied output layer would need an embedding
+group across pipeline stages. Value models (critic, reward) are an HF base model plus
+``value_head.weight`` (1, H): Megatron's ``GPTModel`` without ``output_layer`` and the same
+head (``models.ValueHeadModel``).
+
+Pipeline stages hold consecutive layers: stage p has layers ``[p*L/pp, (p+1)*L/pp)``,
+numbered from 0 inside its ``GPTModel``.
+
+Functions take a ``get(name) -> tensor`` for the HF side, so that a reader of a checkpoint's
+tensors one at a time can replace the in-memory state dict used today.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ARCHS = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the conversion needs from an HF config."""
+    arch: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    groups: int        # key/value heads
+    head_dim: int
+    ffn: int
+    qkv_bias: bool
+    eps: float
+    rope_theta: float
+    tied: bool
+    max_positions: int
+
+    def padded_vocab(self, tp: int) -> int:
+        return -(-self.vocab_size // tp) * tp
+
+    def layer_range(self, pp: int, pp_rank: int) -> range:
+        per = self.layers // pp
+        return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def shape_of(config) -> Shape:
+    """The ``Shape`` of an HF Llama / Qwen2 config; ``ValueError`` for what Megatron's GPT
+    with the local spec would compute differently."""
+    arch = config.model_type
+    if arch not in ARCHS:
+        raise ValueError(f"Megatron conversion supports {', '.join(ARCHS)} models, got "
+                         f"model_type {arch!r}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not converted yet; only "
+                         f"'default' rotary embeddings")
+    if arch == "llama" and (getattr(config, "attention_bias", False)
+                            or getattr(config, "mlp_bias", False)):
+        raise ValueError("Llama with attention_bias or mlp_bias is not converted yet")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r}: Megatron's SwiGLU uses silu")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return Shape(arch=arch, vocab_size=config.vocab_size, hidden=config.hidden_size,
+                 layers=config.num_hidden_layers, heads=heads,
+                 groups=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                 ffn=config.intermediate_size, qkv_bias=arch == "qwen2", eps=config.rms_norm_eps,
+                 rope_theta=float(theta), tied=bool(getattr(config, "tie_word_embeddings", False)),
+                 max_positions=config.max_position_embeddings)
+
+
+def check_parallel(shape: Shape, tp: int, pp: int) -> None:
+    """``ValueError`` unless heads, groups, MLP width and layers divide evenly."""
+    for what, n, by in (("num_attention_heads", shape.heads, tp),
+                        ("num_key_value_heads", shape.groups, tp),
+                        ("intermediate_size", shape.ffn, tp),
+                        ("num_hidden_layers", shape.layers, pp)):
+        if n % by:
+            raise ValueError(f"{what}={n} is not divisible by "
+                             f"{'tensor' if by == tp else 'pipeline'}_parallel={by}")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def _rows(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    return t.chunk(parts, dim=0)[index]
+
+
+def _cols(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    return t.chunk(parts, dim=1)[index]
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _fuse_qkv(q, k, v, shape: Shape, tp: int, tp_rank: int) -> torch.Tensor:
+    """HF q (n_heads*D, ...), k, v (n_groups*D, ...) -> this rank's rows of linear_qkv."""
+    per_group = shape.heads // shape.groups
+    d = shape.head_dim
+    q = q.reshape(shape.groups, per_group * d, *q.shape[1:])
+    k = k.reshape(shape.groups, d, *k.shape[1:])
+    v = v.reshape(shape.groups, d, *v.shape[1:])
+    fused = torch.cat([q, k, v], dim=1)          # (groups, (per_group + 2) * D, ...)
+    mine = fused.chunk(tp, dim=0)[tp_rank]       # this rank's consecutive groups
+    return mine.reshape(-1, *q.shape[2:])
+
+
+def _split_qkv(fused: list[torch.Tensor], shape: Shape):
+    """Every tp rank's linear_qkv rows (in rank order) -> HF q, k, v."""
+    per_group = shape.heads // shape.groups
+    d = shape.head_dim
+    whole = torch.cat(fused, dim=0)
+    whole = whole.reshape(shape.groups, (per_group + 2) * d, *whole.shape[1:])
+    q, k, v = whole.split([per_group * d, d, d], dim=1)
+    return (q.reshape(-1, *whole.shape[2:]), k.reshape(-1, *whole.shape[2:]),
+            v.reshape(-1, *whole.shape[2:]))
+
+
+def hf_prefix(names) -> str:
+    """'model.' for a causal LM's keys, '' for a base model's (a value model's body)."""
+    return "model." if any(n.startswith("model.layers.") for n in names) else ""
+
+
+# ------------------------------------------------------------------------------ HF -> Megatron
+
+def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: Shape, *, tp: int = 1,
+                   tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, prefix: str = "model.",
+                   lm_head: bool = True, value_head: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict of one (tp_rank, pp_rank) Megatron ``GPTModel`` from HF tensors.
+
+    Args:
+        get: HF tensor by name (e.g. ``state_dict().__getitem__`` or a safetensors reader).
+        prefix: of the decoder's HF names: ``"model."`` (causal LM) or ``""`` (base model).
+        lm_head: the last stage gets ``output_layer`` (causal LM; ``lm_head.weight``, or the
+            embedding when tied).
+        value_head: the last stage gets ``value_head.weight`` (critic, reward).
+    """
+    check_parallel(shape, tp, pp)
+    out: dict[str, torch.Tensor] = {}
+    vocab = shape.padded_vocab(tp)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        embed = _pad_rows(get(f"{prefix}embed_tokens.weight"), vocab)
+        out["embedding.word_embeddings.weight"] = _rows(embed, tp, tp_rank)
+    for local, layer in enumerate(shape.layer_range(pp, pp_rank)):
+        src, dst = f"{prefix}layers.{layer}.", f"decoder.layers.{local}."
+        att = src + "self_attn."
+        out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
+        out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            get(att + "q_proj.weight"), get(att + "k_proj.weight"), get(att + "v_proj.weight"),
+            shape, tp, tp_rank)
+        if shape.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                get(att + "q_proj.bias"), get(att + "k_proj.bias"), get(att + "v_proj.bias"),
+                shape, tp, tp_rank)
+        out[dst + "self_attention.linear_proj.weight"] = _cols(get(att + "o_proj.weight"), tp,
+                                                               tp_rank)
+        out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
+        gate, up = get(src + "mlp.gate_proj.weight"), get(src + "mlp.up_proj.weight")
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([_rows(gate, tp, tp_rank),
+                                                        _rows(up, tp, tp_rank)])
+        out[dst + "mlp.linear_fc2.weight"] = _cols(get(src + "mlp.down_proj.weight"), tp, tp_rank)
+    if last:
+        out["decoder.final_layernorm.weight"] = get(f"{prefix}norm.weight")
+        if lm_head:
+            head = get(f"{prefix}embed_tokens.weight") if shape.tied else get("lm_head.weight")
+            out["output_layer.weight"] = _rows(_pad_rows(head, vocab), tp, tp_rank)
+        if value_head:
+            out["value_head.weight"] = get("value_head.weight")
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------ Megatron -> HF
+
+def megatron_to_hf(shards: list[list[dict]], shape: Shape, *, prefix: str = "model.",
+                   lm_head: bool = True, value_head: bool = False) -> dict[str, torch.Tensor]:
+    """HF tensors from every rank's Megatron state dict: ``shards[pp_rank][tp_rank]``."""
+    pp, tp = len(shards), len(shards[0])
+    check_parallel(shape, tp, pp)
+    out: dict[str, torch.Tensor] = {}
+
+    def cat(stage: int, name: str, dim: int) -> torch.Tensor:
+        return torch.cat([shards[stage][r][name] for r in range(tp)], dim=dim)
+
+    out[f"{prefix}embed_tokens.weight"] = \
+        cat(0, "embedding.word_embeddings.weight", 0)[:shape.vocab_size]
+    for stage in range(pp):
+        for local, layer in enumerate(shape.layer_range(pp, stage)):
+            src, dst = f"decoder.layers.{local}.", f"{prefix}layers.{layer}."
+            att = dst + "self_attn."
+            first = shards[stage][0]
+            out[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"]
+            q, k, v = _split_qkv([shards[stage][r][src + "self_attention.linear_qkv.weight"]
+                                  for r in range(tp)], shape)
+            out.update({att + "q_proj.weight": q, att + "k_proj.weight": k,
+                        att + "v_proj.weight": v})
+            if shape.qkv_bias:
+                q, k, v = _split_qkv([shards[stage][r][src + "self_attention.linear_qkv.bias"]
+                                      for r in range(tp)], shape)
+                out.update({att + "q_proj.bias": q, att + "k_proj.bias": k,
+                            att + "v_proj.bias": v})
+            out[att + "o_proj.weight"] = cat(stage, src + "self_attention.linear_proj.weight", 1)
+            out[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+            halves = [shards[stage][r][src + "mlp.linear_fc1.weight"].chunk(2) for r in range(tp)]
+            out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+            out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+            out[dst + "mlp.down_proj.weight"] = cat(stage, src + "mlp.linear_fc2.weight", 1)
+    last = shards[-1][0]
+    out[f"{prefix}norm.weight"] = last["decoder.final_layernorm.weight"]
+    if lm_head and not shape.tied:
+        out["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)[:shape.vocab_size]
+    if value_head:
+        out["value_head.weight"] = last["value_head.weight"]
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}

@@ -1,0 +1,279 @@
+"""A Megatron-core ``GPTModel`` seen as a Hugging Face model.
+
+The rollout (``rollout/generate.py``), the streaming scorers (``rollout/scorer.py``) and the
+loss functions call a model as ``model(input_ids=, attention_mask=, position_ids=,
+past_key_values=, use_cache=)`` and read ``.logits`` / ``.values`` / ``.past_key_values`` (an
+HF ``DynamicCache``). ``MegatronModel`` gives a GPTModel exactly that interface, with one
+forward for training, scoring and decoding, written over the GPTModel's own submodules and
+parameters: the embedding (``VocabParallelEmbedding``), per layer the input RMSNorm,
+``linear_qkv`` (column parallel), rotary embedding from the model's ``inv_freq``, attention,
+``linear_proj`` (row parallel), the pre-MLP RMSNorm and Megatron's ``MLP``; then the final
+norm and ``output_layer`` or a scalar value head. Under tensor parallelism the parallel
+linears communicate themselves; the vocabulary shards of the logits are gathered.
+
+Why not ``GPTModel.forward``: it has no KV cache that the decode loop and the scorers can
+hold, select rows of and carry between steps, and its rotary embedding uses a position's index
+in the batch, not the ``position_ids`` a left-padded prompt needs. Attention here takes the
+2-D padding mask of the HF call (plus causality) and keys/values of a ``DynamicCache`` whose
+layers hold this rank's key/value heads, ``(N, groups/tp, S, D)``; a position masked in its own
+row still attends to itself, so no softmax row is empty. ``tests/test_megatron.py`` checks this
+forward against ``GPTModel.forward`` and against the HF model the weights came from.
+
+Pipeline parallelism: a stage holds some layers; the first embeds, every stage runs its layers
+and sends the hidden states on (``parallel.send_to_next_stage``), the last computes logits or
+values and every stage receives them (``parallel.from_last_stage``). So all ranks of a model
+replica get the same output from every call and run the same decode loop, sampling the same
+tokens from the same generator; each stage's cache holds its own layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import ValueOutput
+from . import parallel
+from .convert import Shape, hf_to_megatron
+from .parallel import ParallelGroups
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor            # (B, T, V)
+    past_key_values: object = None  # DynamicCache when use_cache=True
+
+
+def transformer_config(shape: Shape, groups: ParallelGroups, dtype: torch.dtype):
+    """megatron-core's TransformerConfig for an HF Llama / Qwen2 shape."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.groups, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
+        normalization="RMSNorm", layernorm_epsilon=shape.eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        tensor_model_parallel_size=groups.tp, pipeline_model_parallel_size=groups.pp,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        pipeline_dtype=dtype, use_cpu_initialization=True, perform_initialization=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False)
+
+
+def build_gpt(shape: Shape, groups: ParallelGroups, dtype: torch.dtype, *, lm_head: bool):
+    """This rank's GPTModel stage (local layer spec; weights uninitialised)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    gpt = GPTModel(transformer_config(shape, groups, dtype),
+                   get_gpt_layer_local_spec(normalization="RMSNorm"),
+                   vocab_size=shape.padded_vocab(groups.tp), max_sequence_length=shape.max_positions,
+                   pre_process=groups.first_stage, post_process=groups.last_stage,
+                   parallel_output=True, share_embeddings_and_output_weights=False,
+                   position_embedding_type="rope", rotary_base=shape.rope_theta,
+                   pg_collection=groups.pg_collection)
+    if groups.last_stage and not lm_head:
+        gpt.output_layer = None  # a value model: final norm, then the value head
+    return gpt
+
+
+class MegatronModel(nn.Module):
+    """One rank's part of a causal LM (``kind="lm"``) or value model (``kind="value"``).
+
+    Attributes:
+        gpt: the megatron-core ``GPTModel`` of this pipeline stage.
+        value_head: ``nn.Linear(H, 1)`` on the last stage of a value model, else None.
+        config: the HF config the weights came from.
+    """
+
+    def __init__(self, gpt, shape: Shape, groups: ParallelGroups, kind: str, hf_config=None):
+        super().__init__()
+        if kind not in ("lm", "value"):
+            raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
+        self.gpt, self.shape, self.groups, self.kind = gpt, shape, groups, kind
+        self.config = hf_config
+        self.value_head = nn.Linear(shape.hidden, 1, bias=False) \
+            if kind == "value" and groups.last_stage else None
+        attention = gpt.decoder.layers[0].self_attention
+        self.local_heads = attention.num_attention_heads_per_partition
+        self.local_groups = attention.num_query_groups_per_partition
+        self.head_dim = attention.hidden_size_per_attention_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.gpt.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.gpt.parameters()).device
+
+    # -- weights --------------------------------------------------------------------------
+
+    def load_hf_state(self, get, prefix: str) -> None:
+        """Load this rank's shard of HF tensors (``get(name)``; ``prefix`` of the decoder's
+        names, see ``convert.hf_to_megatron``)."""
+        g = self.groups
+        state = hf_to_megatron(get, self.shape, tp=g.tp, tp_rank=g.tp_rank, pp=g.pp,
+                               pp_rank=g.pp_rank, prefix=prefix, lm_head=self.kind == "lm",
+                               value_head=self.value_head is not None)
+        head = state.pop("value_head.weight", None)
+        # megatron's _extra_state entries (fp8 metadata) are not weights
+        missing, unexpected = self.gpt.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"converted weights do not fit the GPTModel: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+        if head is not None:
+            with torch.no_grad():
+                self.value_head.weight.copy_(head)
+
+    def megatron_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights under ``convert``'s names (for ``megatron_to_hf``)."""
+        state = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        if self.value_head is not None:
+            state["value_head.weight"] = self.value_head.weight
+        return {k: v.detach().cpu() for k, v in state.items()}
+
+    def to_hf(self):
+        """The HF model of these weights (tensor and pipeline size 1 only: the whole model
+        must be on this rank), in fp32 on the CPU."""
+        from transformers import AutoModelForCausalLM
+
+        from ..models import ValueHeadModel
+        from .convert import megatron_to_hf
+
+        if self.groups.tp * self.groups.pp > 1:
+            raise NotImplementedError("to_hf needs the whole model on one rank; gather the "
+                                      "shards with convert.megatron_to_hf")
+        state = megatron_to_hf([[self.megatron_state()]], self.shape,
+                               prefix="model." if self.kind == "lm" else "",
+                               lm_head=self.kind == "lm", value_head=self.kind == "value")
+        if self.kind == "lm":
+            model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        else:
+            model = ValueHeadModel.from_config(self.config, dtype=torch.float32)
+            state = {("value_head.weight" if k == "value_head.weight" else "body." + k): v
+                     for k, v in state.items()}
+        model.load_state_dict({k: v.float() for k, v in state.items()},
+                              strict=not self.shape.tied)
+        return model
+
+    def save_pretrained(self, path: str, **kwargs) -> None:
+        """HF format (what the trainer's export writes), through :meth:`to_hf`."""
+        self.to_hf().save_pretrained(path, **kwargs)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None,
+                use_cache: bool = False, logits_to_keep: int = 0):
+        """HF-style forward. input_ids (N, S); attention_mask (N, past + S) over the cached
+        and the new positions; position_ids (N, S). Returns ``LMOutput`` (logits (N, S, V),
+        or the last ``logits_to_keep`` positions) or ``models.ValueOutput`` (values (N, S))."""
+        n, s = input_ids.shape
+        cache = past_key_values
+        if use_cache and cache is None:
+            from transformers import DynamicCache
+            cache = DynamicCache()
+        if attention_mask is not None:
+            past = attention_mask.shape[1] - s
+        else:
+            past = cache.get_seq_length() if cache is not None and len(cache.layers) else 0
+            attention_mask = torch.ones(n, past + s, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=input_ids.device)[None].expand(n, s)
+        g = self.groups
+        if g.first_stage:
+            hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # (S, N, H)
+        else:
+            hidden = parallel.recv_from_prev_stage((s, n, self.shape.hidden), self.dtype,
+                                                   input_ids.device, g)
+        mask = _attention_mask(attention_mask, s)
+        cos, sin = self._rotary(position_ids, hidden.dtype)
+        for index, layer in enumerate(self.gpt.decoder.layers):
+            hidden = self._layer(layer, hidden, cos, sin, mask, cache if use_cache else None, index)
+        keep = s if not logits_to_keep else min(logits_to_keep, s)
+        if g.last_stage:
+            hidden = self.gpt.decoder.final_layernorm(hidden[-keep:] if self.kind == "lm" else hidden)
+            out = self._head(hidden)
+        else:
+            out = parallel.send_to_next_stage(hidden, g)
+        shape = (n, keep, self.shape.vocab_size) if self.kind == "lm" else (n, s)
+        out = parallel.from_last_stage(out, shape, self.dtype, g)
+        cache = cache if use_cache else None
+        if self.kind == "lm":
+            return LMOutput(logits=out, past_key_values=cache)
+        return ValueOutput(values=out, past_key_values=cache)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, N, H) final hidden states -> (N, S, V) logits or (N, S) values."""
+        if self.kind == "value":
+            return self.value_head(hidden).squeeze(-1).transpose(0, 1)
+        logits, _ = self.gpt.output_layer(hidden)                   # (S, N, V/tp)
+        logits = parallel.gather_tensor_parallel(logits, self.groups)
+        return logits[..., :self.shape.vocab_size].transpose(0, 1)  # drop the vocab padding
+
+    def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """cos, sin (N, 1, S, D) at the given positions; computed in fp32 as HF does."""
+        inv_freq = self.gpt.rotary_pos_emb.inv_freq.to(position_ids.device, torch.float32)
+        freqs = position_ids[..., None].float() * inv_freq             # (N, S, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _layer(self, layer, hidden, cos, sin, mask, cache, index: int) -> torch.Tensor:
+        """One TransformerLayer on (S, N, H) hidden states, with its keys/values cached."""
+        attention = layer.self_attention
+        x = layer.input_layernorm(hidden)
+        qkv, _ = attention.linear_qkv(x)                  # (S, N, groups*(per_group+2)*D)
+        s, n = qkv.shape[:2]
+        per_group, d = self.local_heads // self.local_groups, self.head_dim
+        qkv = qkv.view(s, n, self.local_groups, (per_group + 2) * d)
+        q, k, v = qkv.split([per_group * d, d, d], dim=-1)
+        q = q.reshape(s, n, self.local_heads, d).permute(1, 2, 0, 3)  # (N, heads, S, D)
+        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)         # (N, groups, S, D)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k.contiguous(), v.contiguous(), index)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 enable_gqa=self.local_heads != self.local_groups)
+        context = context.permute(2, 0, 1, 3).reshape(s, n, self.local_heads * d)
+        out, bias = attention.linear_proj(context)
+        hidden = hidden + (out if bias is None else out + bias)
+        out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        return hidden + (out if bias is None else out + bias)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attention_mask(padding: torch.Tensor, s: int) -> torch.Tensor:
+    """(N, 1, S, past + S) boolean, True where a query may attend: a real key at or before the
+    query's own position, and the query itself (so a padded query's row is never empty)."""
+    total = padding.shape[1]
+    query = torch.arange(total - s, total, device=padding.device)[:, None]
+    key = torch.arange(total, device=padding.device)[None, :]
+    allowed = (key <= query) & padding.bool()[:, None, :]
+    return (allowed | (key == query))[:, None]
+
+
+def build_model(hf_model, groups: ParallelGroups, kind: str, *, dtype: torch.dtype,
+                device: torch.device) -> MegatronModel:
+    """This rank's ``MegatronModel`` with the weights of ``hf_model`` (an HF Llama / Qwen2
+    causal LM for ``kind="lm"``, a ``models.ValueHeadModel`` for ``kind="value"``)."""
+    from .convert import hf_prefix, shape_of
+
+    shape = shape_of(hf_model.config)
+    model = MegatronModel(build_gpt(shape, groups, dtype, lm_head=kind == "lm"), shape, groups,
+                          kind, hf_config=hf_model.config)
+    state = hf_model.state_dict()
+    if kind == "value":
+        state = {k[len("body."):] if k.startswith("body.") else k: v for k, v in state.items()}
+
+    model.load_hf_state(state.__getitem__, hf_prefix(state))
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,309 @@
+"""The Megatron-core backend on CPU over gloo (docs/megatron.md).
+
+Tier 0: HF -> Megatron -> HF weights are exact for Llama and Qwen2 (grouped-query attention,
+Qwen2's qkv bias) at every tensor / pipeline split.
+Tier 1 (real processes on a free port): the Megatron model gives the HF model's logits and
+values and gradients (fp32, atol 1e-5 / relative 1e-5) at tp=1, tp=2 and pp=2, with a KV
+cache too, and equals megatron-core's own ``GPTModel.forward``; the reward model on its own
+rank, fed chunks by point-to-point (the ``stage`` scorer), scores exactly as whole-sequence
+scoring does.
+Tier 2: real ``oppo_ds.train`` runs under the deepspeed launcher with 2 ranks, tp=2 and
+pp=2, against a 1-rank run of the same seeds: the same responses and metrics.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+from _builders import spawn_and_collect
+
+import megatron.core  # noqa: E402,F401  the test extra installs it: missing is a failure, not a skip
+
+from oppo_ds.megatron.convert import hf_to_megatron, megatron_to_hf, shape_of  # noqa: E402
+from oppo_ds.models import build_causal_lm, build_value_model, tiny_config  # noqa: E402
+
+VOCAB = 101  # not a multiple of tp: the vocabulary padding is exercised
+ARCHS = ["tiny-llama", "tiny-qwen2"]
+ATOL = 1e-5
+JOIN_S = 120
+
+
+# ------------------------------------------------------------------------------ tier 0
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_round_trip_is_exact(arch, tp, pp):
+    for kind in ("lm", "value"):
+        if kind == "lm":
+            state = build_causal_lm(arch, vocab_size=VOCAB, seed=0).state_dict()
+            prefix = "model."
+        else:
+            model = build_value_model(arch, vocab_size=VOCAB, seed=0)
+            torch.nn.init.normal_(model.value_head.weight)
+            state = {k.removeprefix("body."): v for k, v in model.state_dict().items()}
+            prefix = ""
+        shape = shape_of(tiny_config(arch, VOCAB))
+        heads = dict(lm_head=kind == "lm", value_head=kind == "value")
+        shards = [[hf_to_megatron(state.__getitem__, shape, tp=tp, tp_rank=t, pp=pp, pp_rank=p,
+                                  prefix=prefix, **heads) for t in range(tp)] for p in range(pp)]
+        back = megatron_to_hf(shards, shape, prefix=prefix, **heads)
+        assert set(back) == set(state)
+        assert all(torch.equal(back[k], state[k]) for k in state), kind
+        # each rank holds its share, not a copy
+        qkv = shards[0][0]["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert qkv.shape[0] == (shape.heads + 2 * shape.groups) * shape.head_dim // tp
+
+
+def test_qwen2_fused_qkv_layout_by_query_group():
+    """Rows of linear_qkv: per query group, its query heads, its key head, its value head."""
+    shape = shape_of(tiny_config("tiny-qwen2", VOCAB))
+    state = build_causal_lm("tiny-qwen2", vocab_size=VOCAB, seed=0).state_dict()
+    fused = hf_to_megatron(state.__getitem__, shape)["decoder.layers.0.self_attention.linear_qkv.bias"]
+    d, per_group = shape.head_dim, shape.heads // shape.groups
+    att = "model.layers.0.self_attn."
+    group1 = fused[(per_group + 2) * d:]
+    assert torch.equal(group1[:per_group * d], state[att + "q_proj.bias"][per_group * d:])
+    assert torch.equal(group1[per_group * d:(per_group + 1) * d], state[att + "k_proj.bias"][d:])
+    assert torch.equal(group1[(per_group + 1) * d:], state[att + "v_proj.bias"][d:])
+
+
+def test_unsupported_architecture_is_refused():
+    with pytest.raises(ValueError, match="llama, qwen2"):
+        shape_of(tiny_config("tiny-gpt2", VOCAB))
+
+
+# ------------------------------------------------------------------------------ tier 1
+
+def _spawn(target, world: int, *args) -> list:
+    """Run ``target(rank, world, out, *args)`` in ``world`` fresh processes joined in a gloo
+    group; returns what they put on ``out``; a failure in any process fails the test with
+    its traceback."""
+    return spawn_and_collect(_guarded, lambda rank, port, out: (target, rank, world, port, out, *args),
+                             world, JOIN_S)
+
+
+def _guarded(target, rank, world, port, out, *args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=90))
+        target(rank, world, out, *args)
+        dist.destroy_process_group()
+    except BaseException:
+        out.put(("crash", rank, traceback.format_exc()))
+        raise
+
+
+def _forward_backward(hf, meg, field, ids, mask, pos):
+    """Both models' output ``field`` on the same left-padded batch, each followed by the
+    backward of the same loss; returns the Megatron output and the largest difference over
+    real tokens."""
+    real = mask.bool()
+    want = getattr(hf(input_ids=ids, attention_mask=mask, position_ids=pos), field)
+    got = getattr(meg(input_ids=ids, attention_mask=mask, position_ids=pos), field)
+    want[real].pow(2).mean().backward()
+    got[real].pow(2).mean().backward()
+    return got, float((got - want)[real].abs().max())
+
+
+def _inputs():
+    from _builders import left_padded_prompts
+
+    from oppo_ds.rollout.generate import position_ids_from_mask
+    ids, mask = left_padded_prompts([9, 6, 3, 8], VOCAB, 0, seed=3)
+    return ids, mask, position_ids_from_mask(mask)
+
+
+def _grad_error(hf_grads: dict, model, prefix: str) -> float:
+    """Largest |Megatron grad - HF grad sharded like it| / max |HF grad| over the tensors."""
+    g = model.groups
+    want = hf_to_megatron(hf_grads.__getitem__, model.shape, tp=g.tp, tp_rank=g.tp_rank,
+                          pp=g.pp, pp_rank=g.pp_rank, prefix=prefix, lm_head=model.kind == "lm",
+                          value_head=model.value_head is not None)
+    got = {k.removeprefix("gpt."): p.grad for k, p in model.named_parameters()}
+    assert set(got) == set(want)
+    return max(float((got[k] - w).abs().max() / w.abs().max().clamp(min=1e-12))
+               for k, w in want.items())
+
+
+def _equality_worker(rank, world, out, tp, pp):
+    from _builders import sharpen
+
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import gather_tensor_parallel, init_model_parallel
+
+    groups = init_model_parallel(tp, pp)
+    cpu = torch.device("cpu")
+    ids, mask, pos = _inputs()
+    real = mask.bool()
+    report = {}
+    for arch in ARCHS:
+        hf = build_causal_lm(arch, vocab_size=VOCAB, seed=0)
+        lm = build_model(hf, groups, "lm", dtype=torch.float32, device=cpu)
+        got, report[arch, "logits"] = _forward_backward(hf, lm, "logits", ids, mask, pos)
+        report[arch, "lm_grads"] = _grad_error(
+            {k: p.grad for k, p in hf.named_parameters()}, lm, "model.")
+        # the KV cache: the prompt in two pieces, then token by token, equals one forward
+        with torch.no_grad():
+            step = lm(input_ids=ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4],
+                      use_cache=True)
+            parts, cache = [step.logits], step.past_key_values
+            for t in range(4, ids.shape[1]):
+                step = lm(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
+                          position_ids=pos[:, t:t + 1], past_key_values=cache, use_cache=True)
+                parts.append(step.logits)
+            report[arch, "cache"] = float((torch.cat(parts, 1) - got)[real].abs().max())
+            report[arch, "cache_heads"] = tuple(cache.layers[0].keys.shape[:2])
+            if pp == 1:  # megatron-core's own forward (no padding: it takes index positions)
+                full = ids[:, :5].clone().clamp(min=3)
+                causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)[None, None]
+                own = lm.gpt(full, torch.arange(5)[None].expand(4, 5), causal.expand(4, 1, 5, 5))
+                own = gather_tensor_parallel(own, groups)[..., :VOCAB]
+                report[arch, "gpt_forward"] = float((lm(input_ids=full).logits - own).abs().max())
+        value = sharpen(build_value_model(arch, vocab_size=VOCAB, seed=2), seed=12)
+        value.train()
+        critic = build_model(value, groups, "value", dtype=torch.float32, device=cpu)
+        _, report[arch, "values"] = _forward_backward(value, critic, "values", ids, mask, pos)
+        report[arch, "value_grads"] = _grad_error(
+            {k.removeprefix("body."): p.grad for k, p in value.named_parameters()}, critic, "")
+    out.put(("report", rank, report))
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_megatron_model_equals_hf(tp, pp, torch_one_thread):
+    reports = [m for m in _spawn(_equality_worker, tp * pp, tp, pp) if m[0] == "report"]
+    assert len(reports) == tp * pp
+    for _, rank, report in reports:
+        for arch in ARCHS:
+            for what in ("logits", "values", "cache"):
+                assert report[arch, what] < ATOL, (rank, arch, what, report)
+            for what in ("lm_grads", "value_grads"):
+                assert report[arch, what] < 1e-5, (rank, arch, what, report)
+            # this rank caches its own key/value heads: 2 query groups split over tp
+            assert report[arch, "cache_heads"] == (4, 2 // tp)
+            if pp == 1:
+                assert report[arch, "gpt_forward"] < ATOL, (rank, arch, report)
+
+
+def _stage_worker(rank, world, out):
+    """Rank 0 decodes with a Megatron actor and streams chunks to rank 1, whose Megatron
+    reward and reference models score them from their KV caches (the stage scorer)."""
+    from _builders import left_padded_prompts, sharpen
+
+    from oppo_ds.experience import response_logprobs, sequence_scores
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import init_model_parallel
+    from oppo_ds.rollout.generate import SamplingParams
+    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage, stage_stream_generate
+    from oppo_ds.rollout.streaming import StreamingScorer
+
+    groups = init_model_parallel(1, 1)  # two data-parallel ranks, each a whole model
+    cpu = torch.device("cpu")
+    reward = build_model(sharpen(build_value_model("tiny-llama", vocab_size=VOCAB, seed=2), 12),
+                         groups, "value", dtype=torch.float32, device=cpu).eval()
+    reference = build_model(sharpen(build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=1), 11),
+                            groups, "lm", dtype=torch.float32, device=cpu).eval()
+    if rank == 1:
+        served = ScorerStage([StreamingScorer(reward, "reward"),
+                              StreamingScorer(reference, "reference")], actor_rank=0,
+                             timeout=timedelta(seconds=60)).serve()
+        out.put(("served", rank, served))
+        return
+    actor = build_model(sharpen(build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0), 10,
+                                scale=0.5), groups, "lm", dtype=torch.float32, device=cpu).eval()
+    params = SamplingParams(max_new_tokens=16, eos_token_ids=(2, 5, 7), pad_token_id=0)
+    ids, mask = left_padded_prompts([3, 7, 5, 6, 2, 4], VOCAB, 0, seed=1)
+    remote = RemoteScorers(scorer_rank=1, timeout=timedelta(seconds=60))
+    try:
+        for chunk in (1, 3):
+            with torch.no_grad():
+                gen, streamed, _ = stage_stream_generate(
+                    actor, remote, ids, mask, params, torch.Generator().manual_seed(7), chunk)
+                args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+                whole = sequence_scores(reward, *args)
+                ref = response_logprobs(reference, *args, 1.0)[0] * gen.response_mask
+            out.put(("stage", chunk, {
+                "reward": float((streamed["reward"] - whole).abs().max()),
+                "reference": float((streamed["reference"] - ref).abs().max()),
+                "spread": float(whole.std()), "lengths": sorted(set(gen.lengths.tolist()))}))
+    finally:
+        remote.close()
+
+
+def test_reward_stage_scores_equal_whole_sequence_scoring(torch_one_thread):
+    messages = _spawn(_stage_worker, 2)
+    stages = {chunk: m for kind, chunk, m in messages if kind == "stage"}
+    assert sorted(stages) == [1, 3]
+    for chunk, m in stages.items():
+        assert m["reward"] < 1e-5 and m["reference"] < 1e-5, (chunk, m)
+        assert m["spread"] > 0.05 and len(m["lengths"]) >= 2, m  # real, varied scores
+    assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
+# ------------------------------------------------------------------------------ tier 2
+
+SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
+         "generation.max_new_tokens=24", "ppo.batch_size=4", "ppo.mini_batch_size=4",
+         "ppo.micro_batch_size=2", "logging.progress=false", "logging.log_every=0",
+         "logging.tensorboard=false", "system.torch_threads=1", "system.backend=megatron",
+         "checkpoint.export_hf=false", "steps=2"]
+SAME = ("reward/mean", "gold/mean", "kl/mean", "value/mean", "loss/policy", "loss/value",
+        "policy/entropy", "response/len_mean")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+def _train(out_dir, cache_dir, ranks, *overrides):
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+
+    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
+    assert launcher, "the deepspeed launcher is installed with deepspeed"
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(find_free_port()),
+           "--module", "oppo_ds.train", *SMALL, f"workload.cache_dir={cache_dir}",
+           f"logging.output_dir={out_dir}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return rows, json.loads(open(os.path.join(out_dir, "summary.json")).read())
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("megatron-1")
+    return _train(str(out), cache_dir, 1) + (out,)
+
+
+@pytest.mark.parametrize("parallel", ["system.tensor_parallel=2", "system.pipeline_parallel=2"])
+def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cache_dir, tmp_path):
+    """tp=2 streams its reward and reference (KV caches merged and compacted under tensor
+    parallel); pp=2 scores whole sequences. Both must repeat the one-rank run: one model
+    replica (data parallel 1), the same prompts, tokens, scores and updates."""
+    want, _, one_dir = one_rank_run
+    stream = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference]"] \
+        if "tensor" in parallel else []
+    got, summary = _train(str(tmp_path / "run"), cache_dir, 2, parallel, *stream)
+    assert summary["world_size"] == 1 and summary["samples"] == 2 * 4  # one replica
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        assert a["response/lengths"] == b["response/lengths"]
+        for key in SAME:
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+        assert b["train/ratio_mean"] == pytest.approx(1.0, abs=1e-2)
+    # each (tensor, pipeline) rank saved its own shard of each trained model
+    shards = sorted(os.listdir(tmp_path / "run" / "checkpoints" / "actor" / "step2"))
+    assert shards == (["mp_rank_00_000.pt", "mp_rank_01_000.pt"] if "tensor" in parallel
+                      else ["mp_rank_00_000.pt", "mp_rank_00_001.pt"])
+    assert os.listdir(one_dir / "checkpoints" / "actor" / "step2") == ["mp_rank_00_000.pt"]
