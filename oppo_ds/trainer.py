@@ -30,8 +30,8 @@ from .lora import has_lora, merged_state_dict
 from .models import build_causal_lm, build_value_model, load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController
-from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, staleness_metrics,
-                           staleness_rows)
+from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
+                           staleness_metrics, staleness_rows)
 from .rollout.stage import Op, RemoteScorers, ScorerStage, StageRanks, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
@@ -413,29 +413,12 @@ class PPOTrainer:
         already have; the critic trains, so its scorer is new each step and prefills every
         row's prompt + partial response."""
         o = self.cfg.oppo
-        uids = torch.tensor([e.uid for e in running], dtype=torch.long)
-
-        def rows_of(idx: list[int]) -> tuple:
-            sub = torch.tensor(idx, dtype=torch.long, device=self.device)
-            prefix = inputs["prefix_ids"][sub]
-            return (uids[idx].tolist(), inputs["prompt_ids"][sub], inputs["prompt_mask"][sub],
-                    prefix if prefix.shape[1] else None,
-                    inputs["prefix_lengths"][sub] if prefix.shape[1] else None)
-
+        frozen = ["reward"] + [k for k in o.stream_to if k == "reference"]
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
-            scorers, setup = [], []
-            for kind in ["reward"] + [k for k in o.stream_to if k == "reference"]:
-                scorer = self._carried_scorer(kind)
-                held = set(scorer.rows.tolist())
-                new = [i for i, e in enumerate(running) if e.uid not in held]
-                scorers.append(scorer)
-                if new:
-                    setup.append((kind, "add", scorer.add, rows_of(new)))
-            if critic is not None:
-                scorer = StreamingScorer(critic, "critic")
-                scorers.append(scorer)
-                setup.append(("critic", "add", scorer.add, rows_of(list(range(len(running))))))
+            uids, scorers, setup = pool_stream_setup(
+                running, inputs, self._carried_scorer, frozen, device=self.device,
+                critic=StreamingScorer(critic, "critic") if critic is not None else None)
             return stream_continue(actor, scorers, setup, inputs, uids, self.sampling,
                                    self.sample_gen, chunk, placement=o.placement, stop=stop)
 

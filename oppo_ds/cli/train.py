@@ -3,6 +3,8 @@
     oppo-train                                   # built-in tiny long-tail workload
     oppo-train --config examples/configs/tiny.yaml ppo.kl_coef=0.1
     deepspeed --num_gpus 2 --module oppo_ds.train --config FILE   # data parallel
+    oppo-train --actor_model_name_or_path DIR --critic_model_name_or_path DIR ...
+                                          # a DeepSpeed-Chat step-3 command line
 """
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import warnings
 
 from ..config import ConfigError, load_config
 from ..data import DataError
+from ..integrations import dschat_flags as dschat
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="oppo-train",
+        prog="oppo-train", allow_abbrev=False,
         description="PPO-based RLHF with pipeline overlap (OPPO) on DeepSpeed. Without --config "
                     "it trains on the built-in long-tail workload (nothing is downloaded).",
         epilog="Every key is listed in docs/config.md; e.g. ppo.kl_coef=0.05 system.zero_stage=2")
@@ -30,7 +33,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted config overrides, e.g. ppo.kl_coef=0.05")
+    dschat.add_dschat_flags(parser)
     return parser
+
+
+def resolve_config(args, prepare_files: bool = True):
+    """The config from --config, DeepSpeed-Chat's flags (mapped onto keys) and the dotted
+    overrides, in that order (a later one wins). ``prepare_files``: convert DeepSpeed-Chat's
+    step-2 checkpoint and JSON data into forms oppo-ds reads (under output_dir). Returns
+    (config, warnings)."""
+    flags = dschat.given_flags(args)
+    if not flags:
+        return load_config(args.config, args.overrides), []
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mapped, notes = dschat.dschat_overrides(flags)
+    cfg = load_config(args.config, mapped + list(args.overrides))
+    extra = []
+    if prepare_files and "critic_model_name_or_path" in flags:
+        critic = dschat.critic_source(flags["critic_model_name_or_path"], cfg.logging.output_dir)
+        extra += [f"model.critic={critic}", f"model.reward={critic}"]
+    if prepare_files and "data_path" in flags:
+        prompts = dschat.data_source(flags["data_path"], cfg.logging.output_dir)
+        extra.append(f"data.prompts={prompts}")
+    explicit = {text.split("=", 1)[0].strip() for text in args.overrides}
+    if "steps" not in explicit:
+        def num_prompts() -> int:
+            from ..data import read_prompt_rows
+
+            source = next((e.split("=", 1)[1] for e in extra if e.startswith("data.prompts=")),
+                          cfg.data.prompts)
+            if source == "builtin":
+                return cfg.workload.num_prompts
+            return len(read_prompt_rows(source, cfg.data.prompt_key, cfg.data.split))
+        steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts)
+        if steps is not None:
+            extra.append(f"steps={steps}")
+    # the explicit overrides come last again, so that they win over what was derived here
+    return load_config(args.config, mapped + extra + list(args.overrides)), notes
 
 
 def _quiet_libraries(rank: int) -> None:
@@ -46,17 +85,19 @@ def _quiet_libraries(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
+        cfg, notes = resolve_config(args, prepare_files=not args.print_config)
+    except (ConfigError, DataError) as err:
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
+    for note in notes if rank == 0 else ():
+        print(f"oppo-train: warning: {note}", file=sys.stderr)
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    rank = int(os.environ.get("RANK", "0"))
     _quiet_libraries(rank)
     from ..trainer import PPOTrainer
 

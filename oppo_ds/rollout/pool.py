@@ -266,3 +266,36 @@ def staleness_metrics(rows: Sequence[Sequence[int]]) -> dict:
             "pool/deferrals": deferred,
             "pool/stale_token_frac": sum(r[2] for r in rows) / max(sum(r[1] for r in rows), 1),
             "pool/policy_lag_max": max(int(r[3]) for r in rows)}
+
+
+def pool_stream_setup(running: list, inputs: dict, carried, frozen_kinds: list[str],
+                      critic=None, device=None) -> tuple[torch.Tensor, list, list]:
+    """The scorers and their setup for a streamed continuation of the pool's running rows
+    (``stream_continue``). The frozen scorers (``carried(kind)``, one per kind in
+    ``frozen_kinds``) keep their caches from step to step, so only rows they do not hold yet
+    are added, with whatever response those rows already have; ``critic`` (a scorer made
+    this step: the critic trains) prefills every row's prompt + partial response.
+
+    Returns the rows' uids, the scorers, and the setup list of ``stream_continue``.
+    """
+    uids = torch.tensor([e.uid for e in running], dtype=torch.long)
+
+    def rows_of(idx: list[int]) -> tuple:
+        sub = torch.tensor(idx, dtype=torch.long, device=device)
+        prefix = inputs["prefix_ids"][sub]
+        has = prefix.shape[1] > 0
+        return (uids[idx].tolist(), inputs["prompt_ids"][sub], inputs["prompt_mask"][sub],
+                prefix if has else None, inputs["prefix_lengths"][sub] if has else None)
+
+    scorers, setup = [], []
+    for kind in frozen_kinds:
+        scorer = carried(kind)
+        held = set(scorer.rows.tolist())
+        new = [i for i, e in enumerate(running) if e.uid not in held]
+        scorers.append(scorer)
+        if new:
+            setup.append((kind, "add", scorer.add, rows_of(new)))
+    if critic is not None:
+        scorers.append(critic)
+        setup.append(("critic", "add", critic.add, rows_of(list(range(len(running))))))
+    return uids, scorers, setup

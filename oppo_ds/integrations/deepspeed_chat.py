@@ -1,0 +1,477 @@
+"""OPPO inside DeepSpeed-Chat step 3 (DeepSpeedExamples ``applications/DeepSpeed-Chat``).
+
+DeepSpeed-Chat's ``DeepSpeedPPOTrainer.generate_experience(prompts, mask, step)`` generates a
+whole batch with HF ``generate``, then runs the actor, reference, critic and reward model
+over the finished sequences. ``OppoExperience.generate_experience`` takes its place with the
+same arguments and returns the same dict, but builds it the OPPO way on DeepSpeed-Chat's own
+engines (``rlhf_engine.actor / ref / critic / reward``):
+
+  * the actor decodes in chunks of ``chunk_size`` tokens (``rollout.generate``), and after
+    each chunk the reward model, the reference and the critic prefill the new tokens into
+    their own KV caches (``rollout.scorer.StreamingScorer``): when a sequence ends, only its
+    last chunk is left to score (intra-step overlap);
+  * with ``overcommit`` = Delta > 0 a call decodes the sequences carried from the last call
+    plus its new prompts, returns as soon as all but Delta have finished, and defers the
+    others, tokens kept, to the next call (``rollout.pool.RolloutPool``; inter-step overlap).
+
+The experience contract (read from ``dschat/rlhf/ppo_trainer.py`` at DeepSpeedExamples
+3d83278; B rows, P = prompt width, L = P + longest answer):
+  prompts        (B, P) long   left-padded with the tokenizer's pad id
+  input_ids      (B, L) long   prompt + answer, answers right-padded with pad
+  attention_mask (B, L) long   ``input_ids != pad`` (for OPT, pad = EOS = BOS: the prompt's
+                               BOS and the answer's EOS are masked, as DeepSpeed-Chat does)
+  logprobs       (B, L-1)      actor log-prob of token t+1 from the output at t
+  ref_logprobs   (B, L-1)      the same under the reference
+  value          (B, L-1)      critic value at each position t
+  rewards        (B,)          reward model's value at the last answer token before the
+                               first pad (``RewardModel.forward_value``'s chosen_end_scores)
+Dtypes are the models' (fp32 log-probs with ``--compute_fp32_loss``). What differs, by design:
+  * ``logprobs`` is DeepSpeed-Chat's own recomputation (one actor forward, train mode);
+  * ``ref_logprobs`` / ``value`` are streamed and filled where ``train_rlhf`` reads them, from
+    column P-1 to the row's end (``ends``); the columns before (prompt) and after (padding)
+    are 0, whether streamed or scored whole (``compute_rewards`` and the GAE never read a
+    prompt column, and ``train_rlhf`` zeroes values and rewards after ``ends``);
+  * a sampled pad token ends the answer (DeepSpeed-Chat's reward reads only up to the first
+    pad anyway); the critic streams in eval mode, so with dropout > 0 its values are the
+    dropout-free ones (DeepSpeed-Chat computes them after ``trainer.train()``);
+  * under overcommitment a call returns ``need = pool - Delta`` sequences: B in steady state,
+    B - Delta on the first call, and prompts of several calls mixed; the last Delta
+    prompts of a run stay unfinished.
+Positions: the scorers feed explicit position ids counted over real tokens, which is what
+OPT computes from the attention mask and, for rotary models (Llama, Qwen2), gives the same
+attention as DeepSpeed-Chat's column positions up to float rounding (rotary attention
+depends only on position differences). Models with absolute learned positions that ignore
+the mask (GPT-2) would score left-padded prompts differently from DeepSpeed-Chat.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from types import SimpleNamespace
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from ..rollout.controllers import ChunkSizeController, DeltaController
+from ..rollout.generate import SamplingParams
+from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
+from ..rollout.scorer import StreamingScorer
+from ..rollout.streaming import stream_continue
+from .dschat_flags import auto_int
+
+logger = logging.getLogger(__name__)
+
+STREAM_KINDS = ("reward", "reference", "critic")
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add OPPO's flags to DeepSpeed-Chat step 3's parser (returns the parser)."""
+    group = parser.add_argument_group("OPPO (oppo_ds)")
+    group.add_argument("--enable_oppo", action="store_true",
+                       help="Generate experience with OPPO: chunked decoding with streaming "
+                            "reward/reference/critic scoring and overcommitment.")
+    group.add_argument("--oppo_chunk_size", type=auto_int, default="auto",
+                       help="Tokens decoded between two hand-overs to the scorers, or auto "
+                            "(chosen online from a cost model and periodic trials).")
+    group.add_argument("--oppo_overcommit", type=auto_int, default=0,
+                       help="Delta: sequences kept decoding into the next generate_experience "
+                            "call instead of waiting for them; auto follows the reward trend "
+                            "(0 = every sequence of a call finishes in that call).")
+    group.add_argument("--oppo_placement", choices=("auto", "inline", "colocated"), default="auto",
+                       help="Where scorer prefill runs: inline (between chunks) or colocated "
+                            "(side CUDA stream); auto = colocated on GPU, inline on CPU.")
+    return parser
+
+
+def enable_oppo(trainer, args) -> Optional["OppoExperience"]:
+    """With ``--enable_oppo``, route ``trainer.generate_experience`` through OPPO (returns the
+    ``OppoExperience``, also kept as ``trainer.oppo``); without it, do nothing."""
+    if not getattr(args, "enable_oppo", False):
+        return None
+    oppo = OppoExperience.from_trainer(trainer, args)
+    trainer.generate_experience = oppo.generate_experience
+    trainer.oppo = oppo
+    return oppo
+
+
+# ---------------------------------------------------------------- model views
+
+def _unwrap(engine):
+    """The module inside a DeepSpeed engine (or the module itself)."""
+    return getattr(engine, "module", engine)
+
+
+def _zero_stage(engine) -> int:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else 0
+
+
+def _dtype(engine) -> torch.dtype:
+    return next(_unwrap(engine).parameters()).dtype
+
+
+class ValueView:
+    """DeepSpeed-Chat's ``RewardModel`` (``rwtransformer`` body + ``v_head``) seen as the
+    value-head model a ``StreamingScorer`` expects: a cached forward with explicit position
+    ids returning ``.values`` (N, L) and ``.past_key_values``. Its own ``forward_value``
+    neither returns the cache nor takes positions, so the view calls the two parts itself."""
+
+    def __init__(self, reward_model):
+        self.model = _unwrap(reward_model)
+        self.config = self.model.rwtransformer.config
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                 use_cache=False, **_):
+        out = self.model.rwtransformer(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids, past_key_values=past_key_values,
+                                       use_cache=use_cache)
+        values = self.model.v_head(out[0]).squeeze(-1)
+        return SimpleNamespace(values=values, past_key_values=out.past_key_values)
+
+
+class DSChatScorer:
+    """A ``StreamingScorer`` fed what DeepSpeed-Chat's whole-sequence forward attends to.
+
+    Its attention mask is ``input_ids != pad``: prompt tokens equal to pad (OPT's BOS) are
+    masked, and so is an answer's end token when it is the pad (OPT's EOS). The reward and
+    the critic therefore take a chunk only up to a pad (``skip_pad``); the reference takes
+    every token, because DeepSpeed-Chat scores the EOS token's log-prob from the output
+    before it. DeepSpeed-Chat's trainer also reads one column past the last non-pad answer
+    token: the critic's value AT that token, and the reference log-prob of the token after
+    it (the pad that follows, when the answer's end is not the pad itself). A streaming
+    scorer gives outputs before each token it consumed, so ``finish`` first feeds one more
+    pad token to the reference and the critic: causal attention keeps it invisible to every
+    output before it, and ``OppoExperience`` keeps only the columns the trainer reads."""
+
+    def __init__(self, scorer: StreamingScorer, pad_id: int):
+        self.inner, self.kind, self.pad_id = scorer, scorer.kind, pad_id
+        self.skip_pad = scorer.kind in ("reward", "critic")
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.inner.rows
+
+    def add(self, rows, prompt_ids, prompt_mask, prefix_ids=None, prefix_lengths=None) -> None:
+        mask = prompt_mask * (prompt_ids != self.pad_id).to(prompt_mask.dtype)
+        # the scorer reads a row's last prompt column: it stays real even if it is the pad
+        mask[:, -1] = prompt_mask[:, -1]
+        self.inner.add(rows, prompt_ids, mask, prefix_ids, prefix_lengths)
+
+    def consume(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        if self.skip_pad:
+            width = tokens.shape[1]
+            real = (torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]) \
+                & (tokens != self.pad_id)
+            lengths = real.long().cumprod(1).sum(1)  # tokens before the first pad
+            keep = lengths > 0
+            if not bool(keep.all()):
+                rows, tokens, lengths = rows[keep], tokens[keep], lengths[keep]
+        if rows.numel():
+            self.inner.consume(rows, tokens, lengths)
+
+    def finish(self, rows) -> dict:
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if self.kind != "reward" and rows.numel():
+            one = torch.full((rows.numel(), 1), self.pad_id, dtype=torch.long, device=rows.device)
+            self.inner.consume(rows, one, torch.ones(rows.numel(), dtype=torch.long,
+                                                     device=rows.device))
+        return self.inner.finish(rows)
+
+
+def sampling_from_actor(actor, tokenizer, max_answer_seq_len: int) -> SamplingParams:
+    """The decoding DeepSpeed-Chat's ``actor.module.generate(...)`` does: the actor's own
+    generation config (greedy unless it says ``do_sample``; always greedy for Llama, which
+    DeepSpeed-Chat forces), ending at its EOS ids; the tokenizer's pad also ends an answer."""
+    module = _unwrap(actor)
+    gen = getattr(module, "generation_config", None)
+    do_sample = bool(getattr(gen, "do_sample", False)) and module.config.model_type != "llama"
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = module.config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = tokenizer.pad_token_id
+    ends = tuple(dict.fromkeys([*eos, pad]))
+    if not do_sample:
+        return SamplingParams(max_new_tokens=max_answer_seq_len, eos_token_ids=ends,
+                              pad_token_id=pad, temperature=0.0)
+    return SamplingParams(max_new_tokens=max_answer_seq_len, eos_token_ids=ends, pad_token_id=pad,
+                          temperature=float(gen.temperature or 1.0), top_k=int(gen.top_k or 0),
+                          top_p=float(gen.top_p if gen.top_p is not None else 1.0))
+
+
+def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label]: (B, T, V), (B, T) -> (B, T)."""
+    return F.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+class _Prompt(SimpleNamespace):
+    """What ``RolloutPool.top_up`` reads: ``id`` and ``input_ids``."""
+
+
+# ---------------------------------------------------------------- the experience maker
+
+class OppoExperience:
+    """DeepSpeed-Chat's ``generate_experience`` with OPPO's rollout (see the module docstring).
+
+    actor / ref / critic / reward: DeepSpeed-Chat's engines (the critic and reward wrap its
+    ``RewardModel``); tokenizer: its tokenizer (``pad_token_id``). chunk_size: int or
+    ``"auto"``; overcommit: Delta, int or ``"auto"`` (then within [0, ``delta_max``],
+    default a quarter of the first batch); stream_to: which of reference / critic stream
+    besides the reward (the others score whole sequences after decoding); placement:
+    ``inline`` or ``colocated``. ``stats`` holds the last call's figures."""
+
+    def __init__(self, actor, ref, critic, reward, tokenizer, *, max_answer_seq_len: int,
+                 chunk_size: Union[int, str] = "auto", overcommit: Union[int, str] = 0,
+                 placement: str = "auto", stream_to: Sequence[str] = ("reference", "critic"),
+                 max_defer_steps: int = 2, delta_max: Optional[int] = None,
+                 compute_fp32_loss: bool = False, print_answers: bool = False,
+                 print_answers_interval: int = 1, seed: Optional[int] = None, trainer=None):
+        self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
+        self.tokenizer, self.trainer = tokenizer, trainer
+        self.pad_id = tokenizer.pad_token_id
+        if self.pad_id is None:
+            raise ValueError("the tokenizer has no pad token (DeepSpeed-Chat's load_hf_tokenizer "
+                             "sets one)")
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world > 1 and any(_zero_stage(m) == 3 for m in (actor, ref, critic, reward)):
+            # every forward of a ZeRO-3 model is a collective, but each rank's pool ends its
+            # decoding at its own token: the ranks' gathers would no longer pair up
+            raise NotImplementedError(
+                "--enable_oppo with ZeRO stage 3 on more than one rank is not supported yet "
+                "(use --actor_zero_stage/--critic_zero_stage <= 2, or oppo-train, whose "
+                "rollout keeps ZeRO-3 ranks in lock-step)")
+        if chunk_size != "auto" and int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1 or auto, got {chunk_size}")
+        unknown = set(stream_to) - {"reference", "critic"}
+        if unknown:
+            raise ValueError(f"stream_to: unknown scorer(s) {sorted(unknown)}; allowed: "
+                             f"reference, critic")
+        device = next(_unwrap(actor).parameters()).device
+        self.device = device
+        self.placement = placement if placement != "auto" else \
+            ("colocated" if device.type == "cuda" else "inline")
+        self.stream_to = tuple(stream_to)
+        self.sampling = sampling_from_actor(actor, tokenizer, max_answer_seq_len)
+        self.compute_fp32_loss = compute_fp32_loss
+        self.print_answers, self.print_every = print_answers, max(1, print_answers_interval)
+        self.generator = torch.Generator().manual_seed((seed or 0) * 1000 + self.rank)
+        self.chunk_size = chunk_size
+        self.chunk_ctl = ChunkSizeController(overlapped=self.placement != "inline") \
+            if chunk_size == "auto" else None
+        self.overcommit, self.delta_max = overcommit, delta_max
+        self.delta_ctl: Optional[DeltaController] = None  # made on the first call (needs B)
+        self.pool = RolloutPool(batch_size=1, max_defer_steps=max_defer_steps)
+        self.max_defer_steps = max_defer_steps
+        self.carried: dict[str, DSChatScorer] = {}  # frozen scorers' caches live across calls
+        self.calls = 0
+        self.last_generated_experience: Optional[dict] = None
+        self.generate_time = 0.0
+        self.stats: dict = {}
+
+    @classmethod
+    def from_trainer(cls, trainer, args) -> "OppoExperience":
+        """From DeepSpeed-Chat's ``DeepSpeedPPOTrainer`` and its parsed step-3 arguments."""
+        return cls(trainer.actor_model, trainer.ref_model, trainer.critic_model,
+                   trainer.reward_model, trainer.tokenizer,
+                   max_answer_seq_len=args.max_answer_seq_len,
+                   chunk_size=getattr(args, "oppo_chunk_size", "auto"),
+                   overcommit=getattr(args, "oppo_overcommit", 0),
+                   placement=getattr(args, "oppo_placement", "auto"),
+                   compute_fp32_loss=getattr(args, "compute_fp32_loss", False),
+                   print_answers=getattr(args, "print_answers", False),
+                   print_answers_interval=getattr(args, "print_answers_interval", 1),
+                   seed=getattr(args, "seed", None), trainer=trainer)
+
+    # ------------------------------------------------------------ the call DeepSpeed-Chat makes
+
+    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> dict:
+        """DeepSpeed-Chat's contract: left-padded prompts (B, P) and their mask in, the
+        experience dict out (see the module docstring)."""
+        for engine in (self.actor, self.critic, self.reward, self.ref):
+            engine.eval()
+        start = time.time()
+        taken, streamed = self._rollout(prompts, mask)
+        self.generate_time = time.time() - start
+        if self.trainer is not None:
+            self.trainer.generate_time = self.generate_time
+        batch = self._batch(taken, streamed, max(prompts.shape[1], 2))
+        if batch is None:
+            if self.last_generated_experience is None:
+                raise RuntimeError(f"every answer of step {step} is too short (<= 1 token) "
+                                   f"and there is no earlier experience to reuse")
+            logger.warning("step %d: every answer is too short; reusing the last experience", step)
+            last = self.last_generated_experience
+            batch = (last["prompts"], last["seq"], None)
+        else:
+            self.last_generated_experience = {"prompts": batch[0], "seq": batch[1]}
+        prompts_out, seq, streamed_rows = batch
+        if self.print_answers and step % self.print_every == 0:
+            width = prompts_out.shape[1]
+            decode = self.tokenizer.batch_decode
+            print(f"--- prompt --> step={step}, rank={self.rank}, "
+                  f"{decode(prompts_out, skip_special_tokens=True)}")
+            print(f"--- ans    --> step={step}, rank={self.rank}, "
+                  f"{decode(seq[:, width:], skip_special_tokens=True)}")
+        if self.rank == 0:
+            st = self.stats
+            print(f"OPPO step {step} | chunk_size {st['chunk_size']} | delta {st['delta']} | "
+                  f"returned {st['returned']} | deferred {st['deferred']} | decoded "
+                  f"{st['decoded_tokens']} tokens | scoring hidden "
+                  f"{st['scoring_hidden_frac']:.2f}", flush=True)
+        self.actor.train()  # as DeepSpeed-Chat: its log-prob forward runs in train mode
+        self.critic.train()
+        experience = self._experience(prompts_out, seq, streamed_rows)
+        if self.delta_ctl is not None:
+            decision = self.delta_ctl.observe(self._mean_over_ranks(experience["rewards"]))
+            if decision and self.rank == 0:
+                print(f"OPPO step {step}: {decision}", flush=True)
+        return experience
+
+    def _mean_over_ranks(self, rewards: torch.Tensor) -> float:
+        """The batch's mean reward over all ranks, so that every rank's Delta moves alike."""
+        total = torch.stack([rewards.float().sum(),
+                             torch.tensor(float(rewards.numel()), device=rewards.device)])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(total)
+        return float(total[0] / total[1])
+
+    # ------------------------------------------------------------ rollout
+
+    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor):
+        """Top the pool up with this call's prompts, decode until all but Delta have
+        finished; returns the taken entries and their streamed results."""
+        self.calls += 1
+        new = [_Prompt(id=f"{self.calls}:{i}", input_ids=row[m.bool()].tolist())
+               for i, (row, m) in enumerate(zip(prompts.cpu(), mask.cpu()))]
+        pool = self.pool
+        pool.top_up(new, len(pool) + len(new))
+        if self.overcommit == "auto" and self.delta_ctl is None:
+            cap = self.delta_max if self.delta_max is not None else max(1, len(new) // 4)
+            self.delta_ctl = DeltaController(delta_min=0, delta_max=cap)
+        delta = self.delta_ctl.delta if self.delta_ctl is not None else int(self.overcommit)
+        need = max(1, len(pool) - delta)
+        pool.batch_size = need
+        running, waiting = pool.running(), pool.waiting()
+        forced = [i for i, e in enumerate(running) if e.forced(self.max_defer_steps)]
+        stop = BatchStop(need, len(waiting), forced, sync=False)
+        chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl is not None \
+            else int(self.chunk_size)
+        before = sum(len(e.tokens) for e in running)
+        timing = None
+        t0 = time.perf_counter()
+        if running and not stop(None):
+            inputs = pool.decode_inputs(running, self.pad_id, self.device)
+            state, results, timing = self._stream(running, inputs, chunk, stop)
+            pool.absorb(running, state, version=self.calls, step=self.calls)
+            for entry in running:
+                entry.results.update({kind: per_row[entry.uid] for kind, per_row in results.items()
+                                      if entry.uid in per_row})
+        seconds = time.perf_counter() - t0
+        produced = sum(len(e.tokens) for e in running) - before
+        taken = pool.take()
+        pool.check()
+        if timing is not None and self.chunk_ctl is not None and produced:
+            scorers = len(timing.scorers)
+            self.chunk_ctl.observe(chunk, seconds / produced, timing.chunks * scorers,
+                                   produced * scorers, timing.scoring_busy_s,
+                                   max(len(e.tokens) for e in running))
+        self.stats = {"chunk_size": chunk, "delta": delta, "returned": len(taken),
+                      "deferred": len(pool), "decoded_tokens": produced, "rollout_s": seconds,
+                      "scoring_hidden_frac": timing.scoring_hidden_frac if timing else 0.0}
+        return taken, {e.uid: e.results for e in taken}
+
+    def _stream(self, running: list[PoolEntry], inputs: dict, chunk: int, stop: BatchStop):
+        frozen = ["reward"] + [k for k in self.stream_to if k == "reference"]
+        # the critic trains between calls: its cache is rebuilt, prefixes included
+        critic = DSChatScorer(StreamingScorer(ValueView(self.critic), "critic"), self.pad_id) \
+            if "critic" in self.stream_to else None
+        uids, scorers, setup = pool_stream_setup(running, inputs, self._carried_scorer, frozen,
+                                                 critic=critic, device=self.device)
+        return stream_continue(_unwrap(self.actor), scorers, setup, inputs, uids, self.sampling,
+                               self.generator, chunk, placement=self.placement, stop=stop)
+
+    def _carried_scorer(self, kind: str) -> DSChatScorer:
+        if kind not in self.carried:
+            model = ValueView(self.reward) if kind == "reward" else _unwrap(self.ref)
+            self.carried[kind] = DSChatScorer(StreamingScorer(model, kind), self.pad_id)
+        return self.carried[kind]
+
+    # ------------------------------------------------------------ DeepSpeed-Chat's tensors
+
+    def _batch(self, taken: list[PoolEntry], streamed: dict, min_width: int):
+        """(prompts (N, P), seq (N, L), streamed results per kept row) of the taken entries
+        whose answer has more than one non-pad token (DeepSpeed-Chat drops the others), or
+        None when none has."""
+        # rows in the order their prompts arrived (DeepSpeed-Chat's order when Delta = 0)
+        keep = sorted((e for e in taken if sum(1 for t in e.tokens if t != self.pad_id) > 1),
+                      key=lambda e: e.uid)
+        if not keep:
+            return None
+        width = max([min_width] + [len(e.prompt) for e in keep])
+        answer = max(len(e.tokens) for e in keep)
+        seq = torch.full((len(keep), width + answer), self.pad_id, dtype=torch.long)
+        for i, e in enumerate(keep):
+            seq[i, width - len(e.prompt):width] = torch.tensor(e.prompt, dtype=torch.long)
+            seq[i, width:width + len(e.tokens)] = torch.tensor(e.tokens, dtype=torch.long)
+        seq = seq.to(self.device)
+        return seq[:, :width].clone(), seq, [streamed[e.uid] for e in keep]
+
+    @torch.no_grad()
+    def _experience(self, prompts: torch.Tensor, seq: torch.Tensor,
+                    streamed: Optional[list[dict]]) -> dict:
+        attention_mask = seq.not_equal(self.pad_id).long()
+        width, columns = prompts.shape[1], seq.shape[1] - 1
+        logits = self.actor(seq, attention_mask=attention_mask).logits
+        if self.compute_fp32_loss:
+            logits = logits.to(torch.float)
+        out = {"prompts": prompts,
+               "logprobs": gather_log_probs(logits[:, :-1, :], seq[:, 1:])}
+        lp_dtype = torch.float if self.compute_fp32_loss else _dtype(self.ref)
+        kinds = {"reference": ("ref_logprobs", lp_dtype), "critic": ("value", _dtype(self.critic)),
+                 "reward": ("rewards", _dtype(self.reward))}
+        # train_rlhf reads columns P-1 .. P-1+n of a row with n non-pad answer tokens
+        reads = (attention_mask[:, width:].sum(1) + 1).tolist()
+        for kind, (key, dtype) in kinds.items():
+            rows = [r.get(kind) for r in streamed] if streamed is not None else [None] * len(seq)
+            whole = None
+            if any(r is None for r in rows):
+                whole = self._score_whole(kind, seq, attention_mask, width)
+            if kind == "reward":
+                value = torch.stack([(whole[i] if r is None else r).to(device=seq.device,
+                                                                        dtype=dtype)
+                                     for i, r in enumerate(rows)])
+            else:
+                value = torch.zeros(len(seq), columns, dtype=dtype, device=seq.device)
+                for i, r in enumerate(rows):
+                    if r is None:  # the row's read window of the whole-sequence scores
+                        r = whole[i, width - 1:]
+                    n = min(r.numel(), reads[i], columns - (width - 1))
+                    value[i, width - 1:width - 1 + n] = r[:n].to(dtype)
+            out[key] = value.to(dtype).to(seq.device)
+        out["input_ids"], out["attention_mask"] = seq, attention_mask
+        return {k: out[k] for k in ("prompts", "logprobs", "ref_logprobs", "value", "rewards",
+                                    "input_ids", "attention_mask")}
+
+    def _score_whole(self, kind: str, seq: torch.Tensor, attention_mask: torch.Tensor,
+                     prompt_length: int) -> torch.Tensor:
+        """DeepSpeed-Chat's own whole-sequence scoring, for rows that have no streamed result
+        (a scorer not in ``stream_to``, a deferred row whose critic values went stale, or a
+        reused experience)."""
+        if kind == "reference":
+            logits = self.ref(seq, attention_mask=attention_mask).logits
+            if self.compute_fp32_loss:
+                logits = logits.to(torch.float)
+            return gather_log_probs(logits[:, :-1, :], seq[:, 1:])
+        if kind == "critic":
+            return self.critic.forward_value(seq, attention_mask,
+                                             return_value_only=True).detach()[:, :-1]
+        return self.reward.forward_value(seq, attention_mask,
+                                         prompt_length=prompt_length)["chosen_end_scores"].detach()

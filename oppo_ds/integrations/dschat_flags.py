@@ -1,0 +1,376 @@
+"""DeepSpeed-Chat step 3's command-line flags, for ``oppo-train``.
+
+A DeepSpeed-Chat step-3 run script works with ``oppo-train`` by changing its command: every
+flag of ``training/step3_rlhf_finetuning/main.py`` (DeepSpeedExamples 3d83278) is accepted.
+Each flag is one of
+  * mapped onto config keys (``dschat_overrides`` turns the given flags into dotted
+    overrides, applied before the command line's own ``key=value`` overrides, which win);
+  * accepted with no effect: a warning names the flag and says why;
+  * refused: an error names the flag and says why (a feature oppo-ds does not have).
+Flags not given change nothing: oppo-ds's own defaults hold (e.g. ``system.dtype: fp32``,
+where DeepSpeed-Chat's default is fp16). Conflicts our single keys cannot express (actor and
+critic ZeRO stages, weight decays or LoRA scopes that differ) are errors naming both flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from ..config import ConfigError
+
+MAPPED, IGNORED, REFUSED = "mapped", "ignored", "refused"
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    kind: str                   # MAPPED / IGNORED / REFUSED
+    note: str                   # what it maps to, or why it has no effect / is refused
+    type: Optional[Callable] = None  # None: a switch (store_true)
+    nargs: Optional[str] = None
+    choices: Optional[tuple] = None
+
+
+def _f(name, kind, note, type=None, **kw) -> Flag:
+    return Flag(name, kind, note, type, **kw)
+
+
+def auto_int(text: str) -> Union[int, str]:
+    """``auto`` or an integer >= 0 (--oppo_chunk_size, --oppo_overcommit)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or auto, got {value}")
+    return value
+
+
+FLAGS: tuple[Flag, ...] = (
+    _f("actor_model_name_or_path", MAPPED, "model.actor (and the reference)", str),
+    _f("critic_model_name_or_path", MAPPED, "model.critic and model.reward (both start from the "
+       "step-2 checkpoint, as in DeepSpeed-Chat; its RewardModel pytorch_model.bin is converted "
+       "once into output_dir/dschat_converted/critic)", str),
+    _f("data_path", MAPPED, "data.prompts: one local .jsonl/.parquet/saved HF dataset, or a "
+       "DeepSpeed-Chat JSON array file (converted to jsonl); nothing is downloaded", str,
+       nargs="*"),
+    _f("per_device_generation_batch_size", MAPPED, "ppo.batch_size (times "
+       "--generation_batches)", int),
+    _f("per_device_training_batch_size", MAPPED, "ppo.micro_batch_size; ppo.mini_batch_size is "
+       "this times --gradient_accumulation_steps (one optimizer step per micro-batch)", int),
+    _f("generation_batches", MAPPED, "multiplies ppo.batch_size", int),
+    _f("gradient_accumulation_steps", MAPPED, "ppo.mini_batch_size = training batch x this", int),
+    _f("ppo_epochs", MAPPED, "ppo.ppo_epochs", int),
+    _f("max_prompt_seq_len", MAPPED, "generation.max_prompt_len, longer prompts skipped "
+       "(data.overlong: skip), as DeepSpeed-Chat filters them", int),
+    _f("max_answer_seq_len", MAPPED, "generation.max_new_tokens", int),
+    _f("actor_learning_rate", MAPPED, "ppo.actor_lr", float),
+    _f("critic_learning_rate", MAPPED, "ppo.critic_lr", float),
+    _f("actor_weight_decay", MAPPED, "ppo.weight_decay (must equal --critic_weight_decay)", float),
+    _f("critic_weight_decay", MAPPED, "ppo.weight_decay (must equal --actor_weight_decay)", float),
+    _f("lr_scheduler_type", MAPPED, "ppo.lr_schedule (constant, linear, cosine; "
+       "constant_with_warmup = constant with --num_warmup_steps; others refused)", str,
+       choices=("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                "constant_with_warmup")),
+    _f("num_warmup_steps", MAPPED, "ppo.warmup_steps", int),
+    _f("num_train_epochs", MAPPED, "steps = epochs x prompts / (batch x ranks), counted from "
+       "--data_path (steps=N overrides it)", int),
+    _f("output_dir", MAPPED, "logging.output_dir; the final actor and critic go to "
+       "output_dir/actor and output_dir/critic, as in DeepSpeed-Chat", str),
+    _f("seed", MAPPED, "seed", int),
+    _f("enable_hybrid_engine", MAPPED, "system.hybrid_engine: true"),
+    _f("inference_tp_size", MAPPED, "system.inference_tp_size", int),
+    _f("offload", MAPPED, "system.offload: true"),
+    _f("offload_reference_model", MAPPED, "system.partition_reference and "
+       "system.offload_reference: true (needs ZeRO stage 3)"),
+    _f("dtype", MAPPED, "system.dtype (not given: oppo-ds's fp32, not DeepSpeed-Chat's fp16)",
+       str, choices=("fp16", "bf16", "fp32")),
+    _f("actor_zero_stage", MAPPED, "system.zero_stage (one stage for actor and critic: the "
+       "stages given must agree)", int, choices=(0, 1, 2, 3)),
+    _f("critic_zero_stage", MAPPED, "system.zero_stage (must agree with --actor_zero_stage)",
+       int, choices=(0, 1, 2, 3)),
+    _f("actor_gradient_checkpointing", MAPPED, "system.gradient_checkpointing (actor and critic)"),
+    _f("critic_gradient_checkpointing", MAPPED, "system.gradient_checkpointing (actor and critic)"),
+    _f("actor_lora_dim", MAPPED, "model.actor_lora_dim", int),
+    _f("critic_lora_dim", MAPPED, "model.critic_lora_dim", int),
+    _f("actor_lora_module_name", MAPPED, "model.lora_module_name (one scope for both)", str),
+    _f("critic_lora_module_name", MAPPED, "model.lora_module_name (must equal the actor's)", str),
+    _f("only_optimize_lora", MAPPED, "model.only_optimize_lora: true"),
+    _f("enable_tensorboard", MAPPED, "logging.tensorboard: true (events in "
+       "output_dir/tensorboard)"),
+    _f("enable_test_mode", MAPPED, "with --test_stop_step N: steps = N"),
+    _f("test_stop_step", MAPPED, "steps, with --enable_test_mode", int),
+    _f("enable_oppo", MAPPED, "oppo.streaming: true, with --oppo_chunk_size and "
+       "--oppo_overcommit (the patched DeepSpeed-Chat's flags)"),
+    _f("oppo_chunk_size", MAPPED, "oppo.chunk_size (an integer or auto), with --enable_oppo",
+       auto_int),
+    _f("oppo_overcommit", MAPPED, "oppo.overcommit (Delta: an integer or auto), with "
+       "--enable_oppo", auto_int),
+    _f("oppo_placement", MAPPED, "oppo.placement (inline or colocated; auto = the config's), "
+       "with --enable_oppo", str, choices=("auto", "inline", "colocated")),
+    _f("deepspeed", IGNORED, "oppo-train always runs on DeepSpeed"),
+    _f("tensorboard_path", IGNORED, "TensorBoard events go to output_dir/tensorboard", str),
+    _f("data_split", IGNORED, "every prompt of --data_path is used for PPO", str),
+    _f("data_output_path", IGNORED, "oppo-train keeps no data index files", str),
+    _f("preprocessing_num_workers", IGNORED, "prompts are tokenized in-process", int),
+    _f("num_padding_at_beginning", IGNORED, "the reward is read at the last response token, "
+       "not found by counting pads", int),
+    _f("end_of_conversation_token", IGNORED, "responses end at the tokenizer's EOS", str),
+    _f("add_eot_token", IGNORED, "the tokenizer is used as saved"),
+    _f("print_answers", IGNORED, "see the metrics lines and TensorBoard instead"),
+    _f("print_answers_interval", IGNORED, "see --print_answers", int),
+    _f("actor_dropout", IGNORED, "oppo-train switches dropout off in every model (PPO ratios "
+       "compare two forwards of the same weights)", float),
+    _f("critic_dropout", IGNORED, "see --actor_dropout", float),
+    _f("actor_lora_learning_rate", IGNORED, "LoRA weights train at ppo.actor_lr", float),
+    _f("critic_lora_learning_rate", IGNORED, "LoRA weights train at ppo.critic_lr", float),
+    _f("compute_fp32_loss", IGNORED, "the PPO losses are reduced in fp32 already"),
+    _f("align_overflow", IGNORED, "actor and critic keep their own loss scales"),
+    _f("offload_reward_model", IGNORED, "the reward model stays on the device (it streams)"),
+    _f("unpin_actor_parameters", IGNORED, "a hybrid-engine memory knob oppo-ds does not expose"),
+    _f("release_inference_cache", IGNORED, "a hybrid-engine memory knob oppo-ds does not expose"),
+    _f("tp_gather_partition_size", IGNORED, "a hybrid-engine knob oppo-ds does not expose", int),
+    _f("enable_ema", REFUSED, "oppo-train keeps no EMA copy of the actor"),
+    _f("enable_mixed_precision_lora", REFUSED, "ZeRO++ quantized LoRA weights are not supported"),
+    _f("unsupervised_dataset_name", REFUSED, "PPO-ptx (an unsupervised loss) is not supported",
+       str),
+    _f("unsupervised_dataset_config_name", REFUSED, "see --unsupervised_dataset_name", str),
+    _f("unsup_coef", IGNORED, "PPO-ptx is not supported", float),
+    _f("deepspeed_config", REFUSED, "the DeepSpeed config is built from the oppo-ds config "
+       "(system.* keys)", str),
+)
+BY_NAME = {f.name: f for f in FLAGS}
+
+
+def add_dschat_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every DeepSpeed-Chat step-3 flag (default: not given) with its mapping as help."""
+    group = parser.add_argument_group(
+        "DeepSpeed-Chat step-3 flags",
+        "A DeepSpeed-Chat step-3 command line works as it is; each flag maps onto config keys, "
+        "or says that it has no effect or is refused (see docs/deepspeed-chat.md).")
+    for flag in FLAGS:
+        tag = {MAPPED: "", IGNORED: "[no effect] ", REFUSED: "[refused] "}[flag.kind]
+        kw = dict(dest=flag.name, default=argparse.SUPPRESS,
+                  help=tag + flag.note.replace("%", "%%"))
+        if flag.type is None:
+            group.add_argument(f"--{flag.name}", action="store_true", **kw)
+        else:
+            metavar = {int: "N", float: "X", auto_int: "N|auto"}.get(flag.type, "S")
+            if flag.choices:
+                metavar = "{" + ",".join(map(str, flag.choices)) + "}"
+            group.add_argument(f"--{flag.name}", type=flag.type, nargs=flag.nargs,
+                               choices=flag.choices, metavar=metavar, **kw)
+
+
+def given_flags(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in BY_NAME if hasattr(args, name)}
+
+
+def _agree(flags: dict, a: str, b: str):
+    """The value of flags a and b (either may be absent); both given and different: error."""
+    if a in flags and b in flags and flags[a] != flags[b]:
+        raise ConfigError(f"--{a}", f"{flags[a]!r} differs from --{b} {flags[b]!r}: oppo-train has "
+                                    f"one setting for both models; give them the same value")
+    return flags.get(a, flags.get(b))
+
+
+def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
+    """(dotted overrides, warnings) for the DeepSpeed-Chat flags given ({name: value}).
+    Raises ``ConfigError`` naming the flag for refused flags and conflicts."""
+    out: dict[str, object] = {}
+    warnings = []
+    for name, value in flags.items():
+        flag = BY_NAME[name]
+        if flag.kind == REFUSED and value not in (False, None):
+            raise ConfigError(f"--{name}", f"not supported by oppo-train: {flag.note}")
+        if flag.kind == IGNORED and value not in (False, None):
+            warnings.append(f"--{name} has no effect in oppo-train: {flag.note}")
+
+    def put(key, value):
+        out[key] = value
+
+    simple = {"actor_model_name_or_path": "model.actor", "ppo_epochs": "ppo.ppo_epochs",
+              "max_answer_seq_len": "generation.max_new_tokens",
+              "actor_learning_rate": "ppo.actor_lr", "critic_learning_rate": "ppo.critic_lr",
+              "num_warmup_steps": "ppo.warmup_steps", "output_dir": "logging.output_dir",
+              "seed": "seed", "inference_tp_size": "system.inference_tp_size",
+              "dtype": "system.dtype", "actor_lora_dim": "model.actor_lora_dim",
+              "critic_lora_dim": "model.critic_lora_dim"}
+    for name, key in simple.items():
+        if name in flags:
+            put(key, flags[name])
+    switches = {"enable_hybrid_engine": "system.hybrid_engine", "offload": "system.offload",
+                "only_optimize_lora": "model.only_optimize_lora",
+                "enable_tensorboard": "logging.tensorboard"}
+    for name, key in switches.items():
+        if flags.get(name):
+            put(key, True)
+    if "max_prompt_seq_len" in flags:
+        put("generation.max_prompt_len", flags["max_prompt_seq_len"])
+        put("data.overlong", "skip")
+    stage = _agree(flags, "actor_zero_stage", "critic_zero_stage")
+    if stage is not None:
+        put("system.zero_stage", stage)
+    decay = _agree(flags, "actor_weight_decay", "critic_weight_decay")
+    if decay is not None:
+        put("ppo.weight_decay", decay)
+    scope = _agree(flags, "actor_lora_module_name", "critic_lora_module_name")
+    if scope is not None:
+        put("model.lora_module_name", scope)
+    if flags.get("actor_gradient_checkpointing") or flags.get("critic_gradient_checkpointing"):
+        put("system.gradient_checkpointing", True)
+    if flags.get("offload_reference_model"):
+        if stage != 3:
+            raise ConfigError("--offload_reference_model", "needs --actor_zero_stage 3 in "
+                              "oppo-train (the offloaded reference is a ZeRO-3 partition)")
+        put("system.partition_reference", True)
+        put("system.offload_reference", True)
+    _oppo(flags, put, warnings)
+    _batches(flags, put)
+    _schedule(flags, put)
+    return [f"{k}={json.dumps(v)}" for k, v in out.items()], warnings
+
+
+def _oppo(flags: dict, put, warnings: list) -> None:
+    knobs = {"oppo_chunk_size": "oppo.chunk_size", "oppo_overcommit": "oppo.overcommit",
+             "oppo_placement": "oppo.placement"}
+    if not flags.get("enable_oppo"):
+        warnings += [f"--{name} has no effect without --enable_oppo" for name in knobs
+                     if name in flags]
+        return
+    put("oppo.streaming", True)
+    for name, key in knobs.items():
+        # chunk size and Delta take auto as a config value; placement auto keeps the config's
+        if name in flags and not (name == "oppo_placement" and flags[name] == "auto"):
+            put(key, flags[name])
+
+
+def _batches(flags: dict, put) -> None:
+    gen = flags.get("per_device_generation_batch_size", 16)
+    train = flags.get("per_device_training_batch_size", 16)
+    batches = flags.get("generation_batches", 1)
+    accumulate = flags.get("gradient_accumulation_steps", 1)
+    if not {"per_device_generation_batch_size", "per_device_training_batch_size",
+            "generation_batches", "gradient_accumulation_steps"} & set(flags):
+        return
+    batch, mini = gen * batches, train * accumulate
+    if batch % mini:
+        raise ConfigError("--per_device_training_batch_size",
+                          f"{train} x --gradient_accumulation_steps {accumulate} must divide "
+                          f"--per_device_generation_batch_size {gen} x --generation_batches "
+                          f"{batches} = {batch} (oppo-train splits a step's batch evenly)")
+    put("ppo.batch_size", batch)
+    put("ppo.mini_batch_size", mini)
+    put("ppo.micro_batch_size", train)
+
+
+def _schedule(flags: dict, put) -> None:
+    kind = flags.get("lr_scheduler_type")
+    if kind is None:
+        return
+    table = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
+             "cosine": "cosine"}
+    if kind not in table:
+        raise ConfigError("--lr_scheduler_type", f"{kind!r} is not supported by oppo-train; "
+                          f"use one of {', '.join(table)}")
+    put("ppo.lr_schedule", table[kind])
+
+
+def steps_from_flags(flags: dict, batch_size: int, world_size: int, num_prompts) -> Optional[int]:
+    """PPO steps DeepSpeed-Chat would run: ``--test_stop_step`` under test mode, else
+    ``--num_train_epochs`` passes over the prompts (``num_prompts()`` counts them)."""
+    if flags.get("enable_test_mode") and flags.get("test_stop_step"):
+        return int(flags["test_stop_step"])
+    if "num_train_epochs" in flags:
+        per_step = batch_size * world_size
+        return max(1, math.ceil(flags["num_train_epochs"] * num_prompts() / per_step))
+    return None
+
+
+# ---------------------------------------------------------------- DeepSpeed-Chat checkpoints
+
+def data_source(paths: list, out_dir: str) -> str:
+    """One prompt source from --data_path; a DeepSpeed-Chat JSON array file (its
+    ``local/jsonfile`` format, objects with a ``prompt``) becomes a jsonl under ``out_dir``."""
+    if len(paths) != 1:
+        raise ConfigError("--data_path", f"oppo-train reads one prompt source, got {len(paths)}: "
+                          f"{' '.join(paths)}")
+    path = paths[0]
+    if path == "local/jsonfile":
+        raise ConfigError("--data_path", "local/jsonfile names DeepSpeed-Chat's own "
+                          "data/train.json: pass that file's path instead")
+    if not os.path.exists(path):
+        raise ConfigError("--data_path", f"{path!r} is not a local file or directory "
+                          f"(oppo-ds never downloads data sets; save it locally first)")
+    if not path.endswith(".json") or not os.path.isfile(path):
+        return path
+    with open(path) as f:
+        rows = json.load(f)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "prompt" in r for r in rows):
+        raise ConfigError("--data_path", f"{path}: expected a JSON array of objects with a "
+                          f"'prompt' (DeepSpeed-Chat's local/jsonfile format)")
+    target = os.path.join(out_dir, "dschat_converted", "prompts.jsonl")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({"id": str(i), "prompt": row["prompt"]}) + "\n")
+    os.replace(tmp, target)  # atomic: several ranks may convert at once
+    return target
+
+
+def is_dschat_reward_checkpoint(path: str) -> bool:
+    """A DeepSpeed-Chat step-2 output: ``pytorch_model.bin`` holding ``rwtransformer.*`` and
+    ``v_head.weight`` (its RewardModel's state dict), not an HF model's keys."""
+    if not os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        return False
+    import torch
+
+    state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
+                       weights_only=True, mmap=True)
+    return "v_head.weight" in state and any(k.startswith("rwtransformer.") for k in state)
+
+
+def convert_dschat_reward_checkpoint(path: str, out: str) -> str:
+    """Write DeepSpeed-Chat's RewardModel checkpoint as a directory ``ValueHeadModel`` loads
+    (HF base model in safetensors + ``value_head.safetensors``, tokenizer files copied).
+    Several ranks may call it at once: each writes its own temporary directory and the first
+    rename wins. Returns ``out``."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ..models import VALUE_HEAD_FILE
+
+    if os.path.isfile(os.path.join(out, VALUE_HEAD_FILE)):
+        return out
+    state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
+                       weights_only=True)
+    tmp = f"{out}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    body = {k[len("rwtransformer."):]: v.contiguous() for k, v in state.items()
+            if k.startswith("rwtransformer.")}
+    save_file(body, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    save_file({"weight": state["v_head.weight"].contiguous()}, os.path.join(tmp, VALUE_HEAD_FILE))
+    for name in os.listdir(path):
+        if name != "pytorch_model.bin" and os.path.isfile(os.path.join(path, name)):
+            shutil.copy(os.path.join(path, name), tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another rank was first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def critic_source(path: str, out_dir: str) -> str:
+    if os.path.isdir(path) and is_dschat_reward_checkpoint(path):
+        return convert_dschat_reward_checkpoint(
+            path, os.path.join(out_dir, "dschat_converted", "critic"))
+    return path

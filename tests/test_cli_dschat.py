@@ -1,0 +1,218 @@
+"""oppo-train takes a DeepSpeed-Chat step-3 command line (DeepSpeedExamples 3d83278).
+
+The flag mapping, its errors and warnings, the conversion of DeepSpeed-Chat's step-2
+critic checkpoint and JSON data, and one real short run from DeepSpeed-Chat flags on tiny
+models whose outputs land where DeepSpeed-Chat puts them (output_dir/actor, /critic).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oppo_ds.cli.train import build_parser, main, resolve_config
+from oppo_ds.config import ConfigError
+from oppo_ds.integrations import dschat_flags
+
+# the flags of DeepSpeed-Chat's OPT-1.3b single-node step-3 script, minus the paths
+DSCHAT_ARGS = ["--data_split", "2,4,4", "--num_padding_at_beginning", "1",
+               "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
+               "--generation_batches", "1", "--ppo_epochs", "1", "--max_answer_seq_len", "8",
+               "--max_prompt_seq_len", "16", "--actor_learning_rate", "9.65e-6",
+               "--critic_learning_rate", "5e-6", "--actor_weight_decay", "0.1",
+               "--critic_weight_decay", "0.1", "--num_train_epochs", "1",
+               "--lr_scheduler_type", "cosine", "--gradient_accumulation_steps", "1",
+               "--num_warmup_steps", "100", "--deepspeed", "--seed", "1234",
+               "--actor_zero_stage", "2", "--critic_zero_stage", "2",
+               "--enable_hybrid_engine", "--actor_gradient_checkpointing", "--dtype", "bf16",
+               "--enable_tensorboard", "--tensorboard_path", "/tmp/tb"]
+
+
+def resolve(argv, prepare=False):
+    return resolve_config(build_parser().parse_args(argv), prepare_files=prepare)
+
+
+def test_help_lists_the_dschat_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--actor_model_name_or_path", "--critic_model_name_or_path",
+                 "--per_device_generation_batch_size", "--per_device_training_batch_size",
+                 "--generation_batches", "--ppo_epochs", "--max_prompt_seq_len",
+                 "--max_answer_seq_len", "--actor_learning_rate", "--critic_learning_rate",
+                 "--actor_zero_stage", "--critic_zero_stage", "--enable_hybrid_engine",
+                 "--inference_tp_size", "--offload", "--offload_reference_model", "--dtype",
+                 "--enable_tensorboard", "--tensorboard_path", "--output_dir", "--seed",
+                 "--data_path", "--actor_lora_dim", "--only_optimize_lora", "--enable_ema",
+                 "--enable_oppo", "--oppo_chunk_size", "--oppo_overcommit"):
+        assert flag in text, flag
+    assert "[no effect]" in text and "[refused]" in text
+
+
+def test_a_dschat_command_line_maps_onto_the_config():
+    cfg, notes = resolve(DSCHAT_ARGS + ["--actor_model_name_or_path", "/a",
+                                        "--critic_model_name_or_path", "/c",
+                                        "--output_dir", "/tmp/out", "--enable_oppo",
+                                        "--oppo_chunk_size", "auto", "--oppo_overcommit", "2",
+                                        "--actor_lora_dim", "8", "--critic_lora_dim", "4",
+                                        "--actor_lora_module_name", "decoder.layers.",
+                                        "--only_optimize_lora", "--offload"])
+    assert cfg.model.actor == "/a"
+    assert (cfg.ppo.batch_size, cfg.ppo.mini_batch_size, cfg.ppo.micro_batch_size) == (4, 2, 2)
+    assert (cfg.ppo.actor_lr, cfg.ppo.critic_lr, cfg.ppo.weight_decay) == (9.65e-6, 5e-6, 0.1)
+    assert (cfg.ppo.lr_schedule, cfg.ppo.warmup_steps, cfg.ppo.ppo_epochs) == ("cosine", 100, 1)
+    assert (cfg.generation.max_prompt_len, cfg.generation.max_new_tokens) == (16, 8)
+    assert cfg.data.overlong == "skip"
+    s = cfg.system
+    assert (s.zero_stage, s.hybrid_engine, s.gradient_checkpointing, s.dtype, s.offload) == \
+        (2, True, True, "bf16", True)
+    assert (cfg.model.actor_lora_dim, cfg.model.critic_lora_dim, cfg.model.lora_module_name,
+            cfg.model.only_optimize_lora) == (8, 4, "decoder.layers.", True)
+    assert (cfg.seed, cfg.logging.output_dir, cfg.logging.tensorboard) == (1234, "/tmp/out", True)
+    assert (cfg.oppo.streaming, cfg.oppo.chunk_size, cfg.oppo.overcommit) == (True, "auto", 2)
+    joined = "\n".join(notes)
+    for flag in ("--data_split", "--num_padding_at_beginning", "--tensorboard_path", "--deepspeed"):
+        assert flag in joined, flag
+
+
+def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
+    cfg, _ = resolve(["--per_device_generation_batch_size", "8", "--generation_batches", "2",
+                      "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",
+                      "2", "--seed", "3", "seed=5", "--enable_test_mode", "--test_stop_step", "7"])
+    assert (cfg.ppo.batch_size, cfg.ppo.mini_batch_size, cfg.ppo.micro_batch_size) == (16, 4, 2)
+    assert (cfg.seed, cfg.steps) == (5, 7)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--actor_zero_stage", "3", "--critic_zero_stage", "2"], "--actor_zero_stage"),
+    (["--actor_weight_decay", "0.1", "--critic_weight_decay", "0"], "--actor_weight_decay"),
+    (["--enable_ema"], "--enable_ema"),
+    (["--unsupervised_dataset_name", "wikitext"], "--unsupervised_dataset_name"),
+    (["--offload_reference_model"], "--offload_reference_model"),
+    (["--lr_scheduler_type", "polynomial"], "--lr_scheduler_type"),
+    (["--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "3"],
+     "--per_device_training_batch_size"),
+])
+def test_conflicts_and_refused_flags_are_errors_naming_the_flag(argv, flag, capsys):
+    assert main(argv + ["--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oppo-train: error: {flag}:"), err
+
+
+def test_unknown_and_abbreviated_flags_are_errors(capsys):
+    for argv, name in ((["--actor_model_path", "x"], "--actor_model_path"),
+                       (["--actor_model_name", "x"], "--actor_model_name")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert name in capsys.readouterr().err
+
+
+def test_oppo_knobs_without_enable_oppo_warn_and_change_nothing():
+    cfg, notes = resolve(["--oppo_overcommit", "2"])
+    assert not cfg.oppo.streaming and cfg.oppo.overcommit == 0
+    assert any("--oppo_overcommit has no effect without --enable_oppo" in n for n in notes)
+
+
+def test_data_path_rules(tmp_path):
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps([{"prompt": "Human: hi Assistant:", "chosen": "a", "rejected": "b"},
+                                {"prompt": "Human: yo Assistant:", "chosen": "c",
+                                 "rejected": "d"}]))
+    out = dschat_flags.data_source([str(data)], str(tmp_path / "out"))
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["prompt"] for r in rows] == ["Human: hi Assistant:", "Human: yo Assistant:"]
+    for paths, text in ((["Dahoas/rm-static"], "never downloads"),
+                        (["a", "b"], "one prompt source"),
+                        (["local/jsonfile"], "pass that file's path")):
+        with pytest.raises(ConfigError, match=text):
+            dschat_flags.data_source(paths, str(tmp_path))
+
+
+def _save_dschat_checkpoints(root, vocab_size):
+    """An actor as DeepSpeed-Chat's step 1 saves it (HF model + tokenizer) and a critic as
+    its step 2 saves it: the RewardModel's state dict (``rwtransformer.*``, ``v_head``) in
+    pytorch_model.bin beside the base model's config.json."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from oppo_ds.models import tiny_config
+    from oppo_ds.workload import build_tokenizer
+
+    tok = build_tokenizer()
+    config = tiny_config("tiny-llama", vocab_size, hidden_size=32,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(config)
+    actor.save_pretrained(root / "actor")
+    tok.save_pretrained(root / "actor")
+    body = AutoModel.from_config(config)
+    state = {f"rwtransformer.{k}": v for k, v in body.state_dict().items()}
+    state["v_head.weight"] = torch.randn(1, config.hidden_size)
+    os.makedirs(root / "critic")
+    torch.save(state, root / "critic" / "pytorch_model.bin")
+    config.save_pretrained(root / "critic")
+    tok.save_pretrained(root / "critic")
+    return state, tok
+
+
+def test_dschat_critic_checkpoint_is_converted_for_the_value_model(tmp_path):
+    from oppo_ds.models import build_value_model
+    from oppo_ds.workload import VOCAB
+
+    state, _ = _save_dschat_checkpoints(tmp_path, len(VOCAB))
+    assert dschat_flags.is_dschat_reward_checkpoint(str(tmp_path / "critic"))
+    assert not dschat_flags.is_dschat_reward_checkpoint(str(tmp_path / "actor"))
+    out = dschat_flags.critic_source(str(tmp_path / "critic"), str(tmp_path / "run"))
+    assert out == str(tmp_path / "run" / "dschat_converted" / "critic")
+    model = build_value_model(out, require_head=True)
+    assert torch.equal(model.value_head.weight, state["v_head.weight"])
+    key = "layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.body.state_dict()[key], state[f"rwtransformer.{key}"])
+    assert dschat_flags.critic_source(str(tmp_path / "critic"), str(tmp_path / "run")) == out
+
+
+def test_oppo_train_runs_a_dschat_command_line(tmp_path):
+    """A real run, launched as a DeepSpeed-Chat step-3 script would be with only its
+    command changed: two steps with OPPO on, the final actor and critic in DeepSpeed-Chat's
+    layout, loadable again."""
+    from oppo_ds.models import build_causal_lm, build_value_model
+    from oppo_ds.workload import VOCAB
+
+    _save_dschat_checkpoints(tmp_path, len(VOCAB))
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps([{"prompt": f"want a b {x} ->", "chosen": "x", "rejected": "y"}
+                                for x in "abcdefgh"]))
+    out = tmp_path / "step3"
+    cmd = [sys.executable, "-m", "oppo_ds.train",
+           "--actor_model_name_or_path", str(tmp_path / "actor"),
+           "--critic_model_name_or_path", str(tmp_path / "critic"),
+           "--data_path", str(data), "--data_split", "2,4,4", "--num_padding_at_beginning", "0",
+           "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
+           "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
+           "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--seed", "1",
+           "--enable_test_mode", "--test_stop_step", "2", "--output_dir", str(out),
+           "--enable_oppo", "--oppo_chunk_size", "4", "--oppo_overcommit", "1",
+           "logging.progress=false", "logging.tensorboard=false", "system.torch_threads=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--data_split has no effect" in proc.stderr
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+    assert summary["steps"] == 2
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[-1]["pool/delta"] == 1 and rows[-1]["oppo/chunk_size"] == 4
+    actor = build_causal_lm(str(out / "actor"))
+    critic = build_value_model(str(out / "critic"), require_head=True)
+    assert actor.config.num_hidden_layers == critic.config.num_hidden_layers == 2
+
+
+def test_docs_list_every_dschat_flag():
+    text = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs",
+                             "deepspeed-chat.md")).read()
+    missing = [f.name for f in dschat_flags.FLAGS if f"`--{f.name}`" not in text]
+    assert not missing, f"docs/deepspeed-chat.md does not list {missing}"
