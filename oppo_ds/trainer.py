@@ -161,6 +161,7 @@ class PPOTrainer:
         from .engines.factory import build_models
 
         self.cfg = cfg
+        self.preempted: Optional[str] = None  # the signal that stopped training early
         if cfg.system.torch_threads:
             torch.set_num_threads(cfg.system.torch_threads)
         init_distributed_if_needed()
@@ -237,7 +238,6 @@ class PPOTrainer:
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
         self.step_count = 0
-        self.preempted: Optional[str] = None  # the signal that stopped training early
         self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
                                       rank=self.rank, keep_last=cfg.checkpoint.keep_last)
         self._maybe_resume()

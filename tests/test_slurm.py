@@ -268,8 +268,10 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
     _wait_for(lambda: _job_field(slurm_cluster, job, "Restarts") == "1", "the job is requeued", 240)
     # Slurm holds a requeued job back (its BeginTime, ~2 min later): release it now
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_cluster, check=True)
-    _wait_for(lambda: _job_field(slurm_cluster, job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
-              "the requeued job ends", 420)
+    # the first run's end can still show as the job's state for a moment: wait for the
+    # second run's own output before reading the state
+    _wait_for(lambda: f"job {job} restart 1" in _read(log) and _job_field(slurm_cluster, job, "JobState")
+              in ("COMPLETED", "FAILED", "CANCELLED"), "the requeued job ends", 420)
     text = _read(log)
     assert _job_field(slurm_cluster, job, "JobState") == "COMPLETED", text[-3000:]
     stopped = re.findall(r"rank (\d): stopped by SIGUSR1 after step (\d+)", text)
