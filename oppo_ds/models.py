@@ -203,21 +203,31 @@ class ValueHeadModel(nn.Module):
         _check_local_dir(path)
         body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,
                              trust_remote_code=trust_remote_code)
-        weight = _find_head_weight(path)
+        weight = read_value_head(path, body.config.hidden_size, require_head=require_head)
         if weight is None:
-            if require_head:
-                raise ValueError(
-                    f"{path}: no value head found (looked for {VALUE_HEAD_FILE} and keys "
-                    f"{', '.join(_HEAD_KEYS)}); a reward model needs a trained scalar head")
-            logger.info("%s: no value head in checkpoint, starting from a zero head", path)
             return cls(body)
-        if weight.shape != (1, body.config.hidden_size):
-            raise ValueError(f"{path}: value head has shape {tuple(weight.shape)}, expected "
-                             f"(1, {body.config.hidden_size})")
         head = nn.Linear(body.config.hidden_size, 1, bias=False)
         with torch.no_grad():
             head.weight.copy_(weight)
         return cls(body, head)
+
+
+def read_value_head(path: str, hidden_size: int, *, require_head: bool) -> Optional[torch.Tensor]:
+    """The scalar head's (1, hidden) weight saved in checkpoint ``path``, or None (a fresh
+    head starts at zero). ``ValueError`` when ``require_head`` and there is none (a reward
+    model without one would score noise) or when its shape does not fit ``hidden_size``."""
+    weight = _find_head_weight(path)
+    if weight is None:
+        if require_head:
+            raise ValueError(
+                f"{path}: no value head found (looked for {VALUE_HEAD_FILE} and keys "
+                f"{', '.join(_HEAD_KEYS)}); a reward model needs a trained scalar head")
+        logger.info("%s: no value head in checkpoint, starting from a zero head", path)
+        return None
+    if tuple(weight.shape) != (1, hidden_size):
+        raise ValueError(f"{path}: value head has shape {tuple(weight.shape)}, expected "
+                         f"(1, {hidden_size})")
+    return weight
 
 
 def _find_head_weight(path: str) -> Optional[torch.Tensor]:

@@ -4,11 +4,12 @@ reference and reward.
 
 Design (docs/megatron.md has the long version):
 
-* **Models.** Each model is a megatron-core ``GPTModel`` (local layer spec) built from an HF
-  Llama / Qwen2 model by ``megatron.convert``, wrapped in ``megatron.model.MegatronModel``,
-  which presents it HF-style (``.logits`` / ``.values``, a ``DynamicCache`` KV cache) to the
-  decode loop, the streaming scorers and the loss functions, so the trainer and the PPO math
-  are the same for both backends. Critic and reward: a GPTModel without ``output_layer`` plus
+* **Models.** Each model is a megatron-core ``GPTModel`` (local layer spec) converted from HF
+  Llama / Qwen2 weights by ``megatron.convert`` (read rank by rank from safetensors files by
+  ``megatron.loading``, without building the HF model), wrapped in
+  ``megatron.model.MegatronModel``, which presents it HF-style (``.logits`` / ``.values``,
+  a ``DynamicCache`` KV cache) to the decode loop, the streaming scorers and the loss
+  functions, so the trainer and the PPO math are the same for both backends. Critic and reward: a GPTModel without ``output_layer`` plus
   a scalar value head.
 * **Process groups** come from ``megatron.parallel.init_model_parallel`` once and are passed
   to every model and engine (``ParallelGroups``). ``rank`` / ``world_size`` of an engine are
@@ -239,11 +240,15 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     """Actor and critic as ``MegatronTrainEngine``s, reference and reward as frozen
     ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``.
 
-    The HF models are built as the DeepSpeed backend builds them (same seeds, same
-    checkpoints) and converted; every rank converts only its own shard."""
+    A safetensors checkpoint directory is read without building the HF model: every rank
+    reads only its own blocks of the tensors of its pipeline stage (``megatron.loading``).
+    Other sources are built as the DeepSpeed backend builds them (architectures from config
+    with the same seeds; ``.bin`` checkpoints whole, in host memory on every rank) and
+    converted; every rank keeps only its own shard."""
+    from ..megatron.loading import CheckpointError, is_safetensors_checkpoint, load_megatron_model
     from ..megatron.model import build_model
     from ..megatron.parallel import device as accelerator, init_model_parallel
-    from ..models import build_causal_lm, build_value_model, disable_dropout
+    from ..models import FROM_CONFIG_ARCHS, build_causal_lm, build_value_model, disable_dropout
     from .factory import Models
 
     check_megatron_config(cfg)
@@ -254,28 +259,53 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed)
     dtype, where = _DTYPES[s.dtype], accelerator()
     hf_args = dict(common, dtype="fp32")  # converted in fp32, cast after sharding
+    first_rank = dist.get_rank() == 0
 
-    def convert(hf_model, kind: str):
-        try:
+    def load(source: str, kind: str, *, require_head: bool = False):
+        if is_safetensors_checkpoint(source):
+            if first_rank:
+                logger.info("%s: each rank reads its own shard from the safetensors files "
+                            "(no whole model in host memory)", source)
+            with _conversion_errors(CheckpointError):
+                return load_megatron_model(source, groups, kind, dtype=dtype, device=where,
+                                           require_head=require_head,
+                                           trust_remote_code=common.get("trust_remote_code",
+                                                                        False))
+        if first_rank and source not in FROM_CONFIG_ARCHS:
+            logger.info("%s: no safetensors weights; every rank loads the whole HF model into "
+                        "host memory and keeps its shard (a safetensors checkpoint is read "
+                        "shard by shard)", source)
+        if kind == "lm":
+            hf_model = build_causal_lm(source, **hf_args)
+        else:
+            hf_model = build_value_model(source, require_head=require_head, **hf_args)
+        with _conversion_errors(CheckpointError):
             return build_model(disable_dropout(hf_model), groups, kind, dtype=dtype, device=where)
-        except ValueError as err:  # an architecture or a size the conversion cannot take
-            raise ConfigError("system.backend", f"megatron: {err}") from None
 
     train = dict(total_steps=engine_args["total_steps"], weight_decay=engine_args["weight_decay"],
                  warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
                  gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
                  grad_clip=engine_args["grad_clip"])
-    actor = MegatronTrainEngine(convert(build_causal_lm(sources.actor, **hf_args), "lm"), groups,
-                                lr=p.actor_lr, **train)
-    critic = MegatronTrainEngine(convert(build_value_model(sources.critic, **hf_args), "value"),
-                                 groups, lr=p.critic_lr, **train)
-    reference = _frozen(convert(build_causal_lm(sources.reference, **hf_args), "lm"))
-    reward = _frozen(convert(build_value_model(sources.reward, require_head=True, **hf_args),
-                             "value"))
-    if dist.get_rank() == 0:
+    actor = MegatronTrainEngine(load(sources.actor, "lm"), groups, lr=p.actor_lr, **train)
+    critic = MegatronTrainEngine(load(sources.critic, "value"), groups, lr=p.critic_lr, **train)
+    reference = _frozen(load(sources.reference, "lm"))
+    reward = _frozen(load(sources.reward, "value", require_head=True))
+    if first_rank:
         logger.info("Megatron-core backend: tensor_parallel=%d pipeline_parallel=%d "
                     "data_parallel=%d, %s on %s", groups.tp, groups.pp, groups.dp, s.dtype, where)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)
+
+
+@contextlib.contextmanager
+def _conversion_errors(passed: type):
+    """A ``ValueError`` of the conversion (an architecture or a size it cannot take) as a
+    ``ConfigError`` on ``system.backend``; ``passed`` errors (the checkpoint's) unchanged."""
+    try:
+        yield
+    except passed:
+        raise
+    except ValueError as err:
+        raise ConfigError("system.backend", f"megatron: {err}") from None
 
 
 def _frozen(model):

@@ -27,8 +27,13 @@ head (``models.ValueHeadModel``).
 Pipeline stages hold consecutive layers: stage p has layers ``[p*L/pp, (p+1)*L/pp)``,
 numbered from 0 inside its ``GPTModel``.
 
-Functions take a ``get(name) -> tensor`` for the HF side, so that a reader of a checkpoint's
-tensors one at a time can replace the in-memory state dict used today.
+Functions take a ``get(name) -> tensor`` for the HF side: an in-memory state dict's
+``__getitem__``, or ``megatron.loading.SafetensorsReader``, which reads a checkpoint's tensors
+one at a time. A getter that also has ``rows(name, start, stop)``, ``cols(name, start,
+stop)`` and ``dims(name)`` is asked for only this rank's block of a split tensor (every split here is one
+contiguous block of rows or columns per rank, the fused qkv included: a rank's query groups
+are consecutive). Each converted tensor is copied out at once, so no whole HF tensor is held
+longer than its own conversion.
 """
 from __future__ import annotations
 
@@ -106,30 +111,74 @@ def check_parallel(shape: Shape, tp: int, pp: int) -> None:
 
 # ------------------------------------------------------------------------------ helpers
 
-def _rows(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
-    return t.chunk(parts, dim=0)[index]
+class CheckpointError(ValueError):
+    """HF tensors that do not fit the model: a tensor missing, or of another size than
+    config.json implies."""
 
 
-def _cols(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
-    return t.chunk(parts, dim=1)[index]
+def _read_rows(get, name: str, start: int, stop: int, total: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of HF tensor ``name`` of ``total`` rows: only those read when
+    ``get`` can (it then has ``rows`` and ``dims``, the size from the file's header)."""
+    rows = getattr(get, "rows", None)
+    if rows is None:
+        whole = get(name)
+        have, block = whole.shape[0], whole[start:stop]
+    else:
+        have, block = get.dims(name)[0], rows(name, start, stop)
+    if have != total:
+        raise CheckpointError(f"{name} has {have} rows, config.json implies {total}")
+    return block
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+def _read_cols(get, name: str, start: int, stop: int, total: int) -> torch.Tensor:
+    """Columns ``[start, stop)`` of the 2-D HF tensor ``name`` of ``total`` columns."""
+    cols = getattr(get, "cols", None)
+    if cols is None:
+        whole = get(name)
+        have, block = whole.shape[1], whole[:, start:stop]
+    else:
+        have, block = get.dims(name)[1], cols(name, start, stop)
+    if have != total:
+        raise CheckpointError(f"{name} has {have} columns, config.json implies {total}")
+    return block
 
 
-def _fuse_qkv(q, k, v, shape: Shape, tp: int, tp_rank: int) -> torch.Tensor:
-    """HF q (n_heads*D, ...), k, v (n_groups*D, ...) -> this rank's rows of linear_qkv."""
-    per_group = shape.heads // shape.groups
-    d = shape.head_dim
-    q = q.reshape(shape.groups, per_group * d, *q.shape[1:])
-    k = k.reshape(shape.groups, d, *k.shape[1:])
-    v = v.reshape(shape.groups, d, *v.shape[1:])
-    fused = torch.cat([q, k, v], dim=1)          # (groups, (per_group + 2) * D, ...)
-    mine = fused.chunk(tp, dim=0)[tp_rank]       # this rank's consecutive groups
-    return mine.reshape(-1, *q.shape[2:])
+def _row_block(get, name: str, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """This rank's block of a tensor of ``rows`` rows split by rows into ``tp`` parts."""
+    per = rows // tp
+    return _read_rows(get, name, tp_rank * per, (tp_rank + 1) * per, rows)
+
+
+def _col_block(get, name: str, cols: int, tp: int, tp_rank: int) -> torch.Tensor:
+    per = cols // tp
+    return _read_cols(get, name, tp_rank * per, (tp_rank + 1) * per, cols)
+
+
+def _vocab_block(get, name: str, shape: Shape, tp: int, tp_rank: int) -> torch.Tensor:
+    """This rank's rows of an (V, H) embedding or LM head padded to ``padded_vocab(tp)``
+    rows: the real rows read, the padding zeros."""
+    per = shape.padded_vocab(tp) // tp
+    start, stop = tp_rank * per, (tp_rank + 1) * per
+    real = _read_rows(get, name, min(start, shape.vocab_size), min(stop, shape.vocab_size),
+                      shape.vocab_size)
+    if real.shape[0] == per:
+        return real
+    return torch.cat([real, real.new_zeros(per - real.shape[0], *real.shape[1:])])
+
+
+def _fuse_qkv(get, names: tuple[str, str, str], shape: Shape, tp: int,
+              tp_rank: int) -> torch.Tensor:
+    """HF q (n_heads*D, ...), k, v (n_groups*D, ...) -> this rank's rows of linear_qkv: its
+    groups are consecutive, so it needs one row block of each of q, k and v."""
+    per_group, d, local = shape.heads // shape.groups, shape.head_dim, shape.groups // tp
+    q = _row_block(get, names[0], shape.heads * d, tp, tp_rank)
+    k = _row_block(get, names[1], shape.groups * d, tp, tp_rank)
+    v = _row_block(get, names[2], shape.groups * d, tp, tp_rank)
+    q = q.reshape(local, per_group * d, *q.shape[1:])
+    k = k.reshape(local, d, *k.shape[1:])
+    v = v.reshape(local, d, *v.shape[1:])
+    fused = torch.cat([q, k, v], dim=1)          # (local groups, (per_group + 2) * D, ...)
+    return fused.reshape(-1, *q.shape[2:])
 
 
 def _split_qkv(fused: list[torch.Tensor], shape: Shape):
@@ -156,7 +205,8 @@ def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: Shape, *, tp: int 
     """The state dict of one (tp_rank, pp_rank) Megatron ``GPTModel`` from HF tensors.
 
     Args:
-        get: HF tensor by name (e.g. ``state_dict().__getitem__`` or a safetensors reader).
+        get: HF tensor by name (``state_dict().__getitem__``, or a
+            ``loading.SafetensorsReader``, whose ``rows`` / ``cols`` are used for split tensors).
         prefix: of the decoder's HF names: ``"model."`` (causal LM) or ``""`` (base model).
         lm_head: the last stage gets ``output_layer`` (causal LM; ``lm_head.weight``, or the
             embedding when tied).
@@ -164,37 +214,38 @@ def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: Shape, *, tp: int 
     """
     check_parallel(shape, tp, pp)
     out: dict[str, torch.Tensor] = {}
-    vocab = shape.padded_vocab(tp)
+
+    def put(key: str, tensor: torch.Tensor) -> None:
+        # an owned contiguous copy now: a view would keep a whole HF tensor alive
+        out[key] = tensor.detach().clone(memory_format=torch.contiguous_format)
+
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
-        embed = _pad_rows(get(f"{prefix}embed_tokens.weight"), vocab)
-        out["embedding.word_embeddings.weight"] = _rows(embed, tp, tp_rank)
+        put("embedding.word_embeddings.weight",
+            _vocab_block(get, f"{prefix}embed_tokens.weight", shape, tp, tp_rank))
     for local, layer in enumerate(shape.layer_range(pp, pp_rank)):
         src, dst = f"{prefix}layers.{layer}.", f"decoder.layers.{local}."
         att = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
-        out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            get(att + "q_proj.weight"), get(att + "k_proj.weight"), get(att + "v_proj.weight"),
-            shape, tp, tp_rank)
-        if shape.qkv_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                get(att + "q_proj.bias"), get(att + "k_proj.bias"), get(att + "v_proj.bias"),
-                shape, tp, tp_rank)
-        out[dst + "self_attention.linear_proj.weight"] = _cols(get(att + "o_proj.weight"), tp,
-                                                               tp_rank)
-        out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
-        gate, up = get(src + "mlp.gate_proj.weight"), get(src + "mlp.up_proj.weight")
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([_rows(gate, tp, tp_rank),
-                                                        _rows(up, tp, tp_rank)])
-        out[dst + "mlp.linear_fc2.weight"] = _cols(get(src + "mlp.down_proj.weight"), tp, tp_rank)
+        put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            put(dst + f"self_attention.linear_qkv.{kind}", _fuse_qkv(
+                get, tuple(f"{att}{m}_proj.{kind}" for m in "qkv"), shape, tp, tp_rank))
+        put(dst + "self_attention.linear_proj.weight",
+            _col_block(get, att + "o_proj.weight", shape.heads * shape.head_dim, tp, tp_rank))
+        put(dst + "pre_mlp_layernorm.weight", get(src + "post_attention_layernorm.weight"))
+        put(dst + "mlp.linear_fc1.weight", torch.cat(
+            [_row_block(get, src + f"mlp.{m}_proj.weight", shape.ffn, tp, tp_rank)
+             for m in ("gate", "up")]))
+        put(dst + "mlp.linear_fc2.weight",
+            _col_block(get, src + "mlp.down_proj.weight", shape.ffn, tp, tp_rank))
     if last:
-        out["decoder.final_layernorm.weight"] = get(f"{prefix}norm.weight")
+        put("decoder.final_layernorm.weight", get(f"{prefix}norm.weight"))
         if lm_head:
-            head = get(f"{prefix}embed_tokens.weight") if shape.tied else get("lm_head.weight")
-            out["output_layer.weight"] = _rows(_pad_rows(head, vocab), tp, tp_rank)
+            head = f"{prefix}embed_tokens.weight" if shape.tied else "lm_head.weight"
+            put("output_layer.weight", _vocab_block(get, head, shape, tp, tp_rank))
         if value_head:
-            out["value_head.weight"] = get("value_head.weight")
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+            put("value_head.weight", get("value_head.weight"))
+    return out
 
 
 # ------------------------------------------------------------------------------ Megatron -> HF

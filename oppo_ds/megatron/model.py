@@ -266,14 +266,23 @@ def build_model(hf_model, groups: ParallelGroups, kind: str, *, dtype: torch.dty
                 device: torch.device) -> MegatronModel:
     """This rank's ``MegatronModel`` with the weights of ``hf_model`` (an HF Llama / Qwen2
     causal LM for ``kind="lm"``, a ``models.ValueHeadModel`` for ``kind="value"``)."""
-    from .convert import hf_prefix, shape_of
+    from .convert import hf_prefix
 
-    shape = shape_of(hf_model.config)
-    model = MegatronModel(build_gpt(shape, groups, dtype, lm_head=kind == "lm"), shape, groups,
-                          kind, hf_config=hf_model.config)
     state = hf_model.state_dict()
     if kind == "value":
         state = {k[len("body."):] if k.startswith("body.") else k: v for k, v in state.items()}
+    return build_from_tensors(hf_model.config, state.__getitem__, hf_prefix(state), groups, kind,
+                              dtype=dtype, device=device)
 
-    model.load_hf_state(state.__getitem__, hf_prefix(state))
+
+def build_from_tensors(hf_config, get, prefix: str, groups: ParallelGroups, kind: str, *,
+                       dtype: torch.dtype, device: torch.device) -> MegatronModel:
+    """This rank's ``MegatronModel`` of the shape of ``hf_config``, its shard converted from
+    ``get(name)`` (HF names under ``prefix``, see ``convert.hf_to_megatron``)."""
+    from .convert import shape_of
+
+    shape = shape_of(hf_config)
+    model = MegatronModel(build_gpt(shape, groups, dtype, lm_head=kind == "lm"), shape, groups,
+                          kind, hf_config=hf_config)
+    model.load_hf_state(get, prefix)
     return model.to(device=device, dtype=dtype)
