@@ -3,6 +3,7 @@
 CPU ranks that talk over gloo. Ports are chosen free, never fixed."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -23,12 +24,17 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
 def launch(out_dir, cache_dir, *overrides, ranks=2):
     launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
     assert launcher, "the deepspeed launcher is installed with deepspeed"
-    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(find_free_port()),
+    port = find_free_port()
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(port),
            "--module", "oppo_ds.train", *SMALL, f"workload.cache_dir={cache_dir}",
            f"logging.output_dir={out_dir}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # DeepSpeed's CPU all-reduce maps a ~66 MB /dev/shm buffer per rank and never removes it;
+    # the ranks remove theirs once every rank has mapped them (init_distributed_if_needed)
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    assert not left, f"shared-memory buffers left behind: {left}"
     return proc
 
 

@@ -169,13 +169,47 @@ def init_distributed_if_needed() -> None:
                     os.environ[key] = value if value is not None else str(find_free_port())
                     added.append(key)
     # If torch.distributed is already up, deepspeed.comm wraps the existing group.
+    shm_name = _shm_buffer_name()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    if shm_name is not None:
+        _unlink_shm_buffer(shm_name)
     # The group exists now: drop the rendezvous variables we invented, so that processes this
     # one starts (a benchmark's runs, a test's launcher) do not inherit and collide on this
     # port. LOCAL_RANK stays: every deepspeed.initialize reads it.
     for key in added:
         if key != "LOCAL_RANK":
             os.environ.pop(key, None)
+
+
+def _shm_buffer_name() -> str | None:
+    """The /dev/shm file DeepSpeed's CPU communication op creates for this rank when every
+    rank of the job is on this machine (deepspeed/ops/csrc/cpu/comm/shm.cpp and
+    shm_interface.cpp: ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``,
+    under the condition WORLD_SIZE == LOCAL_SIZE), or None when it creates none."""
+    if get_accelerator().device_name() != "cpu":
+        return None
+    env = os.environ
+    world, local = env.get("WORLD_SIZE"), env.get("LOCAL_SIZE")
+    if world is None or world != local or "RANK" not in env:
+        return None
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+            f"{env.get('MASTER_PORT', '')}_{env['RANK']}")
+
+
+def _unlink_shm_buffer(path: str) -> None:
+    """DeepSpeed never removes its ~66 MB shared-memory buffer: on a machine that runs many
+    jobs they pile up in /dev/shm (RAM) until it is full (seen: 21 GB after a day of test
+    runs). Every rank maps all ranks' buffers during init; after a barrier no rank needs the
+    names any more, and the mappings stay valid after the unlink, so each rank removes its own."""
+    if not torch.distributed.is_initialized():
+        return
+    torch.distributed.barrier()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # not ours to fail a run over
+        logger.warning("could not remove DeepSpeed's shared-memory buffer %s: %s", path, err)
 
 
 _ALONE: dict[int, Any] = {}
