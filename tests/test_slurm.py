@@ -230,6 +230,13 @@ def _job_field(env, job: str, field: str) -> str:
     return match.group(1) if match else ""
 
 
+def _steps(env, job: str) -> list[str]:
+    """The job's running steps (squeue), empty when none."""
+    proc = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", job, "--format", "%i"],
+                          capture_output=True, text=True, env=env)
+    return proc.stdout.split()
+
+
 def _read(path) -> str:
     return open(path).read() if os.path.exists(path) else ""
 
@@ -266,7 +273,12 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
               "two steps logged", 240, poll=0.1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_cluster, check=True)
     _wait_for(lambda: _job_field(slurm_cluster, job, "Restarts") == "1", "the job is requeued", 240)
-    # Slurm holds a requeued job back (its BeginTime, ~2 min later): release it now
+    # Slurm holds a requeued job back (its BeginTime, ~2 min later) so that the first run's
+    # step can finish on the node; released before that, slurmd refuses to launch it ("Job
+    # credential revoked"). Wait until the controller lists none of its steps, and give slurmd
+    # the seconds it took in CI to finish the step (3 s) several times over, then release it.
+    _wait_for(lambda: not _steps(slurm_cluster, job), "the first run's steps end", 120)
+    time.sleep(10)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_cluster, check=True)
     # the first run's end can still show as the job's state for a moment: wait for the
     # second run's own output before reading the state
