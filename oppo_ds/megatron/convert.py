@@ -116,31 +116,28 @@ class CheckpointError(ValueError):
     config.json implies."""
 
 
-def _read_rows(get, name: str, start: int, stop: int, total: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` of HF tensor ``name`` of ``total`` rows: only those read when
-    ``get`` can (it then has ``rows`` and ``dims``, the size from the file's header)."""
-    rows = getattr(get, "rows", None)
-    if rows is None:
+def _read_block(get, name: str, dim: int, start: int, stop: int, total: int) -> torch.Tensor:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of HF tensor ``name``, which
+    must have ``total`` of them: only those are read when ``get`` can (it then has ``rows`` /
+    ``cols`` and ``dims``, the size from the file's header)."""
+    read = getattr(get, ("rows", "cols")[dim], None)
+    if read is None:
         whole = get(name)
-        have, block = whole.shape[0], whole[start:stop]
+        have, block = whole.shape[dim], whole.narrow(dim, start, stop - start)
     else:
-        have, block = get.dims(name)[0], rows(name, start, stop)
+        have, block = get.dims(name)[dim], read(name, start, stop)
     if have != total:
-        raise CheckpointError(f"{name} has {have} rows, config.json implies {total}")
+        raise CheckpointError(f"{name} has {have} {('rows', 'columns')[dim]}, config.json "
+                              f"implies {total}")
     return block
+
+
+def _read_rows(get, name: str, start: int, stop: int, total: int) -> torch.Tensor:
+    return _read_block(get, name, 0, start, stop, total)
 
 
 def _read_cols(get, name: str, start: int, stop: int, total: int) -> torch.Tensor:
-    """Columns ``[start, stop)`` of the 2-D HF tensor ``name`` of ``total`` columns."""
-    cols = getattr(get, "cols", None)
-    if cols is None:
-        whole = get(name)
-        have, block = whole.shape[1], whole[:, start:stop]
-    else:
-        have, block = get.dims(name)[1], cols(name, start, stop)
-    if have != total:
-        raise CheckpointError(f"{name} has {have} columns, config.json implies {total}")
-    return block
+    return _read_block(get, name, 1, start, stop, total)
 
 
 def _row_block(get, name: str, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
