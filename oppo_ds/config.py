@@ -247,6 +247,11 @@ class SystemConfig:
     """Tensor-parallel size of the Megatron-core models (backend: megatron only)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size of the Megatron-core models (backend: megatron only)."""
+    megatron_layers: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation of the Megatron-core models: TransformerEngine's fused modules
+    (needs the transformer_engine package and CUDA GPUs), megatron-core's own `local` ones, or
+    `auto` = TransformerEngine where it imports and a GPU is visible, else local. Checkpoints
+    of the Megatron engine resume only under the spec that wrote them."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage for actor and critic."""
     offload: bool = False
@@ -281,6 +286,9 @@ class SystemConfig:
             _require(self.backend == "megatron" or getattr(self, key) == 1, key,
                      f"needs backend: megatron (DeepSpeed's tensor parallel for generation is "
                      f"inference_tp_size), got {getattr(self, key)} with backend: {self.backend}")
+        _require(self.backend == "megatron" or self.megatron_layers == "auto", "megatron_layers",
+                 f"needs backend: megatron, got {self.megatron_layers} with backend: "
+                 f"{self.backend}")
         _require(not self.partition_reference or self.zero_stage == 3, "partition_reference",
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")
         _require(not self.offload_reference or self.partition_reference, "offload_reference",

@@ -26,7 +26,9 @@ from _builders import spawn_and_collect
 
 import megatron.core  # noqa: E402,F401  the test extra installs it: missing is a failure, not a skip
 
-from oppo_ds.megatron.convert import hf_to_megatron, megatron_to_hf, shape_of  # noqa: E402
+from oppo_ds.megatron.convert import (fuse_norm_names, hf_to_megatron, megatron_to_hf,  # noqa: E402
+                                      shape_of, unfuse_norm_names)
+from oppo_ds.megatron.model import transformer_engine_usable  # noqa: E402
 from oppo_ds.models import build_causal_lm, build_value_model, tiny_config  # noqa: E402
 
 VOCAB = 101  # not a multiple of tp: the vocabulary padding is exercised
@@ -72,6 +74,36 @@ def test_qwen2_fused_qkv_layout_by_query_group():
     assert torch.equal(group1[:per_group * d], state[att + "q_proj.bias"][per_group * d:])
     assert torch.equal(group1[per_group * d:(per_group + 1) * d], state[att + "k_proj.bias"][d:])
     assert torch.equal(group1[(per_group + 1) * d:], state[att + "v_proj.bias"][d:])
+
+
+def test_fused_norm_names_are_megatron_cores_own_mapping():
+    """Under TransformerEngine's spec a layer's norms live in the linears after them.
+    megatron-core states the correspondence itself, in the local spec's
+    ``sharded_state_dict_keys_map`` (local prefix -> TE prefix, for its distributed
+    checkpoints); our renaming must be the same, both ways, and touch nothing else."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    shape = shape_of(tiny_config("tiny-llama", VOCAB))
+    state = hf_to_megatron(build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).state_dict()
+                           .__getitem__, shape)
+    keys_map = get_gpt_layer_local_spec(normalization="RMSNorm").submodules \
+        .sharded_state_dict_keys_map
+    assert keys_map, "megatron-core's local spec no longer states its TE names"
+
+    def megatron_says(key):
+        layer, _, rest = key.partition(".layers.")
+        index, _, name = rest.partition(".")
+        for local, te in keys_map.items():
+            if name.startswith(local):
+                return f"{layer}.layers.{index}.{te}{name[len(local):]}"
+        return key
+
+    fused = fuse_norm_names(state)
+    assert list(fused) == [megatron_says(k) if ".layers." in k else k for k in state]
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in fused
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in fused
+    assert all(fused[megatron_says(k) if ".layers." in k else k] is v for k, v in state.items())
+    assert unfuse_norm_names(fused).keys() == state.keys()
 
 
 def test_unsupported_architecture_is_refused():
@@ -129,13 +161,57 @@ def _grad_error(hf_grads: dict, model, prefix: str) -> float:
     want = hf_to_megatron(hf_grads.__getitem__, model.shape, tp=g.tp, tp_rank=g.tp_rank,
                           pp=g.pp, pp_rank=g.pp_rank, prefix=prefix, lm_head=model.kind == "lm",
                           value_head=model.value_head is not None)
-    got = {k.removeprefix("gpt."): p.grad for k, p in model.named_parameters()}
+    got = unfuse_norm_names({k.removeprefix("gpt."): p.grad for k, p in model.named_parameters()})
     assert set(got) == set(want)
     return max(float((got[k] - w).abs().max() / w.abs().max().clamp(min=1e-12))
                for k, w in want.items())
 
 
-def _equality_worker(rank, world, out, tp, pp):
+def _cached_logits(lm, ids, mask, pos):
+    """Logits of the prompt fed in two pieces, then token by token, through the KV cache
+    (to compare with one whole forward), and the cache."""
+    step = lm(input_ids=ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4],
+              use_cache=True)
+    parts, cache = [step.logits], step.past_key_values
+    for t in range(4, ids.shape[1]):
+        step = lm(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
+                  position_ids=pos[:, t:t + 1], past_key_values=cache, use_cache=True)
+        parts.append(step.logits)
+    return torch.cat(parts, 1), cache
+
+
+def _fused_norm_spec():
+    """The local layer spec with TransformerEngine's layout: no separate norms; the RMSNorm
+    applied inside ``linear_qkv`` and ``linear_fc1``, its weight named ``layer_norm_weight``.
+
+    A CPU stand-in for ``TELayerNormColumnParallelLinear``, because TransformerEngine runs on
+    CUDA only; it checks what our code does differently under TE's spec (the renamed norm
+    weights, the forward through fused submodules). TE itself is tested on a GPU below."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    class FusedNormColumnLinear(ColumnParallelLinear):
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size))
+            self.eps = config.layernorm_epsilon
+
+        def forward(self, x):
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return super().forward(self.layer_norm_weight * normed)
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.input_layernorm = IdentityOp
+    spec.submodules.pre_mlp_layernorm = IdentityOp
+    spec.submodules.self_attention.submodules.linear_qkv = FusedNormColumnLinear
+    spec.submodules.mlp.submodules.linear_fc1 = FusedNormColumnLinear
+    return spec
+
+
+def _equality_worker(rank, world, out, tp, pp, layers="local"):
     from _builders import sharpen
 
     from oppo_ds.megatron.model import build_model
@@ -143,25 +219,24 @@ def _equality_worker(rank, world, out, tp, pp):
 
     groups = init_model_parallel(tp, pp)
     cpu = torch.device("cpu")
+    spec = _fused_norm_spec() if layers == "fused" else layers
     ids, mask, pos = _inputs()
     real = mask.bool()
     report = {}
     for arch in ARCHS:
         hf = build_causal_lm(arch, vocab_size=VOCAB, seed=0)
-        lm = build_model(hf, groups, "lm", dtype=torch.float32, device=cpu)
+        lm = build_model(hf, groups, "lm", dtype=torch.float32, device=cpu, spec=spec)
+        report[arch, "fused_norms"] = lm.fused_norms
+        if tp * pp == 1:  # the weights come back under HF's names, unchanged
+            back = lm.to_hf().state_dict()
+            report[arch, "round_trip"] = all(torch.equal(back[k], v)
+                                             for k, v in hf.state_dict().items())
         got, report[arch, "logits"] = _forward_backward(hf, lm, "logits", ids, mask, pos)
         report[arch, "lm_grads"] = _grad_error(
             {k: p.grad for k, p in hf.named_parameters()}, lm, "model.")
-        # the KV cache: the prompt in two pieces, then token by token, equals one forward
         with torch.no_grad():
-            step = lm(input_ids=ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4],
-                      use_cache=True)
-            parts, cache = [step.logits], step.past_key_values
-            for t in range(4, ids.shape[1]):
-                step = lm(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
-                          position_ids=pos[:, t:t + 1], past_key_values=cache, use_cache=True)
-                parts.append(step.logits)
-            report[arch, "cache"] = float((torch.cat(parts, 1) - got)[real].abs().max())
+            logits, cache = _cached_logits(lm, ids, mask, pos)
+            report[arch, "cache"] = float((logits - got)[real].abs().max())
             report[arch, "cache_heads"] = tuple(cache.layers[0].keys.shape[:2])
             if pp == 1:  # megatron-core's own forward (no padding: it takes index positions)
                 full = ids[:, :5].clone().clamp(min=3)
@@ -171,19 +246,25 @@ def _equality_worker(rank, world, out, tp, pp):
                 report[arch, "gpt_forward"] = float((lm(input_ids=full).logits - own).abs().max())
         value = sharpen(build_value_model(arch, vocab_size=VOCAB, seed=2), seed=12)
         value.train()
-        critic = build_model(value, groups, "value", dtype=torch.float32, device=cpu)
+        critic = build_model(value, groups, "value", dtype=torch.float32, device=cpu, spec=spec)
         _, report[arch, "values"] = _forward_backward(value, critic, "values", ids, mask, pos)
         report[arch, "value_grads"] = _grad_error(
             {k.removeprefix("body."): p.grad for k, p in value.named_parameters()}, critic, "")
     out.put(("report", rank, report))
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_megatron_model_equals_hf(tp, pp, torch_one_thread):
-    reports = [m for m in _spawn(_equality_worker, tp * pp, tp, pp) if m[0] == "report"]
+@pytest.mark.parametrize("tp,pp,layers", [(1, 1, "local"), (2, 1, "local"), (1, 2, "local"),
+                                         (1, 1, "fused"), (2, 1, "fused")])
+def test_megatron_model_equals_hf(tp, pp, layers, torch_one_thread):
+    """``layers="fused"``: TransformerEngine's layout with a CPU stand-in for its fused
+    layernorm-linear (``_fused_norm_spec``)."""
+    reports = [m for m in _spawn(_equality_worker, tp * pp, tp, pp, layers) if m[0] == "report"]
     assert len(reports) == tp * pp
     for _, rank, report in reports:
         for arch in ARCHS:
+            assert report[arch, "fused_norms"] == (layers == "fused")
+            if tp * pp == 1:
+                assert report[arch, "round_trip"], (arch, layers)
             for what in ("logits", "values", "cache"):
                 assert report[arch, what] < ATOL, (rank, arch, what, report)
             for what in ("lm_grads", "value_grads"):
@@ -192,6 +273,52 @@ def test_megatron_model_equals_hf(tp, pp, torch_one_thread):
             assert report[arch, "cache_heads"] == (4, 2 // tp)
             if pp == 1:
                 assert report[arch, "gpt_forward"] < ATOL, (rank, arch, report)
+
+
+def _transformer_engine_worker(rank, world, out):
+    from _builders import sharpen
+
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import init_model_parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    groups = init_model_parallel(1, 1)
+    gpu = torch.device("cuda", 0)
+    ids, mask, pos = (t.to(gpu) for t in _inputs())
+    real = mask.bool()
+    report = {}
+    for arch in ARCHS:
+        hf = build_causal_lm(arch, vocab_size=VOCAB, seed=0).to(gpu)
+        lm = build_model(hf, groups, "lm", dtype=torch.float32, device=gpu,
+                         spec="transformer_engine")
+        value = sharpen(build_value_model(arch, vocab_size=VOCAB, seed=2), seed=12).to(gpu)
+        critic = build_model(value, groups, "value", dtype=torch.float32, device=gpu,
+                             spec="transformer_engine")
+        report[arch, "fused_norms"] = lm.fused_norms and critic.fused_norms
+        report[arch, "logits"] = _forward_backward(hf, lm, "logits", ids, mask, pos)[1]
+        report[arch, "values"] = _forward_backward(value, critic, "values", ids, mask, pos)[1]
+        with torch.no_grad():
+            whole = lm(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            report[arch, "cache"] = float((_cached_logits(lm, ids, mask, pos)[0] - whole)[real]
+                                          .abs().max())
+    out.put(("report", rank, report))
+
+
+_TE_USABLE, _TE_WHY = transformer_engine_usable()
+
+
+@pytest.mark.skipif(not _TE_USABLE, reason=f"needs TransformerEngine on a GPU: {_TE_WHY}")
+def test_transformer_engine_layers_equal_hf_on_gpu(torch_one_thread):
+    """The real TE spec (fused layernorm-linear modules, TE's kernels) in fp32 on one GPU.
+    Tolerance 2e-3: TE normalises and multiplies with its own kernels, whose reduction order
+    differs from PyTorch's; the CPU tests above hold the conversion itself to 1e-5."""
+    reports = [m for m in _spawn(_transformer_engine_worker, 1) if m[0] == "report"]
+    assert len(reports) == 1
+    report = reports[0][2]
+    for arch in ARCHS:
+        assert report[arch, "fused_norms"], arch
+        for what in ("logits", "values", "cache"):
+            assert report[arch, what] < 2e-3, (arch, what, report)
 
 
 def _stage_worker(rank, world, out):
@@ -307,3 +434,27 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     assert shards == (["mp_rank_00_000.pt", "mp_rank_01_000.pt"] if "tensor" in parallel
                       else ["mp_rank_00_000.pt", "mp_rank_00_001.pt"])
     assert os.listdir(one_dir / "checkpoints" / "actor" / "step2") == ["mp_rank_00_000.pt"]
+
+
+# ------------------------------------------------------------------------------ config
+
+def test_layer_spec_settings():
+    from oppo_ds.config import ConfigError, load_config
+    from oppo_ds.engines.megatron_engine import check_megatron_config
+    from oppo_ds.megatron.model import resolve_layer_spec
+
+    with pytest.raises(ConfigError, match="needs backend: megatron") as err:
+        load_config(None, ["system.megatron_layers=local"])
+    assert err.value.key == "system.megatron_layers"
+    with pytest.raises(ConfigError, match="'auto', 'local', 'transformer_engine'"):
+        load_config(None, ["system.backend=megatron", "system.megatron_layers=te"])
+    assert resolve_layer_spec("local") == "local"
+    assert resolve_layer_spec("auto") == ("transformer_engine" if _TE_USABLE else "local")
+    cfg = load_config(None, ["system.backend=megatron", "system.megatron_layers=transformer_engine",
+                             "checkpoint.export_hf=false"])
+    if _TE_USABLE:
+        check_megatron_config(cfg)
+    else:  # asked for explicitly where it cannot run: the key and the reason, before any build
+        with pytest.raises(ConfigError, match="transformer_engine: .*use local or auto") as err:
+            check_megatron_config(cfg)
+        assert err.value.key == "system.megatron_layers"

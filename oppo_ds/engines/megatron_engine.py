@@ -4,13 +4,14 @@ reference and reward.
 
 Design (docs/megatron.md has the long version):
 
-* **Models.** Each model is a megatron-core ``GPTModel`` (local layer spec) converted from HF
-  Llama / Qwen2 weights by ``megatron.convert`` (read rank by rank from safetensors files by
-  ``megatron.loading``, without building the HF model), wrapped in
-  ``megatron.model.MegatronModel``, which presents it HF-style (``.logits`` / ``.values``,
-  a ``DynamicCache`` KV cache) to the decode loop, the streaming scorers and the loss
-  functions, so the trainer and the PPO math are the same for both backends. Critic and reward: a GPTModel without ``output_layer`` plus
-  a scalar value head.
+* **Models.** Each model is a megatron-core ``GPTModel`` (TransformerEngine or local layer
+  spec, ``system.megatron_layers``) converted from HF Llama / Qwen2 weights by
+  ``megatron.convert`` (read rank by rank from safetensors files by ``megatron.loading``,
+  without building the HF model), wrapped in ``megatron.model.MegatronModel``, which presents
+  it HF-style (``.logits`` / ``.values``, a ``DynamicCache`` KV cache) to the decode loop, the
+  streaming scorers and the loss functions, so the trainer and the PPO math are the same for
+  both backends. Critic and reward: a GPTModel without ``output_layer`` plus a scalar value
+  head.
 * **Process groups** come from ``megatron.parallel.init_model_parallel`` once and are passed
   to every model and engine (``ParallelGroups``). ``rank`` / ``world_size`` of an engine are
   its *data-parallel* rank and size: ranks of one model replica (its tensor-parallel and
@@ -228,6 +229,13 @@ def check_megatron_config(cfg: Config) -> None:
         raise ConfigError("oppo.placement", "stage placement with backend megatron is not wired "
                           "into the trainer yet: the scorer rank would build HF models (see "
                           "docs/megatron.md); use inline or colocated")
+    if s.megatron_layers == "transformer_engine":
+        from ..megatron.model import transformer_engine_usable
+
+        usable, why = transformer_engine_usable()
+        if not usable:
+            raise ConfigError("system.megatron_layers", f"transformer_engine: {why}; use local "
+                              f"or auto")
     if cfg.checkpoint.export_hf and s.tensor_parallel * s.pipeline_parallel > 1:
         raise ConfigError("checkpoint.export_hf", "exporting Hugging Face weights from a "
                           "tensor/pipeline-parallel run is not supported yet (the trainer saves "
@@ -246,7 +254,7 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     with the same seeds; ``.bin`` checkpoints whole, in host memory on every rank) and
     converted; every rank keeps only its own shard."""
     from ..megatron.loading import CheckpointError, is_safetensors_checkpoint, load_megatron_model
-    from ..megatron.model import build_model
+    from ..megatron.model import build_model, resolve_layer_spec
     from ..megatron.parallel import device as accelerator, init_model_parallel
     from ..models import FROM_CONFIG_ARCHS, build_causal_lm, build_value_model, disable_dropout
     from .factory import Models
@@ -258,6 +266,7 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                           "ranks (no scorer rank)")
     groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed)
     dtype, where = _DTYPES[s.dtype], accelerator()
+    spec = resolve_layer_spec(s.megatron_layers)
     hf_args = dict(common, dtype="fp32")  # converted in fp32, cast after sharding
     first_rank = dist.get_rank() == 0
 
@@ -270,7 +279,7 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                 return load_megatron_model(source, groups, kind, dtype=dtype, device=where,
                                            require_head=require_head,
                                            trust_remote_code=common.get("trust_remote_code",
-                                                                        False))
+                                                                        False), spec=spec)
         if first_rank and source not in FROM_CONFIG_ARCHS:
             logger.info("%s: no safetensors weights; every rank loads the whole HF model into "
                         "host memory and keeps its shard (a safetensors checkpoint is read "
@@ -280,7 +289,8 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
         else:
             hf_model = build_value_model(source, require_head=require_head, **hf_args)
         with _conversion_errors(CheckpointError):
-            return build_model(disable_dropout(hf_model), groups, kind, dtype=dtype, device=where)
+            return build_model(disable_dropout(hf_model), groups, kind, dtype=dtype, device=where,
+                               spec=spec)
 
     train = dict(total_steps=engine_args["total_steps"], weight_decay=engine_args["weight_decay"],
                  warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
@@ -292,7 +302,8 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     reward = _frozen(load(sources.reward, "value", require_head=True))
     if first_rank:
         logger.info("Megatron-core backend: tensor_parallel=%d pipeline_parallel=%d "
-                    "data_parallel=%d, %s on %s", groups.tp, groups.pp, groups.dp, s.dtype, where)
+                    "data_parallel=%d, %s on %s, %s layers", groups.tp, groups.pp, groups.dp,
+                    s.dtype, where, spec)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)
 
 

@@ -34,9 +34,17 @@ stop)`` and ``dims(name)`` is asked for only this rank's block of a split tensor
 contiguous block of rows or columns per rank, the fused qkv included: a rank's query groups
 are consecutive). Each converted tensor is copied out at once, so no whole HF tensor is held
 longer than its own conversion.
+
+**Layer specs that fuse the norms.** TransformerEngine's spec folds each layer's RMSNorm into
+the linear after it (``TELayerNormColumnParallelLinear``): the input norm's weight becomes
+``self_attention.linear_qkv.layer_norm_weight`` and the pre-MLP norm's
+``mlp.linear_fc1.layer_norm_weight``; every other tensor keeps its name and layout.
+``fuse_norm_names`` / ``unfuse_norm_names`` move between the two namings; the functions above
+always speak the local spec's.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -287,3 +295,36 @@ def megatron_to_hf(shards: list[list[dict]], shape: Shape, *, prefix: str = "mod
     if value_head:
         out["value_head.weight"] = last["value_head.weight"]
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+# local spec name -> name under a spec that fuses the norm into the linear after it (TE)
+_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_UNFUSED_NORMS = {fused: local for local, fused in _FUSED_NORMS.items()}
+_LAYER_KEY = re.compile(r"^(decoder\.layers\.\d+\.)(.+)$")
+
+
+def _rename_layer_keys(state: dict, names: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        match = _LAYER_KEY.match(key)
+        if match and match.group(2) in names:
+            key = match.group(1) + names[match.group(2)]
+        out[key] = value
+    return out
+
+
+def fuse_norm_names(state: dict) -> dict:
+    """``state`` under the local spec's names -> the names of a spec whose column-parallel
+    linears carry the norm before them (TransformerEngine); same tensors."""
+    return _rename_layer_keys(state, _FUSED_NORMS)
+
+
+def unfuse_norm_names(state: dict) -> dict:
+    """The inverse of :func:`fuse_norm_names`."""
+    return _rename_layer_keys(state, _UNFUSED_NORMS)
+
+
+def fuses_norms(state_keys) -> bool:
+    """Whether a GPTModel with these state-dict keys keeps its norms inside the linears."""
+    return any(key.endswith(".linear_qkv.layer_norm_weight") for key in state_keys)

@@ -154,7 +154,7 @@ def open_checkpoint(path: str, kind: str, *, require_head: bool = False,
 
 def load_megatron_model(path: str, groups, kind: str, *, dtype: torch.dtype,
                         device: torch.device, require_head: bool = False,
-                        trust_remote_code: bool = False):
+                        trust_remote_code: bool = False, spec="local"):
     """This rank's ``MegatronModel`` read from the safetensors checkpoint ``path`` (no HF
     model built). ``ValueError`` for a shape the conversion cannot take, ``CheckpointError``
     for missing or misshapen tensors."""
@@ -165,7 +165,7 @@ def load_megatron_model(path: str, groups, kind: str, *, dtype: torch.dtype,
     with reader:
         try:
             return build_from_tensors(config, reader, prefix, groups, kind, dtype=dtype,
-                                      device=device)
+                                      device=device, spec=spec)
         except CheckpointError as err:  # the conversion's size checks do not know the path
             if str(err).startswith(path):
                 raise

@@ -24,6 +24,12 @@ and sends the hidden states on (``parallel.send_to_next_stage``), the last compu
 values and every stage receives them (``parallel.from_last_stage``). So all ranks of a model
 replica get the same output from every call and run the same decode loop, sampling the same
 tokens from the same generator; each stage's cache holds its own layers.
+
+Layer specs: megatron-core's local spec, or TransformerEngine's (``system.megatron_layers``).
+The forward calls a layer's submodules, so both work unchanged: under TE's spec the norms are
+``IdentityOp`` and ``linear_qkv`` / ``linear_fc1`` are TE's fused layernorm-linear modules
+(their norm weights are renamed on load, ``convert.fuse_norm_names``). TE's attention module
+is built but not called: attention here runs on the cache (``scaled_dot_product_attention``).
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ from torch import nn
 
 from ..models import ValueOutput
 from . import parallel
-from .convert import Shape, hf_to_megatron
+from .convert import (Shape, fuse_norm_names, fuses_norms, hf_to_megatron,
+                      unfuse_norm_names)
 from .parallel import ParallelGroups
 
 
@@ -63,13 +70,55 @@ def transformer_config(shape: Shape, groups: ParallelGroups, dtype: torch.dtype)
         apply_rope_fusion=False, gradient_accumulation_fusion=False)
 
 
-def build_gpt(shape: Shape, groups: ParallelGroups, dtype: torch.dtype, *, lm_head: bool):
-    """This rank's GPTModel stage (local layer spec; weights uninitialised)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+LAYER_SPECS = ("local", "transformer_engine")
 
-    gpt = GPTModel(transformer_config(shape, groups, dtype),
-                   get_gpt_layer_local_spec(normalization="RMSNorm"),
+
+def transformer_engine_usable() -> tuple[bool, str]:
+    """Whether megatron-core can build TransformerEngine layers here, and if not, why."""
+    if not torch.cuda.is_available():
+        return False, "TransformerEngine's layers run on CUDA devices only and none is visible"
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError as err:
+        return False, f"megatron.core.extensions.transformer_engine does not import ({err})"
+    if not HAVE_TE:
+        return False, "the transformer_engine package is not installed"
+    return True, ""
+
+
+def resolve_layer_spec(setting: str) -> str:
+    """``system.megatron_layers`` -> "local" or "transformer_engine" (``auto`` takes
+    TransformerEngine where it is usable)."""
+    if setting == "auto":
+        return "transformer_engine" if transformer_engine_usable()[0] else "local"
+    if setting not in LAYER_SPECS:
+        raise ValueError(f"layer spec must be auto, local or transformer_engine, got {setting!r}")
+    return setting
+
+
+def layer_spec(spec="local"):
+    """megatron-core's layer ``ModuleSpec`` by name; a ``ModuleSpec`` is returned as given."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if spec == "local":
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if spec == "transformer_engine":
+        usable, why = transformer_engine_usable()
+        if not usable:
+            raise ValueError(f"layer spec transformer_engine: {why}")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if isinstance(spec, str):
+        raise ValueError(f"layer spec must be one of {LAYER_SPECS}, got {spec!r}")
+    return spec
+
+
+def build_gpt(shape: Shape, groups: ParallelGroups, dtype: torch.dtype, *, lm_head: bool,
+              spec="local"):
+    """This rank's GPTModel stage (weights uninitialised) with the layer spec ``spec``
+    (see :func:`layer_spec`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    gpt = GPTModel(transformer_config(shape, groups, dtype), layer_spec(spec),
                    vocab_size=shape.padded_vocab(groups.tp), max_sequence_length=shape.max_positions,
                    pre_process=groups.first_stage, post_process=groups.last_stage,
                    parallel_output=True, share_embeddings_and_output_weights=False,
@@ -101,6 +150,8 @@ class MegatronModel(nn.Module):
         self.local_heads = attention.num_attention_heads_per_partition
         self.local_groups = attention.num_query_groups_per_partition
         self.head_dim = attention.hidden_size_per_attention_head
+        # TransformerEngine's spec: each norm lives inside the linear after it
+        self.fused_norms = fuses_norms(gpt.state_dict().keys())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,6 +171,8 @@ class MegatronModel(nn.Module):
                                pp_rank=g.pp_rank, prefix=prefix, lm_head=self.kind == "lm",
                                value_head=self.value_head is not None)
         head = state.pop("value_head.weight", None)
+        if self.fused_norms:
+            state = fuse_norm_names(state)
         # megatron's _extra_state entries (fp8 metadata) are not weights
         missing, unexpected = self.gpt.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
@@ -133,6 +186,8 @@ class MegatronModel(nn.Module):
     def megatron_state(self) -> dict[str, torch.Tensor]:
         """This rank's weights under ``convert``'s names (for ``megatron_to_hf``)."""
         state = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        if self.fused_norms:
+            state = unfuse_norm_names(state)
         if self.value_head is not None:
             state["value_head.weight"] = self.value_head.weight
         return {k: v.detach().cpu() for k, v in state.items()}
@@ -263,7 +318,7 @@ def _attention_mask(padding: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def build_model(hf_model, groups: ParallelGroups, kind: str, *, dtype: torch.dtype,
-                device: torch.device) -> MegatronModel:
+                device: torch.device, spec="local") -> MegatronModel:
     """This rank's ``MegatronModel`` with the weights of ``hf_model`` (an HF Llama / Qwen2
     causal LM for ``kind="lm"``, a ``models.ValueHeadModel`` for ``kind="value"``)."""
     from .convert import hf_prefix
@@ -272,17 +327,17 @@ def build_model(hf_model, groups: ParallelGroups, kind: str, *, dtype: torch.dty
     if kind == "value":
         state = {k[len("body."):] if k.startswith("body.") else k: v for k, v in state.items()}
     return build_from_tensors(hf_model.config, state.__getitem__, hf_prefix(state), groups, kind,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device, spec=spec)
 
 
 def build_from_tensors(hf_config, get, prefix: str, groups: ParallelGroups, kind: str, *,
-                       dtype: torch.dtype, device: torch.device) -> MegatronModel:
+                       dtype: torch.dtype, device: torch.device, spec="local") -> MegatronModel:
     """This rank's ``MegatronModel`` of the shape of ``hf_config``, its shard converted from
     ``get(name)`` (HF names under ``prefix``, see ``convert.hf_to_megatron``)."""
     from .convert import shape_of
 
     shape = shape_of(hf_config)
-    model = MegatronModel(build_gpt(shape, groups, dtype, lm_head=kind == "lm"), shape, groups,
-                          kind, hf_config=hf_config)
+    model = MegatronModel(build_gpt(shape, groups, dtype, lm_head=kind == "lm", spec=spec),
+                          shape, groups, kind, hf_config=hf_config)
     model.load_hf_state(get, prefix)
     return model.to(device=device, dtype=dtype)
