@@ -688,11 +688,16 @@ class PPOTrainer:
         self._scorer_rank_joins(1)  # the barrier at the end
         for name, engine in (("actor", self.actor), ("critic", self.critic)):
             with engine.generation_context() as model:
-                if self.is_main:
+                path = os.path.join(out_dir, name)
+                if getattr(model, "collective_save", False):
+                    # Megatron shards: every rank sends its part, rank 0 writes
+                    model.save_pretrained(path)
+                elif self.is_main:
                     # LoRA folded into the weights: a plain checkpoint of the base architecture
                     state = merged_state_dict(model) if has_lora(model) else None
-                    model.save_pretrained(os.path.join(out_dir, name), state_dict=state)
-                    self.tokenizer.save_pretrained(os.path.join(out_dir, name))
+                    model.save_pretrained(path, state_dict=state)
+                if self.is_main:
+                    self.tokenizer.save_pretrained(path)
         if dist.is_initialized():
             dist.barrier()
 

@@ -421,7 +421,8 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     want, _, one_dir = one_rank_run
     stream = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference]"] \
         if "tensor" in parallel else []
-    got, summary = _train(str(tmp_path / "run"), cache_dir, 2, parallel, *stream)
+    got, summary = _train(str(tmp_path / "run"), cache_dir, 2, parallel, *stream,
+                          "checkpoint.export_hf=true")
     assert summary["world_size"] == 1 and summary["samples"] == 2 * 4  # one replica
     assert [r["step"] for r in got] == [1, 2]
     for a, b in zip(want, got):
@@ -431,9 +432,32 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
         assert b["train/ratio_mean"] == pytest.approx(1.0, abs=1e-2)
     # each (tensor, pipeline) rank saved its own shard of each trained model
     shards = sorted(os.listdir(tmp_path / "run" / "checkpoints" / "actor" / "step2"))
-    assert shards == (["mp_rank_00_000.pt", "mp_rank_01_000.pt"] if "tensor" in parallel
-                      else ["mp_rank_00_000.pt", "mp_rank_00_001.pt"])
-    assert os.listdir(one_dir / "checkpoints" / "actor" / "step2") == ["mp_rank_00_000.pt"]
+    assert shards == ["config.json"] + (["mp_rank_00_000.pt", "mp_rank_01_000.pt"]
+                                        if "tensor" in parallel
+                                        else ["mp_rank_00_000.pt", "mp_rank_00_001.pt"])
+    assert sorted(os.listdir(one_dir / "checkpoints" / "actor" / "step2")) == \
+        ["config.json", "mp_rank_00_000.pt"]
+    _check_export(tmp_path / "run", tmp_path / "offline")
+
+
+def _check_export(run_dir, offline_dir):
+    """The run's HF export (every rank's shard gathered to rank 0 at the end) equals the
+    offline export of its last checkpoint (the shard files, ``python -m
+    oppo_ds.megatron.export``), tensor for tensor, and loads as the HF classes."""
+    from transformers import AutoModelForCausalLM
+
+    from oppo_ds.models import ValueHeadModel
+
+    for name, cls in (("actor", AutoModelForCausalLM), ("critic", ValueHeadModel)):
+        tag = run_dir / "checkpoints" / name / "step2"
+        proc = subprocess.run([sys.executable, "-m", "oppo_ds.megatron.export", str(tag),
+                               str(offline_dir / name)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        exported = cls.from_pretrained(str(run_dir / name)).state_dict()
+        offline = cls.from_pretrained(str(offline_dir / name)).state_dict()
+        assert exported.keys() == offline.keys() and len(exported) > 10
+        assert all(torch.equal(exported[k], offline[k]) for k in exported), name
+    assert os.path.isfile(run_dir / "actor" / "tokenizer.json")
 
 
 # ------------------------------------------------------------------------------ config
@@ -458,3 +482,14 @@ def test_layer_spec_settings():
         with pytest.raises(ConfigError, match="transformer_engine: .*use local or auto") as err:
             check_megatron_config(cfg)
         assert err.value.key == "system.megatron_layers"
+
+
+def test_export_names_what_is_missing(tmp_path):
+    from oppo_ds.megatron.export import main
+
+    assert main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    for name in ("mp_rank_00_000.pt", "mp_rank_01_001.pt"):  # tp 2 x pp 2 with two missing
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="mp_rank_01_000.pt, mp_rank_00_001.pt"):
+        from oppo_ds.megatron.export import shard_files
+        shard_files(str(tmp_path))

@@ -178,6 +178,10 @@ class MegatronTrainEngine(TrainEngine):
                  "parallel": (self.groups.tp, self.groups.pp)}
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
+        config = getattr(self.module, "config", None)
+        if self.groups.tp_rank == 0 and self.groups.pp_rank == 0 and config is not None:
+            # what `python -m oppo_ds.megatron.export` needs to write HF weights from the shards
+            config.to_json_file(os.path.join(os.path.dirname(path), "config.json"))
 
     def load(self, ckpt_dir: str, tag: str | None = None) -> dict:
         if tag is None:  # the newest: highest step number (step10 after step9)
@@ -236,11 +240,6 @@ def check_megatron_config(cfg: Config) -> None:
         if not usable:
             raise ConfigError("system.megatron_layers", f"transformer_engine: {why}; use local "
                               f"or auto")
-    if cfg.checkpoint.export_hf and s.tensor_parallel * s.pipeline_parallel > 1:
-        raise ConfigError("checkpoint.export_hf", "exporting Hugging Face weights from a "
-                          "tensor/pipeline-parallel run is not supported yet (the trainer saves "
-                          "on rank 0 only); set checkpoint.export_hf=false and convert the "
-                          "checkpoint shards with oppo_ds.megatron.convert.megatron_to_hf")
 
 
 def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict, *,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -185,40 +186,46 @@ class MegatronModel(nn.Module):
 
     def megatron_state(self) -> dict[str, torch.Tensor]:
         """This rank's weights under ``convert``'s names (for ``megatron_to_hf``)."""
-        state = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        if self.fused_norms:
-            state = unfuse_norm_names(state)
-        if self.value_head is not None:
-            state["value_head.weight"] = self.value_head.weight
-        return {k: v.detach().cpu() for k, v in state.items()}
+        return {k: v.detach().cpu() for k, v in megatron_names(self.state_dict()).items()}
+
+    # every rank of a replica calls these; the gathering rank gets the result
+    collective_save = True
+
+    def hf_state(self) -> Optional[dict[str, torch.Tensor]]:
+        """The whole model's weights under HF names (``convert.megatron_to_hf``), on the first
+        rank of data-parallel replica 0's model-parallel group (global rank 0); None on every
+        other rank. Collective over that group when tp x pp > 1: its ranks send their shards
+        (on the CPU) to the first, which needs host memory for the whole model."""
+        g = self.groups
+        if g.dp_rank != 0:  # the replicas hold the same weights
+            return None
+        mine = self.megatron_state()
+        if g.tp * g.pp == 1:
+            shards = [[mine]]
+        else:
+            first = dist.get_process_group_ranks(g.mp_group)[0]
+            received = [None] * (g.tp * g.pp) if dist.get_rank() == first else None
+            dist.gather_object((g.pp_rank, g.tp_rank, mine), received, dst=first,
+                               group=g.mp_group)
+            if received is None:
+                return None
+            shards = [[None] * g.tp for _ in range(g.pp)]
+            for pp_rank, tp_rank, state in received:
+                shards[pp_rank][tp_rank] = state
+        return state_to_hf(shards, self.shape, self.kind)
 
     def to_hf(self):
-        """The HF model of these weights (tensor and pipeline size 1 only: the whole model
-        must be on this rank), in fp32 on the CPU."""
-        from transformers import AutoModelForCausalLM
-
-        from ..models import ValueHeadModel
-        from .convert import megatron_to_hf
-
-        if self.groups.tp * self.groups.pp > 1:
-            raise NotImplementedError("to_hf needs the whole model on one rank; gather the "
-                                      "shards with convert.megatron_to_hf")
-        state = megatron_to_hf([[self.megatron_state()]], self.shape,
-                               prefix="model." if self.kind == "lm" else "",
-                               lm_head=self.kind == "lm", value_head=self.kind == "value")
-        if self.kind == "lm":
-            model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
-        else:
-            model = ValueHeadModel.from_config(self.config, dtype=torch.float32)
-            state = {("value_head.weight" if k == "value_head.weight" else "body." + k): v
-                     for k, v in state.items()}
-        model.load_state_dict({k: v.float() for k, v in state.items()},
-                              strict=not self.shape.tied)
-        return model
+        """The HF model of these weights, on the CPU in the model's dtype, on the rank
+        :meth:`hf_state` gathers on (None elsewhere; collective like it)."""
+        state = self.hf_state()
+        return None if state is None else hf_model(self.config, state, self.kind, self.shape.tied)
 
     def save_pretrained(self, path: str, **kwargs) -> None:
-        """HF format (what the trainer's export writes), through :meth:`to_hf`."""
-        self.to_hf().save_pretrained(path, **kwargs)
+        """HF format (what the trainer's export writes), through :meth:`to_hf`: every rank of
+        the model calls it, the gathering rank writes."""
+        model = self.to_hf()
+        if model is not None:
+            model.save_pretrained(path, **kwargs)
 
     # -- forward --------------------------------------------------------------------------
 
@@ -341,3 +348,40 @@ def build_from_tensors(hf_config, get, prefix: str, groups: ParallelGroups, kind
                           shape, groups, kind, hf_config=hf_config)
     model.load_hf_state(get, prefix)
     return model.to(device=device, dtype=dtype)
+
+
+def megatron_names(module_state: dict) -> dict:
+    """A ``MegatronModel.state_dict()`` (as saved in the Megatron engine's checkpoint shards)
+    under ``convert``'s names: without the ``gpt.`` prefix and TE's ``_extra_state`` entries,
+    norms under the local spec's names, the value head as ``value_head.weight``."""
+    state = {k.removeprefix("gpt."): v for k, v in module_state.items()
+             if not k.endswith("_extra_state")}
+    return unfuse_norm_names(state) if fuses_norms(state) else state
+
+
+def state_to_hf(shards: list[list[dict]], shape: Shape, kind: str) -> dict[str, torch.Tensor]:
+    """HF tensors (``models.ValueHeadModel`` names for ``kind="value"``) from every rank's
+    ``MegatronModel.megatron_state()``, ``shards[pp_rank][tp_rank]``."""
+    from .convert import megatron_to_hf
+
+    state = megatron_to_hf(shards, shape, prefix="model." if kind == "lm" else "",
+                           lm_head=kind == "lm", value_head=kind == "value")
+    if kind == "value":
+        state = {(k if k == "value_head.weight" else "body." + k): v for k, v in state.items()}
+    return state
+
+
+def hf_model(hf_config, state: dict, kind: str, tied: bool):
+    """The HF causal LM (``kind="lm"``) or ``ValueHeadModel`` of ``hf_config`` holding
+    ``state`` (from :func:`state_to_hf`; its tensors become the parameters, not copied), on
+    the CPU in the state's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models import ValueHeadModel
+
+    cls = AutoModelForCausalLM if kind == "lm" else ValueHeadModel
+    model = cls.from_config(hf_config, dtype=next(iter(state.values())).dtype)
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.tie_weights()
+    return model
