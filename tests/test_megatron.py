@@ -304,6 +304,39 @@ def _transformer_engine_worker(rank, world, out):
     out.put(("report", rank, report))
 
 
+def _tied_export_worker(rank, world, out):
+    from transformers import AutoModelForCausalLM
+
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import init_model_parallel
+
+    groups = init_model_parallel(1, 1)
+    config = tiny_config("tiny-qwen2", VOCAB)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lm = build_model(hf, groups, "lm", dtype=torch.float32, device=torch.device("cpu"))
+    ids, mask, pos = _inputs()
+    call = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+    report = {"untrained_tied": lm.to_hf().config.tie_word_embeddings}
+    with torch.no_grad():  # as training moves Megatron's separate output layer
+        lm.gpt.output_layer.weight.add_(0.1 * torch.randn_like(lm.gpt.output_layer.weight))
+        exported = lm.to_hf()
+        report["trained_tied"] = exported.config.tie_word_embeddings
+        report["logits"] = float((exported(**call).logits - lm(**call).logits)
+                                 [mask.bool()].abs().max())
+    out.put(("report", rank, report))
+
+
+def test_tied_model_trained_apart_exports_untied(torch_one_thread):
+    """Megatron keeps a tied model's output layer as its own copy and trains it; the HF export
+    must keep what was trained (an untied lm_head), not fall back to the embedding."""
+    report = [m for m in _spawn(_tied_export_worker, 1) if m[0] == "report"][0][2]
+    assert report["untrained_tied"] is True
+    assert report["trained_tied"] is False
+    assert report["logits"] < ATOL, report
+
+
 _TE_USABLE, _TE_WHY = transformer_engine_usable()
 
 

@@ -33,6 +33,7 @@ is built but not called: attention here runs on the cache (``scaled_dot_product_
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -366,6 +367,13 @@ def state_to_hf(shards: list[list[dict]], shape: Shape, kind: str) -> dict[str, 
 
     state = megatron_to_hf(shards, shape, prefix="model." if kind == "lm" else "",
                            lm_head=kind == "lm", value_head=kind == "value")
+    if kind == "lm" and shape.tied:
+        # Megatron trains the output layer apart from the embedding: once they differ, the
+        # HF model gets its own lm_head (hf_model unties the config)
+        head = torch.cat([shard["output_layer.weight"] for shard in shards[-1]])
+        head = head[:shape.vocab_size]
+        if not torch.equal(head, state["model.embed_tokens.weight"]):
+            state["lm_head.weight"] = head.clone()
     if kind == "value":
         state = {(k if k == "value_head.weight" else "body." + k): v for k, v in state.items()}
     return state
@@ -374,14 +382,19 @@ def state_to_hf(shards: list[list[dict]], shape: Shape, kind: str) -> dict[str, 
 def hf_model(hf_config, state: dict, kind: str, tied: bool):
     """The HF causal LM (``kind="lm"``) or ``ValueHeadModel`` of ``hf_config`` holding
     ``state`` (from :func:`state_to_hf`; its tensors become the parameters, not copied), on
-    the CPU in the state's dtype."""
+    the CPU in the state's dtype. A tied model whose output layer was trained apart from the
+    embedding comes back untied (``tie_word_embeddings: false``, its own ``lm_head``)."""
     from transformers import AutoModelForCausalLM
 
     from ..models import ValueHeadModel
 
     cls = AutoModelForCausalLM if kind == "lm" else ValueHeadModel
+    untie = tied and "lm_head.weight" in state  # trained apart (state_to_hf)
+    if untie:
+        hf_config = copy.deepcopy(hf_config)
+        hf_config.tie_word_embeddings = False
     model = cls.from_config(hf_config, dtype=next(iter(state.values())).dtype)
-    model.load_state_dict(state, strict=not tied, assign=True)
-    if tied:
+    model.load_state_dict(state, strict=not tied or untie, assign=True)
+    if tied and not untie:
         model.tie_weights()
     return model
