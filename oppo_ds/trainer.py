@@ -210,9 +210,10 @@ class PPOTrainer:
         self.device = self.actor.device
         # a model-parallel backend (megatron) has fewer data-parallel ranks than processes: the
         # ranks of one model replica must draw the same prompts and sample the same tokens
-        if self.stage is None:
+        model_parallel_dp = getattr(self.actor, "data_parallel_group", None)
+        if self.stage is None or model_parallel_dp is not None:
             self.world_size = self.actor.world_size
-            self.dp_group = getattr(self.actor, "data_parallel_group", None)
+            self.dp_group = model_parallel_dp
         data_rank = self.actor.rank
         self.remote = RemoteScorers(self.stage.scorer_rank, group=self.stage.links[self.rank]) \
             if self.stage is not None else None
@@ -723,6 +724,11 @@ class PPOTrainer:
             raise ConfigError("oppo.placement", f"stage needs a rank of its own for the scorers "
                               f"besides the actor ranks: launch N + 1 ranks (deepspeed "
                               f"--num_gpus N+1 --module oppo_ds.train ...), got a world of {world}")
+        model_ranks = s.tensor_parallel * s.pipeline_parallel
+        if (world - 1) % model_ranks:
+            raise ConfigError("oppo.placement", f"stage with tensor_parallel x pipeline_parallel "
+                              f"= {model_ranks} needs k x {model_ranks} actor ranks plus the "
+                              f"scorer rank, got a world of {world}")
         stage = StageRanks.split_world()
         if dist.get_rank() == 0:
             stream_to = self.cfg.oppo.stream_to
@@ -738,7 +744,14 @@ class PPOTrainer:
         ScorerStage per actor rank over the same scorers (served in turn)."""
         from .engines import prepare_frozen
 
-        dtype, temp = self.cfg.system.dtype, self.cfg.generation.temperature
+        s = self.cfg.system
+        if s.backend == "megatron":  # the actor ranks create megatron-core's groups now
+            from .megatron.parallel import join_model_parallel_init
+
+            join_model_parallel_init(s.tensor_parallel, s.pipeline_parallel,
+                                     len(self.stage.actor_ranks))
+        # HF models on this rank (either backend): one whole copy of each frozen scorer
+        dtype, temp = s.dtype, self.cfg.generation.temperature
         self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common), dtype)
         scorers = [StreamingScorer(self.reward, "reward")]
         self.reference = None

@@ -436,6 +436,8 @@ def _train(out_dir, cache_dir, ranks, *overrides):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(out_dir, "launcher.log"), "w") as log:
+        log.write(proc.stdout + proc.stderr)
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     return rows, json.loads(open(os.path.join(out_dir, "summary.json")).read())
 
@@ -471,6 +473,27 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     assert sorted(os.listdir(one_dir / "checkpoints" / "actor" / "step2")) == \
         ["config.json", "mp_rank_00_000.pt"]
     _check_export(tmp_path / "run", tmp_path / "offline")
+
+
+def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path):
+    """``oppo.placement: stage`` on the Megatron backend: actor and critic tensor parallel over
+    ranks 0-1, the reward and reference models on rank 2 (the scorer rank, outside megatron's
+    groups, fed chunks point-to-point). Both actor ranks of the replica stream the same
+    chunks; the run must repeat the one-rank run's responses and metrics."""
+    want, _, _ = one_rank_run
+    got, summary = _train(str(tmp_path / "run"), cache_dir, 3, "system.tensor_parallel=2",
+                          "oppo.streaming=true", "oppo.placement=stage", "oppo.chunk_size=3",
+                          "oppo.stream_to=[reference]")
+    log = (tmp_path / "run" / "launcher.log").read_text()
+    assert "rank 2 scores (reward, reference) for actor ranks [0, 1]" in log
+    assert "tensor_parallel=2 pipeline_parallel=1 data_parallel=1" in log
+    assert summary["world_size"] == 1 and summary["samples"] == 2 * 4
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        assert a["response/lengths"] == b["response/lengths"]
+        for key in SAME:
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+        assert b["stream/scoring_hidden_frac"] > 0
 
 
 def _check_export(run_dir, offline_dir):

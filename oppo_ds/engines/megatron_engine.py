@@ -229,10 +229,6 @@ def check_megatron_config(cfg: Config) -> None:
     if s.dtype == "fp16":
         raise ConfigError("system.dtype", "backend megatron supports fp32 and bf16 (fp16 would "
                           "need loss scaling)")
-    if o.placement == "stage":
-        raise ConfigError("oppo.placement", "stage placement with backend megatron is not wired "
-                          "into the trainer yet: the scorer rank would build HF models (see "
-                          "docs/megatron.md); use inline or colocated")
     if s.megatron_layers == "transformer_engine":
         from ..megatron.model import transformer_engine_usable
 
@@ -245,7 +241,8 @@ def check_megatron_config(cfg: Config) -> None:
 def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict, *,
                           on_stage=frozenset()):
     """Actor and critic as ``MegatronTrainEngine``s, reference and reward as frozen
-    ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``.
+    ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``;
+    None for the models in ``on_stage`` (the stage placement's scorer rank holds those).
 
     A safetensors checkpoint directory is read without building the HF model: every rank
     reads only its own blocks of the tensors of its pipeline stage (``megatron.loading``).
@@ -260,10 +257,11 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
 
     check_megatron_config(cfg)
     p, s = cfg.ppo, cfg.system
-    if on_stage:
-        raise ConfigError("oppo.placement", "backend megatron keeps every model on the model "
-                          "ranks (no scorer rank)")
-    groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed)
+    # oppo.placement=stage: the last rank of the world is the scorer rank, outside the
+    # models' groups (it joins their creation: trainer._init_scorer_rank)
+    model_ranks = dist.get_world_size() - 1 if on_stage else None
+    groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed,
+                                 model_ranks=model_ranks)
     dtype, where = _DTYPES[s.dtype], accelerator()
     spec = resolve_layer_spec(s.megatron_layers)
     hf_args = dict(common, dtype="fp32")  # converted in fp32, cast after sharding
@@ -297,8 +295,9 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                  grad_clip=engine_args["grad_clip"])
     actor = MegatronTrainEngine(load(sources.actor, "lm"), groups, lr=p.actor_lr, **train)
     critic = MegatronTrainEngine(load(sources.critic, "value"), groups, lr=p.critic_lr, **train)
-    reference = _frozen(load(sources.reference, "lm"))
-    reward = _frozen(load(sources.reward, "value", require_head=True))
+    reference = None if "reference" in on_stage else _frozen(load(sources.reference, "lm"))
+    reward = None if "reward" in on_stage else _frozen(load(sources.reward, "value",
+                                                             require_head=True))
     if first_rank:
         logger.info("Megatron-core backend: tensor_parallel=%d pipeline_parallel=%d "
                     "data_parallel=%d, %s on %s, %s layers", groups.tp, groups.pp, groups.dp,
