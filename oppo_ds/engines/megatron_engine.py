@@ -28,7 +28,11 @@ Design (docs/megatron.md has the long version):
   data-parallel rank keeps full optimizer state of its shards (ZeRO-1 style sharding over
   data parallel is left to a later version).
 * **Checkpoints**: one file per (tensor, pipeline) rank, written by data-parallel rank 0:
-  weights, optimizer, LR scheduler, client state.
+  weights, optimizer, LR scheduler, client state; the HF ``config.json`` beside them, so that
+  ``python -m oppo_ds.megatron.export`` can turn a tag into HF weights.
+* **Stage placement** (``on_stage``): the groups span the first world size - 1 ranks; the last
+  rank, the scorer, joins their creation (``trainer._init_scorer_rank``) and holds the models
+  in ``on_stage``, which are None here.
 
 Everything megatron-specific lives here and in ``oppo_ds/megatron/``.
 """
