@@ -20,7 +20,8 @@ split matrices:
 
 Tied embeddings (small Qwen2 models) become two copies in Megatron (``output_layer`` starts
 equal to the embedding and trains on its own): a tied output layer would need an embedding
-group across pipeline stages. Value models (critic, reward) are an HF base model plus
+group across pipeline stages. Back in HF, an output layer that no longer equals the
+embedding comes out as its own ``lm_head.weight`` (the model is then untied). Value models (critic, reward) are an HF base model plus
 ``value_head.weight`` (1, H): Megatron's ``GPTModel`` without ``output_layer`` and the same
 head (``models.ValueHeadModel``).
 
@@ -290,8 +291,11 @@ def megatron_to_hf(shards: list[list[dict]], shape: Shape, *, prefix: str = "mod
             out[dst + "mlp.down_proj.weight"] = cat(stage, src + "mlp.linear_fc2.weight", 1)
     last = shards[-1][0]
     out[f"{prefix}norm.weight"] = last["decoder.final_layernorm.weight"]
-    if lm_head and not shape.tied:
-        out["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)[:shape.vocab_size]
+    if lm_head:
+        head = cat(pp - 1, "output_layer.weight", 0)[:shape.vocab_size]
+        # tied: Megatron's output layer is a copy trained on its own; kept once it differs
+        if not shape.tied or not torch.equal(head, out[f"{prefix}embed_tokens.weight"]):
+            out["lm_head.weight"] = head
     if value_head:
         out["value_head.weight"] = last["value_head.weight"]
     return {k: v.detach().clone().contiguous() for k, v in out.items()}

@@ -367,13 +367,6 @@ def state_to_hf(shards: list[list[dict]], shape: Shape, kind: str) -> dict[str, 
 
     state = megatron_to_hf(shards, shape, prefix="model." if kind == "lm" else "",
                            lm_head=kind == "lm", value_head=kind == "value")
-    if kind == "lm" and shape.tied:
-        # Megatron trains the output layer apart from the embedding: once they differ, the
-        # HF model gets its own lm_head (hf_model unties the config)
-        head = torch.cat([shard["output_layer.weight"] for shard in shards[-1]])
-        head = head[:shape.vocab_size]
-        if not torch.equal(head, state["model.embed_tokens.weight"]):
-            state["lm_head.weight"] = head.clone()
     if kind == "value":
         state = {(k if k == "value_head.weight" else "body." + k): v for k, v in state.items()}
     return state
@@ -389,7 +382,7 @@ def hf_model(hf_config, state: dict, kind: str, tied: bool):
     from ..models import ValueHeadModel
 
     cls = AutoModelForCausalLM if kind == "lm" else ValueHeadModel
-    untie = tied and "lm_head.weight" in state  # trained apart (state_to_hf)
+    untie = tied and "lm_head.weight" in state  # trained apart (convert.megatron_to_hf)
     if untie:
         hf_config = copy.deepcopy(hf_config)
         hf_config.tie_word_embeddings = False
