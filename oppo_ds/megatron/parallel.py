@@ -82,19 +82,24 @@ def _world_of(size: int):
         dist.get_world_size = real
 
 
+def _create_groups(tp: int, pp: int, model_ranks: int) -> None:
+    """megatron-core's groups over the first ``model_ranks`` ranks (every rank calls it)."""
+    from megatron.core import parallel_state as ps
+
+    with _world_of(model_ranks):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     pipeline_model_parallel_size=pp,
+                                     create_gloo_process_groups=False)
+
+
 def join_model_parallel_init(tp: int, pp: int, model_ranks: int) -> None:
     """On a rank outside the models (the stage placement's scorer rank, after the
     ``model_ranks`` model ranks): take part in creating megatron-core's groups, as
     ``torch.distributed.new_group`` needs every rank of the world; it belongs to none of them
     and uses none of megatron-core afterwards."""
-    from megatron.core import parallel_state as ps
-
     if dist.get_rank() < model_ranks:
         raise ValueError(f"rank {dist.get_rank()} is a model rank (< {model_ranks})")
-    with _world_of(model_ranks):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                     pipeline_model_parallel_size=pp,
-                                     create_gloo_process_groups=False)
+    _create_groups(tp, pp, model_ranks)
 
 
 def init_model_parallel(tp: int, pp: int, *, seed: int = 0,
@@ -123,10 +128,7 @@ def init_model_parallel(tp: int, pp: int, *, seed: int = 0,
             raise ValueError(f"megatron-core is already initialised with (tp, pp) = {have}, "
                              f"asked for {(tp, pp)}")
     else:
-        with _world_of(world):
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                         pipeline_model_parallel_size=pp,
-                                         create_gloo_process_groups=False)
+        _create_groups(tp, pp, world)
         model_parallel_cuda_manual_seed(seed)
     pp_group = ps.get_pipeline_model_parallel_group()
     return ParallelGroups(
