@@ -127,7 +127,8 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     context_ids, context_mask = prompt_ids, prompt_mask
     if prefix_ids is not None and prefix_ids.shape[1] > 0:
-        lengths = prefix_lengths.to(device=device, dtype=torch.long)
+        # a copy: decoding advances the lengths in place, the caller keeps its prefix lengths
+        lengths = prefix_lengths.to(device=device, dtype=torch.long, copy=True)
         if int(lengths.max()) >= n:
             raise ValueError(f"a prefix of {int(lengths.max())} tokens leaves nothing to decode "
                              f"(max_new_tokens={n})")
