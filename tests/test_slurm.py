@@ -50,6 +50,16 @@ def test_slurm_rendezvous_from_srun_variables():
     assert slurm_rendezvous(dict(SRUN_TASK, MASTER_PORT="29500"))["MASTER_PORT"] == "29500"
 
 
+def test_oppo_train_reads_its_rank_before_the_group_exists():
+    """oppo-train sets its log level (INFO on rank 0 only) before torch.distributed is up:
+    under a bare srun it must read the rank srun gives, not take every task for rank 0."""
+    from oppo_ds.cli.train import launch_rank
+
+    assert launch_rank(SRUN_TASK) == (9, 16)
+    assert launch_rank(dict(SRUN_TASK, RANK="3", WORLD_SIZE="4")) == (3, 4)  # a launcher's
+    assert launch_rank({}) == (0, 1)
+
+
 def test_slurm_rendezvous_leaves_launchers_and_batch_shell_alone():
     assert slurm_rendezvous({}) is None
     # the deepspeed launcher / torchrun inside an allocation already set the rank

@@ -72,8 +72,19 @@ def resolve_config(args, prepare_files: bool = True):
     return load_config(args.config, mapped + extra + list(args.overrides)), notes
 
 
-def _quiet_libraries(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
+def launch_rank(env: dict[str, str]) -> tuple[int, int]:
+    """(rank, world size) of this process as its launcher set them, before the process group
+    exists: RANK / WORLD_SIZE, or under a bare ``srun`` the task variables they will be
+    derived from (``slurm_rendezvous``), else a single process."""
+    from ..rendezvous import slurm_rendezvous
+
+    env = slurm_rendezvous(env) or env
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+
+
+def _quiet_libraries(rank: int, scorer_rank: bool = False) -> None:
+    # rank 0 reports the run; the stage placement's scorer rank reports its own few lines
+    level = logging.INFO if rank == 0 or scorer_rank else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("deepspeed", "DeepSpeed", "torch.distributed", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -85,7 +96,7 @@ def _quiet_libraries(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = launch_rank(dict(os.environ))
     try:
         cfg, notes = resolve_config(args, prepare_files=not args.print_config)
     except (ConfigError, DataError) as err:
@@ -98,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    _quiet_libraries(rank)
+    _quiet_libraries(rank, cfg.oppo.placement == "stage" and rank == world - 1 > 0)
     from ..trainer import PPOTrainer
 
     try:
