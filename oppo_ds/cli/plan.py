@@ -101,7 +101,10 @@ def format_plan(out: dict, config: str) -> str:
                      f"{m['chunk_size'] or '-':>7}{m['delta']:>7}{m['scoring_hidden_frac']:>8.0%}"
                      f"{m['tail_waste_frac']:>12.0%}")
     sim = out["simulation"]
-    lines.append(f"  ({sim['steps']} steps, {sim['decode_groups']} decode group(s) of tp {sim['tp']}, "
+    split = sim.get("model_split", {})
+    group = (f"megatron replica(s) of tp {split['tensor_parallel']} x pp {split['pipeline_parallel']}"
+             if sim.get("backend") == "megatron" else f"decode group(s) of tp {sim['tp']}")
+    lines.append(f"  ({sim['steps']} steps, {sim['decode_groups']} {group}, "
                  f"prompt {sim['prompt_len']} tokens, lengths: {sim['lengths']})")
     return "\n".join(lines)
 

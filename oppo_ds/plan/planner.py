@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError
+from . import megatron
 from .costs import Device
 from .memory import dtype_bytes, plan_memory, rollout_rows
 from .shapes import Shapes, resolve_shapes
@@ -45,6 +46,14 @@ def prompt_len(cfg: Config) -> int:
 def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GROUPS) -> Layout:
     s, p = cfg.system, cfg.ppo
     gpus = nodes * gpus_per_node
+    if s.backend == "megatron":  # a decode group is one model replica; gpus: the replicas
+        tp, pp = megatron.model_split(cfg)
+        replicas = megatron.actor_gpus(cfg, gpus) // (tp * pp)
+        return Layout(batch=p.batch_size, micro=p.micro_batch_size, mini=p.mini_batch_size,
+                      epochs=p.ppo_epochs, prompt_len=prompt_len(cfg),
+                      max_defer=cfg.oppo.max_defer_steps, tp=1,
+                      groups=min(replicas, max_groups), gpus=replicas,
+                      gpus_per_node=gpus_per_node, nodes=nodes)
     tp = s.inference_tp_size if s.hybrid_engine else 1
     if gpus % tp:
         raise ConfigError("system.inference_tp_size", f"{tp} does not divide the {gpus} GPUs "
@@ -57,7 +66,13 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
 
 def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> CostModel:
     s, m = cfg.system, cfg.model
+    split, whole = (1, 1), frozenset()
+    if s.backend == "megatron":
+        split = megatron.model_split(cfg)
+        if cfg.oppo.placement == "stage":  # HF copies on the scorer rank
+            whole = frozenset({"reward", *cfg.oppo.stream_to} - {"critic"})
     return CostModel(device, shapes, lay, dtype_bytes=dtype_bytes(s.dtype), zero_stage=s.zero_stage,
+                     model_split=split, whole_scorers=whole,
                      offload=s.offload, checkpointing=s.gradient_checkpointing,
                      lora_only=m.only_optimize_lora, hybrid_engine=s.hybrid_engine,
                      partition_reference=s.partition_reference, offload_reference=s.offload_reference,
@@ -100,12 +115,11 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
         raise ConfigError("--nodes" if nodes < 1 else "--gpus-per-node", "must be >= 1")
     if not 0 <= headroom < 1:
         raise ConfigError("--headroom", f"must be in [0, 1), got {headroom}")
-    if cfg.system.backend != "deepspeed":
-        raise ConfigError("system.backend", f"oppo-plan models the deepspeed backend (ZeRO, hybrid "
-                                            f"engine) only; {cfg.system.backend} (tensor and pipeline "
-                                            f"parallel) is not modelled yet")
     shapes = resolve_shapes(cfg, shape_overrides)
-    memory = plan_memory(cfg, shapes, nodes, gpus_per_node, device, headroom)
+    if cfg.system.backend == "megatron":
+        memory = megatron.plan_memory_megatron(cfg, shapes, nodes, gpus_per_node, device, headroom)
+    else:
+        memory = plan_memory(cfg, shapes, nodes, gpus_per_node, device, headroom)
     lay = layout(cfg, nodes, gpus_per_node)
     sim = StepSimulator(cost_model(cfg, shapes, device, lay), length_dist(cfg, lengths))
     results = simulate_modes(cfg, sim, modes, steps, seed)
@@ -123,6 +137,9 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
                                for m, r in results.items()} if base else {}),
         "modes": {m: r.to_json() for m, r in results.items()},
         "simulation": {"steps": steps, "seed": seed, "decode_groups": lay.groups, "tp": lay.tp,
+                       "backend": cfg.system.backend,
+                       "model_split": {"tensor_parallel": cfg.system.tensor_parallel,
+                                       "pipeline_parallel": cfg.system.pipeline_parallel},
                        "prompt_len": lay.prompt_len,
                        "lengths": "given list" if lengths else
                        f"log-normal median {cfg.workload.median_len}, sigma {cfg.workload.tail_sigma}, "

@@ -25,6 +25,9 @@ the steps of a run:
     backward per micro-batch, an optimizer step per mini-batch, ZeRO's communication.
 
 The sequential baseline is the pool with Delta = 0 and no streaming, as in the trainer.
+Megatron (``CostModel(model_split=(tp, pp))``): a decode group is one model replica; FLOPs and
+weight reads divide by tp but not by pp (the stages work in turn), and decode steps pay the
+tensor all-reduces, the pipeline hand-overs and the logits broadcast.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from .costs import Device
 from .shapes import ModelShape, Shapes
 
 MODES = ("sequential", "intra", "inter", "oppo")
+TP_SYNC_S = 10e-6  # latency of one tensor-parallel all-reduce of a decode step's activations
+PP_HOP_S = 20e-6   # latency of one pipeline hand-over (Megatron's simple schedule), assumed
 
 
 @dataclass(frozen=True)
@@ -129,14 +134,23 @@ class CostModel:
                  zero_stage: int = 0, offload: bool = False, checkpointing: bool = False,
                  lora_only: bool = False, hybrid_engine: bool = False,
                  partition_reference: bool = False, offload_reference: bool = False,
-                 lora_dims: Optional[dict[str, int]] = None):
+                 lora_dims: Optional[dict[str, int]] = None, model_split: tuple[int, int] = (1, 1),
+                 whole_scorers: frozenset = frozenset()):
+        """``model_split``: Megatron's (tensor, pipeline) sizes; one decode group is then one
+        model replica and ``layout.gpus`` its data-parallel replicas. ``whole_scorers``: the
+        kinds that run unsplit on the stage placement's scorer rank."""
         self.dev, self.shapes, self.lay, self.w = device, shapes, layout, dtype_bytes
+        self.mtp, self.mpp = model_split
+        self.whole_scorers = frozenset(whole_scorers)
         self.zero_stage, self.offload, self.checkpointing = zero_stage, offload, checkpointing
         self.lora_only, self.hybrid_engine = lora_only, hybrid_engine
         self.partition_reference, self.offload_reference = partition_reference, offload_reference
         self.lora_dims = lora_dims or {}
         n = layout.gpus
         self.net_bw = (device.inter_node_bw if layout.nodes > 1 else device.intra_node_bw) if n > 1 else 0.0
+        # Megatron's pipeline stages: one node holds tp x pp ranks or the stages span nodes
+        self.pp_bw = (device.intra_node_bw if self.mtp * self.mpp <= layout.gpus_per_node
+                      else device.inter_node_bw)
 
     def _gather_s(self, params: int) -> float:
         """All-gather (or reduce-scatter) of one model's 16-bit weights over the ranks."""
@@ -147,15 +161,17 @@ class CostModel:
 
     def decode_overhead(self) -> float:
         a = self.shapes.actor
-        tp_sync = 2 * a.layers * 10e-6 if self.lay.tp > 1 else 0.0
-        return self.dev.decode_call_s + a.layers * self.dev.layer_s + tp_sync
+        tp_sync = 2 * a.layers * TP_SYNC_S if self.lay.tp * self.mtp > 1 else 0.0
+        # the simple pipeline schedule: stages in turn, one hand-over between two stages
+        return self.dev.decode_call_s + a.layers * self.dev.layer_s + tp_sync + \
+            (self.mpp - 1) * PP_HOP_S
 
     def decode_interval(self, active: int, ctx_sum: float, steps: int) -> tuple[float, float]:
         """(seconds, compute seconds) of ``steps`` decode steps of ``active`` rows whose
         contexts add up to ``ctx_sum`` at the first step (one more token per row per step)."""
         if steps <= 0 or active <= 0:
             return 0.0, 0.0
-        a, tp = self.shapes.actor, self.lay.tp
+        a, tp = self.shapes.actor, self.lay.tp * self.mtp
         per_row = 2 * a.matmul_params() / tp / self.dev.decode_flops
         per_ctx = 4 * a.layers * a.heads * a.head_dim / tp / self.dev.decode_flops
         weights = self.w * a.matmul_params() / tp / self.dev.bw
@@ -163,7 +179,9 @@ class CostModel:
         c0, c1 = active * per_row + ctx_sum * per_ctx, active * per_ctx
         m0, m1 = weights + ctx_sum * kv, active * kv
         roof = _sum_max_linear(c0, c1, m0, m1, steps)
-        return steps * self.decode_overhead() + roof, _sum_linear(c0, c1, 0, steps)
+        # pipeline: the last stage's fp32 logits broadcast to the other stages every token
+        logits = steps * active * 4 * a.vocab / self.pp_bw if self.mpp > 1 else 0.0
+        return steps * self.decode_overhead() + roof + logits, _sum_linear(c0, c1, 0, steps)
 
     # ---------------------------------------------------------------- forwards
 
@@ -176,9 +194,13 @@ class CostModel:
         """``calls`` no-grad forwards of model ``kind`` over ``tokens`` tokens in all, whose
         attention contexts add up to ``ctx_sum``."""
         shape, head = self._shape(kind)
-        flops = tokens * 2 * shape.matmul_params(head) + 4 * shape.layers * shape.heads * shape.head_dim * ctx_sum
-        memory = calls * self.w * shape.matmul_params(head) / self.dev.bw
+        split = 1 if kind in self.whole_scorers else self.mtp  # pipeline stages work in turn
+        flops = (tokens * 2 * shape.matmul_params(head)
+                 + 4 * shape.layers * shape.heads * shape.head_dim * ctx_sum) / split
+        memory = calls * self.w * shape.matmul_params(head) / self.dev.bw / split
         host = calls * (self.dev.prefill_call_s + shape.layers * self.dev.layer_s)
+        if kind not in self.whole_scorers:
+            host += calls * (self.mpp - 1) * PP_HOP_S
         if self.zero_stage == 3 and kind in ("actor", "critic"):  # ZeRO-3 gathers per forward
             memory = max(memory, calls * self._gather_s(shape.params(head)))
         if kind == "reference" and self.partition_reference:
@@ -208,7 +230,7 @@ class CostModel:
         for mb in batches:
             tokens, ctx, _ = _micro_tokens(mb, len(mb), lay.prompt_len)
             flops = mult * (tokens * 2 * shape.matmul_params(head)
-                            + 4 * shape.layers * shape.heads * shape.head_dim * ctx)
+                            + 4 * shape.layers * shape.heads * shape.head_dim * ctx) / self.mtp
             comm = 3 * self._gather_s(params) if self.zero_stage == 3 else 0.0
             if self.zero_stage == 3 and self.offload:
                 comm += 2 * self.w * params / lay.gpus / dev.host_link_bw
@@ -222,14 +244,14 @@ class CostModel:
         params = shape.params(head)
         lora = self.lora_dims.get(kind, 0)
         trainable = shape.lora_params(lora) + (shape.hidden if head else 0) if self.lora_only and lora else params
-        part = trainable / (n if self.zero_stage >= 1 else 1)
+        part = trainable / (n if self.zero_stage >= 1 else 1) / (self.mtp * self.mpp)
         t = dev.optim_s
         if self.offload:
             t += 2 * self.w * part / dev.host_link_bw + part * self.lay.gpus_per_node / dev.cpu_adam_params_s
         else:
             t += 28 * part / dev.bw  # read master, grads, moments; write master, moments
         if self.zero_stage < 3:  # gradient reduction (+ the updated weights' all-gather)
-            t += 2 * self._gather_s(trainable)
+            t += 2 * self._gather_s(trainable / (self.mtp * self.mpp))
         return t
 
     def train_phase(self, lengths: np.ndarray, rng: np.random.Generator) -> float:
@@ -375,12 +397,16 @@ class StepSimulator:
             return lost
 
         if sched.streamed:
-            new = int((~g.streamed_by_frozen[running]).sum())
+            widths = ctx0.astype(float)
+            again = (float(widths.sum()), float((widths * (widths + 1) / 2).sum()))
             frozen = [k for k in sched.streamed if k != "critic"]
-            t += submit(frozen, lay.prompt_len * new, lay.prompt_len * (lay.prompt_len + 1) / 2 * new)
+            if sched.placement == "stage":  # the scorer rank carries no cache: every row again
+                t += submit(frozen, *again)
+            else:
+                new = int((~g.streamed_by_frozen[running]).sum())
+                t += submit(frozen, lay.prompt_len * new, lay.prompt_len * (lay.prompt_len + 1) / 2 * new)
             if "critic" in sched.streamed:  # the critic trains: it prefills every running row anew
-                widths = ctx0.astype(float)
-                t += submit(["critic"], float(widths.sum()), float((widths * (widths + 1) / 2).sum()))
+                t += submit(["critic"], *again)
         points = {int(x) for x in rem if x < n_stop} | {n_stop}
         if sched.streamed:
             points |= set(range(sched.chunk, n_stop, sched.chunk))

@@ -1,0 +1,148 @@
+"""oppo-plan for the Megatron backend (``system.backend: megatron``): memory per GPU and the
+cost model's parallel layout when the models are split tensor x pipeline parallel.
+
+What one GPU holds is one (tensor, pipeline) shard of each model, exactly as
+``oppo_ds.megatron.convert.hf_to_megatron`` cuts it (``shard_params``, checked against the
+converter's shards in tests/test_plan.py): every linear of the stage's layers split over the
+tensor ranks, the norms whole, the vocabulary (padded to a multiple of tp) split on the first
+stage (embedding) and the last (output layer; a tied model gets its own copy there), the
+value head whole on the last stage. Training states follow ``MegatronTrainEngine``: weights,
+their gradients, and AdamW over this rank's shard (fp32 master weights, the fp32 copies of
+the gradients at the step, two moments: 16 bytes per parameter in bf16, 8 in fp32), not
+sharded over data parallel (no distributed optimizer). Caches and activations: the KV cache of
+the stage's layers with the key/value heads split over tp; a training micro-batch keeps its
+stage's layers' activations, the attention and MLP parts split over tp, the norms' and
+residual parts whole (no sequence parallelism), and the full-vocabulary fp32 logits, which
+every rank of the replica holds (the loss runs on every rank).
+
+Under ``oppo.placement: stage`` the reward model (and the reference when it streams) is a whole
+HF copy on the scorer rank, the job's last GPU; its memory is reported as the
+``scorer_rank`` entry of the phases (the fullest GPU of the job decides the verdict).
+"""
+from __future__ import annotations
+
+from ..config import Config, ConfigError
+from .costs import GIB, Device
+from .memory import FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, rollout_rows, streamed_scorers
+from .shapes import ModelShape, Shapes
+
+
+def model_split(cfg: Config) -> tuple[int, int]:
+    return cfg.system.tensor_parallel, cfg.system.pipeline_parallel
+
+
+def actor_gpus(cfg: Config, gpus: int) -> int:
+    """GPUs holding model shards: all of them, less the stage placement's scorer rank; a
+    ``ConfigError`` when they are not whole replicas."""
+    tp, pp = model_split(cfg)
+    scorer = 1 if cfg.oppo.placement == "stage" else 0
+    n = gpus - scorer
+    if n < tp * pp or n % (tp * pp):
+        extra = " plus the stage placement's scorer rank" if scorer else ""
+        raise ConfigError("system.tensor_parallel", f"tensor_parallel={tp} x pipeline_parallel="
+                          f"{pp} needs k x {tp * pp} GPUs{extra}, got {gpus}")
+    return n
+
+
+def check_shape(shape: ModelShape, tp: int, pp: int, what: str) -> None:
+    if shape.family != "llama":
+        raise ConfigError("system.backend", f"megatron converts Llama-family models (Llama, "
+                          f"Qwen2) only; the {what} is {shape.family} ({shape.name})")
+    for n, size, key in ((shape.heads, tp, "attention heads"), (shape.kv_heads, tp, "key/value heads"),
+                         (shape.intermediate, tp, "MLP width"), (shape.layers, pp, "layers")):
+        if n % size:
+            split = "tensor_parallel" if size == tp and key != "layers" else "pipeline_parallel"
+            raise ConfigError(f"system.{split}", f"{size} does not divide the {what}'s {n} {key} "
+                                                 f"({shape.name})")
+
+
+def shard_params(shape: ModelShape, tp: int, pp: int, pp_rank: int, *, lm_head: bool = True,
+                 value_head: bool = False) -> int:
+    """Parameters of one (tensor, pipeline) shard at pipeline rank ``pp_rank``."""
+    h = shape.hidden
+    layer = sum(i * o // tp + (o // tp if bias else 0) for i, o, bias in shape.linears()) + 2 * h
+    n = shape.layers // pp * layer
+    vocab_rows = -(-shape.vocab // tp)  # this rank's rows of the padded vocabulary
+    if pp_rank == 0:
+        n += vocab_rows * h
+    if pp_rank == pp - 1:
+        n += h + (vocab_rows * h if lm_head else 0) + (h if value_head else 0)
+    return n
+
+
+def largest_shard(shape: ModelShape, tp: int, pp: int, **heads) -> int:
+    """The fullest pipeline stage's shard (the first holds the embedding, the last the head)."""
+    return max(shard_params(shape, tp, pp, r, **heads) for r in range(pp))
+
+
+def _activation_bytes_per_token(shape: ModelShape, w: int, tp: int) -> int:
+    """One layer's training activations per token on one tensor rank: norms and residual
+    stream whole (4h + h), queries/keys/values, attention output and MLP split over tp."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    return (5 * h + (2 * q + 2 * kv + 4 * i) // tp) * w
+
+
+def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int,
+                         device: Device, headroom: float = 0.1) -> MemoryPlan:
+    s, gen = cfg.system, cfg.generation
+    tp, pp = model_split(cfg)
+    actor_gpus(cfg, nodes * gpus_per_node)
+    for what in ("actor", "critic", "reference", "reward"):
+        check_shape(getattr(shapes, what), tp, pp, what)
+    w = dtype_bytes(s.dtype)
+    b, delta = rollout_rows(cfg)
+    rows, seq = b + delta, gen.max_prompt_len + gen.max_new_tokens
+    stage = cfg.oppo.placement == "stage"
+    on_stage = {"reward", *cfg.oppo.stream_to} - {"critic"} if stage else set()
+    plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
+    items = plan.items
+
+    for name, value_head in (("actor", False), ("critic", True)):
+        shard = largest_shard(getattr(shapes, name), tp, pp, lm_head=not value_head,
+                              value_head=value_head)
+        st = model_states(shard, shard, 0, zero_stage=0, offload=False, gpus=1,
+                          gpus_per_node=gpus_per_node, dtype=s.dtype)
+        items[f"{name}_params"], items[f"{name}_grads"] = st.params, st.grads
+        items[f"{name}_optimizer"] = st.optimizer
+    for name, value_head in (("reference", False), ("reward", True)):
+        items[name] = 0.0 if name in on_stage else w * largest_shard(
+            getattr(shapes, name), tp, pp, lm_head=not value_head, value_head=value_head)
+
+    def kv(shape: ModelShape, n_rows: int) -> float:  # the stage's layers, heads split over tp
+        return n_rows * seq * shape.kv_bytes_per_token(w) / (tp * pp)
+
+    scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
+    streamed = streamed_scorers(cfg)
+    items["actor_kv"] = kv(shapes.actor, rows)
+    items["scorer_kv"] = sum(kv(scorer_shape[k], rows) for k in streamed if k not in on_stage)
+    carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
+    items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta) for k in carried)
+    items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
+
+    micro_tokens = cfg.ppo.micro_batch_size * seq
+
+    def activations(shape: ModelShape, logits: bool) -> float:
+        out = shape.layers // pp * _activation_bytes_per_token(shape, w, tp) * micro_tokens
+        return out + (2 * 4 * micro_tokens * shape.vocab if logits else 0.0)
+
+    items["activations_train"] = max(activations(shapes.actor, True), activations(shapes.critic, False))
+    items["activations_score"] = max(activations(shapes.actor, False) / (shapes.actor.layers // pp),
+                                     4 * micro_tokens * shapes.actor.vocab * 2)
+    items["framework"] = FRAMEWORK_GIB * GIB
+
+    resident = sum(items[k] for k in ("actor_params", "actor_grads", "actor_optimizer",
+                                      "critic_params", "critic_grads", "critic_optimizer",
+                                      "reference", "reward", "framework"))
+    plan.phases = {
+        "generate": resident + items["actor_kv"] + items["scorer_kv"] + items["decode_logits"],
+        "score": resident + items["activations_score"] + items["carried_scorer_kv"],
+        "train": resident + items["activations_train"] + items["carried_scorer_kv"],
+    }
+    if stage:  # whole HF copies on the last GPU, the KV caches of one replica's rollout
+        whole = {"reward": w * shapes.reward.params(value_head=True),
+                 "reference": w * shapes.reference.params()}
+        items["scorer_rank_models"] = sum(whole[k] for k in on_stage)
+        items["scorer_rank_kv"] = sum(b * seq * scorer_shape[k].kv_bytes_per_token(w) for k in on_stage)
+        plan.phases["scorer_rank"] = (items["scorer_rank_models"] + items["scorer_rank_kv"]
+                                      + items["framework"])
+    return plan
