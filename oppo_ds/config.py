@@ -185,8 +185,9 @@ class OppoConfig:
     launch N + 1 ranks (`deepspeed --num_gpus N+1 --module oppo_ds.train ...`), N actor ranks
     train, the last one holds the reward and reference models and receives each chunk by
     torch.distributed point-to-point. The critic trains, so under `stage` it does not stream:
-    its values are computed on the actor ranks after generation. Needs `streaming: true`;
-    not with `overcommit` yet, nor with ZeRO-3 or the hybrid engine."""
+    its values are computed on the actor ranks after generation. With `overcommit` the
+    scorer rank prefills each deferred row's response so far again every step (it carries no
+    cache between steps). Needs `streaming: true`; not with ZeRO-3 or the hybrid engine."""
     overcommit: Union[int, Literal["auto"]] = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the
@@ -226,11 +227,6 @@ class OppoConfig:
         if self.placement == "stage":
             _require(self.streaming, "placement",
                      "stage needs streaming: true (the scorer rank scores the streamed chunks)")
-            # the rollout pool keeps the frozen scorers' caches of deferred sequences in the
-            # actor's process from step to step
-            _require(not self.overcommits, "placement",
-                     f"stage placement with overcommitment is not supported yet (overcommit: "
-                     f"{self.overcommit}); use overcommit: 0")
 
     @property
     def overcommits(self) -> bool:

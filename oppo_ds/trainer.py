@@ -22,20 +22,21 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
-from .config import Config, ConfigError, save_config
+from .config import Config, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
-from .models import build_causal_lm, build_value_model, load_tokenizer
+from .models import load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
                            staleness_metrics, staleness_rows)
-from .rollout.stage import Op, RemoteScorers, ScorerStage, StageRanks, stage_stream_generate
+from .rollout.stage import RemoteScorers, stage_stream_continue, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
 from .preemption import StopOnSignal
+from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def gather_floats(values: list, group=None) -> list:
     return [v for part in out for v in part]
 
 
-class PPOTrainer:
+class PPOTrainer(StagePlacement):
     def __init__(self, cfg: Config):
         from .engines import init_distributed_if_needed
         from .engines.deepspeed_engine import DataParallelSubgroup
@@ -214,9 +215,22 @@ class PPOTrainer:
         if self.stage is None or model_parallel_dp is not None:
             self.world_size = self.actor.world_size
             self.dp_group = model_parallel_dp
+        # What every actor rank must decide alike (the chunk size, Delta, stopping on a signal)
+        # is agreed over all of them: under Megatron the data-parallel group holds one rank of
+        # each model replica only, and the other ranks of a replica must stop, stream and
+        # overcommit exactly as it does (their collectives pair up token by token)
+        self.actor_group = self.stage.actor_group if self.stage is not None else None
+        self.actor_ranks = len(self.stage.actor_ranks) if self.stage is not None \
+            else dist.get_world_size()
         data_rank = self.actor.rank
-        self.remote = RemoteScorers(self.stage.scorer_rank, group=self.stage.links[self.rank]) \
-            if self.stage is not None else None
+        # stage: one rank per model replica streams (Megatron: its first), and shares the scores
+        self.remote = self.replica = None
+        if self.stage is not None:
+            if self.rank in self.stage.senders:
+                self.remote = RemoteScorers(self.stage.scorer_rank,
+                                            group=self.stage.links[self.rank])
+            if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
+                self.replica = self._stage_replica()
 
         # under the length oracle only the targets end a response: a random model's EOS is noise
         eos = () if src.oracle else (self.tokenizer.eos_token_id,)
@@ -347,7 +361,9 @@ class PPOTrainer:
         metrics = self.step_metrics(exp, train_stats)
         metrics.update(extra)
         if self.delta_ctl is not None:
-            decision = self.delta_ctl.observe(metrics["reward/mean"])
+            reward = all_reduce_sum(torch.tensor([metrics["reward/mean"]], dtype=torch.float64),
+                                    self.actor_group) / self.actor_ranks
+            decision = self.delta_ctl.observe(reward.item())
             if decision and self.is_main:
                 logger.info("step %d: %s", self.step_count, decision)
         every = self.cfg.logging.trace_every
@@ -369,7 +385,8 @@ class PPOTrainer:
         pool.top_up(self.stream.take(pool.needed(size)), size)
         running, waiting = pool.running(), pool.waiting()
         forced = [i for i, e in enumerate(running) if e.forced(o.max_defer_steps)]
-        stop = BatchStop(self.cfg.ppo.batch_size, len(waiting), forced, sync=self.world_size > 1)
+        stop = BatchStop(self.cfg.ppo.batch_size, len(waiting), forced, sync=self.world_size > 1,
+                         group=self.actor_group)
         before = [len(e.tokens) for e in running]
         timing, results = None, {}
         if not stop(None) and running:
@@ -412,8 +429,15 @@ class PPOTrainer:
         their caches from step to step (frozen models: a deferred row's prefix stays valid),
         so only rows they do not hold yet are added, with whatever response those rows
         already have; the critic trains, so its scorer is new each step and prefills every
-        row's prompt + partial response."""
+        row's prompt + partial response. Under the stage placement the scorer rank keeps
+        nothing between steps: every running row goes to it with its response so far."""
         o = self.cfg.oppo
+        if self.stage is not None:
+            uids = torch.tensor([e.uid for e in running], dtype=torch.long)
+            with self.actor.generation_context() as actor:
+                return stage_stream_continue(actor, self.remote, inputs, uids, self.sampling,
+                                             self.sample_gen, chunk, stop=stop,
+                                             replica=self.replica)
         frozen = ["reward"] + [k for k in o.stream_to if k == "reference"]
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
@@ -454,8 +478,11 @@ class PPOTrainer:
 
     def _control_chunk_size(self, chunk: int, phase_s: dict, timing, tokens: float,
                             longest: float) -> None:
-        """Feed the chunk-size controller this step's rollout cost, averaged over ranks so
-        that every rank takes the same decision."""
+        """Feed the chunk-size controller this step's rollout cost, averaged over all actor
+        ranks so that every rank takes the same decision (not over the data-parallel group
+        only: the ranks of a Megatron replica measure different times, and a replica whose
+        ranks chose different sizes would call its tensor-parallel scorers a different
+        number of times and hang)."""
         tokens = max(tokens, 1.0)
         scorers = len(timing.scorers) if timing is not None else 0
         chunks, busy = (timing.chunks, timing.scoring_busy_s) if timing is not None else (0, 0.0)
@@ -463,7 +490,7 @@ class PPOTrainer:
                               chunks * scorers, tokens * scorers, busy, longest],
                              dtype=torch.float64)
         per_token, calls, scored, busy, longest = \
-            (all_reduce_sum(local, self.dp_group) / self.world_size).tolist()
+            (all_reduce_sum(local, self.actor_group) / self.actor_ranks).tolist()
         decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy, longest)
         if decision and self.is_main:
             logger.info("step %d: %s", self.step_count + 1, decision)
@@ -475,10 +502,11 @@ class PPOTrainer:
         o = self.cfg.oppo
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        if self.remote is not None:  # stage: the scorers are on the scorer rank (no critic)
+        if self.stage is not None:  # the scorers are on the scorer rank (no critic)
             with self.actor.generation_context() as actor:
                 return stage_stream_generate(actor, self.remote, ids, mask, self.sampling,
-                                             self.sample_gen, chunk_size, targets=targets)
+                                             self.sample_gen, chunk_size, targets=targets,
+                                             replica=self.replica)
         temp = self.cfg.generation.temperature
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
@@ -663,7 +691,7 @@ class PPOTrainer:
                     saved = bool(cfg.checkpoint.every) and self.step_count % cfg.checkpoint.every == 0
                     if saved:
                         self.save_checkpoint()
-                    self.preempted = stop.agreed(self.dp_group)
+                    self.preempted = stop.agreed(self.actor_group)
                     if self.preempted:
                         if not saved:
                             self.save_checkpoint()
@@ -701,85 +729,3 @@ class PPOTrainer:
                     self.tokenizer.save_pretrained(path)
         if dist.is_initialized():
             dist.barrier()
-
-    # ------------------------------------------------------------------ the stage placement
-    # The last rank of the world is the scorer stage: it holds the reward model (and the
-    # reference model when it streams) and serves the actor ranks' chunks (rollout/stage.py).
-    # The actor ranks train over their own group; the world-wide barriers that remain
-    # (checkpoints, the export) are announced to the scorer rank, which joins them.
-
-    def _split_for_stage(self) -> StageRanks:
-        """Collective over the world: the actor ranks' group and one link per actor rank."""
-        # DeepSpeed 0.19.8 issues world collectives there that the scorer rank would have to
-        # join: ZeRO-3 while it builds an engine and in every forward (runtime/zero/utils.py
-        # assert_ints_same_as_other_ranks), the hybrid engine when it is built (RNG broadcast)
-        s = self.cfg.system
-        if s.zero_stage == 3 or s.hybrid_engine:
-            what = "system.zero_stage 3" if s.zero_stage == 3 else "system.hybrid_engine"
-            raise ConfigError("oppo.placement", f"stage placement with {what} is not supported "
-                              f"yet (DeepSpeed then issues collectives over the whole world, "
-                              f"which holds the scorer rank)")
-        world = dist.get_world_size()
-        if world < 2:
-            raise ConfigError("oppo.placement", f"stage needs a rank of its own for the scorers "
-                              f"besides the actor ranks: launch N + 1 ranks (deepspeed "
-                              f"--num_gpus N+1 --module oppo_ds.train ...), got a world of {world}")
-        model_ranks = s.tensor_parallel * s.pipeline_parallel
-        if (world - 1) % model_ranks:
-            raise ConfigError("oppo.placement", f"stage with tensor_parallel x pipeline_parallel "
-                              f"= {model_ranks} needs k x {model_ranks} actor ranks plus the "
-                              f"scorer rank, got a world of {world}")
-        stage = StageRanks.split_world()
-        if dist.get_rank() == 0:
-            stream_to = self.cfg.oppo.stream_to
-            kinds = ["reward"] + [k for k in stream_to if k == "reference"]
-            logger.info("oppo.placement=stage: rank %d scores (%s) for actor ranks %s%s",
-                        stage.scorer_rank, ", ".join(kinds), stage.actor_ranks,
-                        "; the critic trains, so it does not stream: its values are computed on "
-                        "the actor ranks after generation" if "critic" in stream_to else "")
-        return stage
-
-    def _init_scorer_rank(self, src: Sources, common: dict) -> None:
-        """The scorer rank's models, frozen as the actor ranks would build them, and one
-        ScorerStage per actor rank over the same scorers (served in turn)."""
-        from .engines import prepare_frozen
-
-        s = self.cfg.system
-        if s.backend == "megatron":  # the actor ranks create megatron-core's groups now
-            from .megatron.parallel import join_model_parallel_init
-
-            join_model_parallel_init(s.tensor_parallel, s.pipeline_parallel,
-                                     len(self.stage.actor_ranks))
-        # HF models on this rank (either backend): one whole copy of each frozen scorer
-        dtype, temp = s.dtype, self.cfg.generation.temperature
-        self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common), dtype)
-        scorers = [StreamingScorer(self.reward, "reward")]
-        self.reference = None
-        if "reference" in self.cfg.oppo.stream_to:
-            self.reference = prepare_frozen(build_causal_lm(src.reference, **common), dtype)
-            scorers.append(StreamingScorer(self.reference, "reference", temperature=temp))
-        self.scorer_stages = [ScorerStage(scorers, actor_rank=a, group=self.stage.links[a])
-                              for a in self.stage.actor_ranks]
-
-    def _serve_as_scorer_rank(self) -> None:
-        """The scorer rank's run: each step one rollout of every actor rank, in turn; between
-        steps the actor ranks may ask it to join world barriers; it returns when they shut the
-        stage down at the end of training."""
-        while True:
-            for stage in self.scorer_stages:
-                stage.serve(rollouts=1)
-            stops = {(stage.stopped_by, stage.pause_code) for stage in self.scorer_stages}
-            if len(stops) > 1:
-                raise RuntimeError(f"the actor ranks are out of step: {sorted(stops, key=str)}")
-            (stop, barriers), = stops
-            if stop == Op.SHUTDOWN:
-                return None
-            if stop == Op.PAUSE:
-                for _ in range(barriers):
-                    dist.barrier()
-
-    def _scorer_rank_joins(self, barriers: int) -> None:
-        """Before a section with ``barriers`` world barriers: under the stage placement every
-        actor rank asks the scorer rank to join them (it is in the world, not in their group)."""
-        if self.remote is not None:
-            self.remote.pause(barriers)

@@ -79,6 +79,33 @@ def tiny_run_overrides(root, steps: int) -> list[str]:
             "logging.log_every=0", f"logging.output_dir={root}/run"]
 
 
+def spawn_gloo(target, world: int, *args, join_s: float, group_timeout_s: float = 90) -> list:
+    """Run ``target(rank, world, out, *args)`` in ``world`` fresh processes joined in a gloo
+    group (``group_timeout_s`` per collective); returns what they put on ``out``; a failure
+    in any process fails the test with its traceback (``spawn_and_collect``)."""
+    return spawn_and_collect(
+        _gloo_guarded,
+        lambda rank, port, out: (target, rank, world, port, out, group_timeout_s, *args),
+        world, join_s)
+
+
+def _gloo_guarded(target, rank, world, port, out, group_timeout_s, *args):
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=group_timeout_s))
+        target(rank, world, out, *args)
+        dist.destroy_process_group()
+    except BaseException:
+        out.put(("crash", rank, traceback.format_exc()))
+        raise
+
+
 def spawn_and_collect(target, args_of_rank, world: int, join_s: float) -> list:
     """Run ``target(*args_of_rank(rank, port, out))`` in ``world`` fresh (spawned) processes
     and return what they put on the queue ``out``. A process that puts ``("crash", rank,

@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import traceback
+import time
 from datetime import timedelta
 
 import pytest
 import torch
-from _builders import spawn_and_collect
+from _builders import spawn_gloo
 
 import megatron.core  # noqa: E402,F401  the test extra installs it: missing is a failure, not a skip
 
@@ -114,25 +115,8 @@ def test_unsupported_architecture_is_refused():
 # ------------------------------------------------------------------------------ tier 1
 
 def _spawn(target, world: int, *args) -> list:
-    """Run ``target(rank, world, out, *args)`` in ``world`` fresh processes joined in a gloo
-    group; returns what they put on ``out``; a failure in any process fails the test with
-    its traceback."""
-    return spawn_and_collect(_guarded, lambda rank, port, out: (target, rank, world, port, out, *args),
-                             world, JOIN_S)
-
-
-def _guarded(target, rank, world, port, out, *args):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=90))
-        target(rank, world, out, *args)
-        dist.destroy_process_group()
-    except BaseException:
-        out.put(("crash", rank, traceback.format_exc()))
-        raise
+    """``target(rank, world, out, *args)`` in ``world`` processes of a gloo group."""
+    return spawn_gloo(target, world, *args, join_s=JOIN_S)
 
 
 def _forward_backward(hf, meg, field, ids, mask, pos):
@@ -478,14 +462,18 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
 def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path):
     """``oppo.placement: stage`` on the Megatron backend: actor and critic tensor parallel over
     ranks 0-1, the reward and reference models on rank 2 (the scorer rank, outside megatron's
-    groups, fed chunks point-to-point). Both actor ranks of the replica stream the same
-    chunks; the run must repeat the one-rank run's responses and metrics."""
+    groups, fed chunks point-to-point). The two actor ranks of the replica decode the same
+    tokens; only rank 0 streams them, and rank 1 receives the scores from it. The run must
+    repeat the one-rank run's responses and metrics."""
     want, _, _ = one_rank_run
     got, summary = _train(str(tmp_path / "run"), cache_dir, 3, "system.tensor_parallel=2",
                           "oppo.streaming=true", "oppo.placement=stage", "oppo.chunk_size=3",
                           "oppo.stream_to=[reference]")
     log = (tmp_path / "run" / "launcher.log").read_text()
-    assert "rank 2 scores (reward, reference) for actor ranks [0, 1]" in log
+    assert "rank 2 scores (reward, reference) for actor ranks [0, 1] (streamed by ranks [0], " \
+        "one per model replica)" in log
+    # one rollout per step, not one per rank of the replica
+    assert "scorer rank 2: served 2 rollouts from actor ranks [0]" in log
     assert "tensor_parallel=2 pipeline_parallel=1 data_parallel=1" in log
     assert summary["world_size"] == 1 and summary["samples"] == 2 * 4
     assert [r["step"] for r in got] == [1, 2]
@@ -494,6 +482,89 @@ def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path)
         for key in SAME:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
         assert b["stream/scoring_hidden_frac"] > 0
+
+
+def test_stage_placement_with_overcommitment_and_tensor_parallel(cache_dir, tmp_path):
+    """Full OPPO on the stage placement with a tp=2 replica: the pool's rows (deferred ones
+    with their responses so far) go to the scorer rank from rank 0 only, rank 1 gets the
+    finished rows' scores from rank 0, and the run repeats the one-rank pool run (1e-4) for
+    the 2 steps tp=2 is known to repeat (see docs/megatron.md: Adam turns reduction-order
+    noise into visible drift from the third step on); step 2 continues rows step 1 deferred."""
+    pool = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference]",
+            "oppo.overcommit=2", "steps=2"]
+    want, _ = _train(str(tmp_path / "one"), cache_dir, 1, *pool)
+    got, summary = _train(str(tmp_path / "stage"), cache_dir, 3, "system.tensor_parallel=2",
+                          "oppo.placement=stage", *pool)
+    log = (tmp_path / "stage" / "launcher.log").read_text()
+    assert "scorer rank 2: served 2 rollouts from actor ranks [0]" in log
+    assert summary["samples"] == 2 * 4
+    assert got[0]["pool/carried"] > 0
+    for a, b in zip(want, got):
+        assert a["response/lengths"] == b["response/lengths"]
+        for key in SAME + ("pool/carried", "pool/deferred_frac"):
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+
+
+def _rank_process(rank, world, port, out_dir, cache_dir, *overrides):
+    """One rank of a run started without a launcher (the test needs each rank's pid)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "oppo_ds.train", *SMALL, f"workload.cache_dir={cache_dir}",
+           f"logging.output_dir={out_dir}", *overrides]
+    return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def test_signal_to_one_rank_of_a_replica_stops_the_replica(cache_dir, tmp_path):
+    """A signal that reaches one rank of a tensor-parallel replica stops both ranks after the
+    same step with a loadable checkpoint. The decision used to be agreed over the
+    data-parallel group, which under tp=2, dp=1 holds each rank alone: rank 1 stopped and
+    rank 0 went on into a step whose collectives rank 1 never joined (a hang). The run also
+    streams with ``chunk_size: auto`` (exploring every 3 steps) and ``overcommit: auto``, the
+    other decisions both ranks of the replica must take alike, or their tensor-parallel
+    scorer calls and stop checks stop pairing up."""
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+    from oppo_ds.preemption import PREEMPTED_EXIT
+
+    out = tmp_path / "run"
+    args = ["steps=400", "checkpoint.every=0", "system.tensor_parallel=2",
+            "oppo.streaming=true", "oppo.chunk_size=auto", "oppo.chunk_candidates=[2,3,5]",
+            "oppo.chunk_explore_every=3", "oppo.overcommit=auto", "oppo.delta_max=2",
+            "oppo.delta_window=2", "oppo.stream_to=[reference,critic]"]
+    port = find_free_port()
+    procs = [_rank_process(r, 2, port, out, cache_dir, *args) for r in range(2)]
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.time() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+            assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
+            assert time.time() < deadline, "no steps logged"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGUSR1)  # rank 1 only
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+    assert [p.returncode for p in procs] == [PREEMPTED_EXIT] * 2, logs[0][-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    done = len(rows)
+    assert 8 <= done < 400
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step{done}"
+    # the replica's ranks took the controllers' decisions together: one log of each
+    assert "chunk_size=" in logs[0] and "after exploring" in logs[0]
+    assert len({r["oppo/chunk_size"] for r in rows}) > 1
+
+    # the checkpoint loads: the same command, one step further, resumes from it
+    proc = subprocess.run(
+        [shutil.which("deepspeed", path=os.path.dirname(sys.executable)), "--num_gpus", "2",
+         "--master_port", str(find_free_port()), "--module", "oppo_ds.train", *SMALL,
+         f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}",
+         *args[1:], f"steps={done + 1}"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resumed from step{done} at step {done}" in proc.stdout + proc.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == \
+        list(range(1, done + 2))
 
 
 def _check_export(run_dir, offline_dir):

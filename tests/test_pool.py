@@ -77,9 +77,13 @@ def test_deferred_sequences_continue_as_if_never_interrupted(arch, greedy):
     assert {len(e.tokens) for e in pool.running()} == {5}
     # the update would happen here; the same weights make the continuation checkable
     running = pool.running()
-    state = start_decode(model, params=params, **pool.decode_inputs(running, PAD, "cpu"))
+    inputs = pool.decode_inputs(running, PAD, "cpu")
+    state = start_decode(model, params=params, **inputs)
     assert state.lengths.tolist() == [5] * len(running)
     decode_steps(model, state, params, g)
+    # the caller's prefix lengths are its own: decoding advanced a copy (a scorer preparing
+    # the same rows from these inputs, as the stage placement's does, must see 5)
+    assert inputs["prefix_lengths"].tolist() == [5] * len(running)
     pool.absorb(running, state, version=1, step=1)
 
     by_key = {e.key: e for e in pool.entries}

@@ -1,7 +1,8 @@
 """Tier 1: the ``stage`` placement with real processes over gloo on a free port.
 
-Rank 0 is the actor, rank 1 the scorer stage; both build the same tiny models from config with
-fixed seeds. The stage's rollout must give the Generation of ``stream_generate`` exactly and
+Rank 0 is the actor, rank 1 the scorer stage (in the last two tests ranks 0 and 1 are one
+model replica and rank 2 the stage); all build the same tiny models from config with fixed
+seeds. The stage's rollout must give the Generation of ``stream_generate`` exactly and
 its scores within 1e-6: the scorer rank runs the same calls on the same inputs with the same
 weights, so the numbers are bit-identical in practice (one intra-op thread on both sides); the
 tolerance only leaves room for a kernel choosing another reduction order in another process.
@@ -16,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from _builders import left_padded_prompts, sharpen as _sharpen, spawn_and_collect
+from _builders import left_padded_prompts, sharpen as _sharpen, spawn_and_collect, spawn_gloo
 
 ARCHS = ["tiny-llama", "tiny-gpt2"]
 VOCAB = 40
@@ -88,6 +89,58 @@ def _compare(actor, scorers, remote, chunk_size):
             "lengths": sorted(set(gen.lengths.tolist()))}
 
 
+class _StopAt:
+    """The rollout pool's stop rule, without ranks: enough rows have finished."""
+
+    def __init__(self, need):
+        self.need = need
+
+    def __call__(self, state):
+        return state is None or state.done or len(state.finish_order) >= self.need
+
+
+def _continue_twice(actor, reference, reward, critic, remote):
+    """Two pool rollouts through the stage (the second continues the rows the first left
+    unfinished, from their responses so far) against ``stream_continue`` inline with scorers
+    that prefill every row the same way: tokens identical, results of the rows that finished
+    within ATOL, none for rows still running."""
+    from oppo_ds.rollout.stage import stage_stream_continue
+    from oppo_ds.rollout.streaming import stream_continue
+    ids, mask = _prompts()
+    params = _params()
+    uids = torch.arange(100, 100 + ids.shape[0])
+    inputs = dict(prompt_ids=ids, prompt_mask=mask)
+    report = []
+    for round_ in range(2):
+        state, got, _ = stage_stream_continue(actor, remote, inputs, uids, params,
+                                              torch.Generator().manual_seed(SEED + round_), 3,
+                                              stop=_StopAt(2))
+        scorers = _scorers(reference, reward, critic)
+        extra = (inputs["prefix_ids"], inputs["prefix_lengths"]) if "prefix_ids" in inputs else ()
+        setup = [(sc.kind, "add", sc.add, (uids.tolist(), inputs["prompt_ids"],
+                                            inputs["prompt_mask"], *extra)) for sc in scorers]
+        ref_state, want, _ = stream_continue(actor, scorers, setup, inputs, uids, params,
+                                             torch.Generator().manual_seed(SEED + round_), 3,
+                                             stop=_StopAt(2))
+        ended = sorted(int(uids[r]) for r in state.finish_order)
+        report.append({
+            "same_tokens": torch.equal(state.tokens, ref_state.tokens) and
+            torch.equal(state.lengths, ref_state.lengths),
+            "ended": ended, "kinds": sorted(got),
+            "rows": {k: sorted(v) for k, v in got.items()},
+            "diff": max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k]),
+            "running_before": int((inputs.get("prefix_lengths", torch.zeros(0)) > 0).sum())})
+        # the next round continues the rows still running, from their responses so far
+        keep = [i for i in range(len(uids)) if not bool(state.finished[i])]
+        lengths = state.lengths[keep]
+        width = int(lengths.max())
+        inputs = dict(prompt_ids=inputs["prompt_ids"][keep], prompt_mask=inputs["prompt_mask"][keep],
+                      prefix_ids=state.tokens[keep, :width], prefix_lengths=lengths,
+                      prefix_logprobs=state.logprobs[keep, :width])
+        uids = uids[keep]
+    return report
+
+
 def _worker(rank, port, scenario, out):
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -109,7 +162,10 @@ def _worker(rank, port, scenario, out):
             remote = RemoteScorers(scorer_rank=1, timeout=timedelta(seconds=60))
             scorers = _scorers(reference, reward, critic)
             try:
-                if scenario == "error":
+                if scenario == "continue":
+                    out.put(("continue", arch, _continue_twice(actor, reference, reward,
+                                                               critic, remote)))
+                elif scenario == "error":
                     try:
                         _compare(actor, scorers, remote, 3)
                         out.put(("error", arch, None))
@@ -152,6 +208,24 @@ def test_stage_scores_equal_inline():
         [(a, len(CHUNKS)) for a in sorted(ARCHS)]
 
 
+def test_stage_continues_the_pools_rows_as_inline_scorers_do():
+    """The rollout pool through the stage: a rollout stops once 2 rows ended, the stage sends
+    results for those only; the next rollout sends the others with their responses so far,
+    which the stage prefills, and they go on to the end. Tokens and scores as inline."""
+    messages = _spawn("continue")
+    (report,) = [m for kind, _, m in messages if kind == "continue"]
+    first, second = report
+    for r in report:
+        assert r["same_tokens"] and r["kinds"] == ["critic", "reference", "reward"], r
+        assert r["diff"] < ATOL, r
+        # results exactly for the rows that ended in this rollout
+        assert all(rows == r["ended"] for rows in r["rows"].values()), r
+    assert len(first["ended"]) >= 2 and len(first["ended"]) < len(PROMPT_LENS)
+    assert second["running_before"] > 0  # the second rollout continued begun responses
+    assert set(first["ended"]).isdisjoint(second["ended"])
+    assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
 def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():
     messages = _spawn("error")
     (error,) = [m for kind, _, m in messages if kind == "error"]
@@ -160,4 +234,146 @@ def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():
     (after,) = [m for kind, _, m in messages if kind == "after_error"]
     assert after["same_generation"] and after["diff"] < ATOL, after
     # the failed rollout was aborted, the next one ended: two rollouts, then SHUTDOWN
+    assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
+# ------------------------------------------------------------------ one sender per model replica
+# Ranks 0 and 1 stand for the two ranks of a tensor-parallel replica: they decode the same
+# tokens (same weights, same generator seed); only rank 0 streams to the scorer rank 2, and
+# rank 1 takes the scores from rank 0. (Real tensor-parallel replicas run in
+# tests/test_megatron.py; here the ranks decode independently, which is enough for the
+# protocol: who sends, who receives, and that a failure reaches both.)
+
+def _replica_worker(rank, _world, out, scenario):
+    import torch.distributed as dist
+    from oppo_ds.rollout.stage import (RemoteScorerError, RemoteScorers, Replica, ScorerStage,
+                                       stage_stream_generate)
+    from oppo_ds.rollout.streaming import StreamingScorer, stream_generate
+    replica_group = dist.new_group([0, 1])
+    link = dist.new_group([0, 2])
+    actor, reference, reward, critic = _models(ARCHS[0])
+    if rank == 2:
+        cls = type("Failing", (_FailsOnce, StreamingScorer), {}) if scenario == "error" \
+            else None
+        out.put(("served", rank, ScorerStage(_scorers(reference, reward, critic, cls),
+                                             actor_rank=0, group=link,
+                                             timeout=timedelta(seconds=60)).serve()))
+        return
+    remote = RemoteScorers(scorer_rank=2, group=link, timeout=timedelta(seconds=60)) \
+        if rank == 0 else None
+    replica = Replica(replica_group, sender=0)
+    ids, mask = _prompts()
+    params = _params()
+
+    def rollout():
+        gen, got, timing = stage_stream_generate(
+            actor, remote, ids, mask, params, torch.Generator().manual_seed(SEED), 3,
+            replica=replica)
+        ref_gen, want, _ = stream_generate(actor, _scorers(reference, reward, critic), ids,
+                                           mask, params, torch.Generator().manual_seed(SEED), 3)
+        return {"same_generation": torch.equal(gen.response_ids, ref_gen.response_ids) and
+                torch.equal(gen.lengths, ref_gen.lengths),
+                "kinds": sorted(got), "diff": max((got[k] - want[k]).abs().max().item()
+                                                  for k in want),
+                "chunks": timing.chunks, "busy": timing.scoring_busy_s}
+
+    try:
+        if scenario == "error":
+            try:
+                rollout()
+                out.put(("error", rank, None))
+            except RemoteScorerError as err:
+                out.put(("error", rank, str(err)))
+        out.put(("rollout", rank, rollout()))
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+def _spawn_replica(scenario):
+    return spawn_gloo(_replica_worker, 3, scenario, join_s=JOIN_S, group_timeout_s=60)
+
+
+def test_one_rank_of_a_replica_streams_and_shares_the_scores():
+    messages = _spawn_replica("equal")
+    got = {rank: m for kind, rank, m in messages if kind == "rollout"}
+    assert sorted(got) == [0, 1]
+    for m in got.values():
+        assert m["same_generation"] and m["diff"] < ATOL, m
+        assert m["kinds"] == ["critic", "reference", "reward"]
+    # rank 1 holds the sender's timing (the stage's events), not a timing of its own
+    assert got[1]["chunks"] == got[0]["chunks"] > 1 and got[1]["busy"] == got[0]["busy"] > 0
+    # the scorer rank served one rollout (rank 0's), then SHUTDOWN
+    assert [n for kind, _, n in messages if kind == "served"] == [1]
+
+
+def test_a_scorer_failure_reaches_every_rank_of_the_replica():
+    messages = _spawn_replica("error")
+    errors = {rank: m for kind, rank, m in messages if kind == "error"}
+    assert errors[0] is not None and "scorer stage on rank 2" in errors[0]
+    assert "injected scorer failure" in errors[0]
+    # rank 1 never talked to the stage: the sender tells it what failed
+    assert errors[1] is not None and "rank 0, which streams for its replica, failed" in errors[1]
+    assert "injected scorer failure" in errors[1]
+    after = {rank: m for kind, rank, m in messages if kind == "rollout"}
+    assert all(m["same_generation"] and m["diff"] < ATOL for m in after.values()), after
+    assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
+# ------------------------------------------------------------------ several actor ranks at once
+# Actor ranks 0 and 1 share the scorer rank 2. Rank 0 begins a rollout, sends a chunk, and
+# then waits for rank 1 (a barrier of the two) before it sends the rest; rank 1 runs a whole
+# rollout meanwhile. Served in turn (rank 0's rollout to its end first) this deadlocks: rank 1
+# would wait for its results and rank 0 for rank 1. ``serve_round`` serves both at once.
+
+def _concurrent_worker(rank, _world, out):
+    import torch.distributed as dist
+    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage, serve_round
+    from oppo_ds.rollout.streaming import StreamingScorer
+    actors = dist.new_group([0, 1])
+    links = {a: dist.new_group([a, 2]) for a in (0, 1)}
+    _, reference, reward, _ = _models(ARCHS[0])
+
+    def scorers():
+        return [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference")]
+
+    if rank == 2:
+        stages = [ScorerStage(scorers(), actor_rank=a, group=links[a],
+                              timeout=timedelta(seconds=60)) for a in (0, 1)]
+        served = 0
+        while stages[0].stopped_by is None:
+            served += serve_round(stages)
+        out.put(("served", rank, served))
+        return
+    ids, mask = _prompts(seed=1 + rank)
+    tokens = torch.randint(3, VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(rank))
+    rows, three = torch.arange(ids.shape[0]), torch.full((ids.shape[0],), 3)
+    none = torch.zeros(0, dtype=torch.long)
+    remote = RemoteScorers(scorer_rank=2, group=links[rank], timeout=timedelta(seconds=60))
+    remote.begin(ids, mask)
+    remote.chunk("0", rows, tokens[:, :3], three, none)
+    if rank == 0:
+        dist.barrier(group=actors)  # rank 1's whole rollout happens meanwhile
+    remote.chunk("1", rows, tokens[:, 3:], three, rows)
+    got, _ = remote.results()
+    if rank == 1:
+        dist.barrier(group=actors)
+    remote.close()
+    want = {}
+    for scorer in scorers():  # the same calls in this process
+        scorer.begin(ids, mask)
+        scorer.consume(rows, tokens[:, :3], three)
+        scorer.consume(rows, tokens[:, 3:], three)
+        want[scorer.kind] = scorer.finish(rows)
+    diff = max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k])
+    out.put(("rollout", rank, {"kinds": sorted(got), "rows": sorted(got["reward"]), "diff": diff}))
+
+
+def test_scorer_rank_serves_several_actor_ranks_at_once():
+    messages = spawn_gloo(_concurrent_worker, 3, join_s=JOIN_S, group_timeout_s=60)
+    got = {rank: m for kind, rank, m in messages if kind == "rollout"}
+    assert sorted(got) == [0, 1]
+    for m in got.values():
+        assert m["kinds"] == ["reference", "reward"] and m["rows"] == list(range(len(PROMPT_LENS)))
+        assert m["diff"] < ATOL, m
     assert [n for kind, _, n in messages if kind == "served"] == [2]

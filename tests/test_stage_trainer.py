@@ -127,19 +127,59 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
             assert b[step][key] == pytest.approx(a[step][key], abs=tol), (step, key)
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["oppo.placement=stage"], "stage needs streaming: true"),
-    (["oppo.placement=stage", "oppo.streaming=true", "oppo.overcommit=2"],
-     "stage placement with overcommitment is not supported yet"),
-    (["oppo.placement=stage", "oppo.streaming=true", "oppo.overcommit=auto"],
-     "stage placement with overcommitment is not supported yet"),
-])
-def test_stage_config_errors(overrides, words):
+def test_stage_config_errors():
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        load_config(None, ["oppo.placement=stage"])
     assert err.value.key == "oppo.placement"
-    assert words in str(err.value)
-    load_config(None, ["oppo.placement=stage", "oppo.streaming=true"])  # the valid form
+    assert "stage needs streaming: true" in str(err.value)
+    load_config(None, ["oppo.placement=stage", "oppo.streaming=true"])  # the valid forms
+    load_config(None, ["oppo.placement=stage", "oppo.streaming=true", "oppo.overcommit=auto"])
+
+
+POOL = ["oppo.overcommit=2", "oppo.max_defer_steps=2", "oppo.chunk_size=3"]
+POOL_KEYS = ("pool/carried", "pool/deferred_frac", "pool/stale_token_frac", "pool/decoded_tokens")
+
+
+def test_stage_with_overcommitment_gives_the_inline_pool_run_and_resumes(cache_dir, tmp_path):
+    """Full OPPO on the stage placement: the rollout pool's rows, deferred ones with their
+    responses so far, stream to the scorer rank, which re-prefills what it does not hold.
+    Against the same pool run inline in one process: the same rows finish and are taken, the
+    same metrics (1e-4); a checkpoint mid-run resumes with the pool on the actor rank and
+    nothing on the scorer rank, and the prompt ledger shows every prompt trained once."""
+    run_in_process(cache_dir, tmp_path / "inline", "steps=4", "checkpoint.export_hf=false",
+                   "oppo.streaming=true", *POOL)
+    out = tmp_path / "stage"
+    launch(out, cache_dir, "steps=2", "checkpoint.every=1", "checkpoint.export_hf=false", *POOL)
+    assert sorted(os.listdir(out / "checkpoints" / "trainer" / "step2")) == ["rank0.pt"]
+    proc = launch(out, cache_dir, "steps=4", "checkpoint.export_hf=false", *POOL)
+    assert "resumed from step2 at step 2" in proc.stdout + proc.stderr
+    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(out / "metrics.jsonl")
+    assert sorted(b) == [1, 2, 3, 4]
+    assert any(b[step]["pool/carried"] > 0 for step in b)  # rows were deferred and continued
+    for step in (1, 2, 3, 4):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        for key in DETERMINISTIC + POOL_KEYS:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+        assert 0.0 <= b[step]["stream/scoring_hidden_frac"] <= 1.0
+    state = torch.load(out / "checkpoints" / "trainer" / "step4" / "rank0.pt", weights_only=False)
+    trained = state["pool"]["ledger"]["trained"]
+    assert sum(trained.values()) == 4 * 4 and set(trained.values()) == {1}
+
+
+def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tmp_path):
+    """The pool's lock-step stop (one all-reduce per token) among the actor ranks only: the
+    scorer rank is in the world but not in that group. Same metrics as 2 ranks inline."""
+    launch(tmp_path / "inline", cache_dir, "steps=3", "checkpoint.export_hf=false", *POOL,
+           placement="inline")
+    launch(tmp_path / "stage", cache_dir, "steps=3", "checkpoint.export_hf=false", *POOL,
+           ranks=3)
+    a = _by_step(tmp_path / "inline" / "metrics.jsonl")
+    b = _by_step(tmp_path / "stage" / "metrics.jsonl")
+    for step in (1, 2, 3):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        assert b[step]["pool/sync_calls"] == a[step]["pool/sync_calls"] > 0
+        for key in DETERMINISTIC + POOL_KEYS:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -212,12 +212,14 @@ class BatchStop:
     answer is the minimum over ranks, one all-reduce per call, so all ranks stop at the same
     token; a rank whose rows all ended keeps calling (``wait``) until the others are done.
     Once True it stays True without further collectives, so every rank makes the same
-    number of calls."""
+    number of calls. ``group``: the ranks that decode (default: the world; under the stage
+    placement the actor ranks, the scorer rank does not take part)."""
 
-    def __init__(self, need: int, already: int, forced_rows: Sequence[int], sync: bool):
+    def __init__(self, need: int, already: int, forced_rows: Sequence[int], sync: bool,
+                 group=None):
         self.need, self.already = need, already
         self.forced = torch.as_tensor(list(forced_rows), dtype=torch.long)
-        self.sync = sync
+        self.sync, self.group = sync, group
         self.satisfied = False
         self.calls = 0
 
@@ -235,7 +237,7 @@ class BatchStop:
         ok = self.local(state)
         if self.sync:
             flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
             ok = bool(flag.item())
             self.calls += 1
         self.satisfied = ok

@@ -12,16 +12,24 @@ Ranks. ``actor_rank`` / ``scorer_rank`` are GLOBAL ranks (what ``torch.distribut
 ``dst`` / ``src`` take, with or without ``group``); the group passed in (default: the world
 group) must contain both. One ``ScorerStage`` talks to one actor rank, so messages need no
 routing and arrive in the order they were sent. Several actor ranks per scorer rank (the
-paper's 7:1): one ``ScorerStage`` per actor rank, all holding the same scorers, each serving
-one rollout in turn (``serve(rollouts=1)``); an actor rank's chunks wait in transit while the
-stage serves the one before it (see ``StageRanks`` for the trainer's layout).
+paper's 7:1): one ``ScorerStage`` per actor rank, each with scorers of its own over the same
+models, served together by ``serve_round``: every message is applied as it arrives, so each
+rank's chunks are scored while it decodes (see ``StageRanks`` for the trainer's layout). A
+model split tensor/pipeline parallel over several ranks (Megatron) decodes the same tokens on
+each of them: only its first rank streams (``replica_senders``) and broadcasts the scores to the
+others (``Replica``), so the scorer rank scores each replica's rollout once.
 
 Wire protocol. Every message is a header, an int64 tensor of ``HEADER_LEN`` entries
 ``[op, a, b, c, d, 0, 0, 0]``, followed by the payload tensors the header's op and sizes
 determine (none when a size is 0), all on the wire device (CPU for gloo, the current CUDA
 device for NCCL). Actor -> scorer:
 
-    BEGIN        [BEGIN, B, P, ids dtype, mask dtype]   int64 (2, B, P): prompt ids, mask
+    BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   int64 (2, B, P): prompt ids, mask;
+                  L, partial]                           then, when L > 0, int64 (B, 1 + L):
+                                                        each row's response so far (its length,
+                                                        then L tokens, right-padded): the rows
+                                                        a rollout pool continues. partial = 1:
+                                                        rows may end the rollout unfinished
     CONSUME      [CONSUME, chunk, A, c]                 int64 (A, 2 + c): rows, lengths, tokens
     FINISH       [FINISH, chunk, n]                     int64 (n,): rows that ended (n > 0)
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
@@ -33,7 +41,8 @@ device for NCCL). Actor -> scorer:
 
 Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
 
-    RESULTS  [RESULTS, K, B, N, E]  int64 (K, 1 + B): kind code, then per-row result lengths;
+    RESULTS  [RESULTS, K, B, N, E]  int64 (K, 1 + B): kind code, then per-row result lengths
+                                    (-1: the row did not finish, partial rollouts only);
                                     float32 (N,): the rows' results, kind by kind, row by row;
                                     float64 (E, 5): events (lane code, name code, chunk,
                                     start_s, end_s), seconds from the scorer's BEGIN receipt
@@ -61,6 +70,7 @@ the share of the scorers' busy time that lay before the actor's last token on th
 from __future__ import annotations
 
 import enum
+import queue
 import threading
 import time
 import traceback
@@ -180,7 +190,7 @@ class ScorerStage:
             else _no_wait
         self._timeline = _Timeline(start, self._events, wait)
         self._finished: dict[str, dict[int, torch.Tensor]] = {s.kind: {} for s in self.scorers}
-        self._replied = self._failed = self._in_rollout = False
+        self._replied = self._failed = self._in_rollout = self._partial = False
         self._batch = 0
 
     def serve(self, rollouts: Optional[int] = None) -> int:
@@ -192,47 +202,67 @@ class ScorerStage:
         ended = 0
         self.stopped_by = self.pause_code = None
         while rollouts is None or ended < rollouts:
-            op, head, payload = self._recv()
-            if op == Op.SHUTDOWN:
-                self._reset()
-                self.stopped_by = Op.SHUTDOWN
+            head = self.post_header()
+            _wait(head[0], self.timeout)
+            ended += self.handle(head[1], time.perf_counter())
+            if self.stopped_by is not None:
                 return ended
-            if op == Op.PAUSE:
-                if self._in_rollout:
-                    raise RuntimeError(f"protocol error: PAUSE from actor rank "
-                                       f"{self.actor_rank} inside a rollout")
-                self.stopped_by, self.pause_code = Op.PAUSE, head[1]
-                return ended
-            if op in (Op.END_ROLLOUT, Op.ABORT):
-                if not self._replied:
-                    if op == Op.END_ROLLOUT:
-                        self._guard(self._send_results)
-                    else:
-                        self._send(_header(Op.ABORTED, device=self.wire))
-                self._reset()
-                ended += 1
-            elif op == Op.BEGIN and not self._failed:
-                self._start_rollout(self._received)
-                self._in_rollout = True
-                self._guard(self._begin, head, payload)
-            elif not self._failed:  # the rest of a failed rollout is dropped
-                self._guard(self._apply, op, head, payload)
         return ended
 
-    def _recv(self):
+    def post_header(self):
+        """Post the receive of the next message's header: (work, header tensor)."""
         head = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire)
-        _wait(dist.irecv(head, src=self.actor_rank, group=self.group), self.timeout)
-        self._received = time.perf_counter()
+        return dist.irecv(head, src=self.actor_rank, group=self.group), head
+
+    def handle(self, head: torch.Tensor, received: float) -> int:
+        """Apply one message whose header has arrived (at ``received``, perf_counter): receive
+        its payload and act on it. Returns 1 when it ended a rollout (END_ROLLOUT or ABORT),
+        else 0; after SHUTDOWN or PAUSE ``stopped_by`` says which."""
+        self.stopped_by = self.pause_code = None
+        self._received = received
+        op, head, payload = self._recv_payload(head)
+        if op == Op.SHUTDOWN:
+            self._reset()
+            self.stopped_by = Op.SHUTDOWN
+            return 0
+        if op == Op.PAUSE:
+            if self._in_rollout:
+                raise RuntimeError(f"protocol error: PAUSE from actor rank "
+                                   f"{self.actor_rank} inside a rollout")
+            self.stopped_by, self.pause_code = Op.PAUSE, head[1]
+            return 0
+        if op in (Op.END_ROLLOUT, Op.ABORT):
+            if not self._replied:
+                if op == Op.END_ROLLOUT:
+                    self._guard(self._send_results)
+                else:
+                    self._send(_header(Op.ABORTED, device=self.wire))
+            self._reset()
+            return 1
+        if op == Op.BEGIN and not self._failed:
+            self._start_rollout(self._received)
+            self._in_rollout = True
+            self._guard(self._begin, head, payload)
+        elif not self._failed:  # the rest of a failed rollout is dropped
+            self._guard(self._apply, op, head, payload)
+        return 0
+
+    def _recv_payload(self, head: torch.Tensor):
         head = head.tolist()  # on NCCL a host sync: the sizes decide the next receive
         op = head[0]
         shape = {Op.BEGIN: (2, head[1], head[2]), Op.CONSUME: (head[2], 2 + head[3]),
                  Op.FINISH: (head[2],)}.get(op)
         payload = None
         if shape is not None and all(shape):
-            payload = torch.empty(shape, dtype=torch.long, device=self.wire)
-            _wait(dist.irecv(payload, src=self.actor_rank, group=self.group), self.timeout)
-            payload = payload.to(self.device)
+            payload = self._recv_tensor(shape)
+        if op == Op.BEGIN and head[5] > 0:  # the responses the rows already have
+            payload = (payload, self._recv_tensor((head[1], 1 + head[5])))
         return op, head, payload
+
+    def _recv_tensor(self, shape) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.long, device=self.wire)
+        _wait(dist.irecv(t, src=self.actor_rank, group=self.group), self.timeout)
+        return t.to(self.device)
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -244,11 +274,14 @@ class ScorerStage:
             self._failed = self._replied = True
 
     def _begin(self, head, payload) -> None:
-        ids = payload[0].to(_DTYPES[head[3]])
-        mask = payload[1].to(_DTYPES[head[4]])
-        self._batch = ids.shape[0]
+        prompts, prefix = payload if head[5] > 0 else (payload, None)
+        ids = prompts[0].to(_DTYPES[head[3]])
+        mask = prompts[1].to(_DTYPES[head[4]])
+        self._batch, self._partial = ids.shape[0], bool(head[6])
+        rows = range(self._batch)
+        extra = (prefix[:, 1:], prefix[:, 0]) if prefix is not None else ()
         for scorer in self.scorers:
-            self._timeline.run(scorer.kind, "begin", scorer.begin, ids, mask)
+            self._timeline.run(scorer.kind, "begin", scorer.add, rows, ids, mask, *extra)
 
     def _apply(self, op, head, payload) -> None:
         run, chunk = self._timeline.run, head[1]
@@ -268,13 +301,15 @@ class ScorerStage:
         for scorer in self.scorers:
             per_row = self._finished[scorer.kind]
             missing = sorted(set(range(self._batch)) - set(per_row))
-            if missing:
+            if missing and not self._partial:
                 raise KeyError(f"{scorer.kind}: rows {missing} never finished")
-            rows = [per_row[i].float().reshape(-1).to(self.wire) for i in range(self._batch)]
-            codes.append([SCORER_KINDS.index(scorer.kind)] + [r.numel() for r in rows])
-            values.extend(rows)
+            rows = [per_row[i].float().reshape(-1).to(self.wire) if i in per_row else None
+                    for i in range(self._batch)]
+            codes.append([SCORER_KINDS.index(scorer.kind)] +
+                         [-1 if r is None else r.numel() for r in rows])
+            values.extend(r for r in rows if r is not None)
         codes = torch.tensor(codes, dtype=torch.long, device=self.wire)
-        values = torch.cat(values)
+        values = torch.cat(values) if values else torch.zeros(0, device=self.wire)
         events = _encode_events(self._events).to(self.wire)
         head = _header(Op.RESULTS, len(self.scorers), self._batch, values.numel(),
                        events.shape[0], device=self.wire)
@@ -289,6 +324,46 @@ class ScorerStage:
         for scorer in self.scorers:
             scorer.reset()
         self._start_rollout(0.0)
+
+
+def serve_round(stages: Sequence[ScorerStage]) -> int:
+    """Serve the next rollout of every stage (one per actor rank) at once: each message is
+    applied as it arrives, whichever actor rank sent it, so no rank's chunks wait for another
+    rank's rollout to end. Returns when every stage has ended a rollout or stopped (its
+    ``stopped_by`` / ``pause_code`` then say how); returns how many rollouts ended. The
+    stages must not share scorer objects (their caches are in use at the same time). A
+    header's arrival is waited for in a thread per message (gloo reports a receive's
+    completion only to a waiter); the payloads are received here."""
+    arrived: queue.Queue = queue.Queue()
+
+    def post(i: int) -> None:
+        work, head = stages[i].post_header()
+        threading.Thread(target=_wait_then_put, args=(work, stages[i].timeout, arrived, i, head),
+                         daemon=True, name="oppo-stage-header").start()
+
+    for i, stage in enumerate(stages):
+        stage.stopped_by = stage.pause_code = None
+        post(i)
+    ended, open_ = 0, len(stages)
+    while open_:
+        i, head, received, err = arrived.get()
+        if err is not None:
+            raise err
+        n = stages[i].handle(head, received)
+        ended += n
+        if n or stages[i].stopped_by is not None:
+            open_ -= 1  # this stage is done for the round: no receive posted for it
+        else:
+            post(i)
+    return ended
+
+
+def _wait_then_put(work, timeout, out: queue.Queue, i: int, head: torch.Tensor) -> None:
+    try:
+        _wait(work, timeout)
+        out.put((i, head, time.perf_counter(), None))
+    except BaseException as err:  # the transport failed: raised in the serving thread
+        out.put((i, head, time.perf_counter(), err))
 
 
 class RemoteScorers:
@@ -313,9 +388,14 @@ class RemoteScorers:
     def in_rollout(self) -> bool:
         return self._open
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> float:
-        """Send the prompts; returns ``time.perf_counter()`` at the send (the moment the
-        stage's event times count from)."""
+    def begin(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+              prefix_ids: Optional[torch.Tensor] = None,
+              prefix_lengths: Optional[torch.Tensor] = None, partial: bool = False) -> float:
+        """Send the prompts (and, for rows that continue a response, the response so far:
+        ``prefix_ids`` (B, L) right-padded, ``prefix_lengths`` (B,)); ``partial``: rows may
+        end the rollout unfinished (a rollout pool's stop rule), their results are left out.
+        Returns ``time.perf_counter()`` at the send (the moment the stage's event times count
+        from)."""
         if self._open or self._closed:
             raise RuntimeError("begin: a rollout is already open" if self._open
                                else "begin: the scorer stage was shut down")
@@ -323,11 +403,19 @@ class RemoteScorers:
         codes = _DTYPES.index(prompt_ids.dtype), _DTYPES.index(prompt_mask.dtype)
         payload = torch.stack([prompt_ids.to(self.wire, torch.long),
                                prompt_mask.to(self.wire, torch.long)])
+        prefix = None
+        if prefix_ids is not None and prefix_ids.shape[1] > 0:
+            prefix = torch.cat([prefix_lengths.reshape(-1, 1).to(self.wire, torch.long),
+                                prefix_ids.to(self.wire, torch.long)], dim=1)
         self._open, self._ended = True, False
         if self._early_reply:
             self._post_reply()
         sent = time.perf_counter()
-        self._isend(_header(Op.BEGIN, batch, width, *codes, device=self.wire), payload)
+        self._isend(_header(Op.BEGIN, batch, width, *codes,
+                            0 if prefix is None else prefix.shape[1] - 1, int(partial),
+                            device=self.wire), payload)
+        if prefix is not None:
+            self._isend(prefix)
         return sent
 
     def chunk(self, name: str, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
@@ -484,18 +572,41 @@ def _split_results(codes: torch.Tensor, values: torch.Tensor) -> dict[str, dict[
     finished, offset = {}, 0
     for kind_code, *counts in codes.tolist():
         kind = SCORER_KINDS[kind_code]
-        parts = values[offset:offset + sum(counts)].split(counts)
-        offset += sum(counts)
+        rows = [i for i, c in enumerate(counts) if c >= 0]  # -1: did not finish
+        sizes = [counts[i] for i in rows]
+        parts = values[offset:offset + sum(sizes)].split(sizes)
+        offset += sum(sizes)
         # a reward is a scalar per row, the others (T_row,) vectors
         finished[kind] = {i: (p.reshape(()) if kind == "reward" else p)
-                          for i, p in enumerate(parts)}
+                          for i, p in zip(rows, parts)}
     return finished
 
 
-def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor,
+@dataclass
+class Replica:
+    """The ranks of one model replica (tensor x pipeline parallel) decode the same tokens;
+    only ``sender`` (a GLOBAL rank) streams them to the scorer rank, and it shares the scores
+    and the timing with the others over ``group`` (the replica's model-parallel group)."""
+    group: object
+    sender: int
+
+    @property
+    def sends(self) -> bool:
+        return dist.get_rank() == self.sender
+
+
+class _Quiet:
+    """The chunk sink of a replica rank that does not send (its replica's sender does)."""
+
+    def chunk(self, name, rows, tokens, counts, ended) -> None:
+        pass
+
+
+def stage_stream_generate(actor, remote: Optional[RemoteScorers], prompt_ids: torch.Tensor,
                           prompt_mask: torch.Tensor, params: SamplingParams,
                           generator: Optional[torch.Generator], chunk_size: int,
-                          targets: Optional[torch.Tensor] = None):
+                          targets: Optional[torch.Tensor] = None,
+                          replica: Optional[Replica] = None):
     """``stream_generate`` with the scorers on the scorer stage behind ``remote``.
 
     Returns (Generation, results, StreamTiming) as ``stream_generate`` does: the same
@@ -505,28 +616,131 @@ def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor
     and the transfer), ``scorers`` / ``scoring_busy_s`` / ``scoring_hidden_frac`` /
     ``events`` come from the stage's own timestamps, placed on this rank's timeline as the
     module docstring says.
+
+    With ``replica`` (a model-parallel actor), every rank of it calls this with the same
+    prompts: the sender (``remote`` given) streams, the others (``remote`` None) decode the
+    same tokens without sending, and all return the sender's results and timing.
     """
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, targets=targets)
+
+    def package(state, finished):
+        gen = finish(state)
+        return gen, {kind: _assemble(kind, per_row, gen) for kind, per_row in finished.items()}
+
+    return _on_replica(actor, remote, inputs, params, generator, chunk_size, replica,
+                       package=package)
+
+
+def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: dict,
+                          row_ids: torch.Tensor, params: SamplingParams,
+                          generator: Optional[torch.Generator], chunk_size: int, stop=None,
+                          replica: Optional[Replica] = None):
+    """``stream_continue`` (the rollout pool's streaming rollout) with the scorers on the
+    scorer stage. The stage keeps nothing between rollouts: every running row goes to it with
+    its prompt and the response it has so far, which it prefills (on its own device, while
+    this rank rebuilds its KV cache the same way) before the chunks come; rows still running
+    when ``stop`` ends the rollout are dropped there and sent again next time. So a deferred
+    row's reward and reference prefix is recomputed on the scorer rank each step rather than
+    carried as under ``inline`` / ``colocated`` (same scores within float rounding).
+
+    Returns (DecodeState, {kind: {row id: result}} of the rows that finished, StreamTiming),
+    as ``stream_continue``; ``replica`` as in ``stage_stream_generate``."""
+    row_ids = row_ids.to(start_inputs["prompt_ids"].device)
+
+    def package(state, finished):
+        return state, {kind: {int(row_ids[i]): v for i, v in per_row.items()}
+                       for kind, per_row in finished.items()}
+
+    return _on_replica(actor, remote, start_inputs, params, generator, chunk_size, replica,
+                       package=package, stop=stop, partial=True)
+
+
+def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int, replica,
+                package, stop=None, partial: bool = False):
+    """One streamed rollout: on the rank that streams (no ``replica``, or its sender) to the
+    stage, on the other ranks of a replica decoded quietly and given the sender's results."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    device = prompt_ids.device
+    device = inputs["prompt_ids"].device
+    if replica is None or replica.sends:
+        if remote is None:
+            raise ValueError("the rank that streams needs the scorer stage (remote)")
+        try:
+            state, finished, timing = _stream_to_stage(
+                actor, remote, inputs, params, generator, chunk_size, stop, partial,
+                hold_errors=replica is not None)
+        except Exception as err:
+            if replica is not None:  # the other ranks of the replica wait for the scores
+                _share(replica, f"rank {dist.get_rank()}, which streams for its replica, "
+                                f"failed: {type(err).__name__}: {err}")
+            raise
+        if replica is not None:
+            _share(replica, ({k: {i: v.cpu() for i, v in rows.items()}
+                              for k, rows in finished.items()}, timing))
+        return (*package(state, finished), timing)
+    if remote is not None:
+        raise ValueError(f"rank {dist.get_rank()} does not stream for its replica "
+                         f"(rank {replica.sender} does) but was given the scorer stage")
+    state = start_decode(actor, params=params, **inputs)
+    _decode_in_chunks(actor, state, _Quiet(), _Timeline(0.0, []), params, generator,
+                      chunk_size, stop=stop)
+    shared = _share(replica, None)
+    if isinstance(shared, str):
+        raise RemoteScorerError(shared)
+    finished, timing = shared
+    finished = {k: {i: v.to(device) for i, v in rows.items()} for k, rows in finished.items()}
+    return (*package(state, finished), timing)
+
+
+def _share(replica: Replica, obj):
+    """Broadcast ``obj`` from the replica's sender to its other ranks; returns it."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=replica.sender, group=replica.group)
+    return box[0]
+
+
+class _HoldError:
+    """A replica sender's sink: a scorer failure the stage reports mid-rollout is held until
+    this rank has decoded to the end, because the other ranks of its replica decode on and
+    their tensor/pipeline-parallel calls need this rank's."""
+
+    def __init__(self, remote: RemoteScorers):
+        self.remote, self.error = remote, None
+
+    def chunk(self, name, rows, tokens, counts, ended) -> None:
+        if self.error is None:
+            try:
+                self.remote.chunk(name, rows, tokens, counts, ended)
+            except RemoteScorerError as err:
+                self.error = err
+
+
+def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generator,
+                     chunk_size: int, stop, partial: bool, hold_errors: bool):
+    """The rollout on the rank that streams: (DecodeState, {kind: {row: result}}, timing)."""
+    device = inputs["prompt_ids"].device
     events: list[TimelineEvent] = []
     start = _clock(device)
     timeline = _Timeline(start, events, (lambda: torch.cuda.synchronize(device))
                          if device.type == "cuda" else _no_wait)
     try:
-        # the stage prefills the prompts while this rank prefills them too
-        begin_s = remote.begin(prompt_ids, prompt_mask) - start
-        state = timeline.run("actor", "prefill", lambda: start_decode(
-            actor, prompt_ids, prompt_mask, params, targets=targets))
-        chunks = _decode_in_chunks(actor, state, remote, timeline, params, generator, chunk_size)
+        # the stage prefills the prompts (and responses so far) while this rank does too
+        begin_s = remote.begin(inputs["prompt_ids"], inputs["prompt_mask"],
+                               inputs.get("prefix_ids"), inputs.get("prefix_lengths"),
+                               partial=partial) - start
+        state = timeline.run("actor", "prefill", lambda: start_decode(actor, params=params,
+                                                                      **inputs))
+        sink = _HoldError(remote) if hold_errors else remote
+        chunks = _decode_in_chunks(actor, state, sink, timeline, params, generator, chunk_size,
+                                   stop=stop)
+        if hold_errors and sink.error is not None:
+            raise sink.error
         finished, stage_events = remote.results()
     except BaseException:
         remote.abort()
         raise
     received_s = _clock(device) - start
 
-    gen = finish(state)
-    results = {kind: _assemble(kind, per_row, gen) for kind, per_row in finished.items()}
     timing = StreamTiming(chunks=chunks, scorers={k: ScorerTiming() for k in finished},
                           events=events + [e._replace(start_s=e.start_s + begin_s,
                                                       end_s=e.end_s + begin_s)
@@ -535,34 +749,50 @@ def stage_stream_generate(actor, remote: RemoteScorers, prompt_ids: torch.Tensor
     _summarize(timing)
     timing.scoring_end_s = max(received_s, timing.decode_end_s)
     timing.scoring_tail_s = timing.scoring_end_s - timing.decode_end_s
-    return gen, results, timing
+    return state, finished, timing
+
+
+def replica_senders(actor_ranks: int, tp: int = 1, pp: int = 1) -> list[int]:
+    """The first rank of every model replica of ``actor_ranks`` ranks split tensor x pipeline
+    parallel by megatron-core's default order (``tp-cp-ep-dp-pp``: tensor-parallel ranks
+    consecutive, then data-parallel replicas, then pipeline stages): replica ``d`` is ranks
+    ``{s * tp * dp + d * tp + t}``, its first rank ``d * tp``. Unsplit models: every rank."""
+    if actor_ranks % (tp * pp):
+        raise ValueError(f"{actor_ranks} actor ranks do not hold replicas of tensor_parallel="
+                         f"{tp} x pipeline_parallel={pp}")
+    return [d * tp for d in range(actor_ranks // (tp * pp))]
 
 
 @dataclass
 class StageRanks:
     """The trainer's split of the world under the ``stage`` placement: actor ranks 0..N-1,
     data parallel among themselves over ``actor_group``, and the scorer rank N, the last one.
-    ``links[a]`` is the two-rank group of actor rank ``a`` and the scorer rank that carries
-    that actor's chunks (its own group, so nothing else is ever queued on it)."""
+    ``senders`` are the actor ranks that stream (one per model replica: the ranks of a
+    tensor/pipeline-parallel replica decode the same tokens, ``replica_senders``);
+    ``links[a]`` is the two-rank group of sender ``a`` and the scorer rank that carries its
+    chunks (its own group, so nothing else is ever queued on it)."""
     actor_ranks: list[int]
     scorer_rank: int
     actor_group: object  # a ProcessGroup; GroupMember.NON_GROUP_MEMBER on the scorer rank
     links: dict[int, object]
+    senders: list[int]
 
     @property
     def is_scorer(self) -> bool:
         return dist.get_rank() == self.scorer_rank
 
     @classmethod
-    def split_world(cls) -> "StageRanks":
+    def split_world(cls, tp: int = 1, pp: int = 1) -> "StageRanks":
         """Collective: every rank of the world must call it, in the same order as its other
-        ``new_group`` calls. Needs a world of at least 2 ranks."""
+        ``new_group`` calls. Needs a world of at least 2 ranks; ``tp`` x ``pp`` is the model
+        split of the actor ranks (Megatron)."""
         world = dist.get_world_size()
         if world < 2:
             raise ValueError(f"the stage placement needs at least 2 ranks (actor ranks and "
                              f"one scorer rank), got a world of {world}")
         scorer = world - 1
         actors = list(range(scorer))
+        senders = replica_senders(len(actors), tp, pp)
         actor_group = dist.new_group(actors)
-        links = {a: dist.new_group([a, scorer]) for a in actors}
-        return cls(actors, scorer, actor_group, links)
+        links = {a: dist.new_group([a, scorer]) for a in senders}
+        return cls(actors, scorer, actor_group, links, senders)
