@@ -94,6 +94,17 @@ def _quiet_libraries(rank: int, scorer_rank: bool = False) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
+def _close_process_groups() -> None:
+    """Destroy the process groups while the interpreter is whole. Left to interpreter exit,
+    a gloo worker thread can still hold a finished send's work, whose tensor it frees after
+    Python is gone: SIGABRT, "terminate called without an active exception" (seen on the
+    stage placement's scorer rank, about 1 run in 10; pytorch/pytorch#190489)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank, world = launch_rank(dict(os.environ))
@@ -118,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
     summary = trainer.train()
+    _close_process_groups()  # after a failure the traceback is printed and the launcher ends all
     if summary is not None:
         print(json.dumps(summary, indent=2))
         print(f"run directory: {os.path.abspath(cfg.logging.output_dir)}")
