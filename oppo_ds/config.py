@@ -183,11 +183,12 @@ class OppoConfig:
     reference for correctness); colocated = concurrently on the same devices (a worker
     thread on CPU, a side CUDA stream on GPU); stage = on a rank of their own, the last one:
     launch N + 1 ranks (`deepspeed --num_gpus N+1 --module oppo_ds.train ...`), N actor ranks
-    train, the last one holds the reward and reference models and receives each chunk by
-    torch.distributed point-to-point. The critic trains, so under `stage` it does not stream:
-    its values are computed on the actor ranks after generation. With `overcommit` the
-    scorer rank prefills each deferred row's response so far again every step (it carries no
-    cache between steps). Needs `streaming: true`; not with ZeRO-3 or the hybrid engine."""
+    train (their own torch.distributed world, so any ZeRO stage and the hybrid engine), the
+    last one holds the reward and reference models and receives each chunk by point-to-point
+    over a link of its own with each actor rank. The critic trains, so under `stage` it does
+    not stream: its values are computed on the actor ranks after generation. With
+    `overcommit` the scorer rank prefills each deferred row's response so far again every
+    step (it carries no cache between steps). Needs `streaming: true`."""
     overcommit: Union[int, Literal["auto"]] = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the

@@ -41,11 +41,6 @@ from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
 
-# world barriers in one CheckpointManager.save (checkpoint.py: after the rank files, after
-# `latest`); the stage placement's scorer rank joins them
-CHECKPOINT_MANAGER_BARRIERS = 2
-
-
 @dataclass
 class Sources:
     """Where each model, the tokenizer and the prompts come from, after resolving `builtin`."""
@@ -158,21 +153,24 @@ def gather_floats(values: list, group=None) -> list:
 class PPOTrainer(StagePlacement):
     def __init__(self, cfg: Config):
         from .engines import init_distributed_if_needed
-        from .engines.deepspeed_engine import DataParallelSubgroup
         from .engines.factory import build_models
 
         self.cfg = cfg
         self.preempted: Optional[str] = None  # the signal that stopped training early
         if cfg.system.torch_threads:
             torch.set_num_threads(cfg.system.torch_threads)
-        init_distributed_if_needed()
-        # oppo.placement=stage: the last rank scores, the others are the actor ranks, data
-        # parallel over their own group (see "the stage placement" below); else the world
-        self.stage = self._split_for_stage() if cfg.oppo.placement == "stage" else None
-        self.dp_group = self.stage.actor_group if self.stage is not None else None
-        self.rank = dist.get_rank()  # the actor ranks are 0..N-1 in the world and the group
-        self.world_size = len(self.stage.actor_ranks) if self.stage is not None \
-            else dist.get_world_size()
+        # oppo.placement=stage: the last process scores, outside torch.distributed's world;
+        # the others, the actor ranks, form the world by themselves (stage_placement.py)
+        self.stage = self._stage_layout() if cfg.oppo.placement == "stage" else None
+        scorer_rank = self.stage is not None and self.stage.is_scorer
+        self.stage_links = {}
+        if scorer_rank:
+            self._open_stage_links()  # waits for the actor ranks to have prepared the workload
+        else:
+            init_distributed_if_needed()
+        self.dp_group = None  # the world: every actor rank
+        self.rank = self.stage.rank if scorer_rank else dist.get_rank()
+        self.world_size = len(self.stage.actor_ranks) if scorer_rank else dist.get_world_size()
         self.is_main = self.rank == 0
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
@@ -185,7 +183,8 @@ class PPOTrainer(StagePlacement):
         else:
             self.tokenizer = wl.build_tokenizer()
         self.builtin_prompts = src.builtin_prompts
-        scorer_rank = self.stage is not None and self.stage.is_scorer
+        if self.stage is not None and not scorer_rank:
+            self._open_stage_links()  # after rank 0 prepared the workload (resolve_sources)
         self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
 
         p, s, g = cfg.ppo, cfg.system, cfg.generation
@@ -200,9 +199,7 @@ class PPOTrainer(StagePlacement):
                            scheduler=p.lr_schedule, micro_batch_size=p.micro_batch_size,
                            gradient_accumulation_steps=p.mini_batch_size // p.micro_batch_size,
                            zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,
-                           grad_clip=p.grad_clip, seed=cfg.seed,
-                           data_parallel=DataParallelSubgroup(self.dp_group)
-                           if self.stage is not None else None)
+                           grad_clip=p.grad_clip, seed=cfg.seed)
         # stage: the reward model, and the reference model when it streams, are on the scorer rank
         on_stage = {"reward", *cfg.oppo.stream_to} if self.stage is not None else set()
         models = build_models(cfg, src, common, engine_args, on_stage=on_stage)
@@ -212,23 +209,20 @@ class PPOTrainer(StagePlacement):
         # a model-parallel backend (megatron) has fewer data-parallel ranks than processes: the
         # ranks of one model replica must draw the same prompts and sample the same tokens
         model_parallel_dp = getattr(self.actor, "data_parallel_group", None)
-        if self.stage is None or model_parallel_dp is not None:
-            self.world_size = self.actor.world_size
-            self.dp_group = model_parallel_dp
+        self.world_size = self.actor.world_size
+        self.dp_group = model_parallel_dp
         # What every actor rank must decide alike (the chunk size, Delta, stopping on a signal)
         # is agreed over all of them: under Megatron the data-parallel group holds one rank of
         # each model replica only, and the other ranks of a replica must stop, stream and
         # overcommit exactly as it does (their collectives pair up token by token)
-        self.actor_group = self.stage.actor_group if self.stage is not None else None
-        self.actor_ranks = len(self.stage.actor_ranks) if self.stage is not None \
-            else dist.get_world_size()
+        self.actor_group = None  # the world
+        self.actor_ranks = dist.get_world_size()
         data_rank = self.actor.rank
         # stage: one rank per model replica streams (Megatron: its first), and shares the scores
         self.remote = self.replica = None
         if self.stage is not None:
             if self.rank in self.stage.senders:
-                self.remote = RemoteScorers(self.stage.scorer_rank,
-                                            group=self.stage.links[self.rank])
+                self.remote = RemoteScorers(self.stage_links[self.rank])
             if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
                 self.replica = self._stage_replica()
 
@@ -312,9 +306,6 @@ class PPOTrainer(StagePlacement):
 
     def save_checkpoint(self) -> None:
         engines = {"actor": self.actor, "critic": self.critic}
-        # the world barriers of CheckpointManager.save and of each engine's save
-        self._scorer_rank_joins(CHECKPOINT_MANAGER_BARRIERS +
-                                sum(e.WORLD_BARRIERS_PER_SAVE for e in engines.values()))
         state = {"step": self.step_count, "stream": self.stream.state_dict(),
                  "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
                  "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
@@ -714,7 +705,6 @@ class PPOTrainer(StagePlacement):
 
     def export(self, out_dir: str) -> None:
         """Final actor (and critic) in Hugging Face format, DeepSpeed-Chat's layout."""
-        self._scorer_rank_joins(1)  # the barrier at the end
         for name, engine in (("actor", self.actor), ("critic", self.critic)):
             with engine.generation_context() as model:
                 path = os.path.join(out_dir, name)

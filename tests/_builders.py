@@ -106,6 +106,47 @@ def _gloo_guarded(target, rank, world, port, out, group_timeout_s, *args):
         raise
 
 
+def spawn_stage(target, actors: int, *args, join_s: float, tp: int = 1,
+                link_timeout_s: float = 60) -> list:
+    """The stage placement's processes, as the trainer lays them out: ``actors`` actor ranks
+    in a gloo world of their own and one scorer process in none, linked by the trainer's own
+    ``StageLayout.open_links`` (standalone two-rank groups through the actor world's store).
+    Runs ``target(rank, layout, links, out, *args)`` in each; returns what they put on
+    ``out`` (``spawn_and_collect``). ``tp``: ranks per model replica (one sender each)."""
+    return spawn_and_collect(
+        _stage_guarded,
+        lambda rank, port, out: (target, rank, actors, tp, port, out, link_timeout_s, *args),
+        actors + 1, join_s)
+
+
+def _stage_guarded(target, rank, actors, tp, port, out, link_timeout_s, *args):
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from oppo_ds.rollout.stage import StageLayout, replica_senders
+
+    torch.set_num_threads(1)
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        timeout = timedelta(seconds=link_timeout_s)
+        layout = StageLayout(rank, actors + 1, replica_senders(actors, tp))
+        if not layout.is_scorer:
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=actors,
+                                    timeout=timeout)
+        links = layout.open_links("gloo", timeout)
+        target(rank, layout, links, out, *args)
+        for link in links.values():
+            link.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        out.put(("crash", rank, traceback.format_exc()))
+        raise
+
+
 def spawn_and_collect(target, args_of_rank, world: int, join_s: float) -> list:
     """Run ``target(*args_of_rank(rank, port, out))`` in ``world`` fresh (spawned) processes
     and return what they put on the queue ``out``. A process that puts ``("crash", rank,

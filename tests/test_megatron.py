@@ -347,7 +347,7 @@ def _stage_worker(rank, world, out):
     from oppo_ds.megatron.model import build_model
     from oppo_ds.megatron.parallel import init_model_parallel
     from oppo_ds.rollout.generate import SamplingParams
-    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage, stage_stream_generate
+    from oppo_ds.rollout.stage import Link, RemoteScorers, ScorerStage, stage_stream_generate
     from oppo_ds.rollout.streaming import StreamingScorer
 
     groups = init_model_parallel(1, 1)  # two data-parallel ranks, each a whole model
@@ -358,7 +358,7 @@ def _stage_worker(rank, world, out):
                             groups, "lm", dtype=torch.float32, device=cpu).eval()
     if rank == 1:
         served = ScorerStage([StreamingScorer(reward, "reward"),
-                              StreamingScorer(reference, "reference")], actor_rank=0,
+                              StreamingScorer(reference, "reference")], Link.in_world(0),
                              timeout=timedelta(seconds=60)).serve()
         out.put(("served", rank, served))
         return
@@ -366,7 +366,7 @@ def _stage_worker(rank, world, out):
                                 scale=0.5), groups, "lm", dtype=torch.float32, device=cpu).eval()
     params = SamplingParams(max_new_tokens=16, eos_token_ids=(2, 5, 7), pad_token_id=0)
     ids, mask = left_padded_prompts([3, 7, 5, 6, 2, 4], VOCAB, 0, seed=1)
-    remote = RemoteScorers(scorer_rank=1, timeout=timedelta(seconds=60))
+    remote = RemoteScorers(Link.in_world(1), timeout=timedelta(seconds=60))
     try:
         for chunk in (1, 3):
             with torch.no_grad():

@@ -1,8 +1,10 @@
 """Tier 1: the ``stage`` placement with real processes over gloo on a free port.
 
-Rank 0 is the actor, rank 1 the scorer stage (in the last two tests ranks 0 and 1 are one
-model replica and rank 2 the stage); all build the same tiny models from config with fixed
-seeds. The stage's rollout must give the Generation of ``stream_generate`` exactly and
+Laid out as the trainer does (``StageLayout``): the actor ranks in a gloo world of their own,
+the scorer process in none, each streaming actor rank linked to it by a standalone two-rank
+group. Rank 0 is the actor, rank 1 the scorer stage (in the last tests ranks 0 and 1 are one
+model replica, or two actor ranks, and rank 2 the stage); all build the same tiny models from
+config with fixed seeds. The stage's rollout must give the Generation of ``stream_generate`` exactly and
 its scores within 1e-6: the scorer rank runs the same calls on the same inputs with the same
 weights, so the numbers are bit-identical in practice (one intra-op thread on both sides); the
 tolerance only leaves room for a kernel choosing another reduction order in another process.
@@ -17,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from _builders import left_padded_prompts, sharpen as _sharpen, spawn_and_collect, spawn_gloo
+from _builders import left_padded_prompts, sharpen as _sharpen, spawn_stage
 
 ARCHS = ["tiny-llama", "tiny-gpt2"]
 VOCAB = 40
@@ -141,51 +143,42 @@ def _continue_twice(actor, reference, reward, critic, remote):
     return report
 
 
-def _worker(rank, port, scenario, out):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=timedelta(seconds=60))
-        from oppo_ds.rollout.stage import RemoteScorerError, RemoteScorers, ScorerStage
-        from oppo_ds.rollout.streaming import StreamingScorer
-        archs = ARCHS if scenario == "equal" else ARCHS[:1]
-        for arch in archs:
-            actor, reference, reward, critic = _models(arch)
-            if rank == 1:
-                failing = type("Failing", (_FailsOnce, StreamingScorer), {})
-                cls = failing if scenario == "error" else None
-                served = ScorerStage(_scorers(reference, reward, critic, cls), actor_rank=0,
-                                     timeout=timedelta(seconds=60)).serve()
-                out.put(("served", arch, served))
-                continue
-            remote = RemoteScorers(scorer_rank=1, timeout=timedelta(seconds=60))
-            scorers = _scorers(reference, reward, critic)
-            try:
-                if scenario == "continue":
-                    out.put(("continue", arch, _continue_twice(actor, reference, reward,
-                                                               critic, remote)))
-                elif scenario == "error":
-                    try:
-                        _compare(actor, scorers, remote, 3)
-                        out.put(("error", arch, None))
-                    except RemoteScorerError as err:
-                        out.put(("error", arch, str(err)))
-                    # the stage reset and serves the next rollout (its scorer fails only once)
-                    out.put(("after_error", arch, _compare(actor, scorers, remote, 3)))
-                else:
-                    for chunk_size in CHUNKS:
-                        out.put(("equal", arch, _compare(actor, scorers, remote, chunk_size)))
-            finally:
-                remote.close()
-        dist.destroy_process_group()
-    except BaseException:
-        out.put(("crash", rank, traceback.format_exc()))
-        raise
+def _worker(rank, _layout, links, out, scenario):
+    from oppo_ds.rollout.stage import RemoteScorerError, RemoteScorers, ScorerStage
+    from oppo_ds.rollout.streaming import StreamingScorer
+    archs = ARCHS if scenario == "equal" else ARCHS[:1]
+    for arch in archs:
+        actor, reference, reward, critic = _models(arch)
+        if rank == 1:
+            failing = type("Failing", (_FailsOnce, StreamingScorer), {})
+            cls = failing if scenario == "error" else None
+            served = ScorerStage(_scorers(reference, reward, critic, cls), links[0],
+                                 timeout=timedelta(seconds=60)).serve()
+            out.put(("served", arch, served))
+            continue
+        remote = RemoteScorers(links[0], timeout=timedelta(seconds=60))
+        scorers = _scorers(reference, reward, critic)
+        try:
+            if scenario == "continue":
+                out.put(("continue", arch, _continue_twice(actor, reference, reward,
+                                                           critic, remote)))
+            elif scenario == "error":
+                try:
+                    _compare(actor, scorers, remote, 3)
+                    out.put(("error", arch, None))
+                except RemoteScorerError as err:
+                    out.put(("error", arch, str(err)))
+                # the stage reset and serves the next rollout (its scorer fails only once)
+                out.put(("after_error", arch, _compare(actor, scorers, remote, 3)))
+            else:
+                for chunk_size in CHUNKS:
+                    out.put(("equal", arch, _compare(actor, scorers, remote, chunk_size)))
+        finally:
+            remote.close()
 
 
 def _spawn(scenario):
-    return spawn_and_collect(_worker, lambda rank, port, out: (rank, port, scenario, out), 2, JOIN_S)
+    return spawn_stage(_worker, 1, scenario, join_s=JOIN_S)
 
 
 def test_stage_scores_equal_inline():
@@ -244,24 +237,22 @@ def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():
 # tests/test_megatron.py; here the ranks decode independently, which is enough for the
 # protocol: who sends, who receives, and that a failure reaches both.)
 
-def _replica_worker(rank, _world, out, scenario):
+def _replica_worker(rank, layout, links, out, scenario):
     import torch.distributed as dist
     from oppo_ds.rollout.stage import (RemoteScorerError, RemoteScorers, Replica, ScorerStage,
                                        stage_stream_generate)
     from oppo_ds.rollout.streaming import StreamingScorer, stream_generate
-    replica_group = dist.new_group([0, 1])
-    link = dist.new_group([0, 2])
     actor, reference, reward, critic = _models(ARCHS[0])
     if rank == 2:
+        assert sorted(links) == layout.senders == [0]  # one sender for the replica
         cls = type("Failing", (_FailsOnce, StreamingScorer), {}) if scenario == "error" \
             else None
-        out.put(("served", rank, ScorerStage(_scorers(reference, reward, critic, cls),
-                                             actor_rank=0, group=link,
+        out.put(("served", rank, ScorerStage(_scorers(reference, reward, critic, cls), links[0],
                                              timeout=timedelta(seconds=60)).serve()))
         return
-    remote = RemoteScorers(scorer_rank=2, group=link, timeout=timedelta(seconds=60)) \
-        if rank == 0 else None
-    replica = Replica(replica_group, sender=0)
+    remote = RemoteScorers(links[0], timeout=timedelta(seconds=60)) if rank == 0 else None
+    assert (rank in links) == (rank == 0)
+    replica = Replica(dist.group.WORLD, sender=0)  # the two actor ranks are the world
     ids, mask = _prompts()
     params = _params()
 
@@ -291,7 +282,7 @@ def _replica_worker(rank, _world, out, scenario):
 
 
 def _spawn_replica(scenario):
-    return spawn_gloo(_replica_worker, 3, scenario, join_s=JOIN_S, group_timeout_s=60)
+    return spawn_stage(_replica_worker, 2, scenario, join_s=JOIN_S, tp=2)
 
 
 def test_one_rank_of_a_replica_streams_and_shares_the_scores():
@@ -326,20 +317,18 @@ def test_a_scorer_failure_reaches_every_rank_of_the_replica():
 # rollout meanwhile. Served in turn (rank 0's rollout to its end first) this deadlocks: rank 1
 # would wait for its results and rank 0 for rank 1. ``serve_round`` serves both at once.
 
-def _concurrent_worker(rank, _world, out):
+def _concurrent_worker(rank, _layout, links, out):
     import torch.distributed as dist
     from oppo_ds.rollout.stage import RemoteScorers, ScorerStage, serve_round
     from oppo_ds.rollout.streaming import StreamingScorer
-    actors = dist.new_group([0, 1])
-    links = {a: dist.new_group([a, 2]) for a in (0, 1)}
     _, reference, reward, _ = _models(ARCHS[0])
 
     def scorers():
         return [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference")]
 
     if rank == 2:
-        stages = [ScorerStage(scorers(), actor_rank=a, group=links[a],
-                              timeout=timedelta(seconds=60)) for a in (0, 1)]
+        stages = [ScorerStage(scorers(), links[a], timeout=timedelta(seconds=60))
+                  for a in (0, 1)]
         served = 0
         while stages[0].stopped_by is None:
             served += serve_round(stages)
@@ -349,15 +338,15 @@ def _concurrent_worker(rank, _world, out):
     tokens = torch.randint(3, VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(rank))
     rows, three = torch.arange(ids.shape[0]), torch.full((ids.shape[0],), 3)
     none = torch.zeros(0, dtype=torch.long)
-    remote = RemoteScorers(scorer_rank=2, group=links[rank], timeout=timedelta(seconds=60))
+    remote = RemoteScorers(links[rank], timeout=timedelta(seconds=60))
     remote.begin(ids, mask)
     remote.chunk("0", rows, tokens[:, :3], three, none)
     if rank == 0:
-        dist.barrier(group=actors)  # rank 1's whole rollout happens meanwhile
+        dist.barrier()  # of the two actor ranks: rank 1's whole rollout happens meanwhile
     remote.chunk("1", rows, tokens[:, 3:], three, rows)
     got, _ = remote.results()
     if rank == 1:
-        dist.barrier(group=actors)
+        dist.barrier()
     remote.close()
     want = {}
     for scorer in scorers():  # the same calls in this process
@@ -370,10 +359,53 @@ def _concurrent_worker(rank, _world, out):
 
 
 def test_scorer_rank_serves_several_actor_ranks_at_once():
-    messages = spawn_gloo(_concurrent_worker, 3, join_s=JOIN_S, group_timeout_s=60)
+    messages = spawn_stage(_concurrent_worker, 2, join_s=JOIN_S)
     got = {rank: m for kind, rank, m in messages if kind == "rollout"}
     assert sorted(got) == [0, 1]
     for m in got.values():
         assert m["kinds"] == ["reference", "reward"] and m["rows"] == list(range(len(PROMPT_LENS)))
         assert m["diff"] < ATOL, m
     assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
+# ------------------------------------------------------------------ the layout of a launch
+
+def test_layout_from_the_deepspeed_launcher():
+    """``deepspeed --num_gpus 3`` on one node: ranks 0-1 act, rank 2 scores. An actor rank
+    joins a world of 2 (and the node's process count follows, as DeepSpeed's CPU all-reduce
+    compares the two); the scorer process changes nothing."""
+    from oppo_ds.rollout.stage import StageLayout
+    env = {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "3",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    actor = StageLayout.from_env(env)
+    assert (actor.rank, actor.scorer_rank, actor.actor_ranks, actor.senders) == (1, 2, [0, 1], [0, 1])
+    assert not actor.is_scorer
+    assert actor.env_updates(env) == {"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}
+    scorer = StageLayout.from_env(dict(env, RANK="2", LOCAL_RANK="2"))
+    assert scorer.is_scorer and scorer.env_updates(env) == {}
+    # several nodes: the per-node count is not the world's and stays
+    assert actor.env_updates(dict(env, LOCAL_SIZE="8")) == {"WORLD_SIZE": "2"}
+
+
+def test_layout_from_a_bare_srun_task_and_a_model_split():
+    """Under ``srun`` without a launcher the variables come from Slurm's (the same rules as
+    ``oppo_ds.rendezvous``); with tensor_parallel 2 one rank per replica streams."""
+    from oppo_ds.rollout.stage import StageLayout
+    env = {"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "5", "SLURM_LOCALID": "0",
+           "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "77"}
+    layout = StageLayout.from_env(env, tp=2)
+    assert layout.is_scorer and layout.senders == [0, 2]
+    assert layout.env_updates(env) == {"RANK": "4", "WORLD_SIZE": "5", "LOCAL_RANK": "0",
+                                       "MASTER_ADDR": "gpu01", "MASTER_PORT": "10077"}
+    actor = StageLayout.from_env(dict(env, SLURM_PROCID="3"), tp=2)
+    assert actor.env_updates(dict(env, SLURM_PROCID="3"))["WORLD_SIZE"] == "4"
+
+
+@pytest.mark.parametrize("env, tp, words", [
+    ({}, 1, "got WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "4"}, 2, "k x 2 actor ranks plus the scorer rank, got WORLD_SIZE=4"),
+])
+def test_layout_refuses_a_launch_it_cannot_split(env, tp, words):
+    from oppo_ds.rollout.stage import StageLayout
+    with pytest.raises(ValueError, match=words):
+        StageLayout.from_env(env, tp=tp)

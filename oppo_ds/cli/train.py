@@ -95,7 +95,8 @@ def _quiet_libraries(rank: int, scorer_rank: bool = False) -> None:
 
 
 def _close_process_groups() -> None:
-    """Destroy the process groups while the interpreter is whole. Left to interpreter exit,
+    """Destroy the world's process groups while the interpreter is whole (the stage
+    placement's links are closed by ``trainer.close()``). Left to interpreter exit,
     a gloo worker thread can still hold a finished send's work, whose tensor it frees after
     Python is gone: SIGABRT, "terminate called without an active exception" (seen on the
     stage placement's scorer rank, about 1 run in 10; pytorch/pytorch#190489)."""
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
     summary = trainer.train()
-    _close_process_groups()  # after a failure the traceback is printed and the launcher ends all
+    trainer.close()  # the stage placement's links, then the world's groups; after a failure
+    _close_process_groups()  # the traceback is printed and the launcher ends all
     if summary is not None:
         print(json.dumps(summary, indent=2))
         print(f"run directory: {os.path.abspath(cfg.logging.output_dir)}")

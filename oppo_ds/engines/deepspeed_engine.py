@@ -147,84 +147,6 @@ def _unlink_shm_buffer(path: str) -> None:
         logger.warning("could not remove DeepSpeed's shared-memory buffer %s: %s", path, err)
 
 
-_ALONE: dict[int, Any] = {}
-
-
-def _group_of_this_rank_alone():
-    """A process group of this rank only. Only this rank takes part in creating it
-    (``use_local_synchronization``), and torch then names the group by its ranks, so a
-    process can create it once: it is kept."""
-    me = torch.distributed.get_rank()
-    if me not in _ALONE:
-        _ALONE[me] = torch.distributed.new_group([me], use_local_synchronization=True)
-    return _ALONE[me]
-
-
-class DataParallelSubgroup:
-    """Makes a DeepSpeed engine data parallel over ``group``, a sub-group of the world (the
-    actor ranks of the ``stage`` placement, whose last rank only scores), with no model
-    parallelism.
-
-    DeepSpeed 0.19.8 takes a data-parallel group other than the world only as the ``mpu``
-    argument of ``deepspeed.initialize`` (a Megatron-style "model parallel unit"; the
-    ``mesh_param`` route builds its groups over the whole world). The engine stores it in
-    ``deepspeed.utils.groups.mpu``, and from there ``groups._get_data_parallel_group`` /
-    ``_get_data_parallel_world_size`` give the group for the gradient all-reduce, ZeRO's
-    partitions and the initial weight broadcast; ``DeepSpeedConfig`` checks the batch
-    arithmetic against ``get_data_parallel_world_size``; gradient clipping
-    (``runtime/utils.py`` ``clip_grad_norm_``) and the ZeRO optimizers reduce norms over
-    ``get_model_parallel_group``, which must then be a group of this rank alone (the world
-    would include the scorer rank). The methods below are the ones DeepSpeed calls.
-
-    What stays on the world group: ``DeepSpeedEngine.save_checkpoint`` opens and closes
-    with ``dist.barrier()`` on the world (``WORLD_BARRIERS_PER_SAVE``), and its checkpoint
-    tag check all-reduces on the world, so engines built with a subgroup switch that check
-    off (``checkpoint.tag_validation: Ignore``; every rank saves under the trainer's step
-    tag). Construction, training steps, forwards and loading at ZeRO stages 0-2 use only the
-    data-parallel and model-parallel groups (``tests/test_stage_trainer.py`` counts the world
-    collectives). Not so: ZeRO-3 (world barriers while the engine is built,
-    ``runtime/zero/stage3.py``, and world broadcasts in its forwards,
-    ``runtime/zero/utils.py`` ``assert_ints_same_as_other_ranks``) and the hybrid engine (it
-    broadcasts the RNG state over the world when it is built, ``runtime/hybrid_engine.py``).
-    """
-
-    def __init__(self, group):
-        self.group = group
-        self.ranks = list(torch.distributed.get_process_group_ranks(group))
-        me = torch.distributed.get_rank()
-        if me not in self.ranks:
-            raise ValueError(f"rank {me} is not in the data-parallel group {self.ranks}")
-        self.model_group = _group_of_this_rank_alone()
-
-    def get_data_parallel_group(self):
-        return self.group
-
-    def get_data_parallel_world_size(self) -> int:
-        return len(self.ranks)
-
-    def get_data_parallel_rank(self) -> int:
-        return torch.distributed.get_rank(self.group)
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.ranks)
-
-    def get_model_parallel_group(self):
-        return self.model_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return torch.distributed.get_rank()
-
-
 # --------------------------------------------------------------------------------------
 # Hybrid engine without inference kernels
 # --------------------------------------------------------------------------------------
@@ -337,14 +259,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         tensorboard_dir: DeepSpeed's own TensorBoard monitor.
         ds_config_overrides: merged (recursively) into the built config last; for keys this
             class does not expose. Overridden values are logged.
-        data_parallel: data parallelism over a sub-group of the world instead of the world
-            (see :class:`DataParallelSubgroup`); ``rank`` / ``world_size`` are then this
-            rank's place in that group.
     """
-
-    # world barriers one save_checkpoint issues (deepspeed 0.19.8 runtime/engine.py:
-    # save_checkpoint, before and after writing); ranks outside a subgroup must join them
-    WORLD_BARRIERS_PER_SAVE = 2
 
     def __init__(
         self,
@@ -371,7 +286,6 @@ class DeepSpeedTrainEngine(TrainEngine):
         release_inference_cache: bool = False,
         tensorboard_dir: str | None = None,
         ds_config_overrides: dict | None = None,
-        data_parallel: DataParallelSubgroup | None = None,
     ) -> None:
         check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
         if not lr >= 0:
@@ -381,9 +295,8 @@ class DeepSpeedTrainEngine(TrainEngine):
                 raise ValueError(f"{name} must be one of [None, True, False], got {value!r}")
 
         init_distributed_if_needed()
-        group = data_parallel.group if data_parallel is not None else None
-        self.world_size = deepspeed.comm.get_world_size(group)
-        self.rank = deepspeed.comm.get_rank(group)
+        self.world_size = deepspeed.comm.get_world_size()
+        self.rank = deepspeed.comm.get_rank()
         self.device = torch.device(get_accelerator().current_device_name())
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.zero_stage = zero_stage
@@ -404,9 +317,6 @@ class DeepSpeedTrainEngine(TrainEngine):
             tensorboard_dir=tensorboard_dir,
             force_ds_cpu_optimizer=use_cpu_adam,
         )
-        if data_parallel is not None:
-            # the tag check all-reduces over the world, which holds ranks outside the group
-            self.config.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
         if ds_config_overrides:
             self.config = _merged(self.config, ds_config_overrides)
 
@@ -419,8 +329,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         without_kernels = hybrid_engine and not self._want_kernels(inject_kernels)
         with _hybrid_engine_without_kernels() if without_kernels else contextlib.nullcontext():
             self._engine, _, _, _ = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=self.config,
-                mpu=data_parallel)
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=self.config)
         self.module = self._engine.module
         # DeepSpeed records the global grad norm in its ZeRO and fp16/bf16 optimizers only;
         # with plain fp32 data parallel it clips with a norm it then drops.
@@ -570,8 +479,8 @@ def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | st
     return model.to(device=device, dtype=_TORCH_DTYPES[dtype])
 
 
-def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = False,
-                        data_parallel: DataParallelSubgroup | None = None) -> torch.nn.Module:
+def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = False
+                        ) -> torch.nn.Module:
     """Make ``model`` a frozen scorer partitioned over the data-parallel ranks by ZeRO-3
     (DeepSpeed-Chat's evaluation config for its reference model); ``offload`` keeps the
     partitions in CPU memory. Returns the module: ZeRO-3's hooks on its submodules gather
@@ -585,11 +494,10 @@ def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = F
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     init_distributed_if_needed()
-    group = data_parallel.group if data_parallel is not None else None
     config = build_inference_ds_config(zero_stage=3, offload=offload, dtype=dtype,
-                                       world_size=deepspeed.comm.get_world_size(group))
+                                       world_size=deepspeed.comm.get_world_size())
     model.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=data_parallel)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     module = engine.module
     module.eval()

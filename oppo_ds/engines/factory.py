@@ -81,8 +81,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         reference = None
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
-                                        offload=s.offload_reference,
-                                        data_parallel=engine_args.get("data_parallel"))
+                                        offload=s.offload_reference)
     else:
         reference = prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)
     reward = None if "reward" in on_stage else \

@@ -30,9 +30,9 @@ Design (docs/megatron.md has the long version):
 * **Checkpoints**: one file per (tensor, pipeline) rank, written by data-parallel rank 0:
   weights, optimizer, LR scheduler, client state; the HF ``config.json`` beside them, so that
   ``python -m oppo_ds.megatron.export`` can turn a tag into HF weights.
-* **Stage placement** (``on_stage``): the groups span the first world size - 1 ranks; the last
-  rank, the scorer, joins their creation (``trainer._init_scorer_rank``) and holds the models
-  in ``on_stage``, which are None here.
+* **Stage placement** (``on_stage``): the world is the actor ranks alone (the scorer process
+  joins none, ``oppo_ds/stage_placement.py``), so the groups span it as without a stage; the
+  scorer process holds the models in ``on_stage``, which are None here.
 
 Everything megatron-specific lives here and in ``oppo_ds/megatron/``.
 """
@@ -68,7 +68,6 @@ class MegatronTrainEngine(TrainEngine):
         grad_clip: clip the global gradient norm to this (None: no clipping).
     """
 
-    WORLD_BARRIERS_PER_SAVE = 0  # save() uses no world collective
     hybrid_engine_path = "off"
 
     def __init__(self, model, groups, *, lr: float, weight_decay: float = 0.0,
@@ -261,11 +260,7 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
 
     check_megatron_config(cfg)
     p, s = cfg.ppo, cfg.system
-    # oppo.placement=stage: the last rank of the world is the scorer rank, outside the
-    # models' groups (it joins their creation: trainer._init_scorer_rank)
-    model_ranks = dist.get_world_size() - 1 if on_stage else None
-    groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed,
-                                 model_ranks=model_ranks)
+    groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed)
     dtype, where = _DTYPES[s.dtype], accelerator()
     spec = resolve_layer_spec(s.megatron_layers)
     hf_args = dict(common, dtype="fp32")  # converted in fp32, cast after sharding

@@ -16,7 +16,6 @@ activation it sent. Gloo on CPU, NCCL on GPU.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -61,54 +60,11 @@ class ParallelGroups:
         return self.pp_ranks[-1]
 
 
-@contextlib.contextmanager
-def _world_of(size: int):
-    """``torch.distributed.get_world_size()`` (of the world group) reads ``size`` inside.
-
-    megatron-core's ``initialize_model_parallel`` lays its groups over the whole world. Under
-    the stage placement the world also holds the scorer rank (the last one), which must not be
-    in them; announcing the world as the model ranks alone makes megatron lay the groups over
-    those, while every rank, the scorer included, still calls each ``new_group`` (which is
-    collective over the real world)."""
-    real = dist.get_world_size
-
-    def get_world_size(group=None):
-        return size if group is None else real(group)
-
-    dist.get_world_size = get_world_size
-    try:
-        yield
-    finally:
-        dist.get_world_size = real
-
-
-def _create_groups(tp: int, pp: int, model_ranks: int) -> None:
-    """megatron-core's groups over the first ``model_ranks`` ranks (every rank calls it)."""
-    from megatron.core import parallel_state as ps
-
-    with _world_of(model_ranks):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                     pipeline_model_parallel_size=pp,
-                                     create_gloo_process_groups=False)
-
-
-def join_model_parallel_init(tp: int, pp: int, model_ranks: int) -> None:
-    """On a rank outside the models (the stage placement's scorer rank, after the
-    ``model_ranks`` model ranks): take part in creating megatron-core's groups, as
-    ``torch.distributed.new_group`` needs every rank of the world; it belongs to none of them
-    and uses none of megatron-core afterwards."""
-    if dist.get_rank() < model_ranks:
-        raise ValueError(f"rank {dist.get_rank()} is a model rank (< {model_ranks})")
-    _create_groups(tp, pp, model_ranks)
-
-
-def init_model_parallel(tp: int, pp: int, *, seed: int = 0,
-                        model_ranks: int | None = None) -> ParallelGroups:
-    """megatron-core's groups for tensor size ``tp`` and pipeline size ``pp`` over the first
-    ``model_ranks`` ranks (default: the world; torch.distributed must be up; the rest is data
-    parallel; a rank beyond them calls ``join_model_parallel_init`` at the same time). A
-    second call with the same sizes returns the same groups; other sizes raise
-    ``ValueError``."""
+def init_model_parallel(tp: int, pp: int, *, seed: int = 0) -> ParallelGroups:
+    """megatron-core's groups for tensor size ``tp`` and pipeline size ``pp`` over the world
+    (torch.distributed must be up; the rest is data parallel; under the stage placement the
+    world is the actor ranks alone). A second call with the same sizes returns the same
+    groups; other sizes raise ``ValueError``."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from .compat import apply_cpu_compat
@@ -117,7 +73,7 @@ def init_model_parallel(tp: int, pp: int, *, seed: int = 0,
     # imported after the patches: the name would otherwise be bound to the CUDA version
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    world = model_ranks or dist.get_world_size()
+    world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"a world of {world} ranks cannot hold tensor_parallel={tp} x "
                          f"pipeline_parallel={pp}")
@@ -128,7 +84,9 @@ def init_model_parallel(tp: int, pp: int, *, seed: int = 0,
             raise ValueError(f"megatron-core is already initialised with (tp, pp) = {have}, "
                              f"asked for {(tp, pp)}")
     else:
-        _create_groups(tp, pp, world)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     pipeline_model_parallel_size=pp,
+                                     create_gloo_process_groups=False)
         model_parallel_cuda_manual_seed(seed)
     pp_group = ps.get_pipeline_model_parallel_group()
     return ParallelGroups(

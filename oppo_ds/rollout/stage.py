@@ -8,13 +8,15 @@ The scorer rank runs ``ScorerStage.serve``: it receives the messages and applies
 ``StreamingScorer``s exactly as the ``inline`` placement does in one process, so the scores are
 the same computation on the same inputs.
 
-Ranks. ``actor_rank`` / ``scorer_rank`` are GLOBAL ranks (what ``torch.distributed``'s
-``dst`` / ``src`` take, with or without ``group``); the group passed in (default: the world
-group) must contain both. One ``ScorerStage`` talks to one actor rank, so messages need no
-routing and arrive in the order they were sent. Several actor ranks per scorer rank (the
-paper's 7:1): one ``ScorerStage`` per actor rank, each with scorers of its own over the same
-models, served together by ``serve_round``: every message is applied as it arrives, so each
-rank's chunks are scored while it decodes (see ``StageRanks`` for the trainer's layout). A
+Links. One ``ScorerStage`` talks to one actor rank over a ``Link``: a process group of those
+two processes alone, so messages need no routing and arrive in the order they were sent. The
+trainer's links are built outside torch.distributed's world (``StageLayout``): the actor ranks
+form the world by themselves (DeepSpeed's and megatron-core's world collectives, ZeRO-3's
+included, then never involve the scorer rank), and the scorer rank is in no world at all; each
+link is a two-rank group of its own, rendezvoused through the launcher's store. Several
+actor ranks per scorer rank (the paper's 7:1): one ``ScorerStage`` per actor rank, each with
+scorers of its own over the same models, served together by ``serve_round``: every message is
+applied as it arrives, so each rank's chunks are scored while it decodes. A
 model split tensor/pipeline parallel over several ranks (Megatron) decodes the same tokens on
 each of them: only its first rank streams (``replica_senders``) and broadcasts the scores to the
 others (``Replica``), so the scorer rank scores each replica's rollout once.
@@ -35,9 +37,6 @@ device for NCCL). Actor -> scorer:
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
     ABORT        [ABORT]                                -> ABORTED (or nothing after an ERROR)
     SHUTDOWN     [SHUTDOWN]                             ``serve`` returns
-    PAUSE        [PAUSE, code]                          ``serve`` returns; between rollouts only
-                                                        (the code means what the caller agreed:
-                                                        the trainer's world barriers to join)
 
 Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
 
@@ -70,6 +69,7 @@ the share of the scorers' busy time that lay before the actor's last token on th
 from __future__ import annotations
 
 import enum
+import os
 import queue
 import threading
 import time
@@ -99,7 +99,6 @@ class Op(enum.IntEnum):
     RESULTS = 7
     ERROR = 8
     ABORTED = 9
-    PAUSE = 10
 
 
 # dtypes the header can name (prompt ids and masks travel as int64 and are cast back)
@@ -112,8 +111,8 @@ class RemoteScorerError(RuntimeError):
     """A scorer on the scorer rank raised; the message holds the rank and its traceback."""
 
 
-def _wire_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+def _wire_device(backend: str) -> torch.device:
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -129,15 +128,81 @@ def _wait(work, timeout: Optional[timedelta]) -> None:
     work.wait() if timeout is None else work.wait(timeout)
 
 
-def _check_ranks(peer: int, group, what: str) -> None:
-    me = dist.get_rank()
-    if peer == me:
-        raise ValueError(f"{what} must be another rank than this one ({me})")
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        range(dist.get_world_size())
-    if peer not in ranks or me not in ranks:
-        raise ValueError(f"{what} {peer} and this rank {me} must both be in the group "
-                         f"(global ranks {list(ranks)})")
+@dataclass
+class Link:
+    """The channel between one actor rank and the scorer rank: a process group holding the
+    two (``group``, either a standalone two-rank group, :func:`connect_link`, or a group of
+    torch.distributed's world, :meth:`in_world`) and the other end's rank in it (``peer``).
+    ``actor_rank`` / ``scorer_rank`` are the two processes' ranks in the job (the launcher's
+    RANK), for messages; ``on_scorer`` says which end this process is."""
+    group: object
+    peer: int
+    backend: str
+    actor_rank: int
+    scorer_rank: int
+    on_scorer: bool
+    standalone: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.scorer_rank if self.on_scorer else self.actor_rank
+
+    def isend(self, t: torch.Tensor):
+        return self.group.send([t], self.peer, 0)
+
+    def irecv(self, t: torch.Tensor):
+        return self.group.recv([t], self.peer, 0)
+
+    def close(self) -> None:
+        """Let go of the group. A standalone one is then destroyed here, its transport threads
+        joined while the interpreter is whole (left to interpreter exit, a gloo thread can
+        outlive Python; see ``oppo_ds.cli.train``), provided nothing else holds it; a world
+        group is left to its owner. (Not ``ProcessGroupGloo.shutdown``: on torch 2.13 the
+        scorer rank then aborted at exit, "terminate called without an active exception",
+        in every run.)"""
+        self.group = None
+
+    @classmethod
+    def in_world(cls, peer: int, group=None) -> "Link":
+        """A link over a group of torch.distributed's world (default: the world itself)
+        holding this rank and ``peer`` (GLOBAL rank); this rank is the actor end when it is
+        the lower of the two."""
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else \
+            list(range(dist.get_world_size()))
+        if peer == me or peer not in ranks or me not in ranks:
+            raise ValueError(f"rank {peer} and this rank {me} must be two ranks of the group "
+                             f"(global ranks {list(ranks)})")
+        pg = group if group is not None else dist.group.WORLD
+        low, high = sorted((me, peer))
+        return cls(pg, dist.get_group_rank(pg, peer) if group is not None else peer,
+                   dist.get_backend(group), actor_rank=low, scorer_rank=high,
+                   on_scorer=me == high)
+
+
+# the processes of a stage wait this long for each other: to open a link (the actor ranks
+# open theirs after preparing the workload and loading models' sources) and per message
+# (the scorer rank waits a whole training phase between rollouts)
+LINK_TIMEOUT = timedelta(minutes=30)
+
+
+def connect_link(store, actor_rank: int, scorer_rank: int, on_scorer: bool,
+                 backend: str = "gloo", timeout: timedelta = LINK_TIMEOUT) -> Link:
+    """A standalone two-rank process group of ``actor_rank`` (rank 0 in it) and
+    ``scorer_rank`` (rank 1), rendezvoused through ``store`` under a key of its own; both
+    ends call it. Collective over those two processes only: not in torch.distributed's world
+    (it needs no default group, and no other process takes part)."""
+    prefix = dist.PrefixStore(f"oppo_ds/stage/link/{actor_rank}-{scorer_rank}/", store)
+    me = 1 if on_scorer else 0
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefix, me, 2, options)
+    elif backend == "gloo":
+        group = dist.ProcessGroupGloo(prefix, me, 2, timeout)
+    else:
+        raise ValueError(f"a stage link runs over gloo or nccl, got {backend!r}")
+    return Link(group, 1 - me, backend, actor_rank, scorer_rank, on_scorer, standalone=True)
 
 
 def _encode_events(events: Sequence[TimelineEvent]) -> torch.Tensor:
@@ -162,26 +227,26 @@ class ScorerStage:
     """Runs on the scorer rank: applies the actor rank's messages to ``scorers``.
 
     scorers: one ``StreamingScorer`` per kind (any object with ``kind``, ``begin``,
-    ``consume``, ``finish``, ``reset`` will do). actor_rank: GLOBAL rank of the one actor rank
-    served. group: the process group holding both (default: world). device: where the scorers
-    take their inputs (default: the first scorer's model's device). timeout: per receive
-    (default: the group's timeout; the stage waits a whole training phase between rollouts,
-    so keep it long).
+    ``consume``, ``finish``, ``reset`` will do). link: the ``Link`` to the one actor rank
+    served (this process its scorer end). device: where the scorers take their inputs
+    (default: the first scorer's model's device). timeout: per receive (default: the link's
+    group's timeout; the stage waits a whole training phase between rollouts, so keep it
+    long).
     """
 
-    def __init__(self, scorers: Sequence[StreamingScorer], actor_rank: int, group=None,
+    def __init__(self, scorers: Sequence[StreamingScorer], link: Link,
                  device: Optional[torch.device] = None, timeout: Optional[timedelta] = None):
         kinds = [s.kind for s in scorers]
         if not kinds or len(set(kinds)) != len(kinds):
             raise ValueError(f"one scorer per kind, at least one, got {kinds}")
-        _check_ranks(actor_rank, group, "actor_rank")
+        if not link.on_scorer:
+            raise ValueError(f"rank {link.rank} is the actor end of its link, not the scorer's")
         self.scorers = list(scorers)
-        self.actor_rank, self.group, self.timeout = actor_rank, group, timeout
-        self.wire = _wire_device(group)
+        self.link, self.actor_rank, self.timeout = link, link.actor_rank, timeout
+        self.wire = _wire_device(link.backend)
         self.device = device if device is not None else \
             next(self.scorers[0].model.parameters()).device
         self.stopped_by: Optional[Op] = None
-        self.pause_code: Optional[int] = None
         self._start_rollout(0.0)
 
     def _start_rollout(self, start: float) -> None:
@@ -194,13 +259,12 @@ class ScorerStage:
         self._batch = 0
 
     def serve(self, rollouts: Optional[int] = None) -> int:
-        """Serve rollouts until SHUTDOWN or PAUSE, or until ``rollouts`` of them have ended
-        (default: no limit); returns how many ended (END_ROLLOUT or ABORT). ``stopped_by`` is
-        then ``Op.SHUTDOWN``, ``Op.PAUSE`` (its code in ``pause_code``) or None (the count
-        was reached). A scorer's exception goes back to the actor; one of the transport (the
+        """Serve rollouts until SHUTDOWN, or until ``rollouts`` of them have ended (default: no
+        limit); returns how many ended (END_ROLLOUT or ABORT). ``stopped_by`` is then
+        ``Op.SHUTDOWN`` or None (the count was reached). A scorer's exception goes back to the actor; one of the transport (the
         actor rank gone: the receive times out) propagates from here."""
         ended = 0
-        self.stopped_by = self.pause_code = None
+        self.stopped_by = None
         while rollouts is None or ended < rollouts:
             head = self.post_header()
             _wait(head[0], self.timeout)
@@ -212,24 +276,18 @@ class ScorerStage:
     def post_header(self):
         """Post the receive of the next message's header: (work, header tensor)."""
         head = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire)
-        return dist.irecv(head, src=self.actor_rank, group=self.group), head
+        return self.link.irecv(head), head
 
     def handle(self, head: torch.Tensor, received: float) -> int:
         """Apply one message whose header has arrived (at ``received``, perf_counter): receive
         its payload and act on it. Returns 1 when it ended a rollout (END_ROLLOUT or ABORT),
-        else 0; after SHUTDOWN or PAUSE ``stopped_by`` says which."""
-        self.stopped_by = self.pause_code = None
+        else 0; after SHUTDOWN ``stopped_by`` is ``Op.SHUTDOWN``."""
+        self.stopped_by = None
         self._received = received
         op, head, payload = self._recv_payload(head)
         if op == Op.SHUTDOWN:
             self._reset()
             self.stopped_by = Op.SHUTDOWN
-            return 0
-        if op == Op.PAUSE:
-            if self._in_rollout:
-                raise RuntimeError(f"protocol error: PAUSE from actor rank "
-                                   f"{self.actor_rank} inside a rollout")
-            self.stopped_by, self.pause_code = Op.PAUSE, head[1]
             return 0
         if op in (Op.END_ROLLOUT, Op.ABORT):
             if not self._replied:
@@ -261,14 +319,14 @@ class ScorerStage:
 
     def _recv_tensor(self, shape) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.long, device=self.wire)
-        _wait(dist.irecv(t, src=self.actor_rank, group=self.group), self.timeout)
+        _wait(self.link.irecv(t), self.timeout)
         return t.to(self.device)
 
     def _guard(self, fn, *args) -> None:
         try:
             fn(*args)
         except Exception:
-            text = (f"scorer rank {dist.get_rank()} failed:\n{traceback.format_exc()}")
+            text = (f"scorer rank {self.link.rank} failed:\n{traceback.format_exc()}")
             data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
             self._send(_header(Op.ERROR, data.numel(), device=self.wire), data.to(self.wire))
             self._failed = self._replied = True
@@ -318,7 +376,7 @@ class ScorerStage:
     def _send(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
             if t.numel():
-                _wait(dist.isend(t, dst=self.actor_rank, group=self.group), self.timeout)
+                _wait(self.link.isend(t), self.timeout)
 
     def _reset(self) -> None:
         for scorer in self.scorers:
@@ -329,8 +387,8 @@ class ScorerStage:
 def serve_round(stages: Sequence[ScorerStage]) -> int:
     """Serve the next rollout of every stage (one per actor rank) at once: each message is
     applied as it arrives, whichever actor rank sent it, so no rank's chunks wait for another
-    rank's rollout to end. Returns when every stage has ended a rollout or stopped (its
-    ``stopped_by`` / ``pause_code`` then say how); returns how many rollouts ended. The
+    rank's rollout to end. Returns when every stage has ended a rollout or was shut down (its
+    ``stopped_by``); returns how many rollouts ended. The
     stages must not share scorer objects (their caches are in use at the same time). A
     header's arrival is waited for in a thread per message (gloo reports a receive's
     completion only to a waiter); the payloads are received here."""
@@ -342,7 +400,7 @@ def serve_round(stages: Sequence[ScorerStage]) -> int:
                          daemon=True, name="oppo-stage-header").start()
 
     for i, stage in enumerate(stages):
-        stage.stopped_by = stage.pause_code = None
+        stage.stopped_by = None
         post(i)
     ended, open_ = 0, len(stages)
     while open_:
@@ -367,7 +425,7 @@ def _wait_then_put(work, timeout, out: queue.Queue, i: int, head: torch.Tensor) 
 
 
 class RemoteScorers:
-    """Runs on the actor rank: the scorers of the stage on ``scorer_rank`` (GLOBAL rank).
+    """Runs on the actor rank: the scorers of the stage at the other end of ``link``.
 
     ``begin`` / ``chunk`` send asynchronously (the sent tensors are kept until their sends
     complete) and return at once; ``results`` ends the rollout and waits for the stage's
@@ -375,11 +433,12 @@ class RemoteScorers:
     failure raises ``RemoteScorerError`` naming the rank, with its traceback.
     """
 
-    def __init__(self, scorer_rank: int, group=None, timeout: Optional[timedelta] = None):
-        _check_ranks(scorer_rank, group, "scorer_rank")
-        self.scorer_rank, self.group, self.timeout = scorer_rank, group, timeout
-        self.wire = _wire_device(group)
-        self._early_reply = dist.get_backend(group) == "gloo"  # see the module docstring
+    def __init__(self, link: Link, timeout: Optional[timedelta] = None):
+        if link.on_scorer:
+            raise ValueError(f"rank {link.rank} is the scorer end of its link, not the actor's")
+        self.link, self.scorer_rank, self.timeout = link, link.scorer_rank, timeout
+        self.wire = _wire_device(link.backend)
+        self._early_reply = link.backend == "gloo"  # see the module docstring
         self._inflight: list[tuple[object, tuple[torch.Tensor, ...]]] = []
         self._reply = None  # (work, header, waiter) of the posted receive of the reply
         self._open = self._ended = self._closed = False
@@ -457,15 +516,6 @@ class RemoteScorers:
         except RemoteScorerError:
             pass  # the rollout is being dropped anyway
 
-    def pause(self, code: int) -> None:
-        """Make the stage's ``serve`` return between rollouts with ``pause_code == code``
-        (the trainer: to join ``code`` world barriers); returns once the message is sent."""
-        if self._open or self._closed:
-            raise RuntimeError("pause: a rollout is open" if self._open
-                               else "pause: the scorer stage was shut down")
-        self._isend(_header(Op.PAUSE, code, device=self.wire))
-        self._drain()
-
     def close(self) -> None:
         """Abort an open rollout and shut the stage down (``serve`` returns)."""
         if self._closed:
@@ -486,7 +536,7 @@ class RemoteScorers:
     def _isend(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
             if t.numel():
-                work = dist.isend(t, dst=self.scorer_rank, group=self.group)
+                work = self.link.isend(t)
                 self._inflight.append((work, (t,)))  # t must live until the send is done
 
     def _drain(self) -> None:
@@ -496,7 +546,7 @@ class RemoteScorers:
 
     def _post_reply(self) -> None:
         head = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire)
-        work = dist.irecv(head, src=self.scorer_rank, group=self.group)
+        work = self.link.irecv(head)
         waiter = None
         if self._early_reply:
             # gloo's receive work never reports completion before someone waits on it, so a
@@ -511,7 +561,7 @@ class RemoteScorers:
     def _recv(self, shape, dtype) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.wire)
         if t.numel():
-            _wait(dist.irecv(t, src=self.scorer_rank, group=self.group), self.timeout)
+            _wait(self.link.irecv(t), self.timeout)
         return t
 
     def _take_reply(self):
@@ -764,35 +814,76 @@ def replica_senders(actor_ranks: int, tp: int = 1, pp: int = 1) -> list[int]:
 
 
 @dataclass
-class StageRanks:
-    """The trainer's split of the world under the ``stage`` placement: actor ranks 0..N-1,
-    data parallel among themselves over ``actor_group``, and the scorer rank N, the last one.
-    ``senders`` are the actor ranks that stream (one per model replica: the ranks of a
-    tensor/pipeline-parallel replica decode the same tokens, ``replica_senders``);
-    ``links[a]`` is the two-rank group of sender ``a`` and the scorer rank that carries its
-    chunks (its own group, so nothing else is ever queued on it)."""
-    actor_ranks: list[int]
-    scorer_rank: int
-    actor_group: object  # a ProcessGroup; GroupMember.NON_GROUP_MEMBER on the scorer rank
-    links: dict[int, object]
+class StageLayout:
+    """The trainer's processes under the ``stage`` placement: of the ``launched`` processes
+    the launcher started (its RANK / WORLD_SIZE), the last one is the scorer rank and the
+    others, 0..N-1, the actor ranks. The actor ranks form torch.distributed's world by
+    themselves (WORLD_SIZE N: ``actor_env``), so every collective of DeepSpeed (ZeRO-3's and
+    the hybrid engine's included) and of megatron-core runs among them; the scorer rank joins
+    no world. ``senders`` are the actor ranks that stream (one per model replica: the ranks of
+    a tensor/pipeline-parallel replica decode the same tokens, ``replica_senders``); each
+    opens a ``Link`` of its own with the scorer rank (``open_links``)."""
+    rank: int  # this process's rank among the launched ones
+    launched: int
     senders: list[int]
 
     @property
+    def scorer_rank(self) -> int:
+        return self.launched - 1
+
+    @property
+    def actor_ranks(self) -> list[int]:
+        return list(range(self.launched - 1))
+
+    @property
     def is_scorer(self) -> bool:
-        return dist.get_rank() == self.scorer_rank
+        return self.rank == self.scorer_rank
 
     @classmethod
-    def split_world(cls, tp: int = 1, pp: int = 1) -> "StageRanks":
-        """Collective: every rank of the world must call it, in the same order as its other
-        ``new_group`` calls. Needs a world of at least 2 ranks; ``tp`` x ``pp`` is the model
-        split of the actor ranks (Megatron)."""
-        world = dist.get_world_size()
-        if world < 2:
-            raise ValueError(f"the stage placement needs at least 2 ranks (actor ranks and "
-                             f"one scorer rank), got a world of {world}")
-        scorer = world - 1
-        actors = list(range(scorer))
-        senders = replica_senders(len(actors), tp, pp)
-        actor_group = dist.new_group(actors)
-        links = {a: dist.new_group([a, scorer]) for a in senders}
-        return cls(actors, scorer, actor_group, links, senders)
+    def from_env(cls, env: dict, tp: int = 1, pp: int = 1) -> "StageLayout":
+        """From the launcher's variables (RANK and WORLD_SIZE; a bare ``srun`` task's are
+        derived from Slurm's first, ``oppo_ds.rendezvous``). ``tp`` x ``pp``: the model split
+        of the actor ranks (Megatron). Raises ValueError for a launch it cannot split."""
+        from ..rendezvous import slurm_rendezvous
+
+        env = {**env, **(slurm_rendezvous(env) or {})}
+        launched = int(env.get("WORLD_SIZE", "1"))
+        if launched < 2:
+            raise ValueError(f"the stage placement needs a rank of its own for the scorers "
+                             f"besides the actor ranks: launch N + 1 ranks (deepspeed "
+                             f"--num_gpus N+1 --module oppo_ds.train ...), got WORLD_SIZE={launched}")
+        if (launched - 1) % (tp * pp):
+            raise ValueError(f"with tensor_parallel x pipeline_parallel = {tp * pp} the stage "
+                             f"placement needs k x {tp * pp} actor ranks plus the scorer rank, "
+                             f"got WORLD_SIZE={launched}")
+        return cls(int(env.get("RANK", "0")), launched, replica_senders(launched - 1, tp, pp))
+
+    def env_updates(self, env: dict) -> dict:
+        """The rendezvous variables this process must set before anything else: a bare
+        ``srun`` task's, derived from Slurm's; on an actor rank WORLD_SIZE the actor ranks
+        only, so that it joins torch.distributed's world of those (and the per-node count
+        too, when every process is on one node: DeepSpeed's CPU shared-memory all-reduce
+        compares it with the world size)."""
+        from ..rendezvous import slurm_rendezvous
+
+        out = dict(slurm_rendezvous(env) or {})
+        if not self.is_scorer:
+            actors = str(self.launched - 1)
+            out["WORLD_SIZE"] = actors
+            for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+                if env.get(key) == str(self.launched):
+                    out[key] = actors
+        return out
+
+    def open_links(self, backend: str, timeout: timedelta = LINK_TIMEOUT) -> dict[int, Link]:
+        """This process's links, by actor rank: on the scorer rank one per sender, on a
+        sender its own, on the other actor ranks none. Rendezvous through the launcher's
+        store (MASTER_ADDR / MASTER_PORT, hosted by actor rank 0's process group, which must
+        exist by then); each link's open waits for both of its ends."""
+        mine = self.senders if self.is_scorer else [a for a in self.senders if a == self.rank]
+        if not mine:
+            return {}
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        return {a: connect_link(store, a, self.scorer_rank, self.is_scorer, backend, timeout)
+                for a in mine}
