@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from oppo_ds.cli import plan as plan_cli
-from oppo_ds.config import Config, load_config
+from oppo_ds.config import Config, ConfigError, load_config
 from oppo_ds.plan.calibrate import fit_cpu
 from oppo_ds.plan.costs import CPU, GIB, Device, get_device
 from oppo_ds.plan.memory import model_states, plan_memory
@@ -352,6 +352,37 @@ def test_megatron_stage_placement_plans_the_scorer_rank():
     assert set(out["modes"]) == {"sequential", "intra", "inter", "oppo"}
     with pytest.raises(ValueError, match="plus the stage placement's scorer rank, got 32"):
         plan(cfg, 4, 8, h100, steps=2)
+
+
+def test_deepspeed_stage_placement_plans_the_scorer_rank():
+    """ZeRO-3 with the stage placement (8B, one node of 8): the actor ranks are 7 GPUs, over
+    which ZeRO-3 partitions, and hold neither the reward nor the streamed reference; the
+    scorer rank holds both whole and one set of KV caches per actor rank (it serves their
+    rollouts at once); 7 decode groups are simulated, sharing the one scorer lane."""
+    h100 = get_device("H100-80GB")
+    path = os.path.join(REPO, "examples/configs/llama3_8b_zero3.yaml")
+    cfg = load_config(path, ["oppo.streaming=true", "oppo.placement=stage",
+                             "oppo.stream_to=[reference]"])
+    colocated = load_config(path, ["oppo.streaming=true", "oppo.placement=colocated",
+                                   "oppo.stream_to=[reference]"])
+    out, ref = plan(cfg, 1, 8, h100, steps=3), plan(colocated, 1, 8, h100, steps=3)
+    parts, ref_parts = out["breakdown_gib"], ref["breakdown_gib"]
+    assert parts["reward"] == parts["reference"] == parts["scorer_kv"] == 0.0
+    assert ref_parts["reward"] > 13 and ref_parts["scorer_kv"] > 0
+    assert parts["actor_params"] == pytest.approx(ref_parts["actor_params"] * 8 / 7, rel=1e-3)
+    assert parts["scorer_rank_models"] == pytest.approx((8.03e9 + 7.50e9) * 2 / GIB, rel=0.01)
+    rows = 32 + 0  # batch_size 32, overcommit 0 in the config
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    assert parts["scorer_rank_kv"] == pytest.approx(7 * 2 * rows * 512 * kv_per_token / GIB,
+                                                    rel=1e-3)  # 7 ranks, reward + reference
+    assert out["phases_gib"]["scorer_rank"] == pytest.approx(
+        parts["scorer_rank_models"] + parts["scorer_rank_kv"] + 2.0, rel=1e-3)
+    assert out["simulation"]["decode_groups"] == 7
+    # the shared scorer lane: streamed scoring on the scorer rank takes longer per rank than
+    # on a side stream of each rank's own GPU
+    assert out["modes"]["intra"]["phases_s"]["generate"] > ref["modes"]["intra"]["phases_s"]["generate"]
+    with pytest.raises(ConfigError, match="oppo.placement.*at least 2, got 1"):
+        plan(cfg, 1, 1, h100, steps=2)
 
 
 def test_cli_writes_json_and_names_bad_input(tmp_path, capsys):

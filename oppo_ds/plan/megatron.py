@@ -16,14 +16,16 @@ residual parts whole (no sequence parallelism), and the full-vocabulary fp32 log
 every rank of the replica holds (the loss runs on every rank).
 
 Under ``oppo.placement: stage`` the reward model (and the reference when it streams) is a whole
-HF copy on the scorer rank, the job's last GPU; its memory is reported as the
-``scorer_rank`` entry of the phases (the fullest GPU of the job decides the verdict).
+HF copy on the scorer rank, the job's last GPU, with one set of KV caches per replica (it
+serves their rollouts at once); its memory is reported as the ``scorer_rank`` entry of the
+phases (the fullest GPU of the job decides the verdict).
 """
 from __future__ import annotations
 
 from ..config import Config, ConfigError
 from .costs import GIB, Device
-from .memory import FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, rollout_rows, streamed_scorers
+from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, on_scorer_rank,
+                     rollout_rows, scorer_rank_memory, streamed_scorers)
 from .shapes import ModelShape, Shapes
 
 
@@ -86,14 +88,13 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
                          device: Device, headroom: float = 0.1) -> MemoryPlan:
     s, gen = cfg.system, cfg.generation
     tp, pp = model_split(cfg)
-    actor_gpus(cfg, nodes * gpus_per_node)
+    replicas = actor_gpus(cfg, nodes * gpus_per_node) // (tp * pp)
     for what in ("actor", "critic", "reference", "reward"):
         check_shape(getattr(shapes, what), tp, pp, what)
     w = dtype_bytes(s.dtype)
     b, delta = rollout_rows(cfg)
     rows, seq = b + delta, gen.max_prompt_len + gen.max_new_tokens
-    stage = cfg.oppo.placement == "stage"
-    on_stage = {"reward", *cfg.oppo.stream_to} - {"critic"} if stage else set()
+    on_stage = on_scorer_rank(cfg)
     plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
     items = plan.items
 
@@ -138,11 +139,6 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         "score": resident + items["activations_score"] + items["carried_scorer_kv"],
         "train": resident + items["activations_train"] + items["carried_scorer_kv"],
     }
-    if stage:  # whole HF copies on the last GPU, the KV caches of one replica's rollout
-        whole = {"reward": w * shapes.reward.params(value_head=True),
-                 "reference": w * shapes.reference.params()}
-        items["scorer_rank_models"] = sum(whole[k] for k in on_stage)
-        items["scorer_rank_kv"] = sum(b * seq * scorer_shape[k].kv_bytes_per_token(w) for k in on_stage)
-        plan.phases["scorer_rank"] = (items["scorer_rank_models"] + items["scorer_rank_kv"]
-                                      + items["framework"])
+    if on_stage:  # whole HF copies on the last GPU, one set of caches per replica's sender
+        scorer_rank_memory(plan, cfg, shapes, replicas, rows, seq)
     return plan

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
 
@@ -125,6 +125,42 @@ def streamed_scorers(cfg: Config) -> list[str]:
     return ["reward", *cfg.oppo.stream_to] if cfg.oppo.streaming else []
 
 
+def on_scorer_rank(cfg: Config) -> set[str]:
+    """The models the stage placement's scorer rank holds whole, off the actor ranks: the
+    reward model and the reference when it streams (the critic trains, so it stays)."""
+    if cfg.oppo.placement != "stage" or not cfg.oppo.streaming:
+        return set()
+    return {"reward", *cfg.oppo.stream_to} - {"critic"}
+
+
+def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,
+                       rows: int, seq: int) -> None:
+    """The stage placement's scorer rank as a phase of its own (``scorer_rank``): its whole
+    models and, since it serves every sender's rollout at once with scorers of its own, one
+    set of KV caches of ``rows`` rows per sender."""
+    w = dtype_bytes(cfg.system.dtype)
+    whole = {"reward": w * shapes.reward.params(value_head=True),
+             "reference": w * shapes.reference.params()}
+    shape = {"reward": shapes.reward, "reference": shapes.reference}
+    kinds = on_scorer_rank(cfg)
+    plan.items["scorer_rank_models"] = sum(whole[k] for k in kinds)
+    plan.items["scorer_rank_kv"] = sum(senders * rows * seq * shape[k].kv_bytes_per_token(w)
+                                       for k in kinds)
+    plan.phases["scorer_rank"] = (plan.items["scorer_rank_models"] + plan.items["scorer_rank_kv"]
+                                  + FRAMEWORK_GIB * GIB)
+
+
+def actor_rank_gpus(cfg: Config, gpus: int) -> int:
+    """The GPUs of the actor ranks (ZeRO's data-parallel world): all, less the stage
+    placement's scorer rank."""
+    if not on_scorer_rank(cfg):
+        return gpus
+    if gpus < 2:
+        raise ConfigError("oppo.placement", f"stage needs a GPU for the scorer rank besides the "
+                                            f"actor ranks: at least 2, got {gpus}")
+    return gpus - 1
+
+
 def _trained(shape: ModelShape, value_head: bool, lora_dim: int, cfg: Config, gpus: int,
              gpus_per_node: int) -> ModelStates:
     lora = shape.lora_params(lora_dim)
@@ -150,7 +186,8 @@ def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool, lo
 def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, device: Device,
                 headroom: float = 0.1) -> MemoryPlan:
     s, gen = cfg.system, cfg.generation
-    gpus = nodes * gpus_per_node
+    gpus = actor_rank_gpus(cfg, nodes * gpus_per_node)  # ZeRO partitions over these
+    on_stage = on_scorer_rank(cfg)
     w = dtype_bytes(s.dtype)
     b, delta = rollout_rows(cfg)
     rows = b + delta
@@ -168,7 +205,9 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     plan.cpu_per_node = actor.cpu_per_node + critic.cpu_per_node
 
     ref = shapes.reference
-    if s.partition_reference:
+    if "reference" in on_stage:
+        items["reference"] = items["reference_gathered"] = 0.0
+    elif s.partition_reference:
         part = w * ref.params() / gpus
         items["reference"] = 0.0 if s.offload_reference else part
         items["reference_gathered"] = 2 * w * ref.largest_module_params()
@@ -176,7 +215,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     else:
         items["reference"] = w * ref.params()
         items["reference_gathered"] = 0.0
-    items["reward"] = w * shapes.reward.params(value_head=True)
+    items["reward"] = 0.0 if "reward" in on_stage else w * shapes.reward.params(value_head=True)
 
     gathered_actor = s.hybrid_engine and (s.zero_stage == 3 or s.inference_tp_size > 1)
     items["hybrid_engine_copy"] = (w * shapes.actor.params() / s.inference_tp_size
@@ -184,7 +223,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
     items["actor_kv"] = rows * seq * shapes.actor.kv_bytes_per_token(w)
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    streamed = streamed_scorers(cfg)
+    # under the stage placement nothing streams on the actor ranks (the critic trains there)
+    streamed = [] if on_stage else streamed_scorers(cfg)
     items["scorer_kv"] = sum(rows * seq * scorer_shape[k].kv_bytes_per_token(w) for k in streamed)
     # frozen scorers of the pool keep their deferred rows' caches through the update
     carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
@@ -210,4 +250,6 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
         "train": resident + items["activations_train"] + items["carried_scorer_kv"]
                  + items["zero3_gathered"],
     }
+    if on_stage:
+        scorer_rank_memory(plan, cfg, shapes, gpus, rows, seq)
     return plan

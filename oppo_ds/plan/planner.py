@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 from ..config import Config, ConfigError
 from . import megatron
 from .costs import Device
-from .memory import dtype_bytes, plan_memory, rollout_rows
+from .memory import actor_rank_gpus, dtype_bytes, plan_memory, rollout_rows
 from .shapes import Shapes, resolve_shapes
 from .simulate import MODES, CostModel, Layout, LengthDist, Schedule, SimResult, StepSimulator
 
@@ -54,10 +54,13 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
                       max_defer=cfg.oppo.max_defer_steps, tp=1,
                       groups=min(replicas, max_groups), gpus=replicas,
                       gpus_per_node=gpus_per_node, nodes=nodes)
+    actors = actor_rank_gpus(cfg, gpus)  # stage: the scorer rank's GPU decodes nothing
     tp = s.inference_tp_size if s.hybrid_engine else 1
-    if gpus % tp:
-        raise ConfigError("system.inference_tp_size", f"{tp} does not divide the {gpus} GPUs "
-                                                      f"({nodes} nodes x {gpus_per_node})")
+    if actors % tp:
+        less = ", less the stage placement's scorer rank" if actors < gpus else ""
+        raise ConfigError("system.inference_tp_size", f"{tp} does not divide the {actors} GPUs "
+                                                      f"({nodes} nodes x {gpus_per_node}{less})")
+    gpus = actors
     return Layout(batch=p.batch_size, micro=p.micro_batch_size, mini=p.mini_batch_size,
                   epochs=p.ppo_epochs, prompt_len=prompt_len(cfg), max_defer=cfg.oppo.max_defer_steps,
                   tp=tp, groups=min(gpus // tp, max_groups), gpus=gpus, gpus_per_node=gpus_per_node,

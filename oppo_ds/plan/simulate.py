@@ -14,7 +14,8 @@ the steps of a run:
     for the new tokens. `inline`: the job runs on the actor's lane before it decodes on.
     `colocated`: the job runs on a second lane of the same device; it gets the compute the
     decode leaves and costs the decode the host time and memory traffic it takes. `stage`:
-    the scorers have a device of their own. The rollout ends when the actor and the scorer
+    the scorers have a device of their own, shared by every data-parallel rank (replica):
+    each job takes as long as that many. The rollout ends when the actor and the scorer
     lane are both done (the scoring tail).
   * the rollout pool (inter, oppo): B + Delta rows per rank; decoding stops, for all groups
     together (the all-reduce of ``BatchStop``), once every group has B finished rows per rank
@@ -435,9 +436,13 @@ class StepSimulator:
         if sched.placement != "inline":
             util = min(1.0, compute_used / decode_time) if decode_time > 0 else 0.0
             slow = 1.0 + util if sched.placement == "colocated" else 1.0
+            # stage: one scorer rank serves every rank's (every replica's) chunks, one message
+            # at a time as they arrive, and the ranks hand over in lock-step: each job waits
+            # for the others' of the same hand-over
+            shared = lay.gpus if sched.placement == "stage" else 1
             lane = 0.0
             for ready, job in jobs:
-                dur = job.host + max(job.compute * slow, job.memory)
+                dur = shared * (job.host + max(job.compute * slow, job.memory))
                 lane = max(lane, ready) + dur
                 busy += dur
             end = max(t, lane)
