@@ -75,10 +75,15 @@ def parse_modes(text: str) -> list[str]:
 def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[str],
                     trace_step: Optional[int] = None) -> list[str]:
     """The child run's overrides; ``trace_step`` asks for the Chrome trace of that step (and
-    of its multiples) for the timeline plot."""
+    of its multiples) for the timeline plot. A mode that does not stream scores after
+    generation wherever ``oppo.placement`` says to stream: it is set to inline for it (last,
+    so that ``oppo.placement=stage`` given for the streaming modes leaves the others valid;
+    with ``--ranks N`` they then train on all N ranks, the stage modes on N - 1 and the
+    scorer rank)."""
     trace = [f"logging.trace_every={trace_step}"] if trace_step else []
+    placement = [] if MODES[mode].streams else ["oppo.placement=inline"]
     return [f"steps={steps}", f"seed={seed}", f"logging.output_dir={run_dir}", *BASE_OVERRIDES,
-            *trace, *MODES[mode].overrides, *user]
+            *trace, *MODES[mode].overrides, *user, *placement]
 
 
 def trace_step(steps: int, warmup: int) -> int:
@@ -212,12 +217,27 @@ def run_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list
     return run_mode(f"peer {peer}", None, cmd_args, run_dir, module=PEERS[peer])
 
 
+def launch_command(module: str, args: list[str], ranks: int = 1) -> list[str]:
+    """The command of one run: ``python -m module`` for one process, else DeepSpeed's
+    launcher starting ``ranks`` processes on this machine (``deepspeed --num_gpus ranks``, on
+    a free port; with GPUs one per process)."""
+    if ranks < 1:
+        raise BenchError(f"--ranks must be >= 1, got {ranks}", code=2)
+    if ranks == 1:
+        return [sys.executable, "-m", module, *args]
+    from .engines.deepspeed_engine import find_free_port
+
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+            "--master_port", str(find_free_port()), "--module", module, *args]
+
+
 def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: str,
-             module: str = "oppo_ds.train") -> list[dict]:
-    """Train ``mode`` in a child process; returns its metrics rows or raises BenchError."""
+             module: str = "oppo_ds.train", ranks: int = 1) -> list[dict]:
+    """Train ``mode`` in a child process (``ranks`` of them under DeepSpeed's launcher);
+    returns its metrics rows or raises BenchError."""
     prepare_run_dir(run_dir)
     log_path = os.path.join(run_dir, "stdout.log")
-    cmd = [sys.executable, "-m", module, *(["--config", config] if config else []), *overrides]
+    cmd = launch_command(module, [*(["--config", config] if config else []), *overrides], ranks)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()

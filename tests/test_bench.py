@@ -280,3 +280,58 @@ def test_every_mode_sets_both_techniques():
     for name, mode in bench.MODES.items():
         keys = {o.split("=", 1)[0] for o in mode.overrides}
         assert {"oppo.streaming", "oppo.overcommit"} <= keys, name
+
+
+def test_launch_command_and_overrides_for_several_ranks():
+    """One process: ``python -m``; N: DeepSpeed's launcher on a free port. A mode that does
+    not stream is set to the inline placement after the user's overrides, so that
+    ``oppo.placement=stage`` (for the streaming modes) leaves it a valid run on all ranks."""
+    one = bench.launch_command("oppo_ds.train", ["steps=2"])
+    assert one == [sys.executable, "-m", "oppo_ds.train", "steps=2"]
+    three = bench.launch_command("oppo_ds.train", ["steps=2"], ranks=3)
+    assert three[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "3"]
+    assert three[5] == "--master_port" and int(three[6]) > 0
+    assert three[7:] == ["--module", "oppo_ds.train", "steps=2"]
+    with pytest.raises(bench.BenchError, match="--ranks must be >= 1"):
+        bench.launch_command("oppo_ds.train", [], ranks=0)
+    user = ["oppo.placement=stage"]
+    seq = bench.child_overrides("sequential", 2, 0, "/tmp/r", user)
+    assert seq[-2:] == ["oppo.placement=stage", "oppo.placement=inline"]
+    assert bench.child_overrides("oppo", 2, 0, "/tmp/r", user)[-1] == "oppo.placement=stage"
+
+
+def test_stage_modes_need_several_ranks_and_peers_one(tmp_path, capsys):
+    out = str(tmp_path / "x.json")
+    code = bench_cli.main(["--modes", "sequential,intra", "--steps", "2", "--json", out,
+                           "oppo.placement=stage"])
+    assert code == 2 and "mode 'intra': oppo.placement=stage needs" in capsys.readouterr().err
+    code = bench_cli.main(["--modes", "sequential", "--steps", "2", "--json", out,
+                           "--ranks", "2", "--peers", "trl"])
+    assert code == 2 and "--peers runs one process" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # refused before anything ran
+
+
+def test_stage_modes_beside_data_parallel_ones_on_two_ranks(cache_dir, tmp_path):
+    """``--ranks 2 oppo.placement=stage``: sequential trains on both ranks (data parallel),
+    intra on one actor rank with the other scoring; both finish and report samples/s over
+    the ranks that trained."""
+    out = tmp_path / "b.json"
+    proc = subprocess.run(bench_cmd("--config", TINY, "--modes", "sequential,intra", "--steps", "2",
+                                    "--ranks", "2", "--json", str(out), *SMALL,
+                                    f"workload.cache_dir={cache_dir}", "oppo.placement=stage",
+                                    "logging.tensorboard=false"),
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2
+    runs = tmp_path / "b.runs"
+    summaries = {m: json.loads((runs / m / "summary.json").read_text()) for m in ("sequential", "intra")}
+    assert summaries["sequential"]["world_size"] == 2 and summaries["intra"]["world_size"] == 1
+    assert summaries["sequential"]["samples"] == 2 * 2 * 8 and summaries["intra"]["samples"] == 2 * 8
+    for mode, fields in report["modes"].items():
+        check_mode_fields(fields, 2)
+    assert report["modes"]["intra"]["scoring_hidden_frac"] > 0
+    log = (runs / "intra" / "stdout.log").read_text()
+    assert "deepspeed.launcher.runner" in log.splitlines()[0]
+    assert "scorer rank 1: served 2 rollouts" in log

@@ -7,6 +7,10 @@
 Each mode runs ``python -m oppo_ds.train`` in its own process with its run directory under
 --workdir (default: next to the JSON, ``<json without .json>.runs/``); its output goes to
 ``<workdir>/<mode>/stdout.log``. Modes and the overrides that select them: oppo_ds.bench.MODES.
+With ``--ranks N`` each mode runs as N processes under DeepSpeed's launcher (one per GPU):
+
+    oppo-bench --ranks 8 --config FILE --modes sequential,oppo --steps 50 --json out.json \
+        oppo.placement=stage      # oppo: 7 actor ranks + the scorer rank; sequential: 8 ranks
 """
 from __future__ import annotations
 
@@ -40,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2,
                         help="first steps left out of the timing (default 2)")
     parser.add_argument("--workdir", metavar="DIR", help="keeps each mode's run directory (default <json>.runs/)")
+    parser.add_argument("--ranks", type=int, default=1, metavar="N",
+                        help="processes per mode (default 1); N > 1 starts them with DeepSpeed's "
+                             "launcher on this machine, one per GPU. With oppo.placement=stage the "
+                             "streaming modes use one of them as the scorer rank")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides applied to every mode, e.g. ppo.batch_size=32")
     return parser
@@ -51,13 +59,22 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
         raise bench.BenchError("--steps must be >= 1", code=2)
     if args.warmup < 0:
         raise bench.BenchError("--warmup must be >= 0", code=2)
+    if args.ranks < 1:
+        raise bench.BenchError(f"--ranks must be >= 1, got {args.ranks}", code=2)
+    if args.ranks > 1 and args.peers:
+        raise bench.BenchError("--peers runs one process (TRL's PPO here is single-process); "
+                               "leave --ranks at 1 to compare with a peer", code=2)
     for mode in modes:
         overrides = bench.child_overrides(mode, args.steps, args.seed, os.path.join(workdir, mode),
                                           args.overrides)
         try:
-            load_config(args.config, overrides)
+            cfg = load_config(args.config, overrides)
         except ConfigError as err:
             raise bench.BenchError(f"mode {mode!r}: {err}", code=2) from None
+        if cfg.oppo.placement == "stage" and args.ranks < 2:
+            raise bench.BenchError(f"mode {mode!r}: oppo.placement=stage needs a rank for the "
+                                   f"scorers besides the actor ranks: --ranks 2 or more",
+                                   code=2)
     for peer in bench.parse_peers(args.peers):
         if importlib.util.find_spec(bench.PEER_PACKAGES[peer]) is None:
             raise bench.BenchError(f"peer {peer!r} needs {bench.PEER_PACKAGES[peer]} "
@@ -80,7 +97,7 @@ def run(args) -> dict:
               file=sys.stderr, flush=True)
         overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides,
                                           trace_step=traced)
-        histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir)
+        histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir, ranks=args.ranks)
         trace = bench.read_trace(run_dir, traced) if traced else None
         if trace is not None:
             traces[mode] = trace
@@ -103,7 +120,7 @@ def run(args) -> dict:
     ratios = {f"{mode} / {peer} samples/s": results[mode]["samples_per_s"] / p["samples_per_s"]
               for peer, p in peers.items() for mode in results
               if mode != "sequential" and results[mode]["samples_per_s"] and p["samples_per_s"]}
-    report = {"config": args.config, "steps": args.steps, "seed": args.seed,
+    report = {"config": args.config, "steps": args.steps, "seed": args.seed, "ranks": args.ranks,
               "overrides": list(args.overrides), "workdir": workdir,
               "machine": machine, "modes": results, "peers": peers, "ratios": ratios}
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
