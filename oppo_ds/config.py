@@ -175,9 +175,15 @@ class OppoConfig:
     """Chunk sizes `auto` chooses from."""
     chunk_explore_every: int = 50
     """Steps between two explorations of the candidates under `auto` (0 = never explore)."""
-    stream_to: list[Literal["reference", "critic"]] = field(default_factory=lambda: ["reference", "critic"])
-    """Scorers that stream besides the reward model (which always does when streaming is on);
-    the others score whole sequences after generation."""
+    stream_to: list[Literal["reference", "critic", "actor"]] = field(
+        default_factory=lambda: ["reference", "critic", "actor"])
+    """What streams besides the reward model (which always does when streaming is on); the
+    others score whole sequences after generation. `actor`: PPO's old log-probs are the ones
+    the actor computed as it decoded each token (for a deferred sequence's carried tokens, in
+    the prefill that rebuilds its cache under the current weights) instead of one more actor
+    forward after generation; the same log-probs up to float rounding, refused where
+    DeepSpeed's hybrid engine decodes with inference kernels (they differ from the training
+    forward there)."""
     placement: Literal["inline", "colocated", "stage"] = "inline"
     """Where scorer prefill runs: inline = between decode chunks in the same thread (the
     reference for correctness); colocated = concurrently on the same devices (a worker
@@ -228,6 +234,17 @@ class OppoConfig:
         if self.placement == "stage":
             _require(self.streaming, "placement",
                      "stage needs streaming: true (the scorer rank scores the streamed chunks)")
+
+    @property
+    def streamed_scorers(self) -> list[str]:
+        """The scorer models that prefill the streamed chunks: reward first, then the
+        reference and critic when they stream (none without streaming)."""
+        return ["reward", *(k for k in self.stream_to if k != "actor")] if self.streaming else []
+
+    @property
+    def streams_actor(self) -> bool:
+        """Whether PPO's old log-probs come from the actor's own decode (see `stream_to`)."""
+        return self.streaming and "actor" in self.stream_to
 
     @property
     def overcommits(self) -> bool:

@@ -22,7 +22,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
-from .config import Config, save_config
+from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
@@ -124,6 +124,20 @@ def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
     return out
 
 
+def check_actor_streaming(streams_actor: bool, hybrid_engine_path: str) -> None:
+    """Old log-probs taken from the actor's decode (``oppo.stream_to`` holding ``actor``) are
+    the training forward's only when decoding runs that same forward: refused where DeepSpeed's
+    hybrid engine decodes with its inference kernels (fused, often fp16 kernels whose
+    log-probs differ from the training forward's, the reason DeepSpeed-Chat recomputes)."""
+    from .engines.deepspeed_engine import HYBRID_KERNELS
+
+    if streams_actor and hybrid_engine_path == HYBRID_KERNELS:
+        raise ConfigError("oppo.stream_to", "holds actor, but the hybrid engine decodes with "
+                          "DeepSpeed's inference kernels, whose log-probs differ from the training "
+                          "forward's; drop actor from oppo.stream_to (the old log-probs are then "
+                          "recomputed after generation) or set system.hybrid_engine: false")
+
+
 def oracle_vocab(arch: str) -> int:
     """The vocabulary of the length oracle's models: a real shape's own, or a fixed size for
     the tiny architectures."""
@@ -206,6 +220,7 @@ class PPOTrainer(StagePlacement):
         self.actor, self.critic = models.actor, models.critic
         self.reference, self.reward = models.reference, models.reward
         self.device = self.actor.device
+        check_actor_streaming(cfg.oppo.streams_actor, self.actor.hybrid_engine_path)
         # a model-parallel backend (megatron) has fewer data-parallel ranks than processes: the
         # ranks of one model replica must draw the same prompts and sample the same tokens
         model_parallel_dp = getattr(self.actor, "data_parallel_group", None)
@@ -334,6 +349,8 @@ class PPOTrainer(StagePlacement):
                 if o.streaming:
                     gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch],
                                                                     chunk, targets)
+                    if o.streams_actor:  # every token was sampled by the current weights
+                        streamed["actor"] = gen.logprobs
                 else:
                     gen = self.generate([x.input_ids for x in batch], targets)
                 produced = float(gen.lengths.sum())
@@ -390,6 +407,12 @@ class PPOTrainer(StagePlacement):
                     decode_steps(model, state, self.sampling, self.sample_gen, stop=stop)
             stop.wait(state)
             pool.absorb(running, state, version=self.step_count, step=self.step_count)
+            if o.streams_actor:
+                # the current weights' log-probs of a row that finished now: its carried tokens
+                # from the prefill that rebuilt its cache, the rest as sampled
+                for row in state.finish_order:
+                    results.setdefault("actor", {})[running[row].uid] = \
+                        state.actor_logprobs[row, :int(state.lengths[row])]
             for entry in running:
                 entry.results.update({kind: per_row[entry.uid] for kind, per_row in results.items()
                                       if entry.uid in per_row})
@@ -512,12 +535,11 @@ class PPOTrainer(StagePlacement):
     @torch.no_grad()
     def make_experience(self, keys: list[str], gen, streamed: Optional[dict] = None) -> Experience:
         """Reference log-probs, critic values, rewards and the actor's own (old) log-probs;
-        what the streaming scorers already produced (``streamed``, by kind) is taken as is."""
+        what the streaming scorers already produced (``streamed``, by kind; ``actor``: the
+        log-probs the actor's decode computed) is taken as is."""
         streamed = streamed or {}
         temp = self.cfg.generation.temperature
         args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
-        old_logprobs = self._micro_batched(
-            lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]), args)
 
         def streamed_or_scored(kind, fn):
             got = streamed.get(kind)
@@ -531,6 +553,8 @@ class PPOTrainer(StagePlacement):
             scored = self._micro_batched(fn, tuple(a[missing] for a in args)) if missing else None
             return _stack_rows(got, missing, scored, gen.response_ids.shape[1])
 
+        old_logprobs = streamed_or_scored(
+            "actor", lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]))
         old_values = streamed_or_scored(
             "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
         ref_logprobs = streamed_or_scored(

@@ -200,6 +200,26 @@ def test_streaming_hides_scoring_up_to_the_tail():
     # inline: every prefill (the prompts, then each of the 4 chunks) runs on the actor's lane
     inline = sim.run(Schedule("intra", streamed, "inline", chunk), steps=2, warmup=0).steps[0]
     assert inline.phases["generate"] == pytest.approx(seq.phases["generate"] + 3 * (1 + L // chunk) * dev.prefill_call_s)
+    # the actor streaming its own log-probs: nothing is left to score after the rollout
+    own = sim.run(Schedule("intra", streamed, "stage", chunk, actor_streams=True), steps=2,
+                  warmup=0).steps[0]
+    assert own.phases["score"] == 0.0
+    assert own.phases["generate"] == pytest.approx(stage.phases["generate"])
+
+
+def test_schedules_stream_the_actor_as_configured():
+    """`actor` in oppo.stream_to is no scorer: it prefills nothing, it drops the actor's
+    forward after generation (Schedule.actor_streams)."""
+    from oppo_ds.plan.planner import schedules
+
+    cfg = _cfg("oppo.streaming=true", "oppo.chunk_size=16")
+    (oppo,) = schedules(cfg, "oppo")
+    assert oppo.streamed == ("reward", "reference", "critic") and oppo.actor_streams
+    (seq,) = schedules(cfg, "sequential")
+    assert seq.streamed == () and not seq.actor_streams
+    (recompute,) = schedules(_cfg("oppo.streaming=true", "oppo.chunk_size=16",
+                                  "oppo.stream_to=[reference,critic]"), "intra")
+    assert not recompute.actor_streams
 
 
 def test_inter_with_delta_zero_is_sequential():

@@ -253,3 +253,46 @@ def test_ranks_stop_together_and_the_early_rank_keeps_decoding():
     # rank 0 had its one row early, and went on decoding (more rows finished, more tokens)
     assert r0["first_local"] is not None and r0["first_local"] < r0["calls"]
     assert r0["finished"] >= 1 and r0["tokens"] > 4
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_actor_logprobs_after_an_update_equal_the_recomputed_ones(arch, temperature):
+    """What the trainer takes as PPO's old log-probs when the actor streams (``oppo.stream_to``
+    holds ``actor``): after an update (here: the weights perturbed), a deferred row's carried
+    tokens get their log-probs from the prefill that rebuilds its cache, its new tokens as
+    they are sampled; together they equal the recomputation they replace (one forward of the
+    updated model over prompt + response, ``response_logprobs``) within 1e-5, the tolerance
+    of the other streamed scores. The carried tokens' behaviour log-probs stay the old
+    weights' (they differ by far more)."""
+    from oppo_ds.experience import response_logprobs
+
+    model = random_lm(arch, VOCAB, seed=3)
+    params = SamplingParams(max_new_tokens=16, eos_token_ids=(EOS,), pad_token_id=PAD,
+                            temperature=temperature)
+    pool = RolloutPool(batch_size=2, max_defer_steps=3)
+    pool.top_up(_prompts(), len(LENS))
+    g = torch.Generator().manual_seed(7)
+    running = pool.running()
+    state = start_decode(model, params=params, **pool.decode_inputs(running, PAD, "cpu"))
+    decode_steps(model, state, params, g, stop=AfterTokens(5))
+    pool.absorb(running, state, version=0, step=0)
+
+    noise = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # the update
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=noise))
+    running = pool.running()
+    assert running and {len(e.tokens) for e in running} == {5}
+    state = start_decode(model, params=params, **pool.decode_inputs(running, PAD, "cpu"))
+    decode_steps(model, state, params, g)
+    gen = finish(state)
+    recomputed, _ = response_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.response_ids,
+                                      gen.response_mask, temperature)
+    width, on = gen.response_ids.shape[1], gen.response_mask.bool()
+    actor = state.actor_logprobs[:, :width]
+    torch.testing.assert_close(actor[on], recomputed[on], atol=1e-5, rtol=0)
+    assert (actor[~on] == 0).all()
+    # tokens sampled in this decode: behaviour == current; carried ones: the old weights'
+    assert torch.equal(state.logprobs[:, 5:width][on[:, 5:]], actor[:, 5:][on[:, 5:]])
+    assert (state.logprobs[:, :5] - actor[:, :5]).abs().max() > 1e-2

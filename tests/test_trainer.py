@@ -335,3 +335,57 @@ def test_streaming_pool_resume_continues(cache_dir, tmp_path):
         assert b[step]["response/lengths"] == a[step]["response/lengths"]
         for key in DETERMINISTIC:
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
+
+
+@pytest.mark.parametrize("overcommit", [0, 4])
+def test_streamed_actor_logprobs_are_the_recomputed_ones(cache_dir, tmp_path, overcommit):
+    """oppo.stream_to holding actor (the default): every step's old log-probs come from the
+    actor's decode (with overcommitment: a deferred row's carried tokens from the prefill that
+    rebuilt its cache after the update, a row that finished in an earlier step recomputed).
+    Checked inside the run, step by step, against the recomputation of the same batch under
+    the same weights: within 1e-5."""
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}",
+                                     f"logging.output_dir={tmp_path / 'run'}", "steps=4",
+                                     "checkpoint.export_hf=false", "oppo.streaming=true",
+                                     "oppo.chunk_size=3", f"oppo.overcommit={overcommit}"])
+    assert cfg.oppo.streams_actor
+    trainer = PPOTrainer(cfg)
+    real = trainer.make_experience
+    diffs, recomputed_rows = [], 0
+
+    def make_experience(keys, gen, streamed=None):
+        nonlocal recomputed_rows
+        exp = real(keys, gen, streamed)
+        got = streamed["actor"]
+        if isinstance(got, list):
+            recomputed_rows += sum(r is None for r in got)
+        without = {k: v for k, v in streamed.items() if k != "actor"}
+        again = real(keys, gen, without).old_logprobs
+        on = exp.response_mask.bool()
+        diffs.append(float((exp.old_logprobs - again)[on].abs().max()))
+        return exp
+    trainer.make_experience = make_experience
+    trainer.train()
+    assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
+    if overcommit:
+        history = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+        # carried tokens were trained on, so the rebuild prefill's log-probs were used
+        assert max(r["pool/stale_token_frac"] for r in history) > 0
+        assert recomputed_rows > 0  # rows that had waited a step took the recompute path
+
+
+def test_actor_logprobs_refused_with_the_inference_kernels():
+    """The hybrid engine's inference kernels decode with other numerics than the training
+    forward: streaming the actor's log-probs is refused there, naming the key (the kernels
+    exist on GPUs only, so the engine path is given here)."""
+    from oppo_ds.config import ConfigError
+    from oppo_ds.engines.deepspeed_engine import HYBRID_KERNELS, HYBRID_NO_KERNELS_CPU, HYBRID_OFF
+    from oppo_ds.trainer import check_actor_streaming
+
+    with pytest.raises(ConfigError, match=r"^oppo.stream_to: .*inference kernels"):
+        check_actor_streaming(True, HYBRID_KERNELS)
+    for path in (HYBRID_OFF, HYBRID_NO_KERNELS_CPU):
+        check_actor_streaming(True, path)
+    check_actor_streaming(False, HYBRID_KERNELS)

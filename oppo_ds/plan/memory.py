@@ -122,7 +122,7 @@ def rollout_rows(cfg: Config) -> tuple[int, int]:
 
 def streamed_scorers(cfg: Config) -> list[str]:
     """Scorers that prefill each chunk during decoding (none in the sequential baseline)."""
-    return ["reward", *cfg.oppo.stream_to] if cfg.oppo.streaming else []
+    return cfg.oppo.streamed_scorers
 
 
 def on_scorer_rank(cfg: Config) -> set[str]:
@@ -130,7 +130,7 @@ def on_scorer_rank(cfg: Config) -> set[str]:
     reward model and the reference when it streams (the critic trains, so it stays)."""
     if cfg.oppo.placement != "stage" or not cfg.oppo.streaming:
         return set()
-    return {"reward", *cfg.oppo.stream_to} - {"critic"}
+    return set(cfg.oppo.streamed_scorers) - {"critic"}
 
 
 def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,

@@ -73,7 +73,7 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
     if s.backend == "megatron":
         split = megatron.model_split(cfg)
         if cfg.oppo.placement == "stage":  # HF copies on the scorer rank
-            whole = frozenset({"reward", *cfg.oppo.stream_to} - {"critic"})
+            whole = frozenset(set(cfg.oppo.streamed_scorers) - {"critic"})
     return CostModel(device, shapes, lay, dtype_bytes=dtype_bytes(s.dtype), zero_stage=s.zero_stage,
                      model_split=split, whole_scorers=whole,
                      offload=s.offload, checkpointing=s.gradient_checkpointing,
@@ -92,12 +92,13 @@ def schedules(cfg: Config, mode: str) -> list[Schedule]:
     """The schedule(s) a mode runs: one per chunk-size candidate under `chunk_size: auto`
     (the planner keeps the fastest, as the online controller would)."""
     o = mode_config(cfg, mode).oppo
-    streamed = tuple(["reward", *o.stream_to]) if o.streaming else ()
+    streamed = tuple(o.streamed_scorers)
     delta = (o.delta_max if o.overcommit == "auto" else o.overcommit)
     chunks = list(o.chunk_candidates) if o.chunk_size == "auto" else [o.chunk_size]
     if not streamed:
         chunks = chunks[:1]
-    return [Schedule(mode, streamed, o.placement, c, delta) for c in chunks]
+    return [Schedule(mode, streamed, o.placement, c, delta, actor_streams=o.streams_actor)
+            for c in chunks]
 
 
 def simulate_modes(cfg: Config, sim: StepSimulator, modes: Sequence[str] = MODES, steps: int = 30,

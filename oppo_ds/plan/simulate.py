@@ -21,7 +21,8 @@ the steps of a run:
     together (the all-reduce of ``BatchStop``), once every group has B finished rows per rank
     and every forced row (deferred `max_defer_steps` times) ended; the first B are taken
     (forced first, then earlier-finished), the others are deferred with what they generated.
-  * score: the actor's old log-probs and every scorer that did not stream, over the B taken
+  * score: the actor's old log-probs (unless the actor streams: then only for rows that
+    finished in an earlier step) and every scorer that did not stream, over the B taken
     rows in micro-batches padded to their longest row; train: actor and critic, forward +
     backward per micro-batch, an optimizer step per mini-batch, ZeRO's communication.
 
@@ -77,6 +78,7 @@ class Schedule:
     placement: str = "inline"
     chunk: int = 16
     delta: int = 0
+    actor_streams: bool = False  # old log-probs from the actor's decode, not a forward after it
 
 
 @dataclass(frozen=True)
@@ -505,7 +507,9 @@ class StepSimulator:
 
     def _score(self, lengths: np.ndarray, rescore: np.ndarray, sched: Schedule) -> float:
         c = self.costs
-        t = c.scored_forwards("actor", lengths)
+        # a streaming actor scored its tokens as it decoded them, except rows that finished in
+        # an earlier step (the update since then made those log-probs stale)
+        t = c.scored_forwards("actor", lengths[rescore] if sched.actor_streams else lengths)
         for kind in ("reference", "critic", "reward"):
             if kind not in sched.streamed:
                 t += c.scored_forwards(kind, lengths)

@@ -9,6 +9,14 @@ they finish, so the long tail decodes only what is still running.
 Policy log-probs are those of the temperature-scaled distribution (``logits / temperature``)
 before top-k / top-p truncation: the distribution PPO optimises (the trainer scales the same
 way), not the truncated one sampled from.
+
+Two log-probs per token are kept. ``logprobs`` are the behaviour log-probs: those of the policy
+that sampled the token, recorded once (a deferred row's carried tokens keep theirs).
+``actor_logprobs`` are the log-probs under the weights this state decodes with, what PPO calls
+the old log-probs: equal to ``logprobs`` for every token sampled here, and for a carried
+prefix taken from the prefill that rebuilds its KV cache under the current weights. The
+trainer uses them in place of one more actor forward after generation when the actor
+"streams" (``oppo.stream_to`` holds ``actor``).
 """
 from __future__ import annotations
 
@@ -53,15 +61,13 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1)
-        logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens, logprobs
+        return tokens, _token_logprobs(logits, tokens, params)
     scaled = logits / params.temperature
     probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
     # multinomial draws on the generator's device; sample there and move back
     tokens = torch.multinomial(probs.to(generator.device) if generator is not None else probs,
                                1, generator=generator).squeeze(-1).to(logits.device)
-    logprobs = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    return tokens, _token_logprobs(logits, tokens, params)
 
 
 @dataclass
@@ -72,6 +78,7 @@ class DecodeState:
     prompt_mask: torch.Tensor       # (B, P)
     tokens: torch.Tensor            # (B, max_new_tokens) response tokens, pad after the end
     logprobs: torch.Tensor          # (B, max_new_tokens) behaviour log-probs, 0 after the end
+    actor_logprobs: torch.Tensor    # (B, max_new_tokens) log-probs under this decode's weights
     lengths: torch.Tensor           # (B,) tokens generated so far
     finished: torch.Tensor          # (B,) bool
     active: torch.Tensor            # (A,) row indices still decoding, in cache order
@@ -145,9 +152,13 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     positions = position_ids_from_mask(context_mask)
     out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
                 use_cache=True)
+    actor_logprobs = logprobs.clone()
+    if prefix_ids is not None and prefix_ids.shape[1] > 0:
+        width = prefix_ids.shape[1]
+        actor_logprobs[:, :width] = _prefix_logprobs(out.logits, tokens[:, :width], lengths, params)
     return DecodeState(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
-        lengths=lengths,
+        actor_logprobs=actor_logprobs, lengths=lengths,
         finished=torch.zeros(batch, dtype=torch.bool, device=device),
         active=torch.arange(batch, device=device),
         past_key_values=out.past_key_values,
@@ -156,6 +167,31 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         next_logits=out.logits[:, -1, :],
         targets=None if targets is None else targets.to(device=device, dtype=torch.long),
     )
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                    params: SamplingParams) -> torch.Tensor:
+    """Log-probs of ``tokens`` (...,) under ``logits`` (..., V) as ``sample_tokens`` computes
+    them: temperature-scaled, before top-k / top-p; the raw distribution when greedy."""
+    logits = logits.float()
+    if not params.greedy:
+        logits = logits / params.temperature
+    return logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _prefix_logprobs(logits: torch.Tensor, prefix: torch.Tensor, lengths: torch.Tensor,
+                     params: SamplingParams) -> torch.Tensor:
+    """Log-probs of each row's prefix tokens under the prefill that just ran over the left-
+    packed prompt + prefix (``_left_packed``): logits (B, W_ctx, V), prefix (B, L) right-padded
+    with ``lengths`` (B,) real tokens -> (B, L), 0 beyond each row's length. Token j of a row
+    whose prefix has n tokens sits at context position W_ctx - n + j, so the logits predicting
+    it are one position earlier."""
+    context = logits.shape[1]
+    steps = torch.arange(prefix.shape[1], device=prefix.device)
+    at = (context - lengths[:, None] - 1 + steps[None, :]).clamp(min=0, max=context - 1)
+    rows = torch.arange(prefix.shape[0], device=prefix.device)[:, None]
+    out = _token_logprobs(logits[rows, at], prefix, params)
+    return torch.where(steps[None, :] < lengths[:, None], out, 0.0)
 
 
 def target_lengths(targets: Sequence[Optional[int]]) -> Optional[torch.Tensor]:
@@ -195,6 +231,7 @@ def decode_steps(model, state: DecodeState, params: SamplingParams,
         rows = state.active
         state.tokens[rows, state.lengths[rows]] = tok
         state.logprobs[rows, state.lengths[rows]] = lp
+        state.actor_logprobs[rows, state.lengths[rows]] = lp  # sampled under these weights
         state.lengths[rows] += 1
         produced += rows.numel()
         steps += 1

@@ -154,7 +154,9 @@ class RolloutPool:
         self.entries = [e for e in self.entries if e.uid not in chosen]
         for e in self.entries:
             e.deferrals += 1
+            # the models that train: their results are stale after this step's update
             e.results.pop("critic", None)
+            e.results.pop("actor", None)
         for e in taken:
             self.ledger.trained[e.key] += 1
         return taken
