@@ -157,6 +157,45 @@ def add_speedups(modes: dict[str, dict]) -> None:
         fields["speedup"] = rate / base if base and rate is not None else None
 
 
+# timing fields of a mode that differ from round to round; the rest (reward, gold, tail waste)
+# is the same in every round (same code, workload and seeds)
+ROUND_FIELDS = ("step_time_s", "samples_per_s", "speedup", "scoring_hidden_frac",
+                "ideal_step_time_s", "of_ideal")
+
+
+def round_dir(workdir: str, name: str, round_index: int) -> str:
+    """Where round ``round_index`` (1-based) of a mode or peer runs: ``workdir/name`` for the
+    first (the layout of a single-round benchmark), ``workdir/name.roundK`` after it."""
+    return os.path.join(workdir, name if round_index == 1 else f"{name}.round{round_index}")
+
+
+def combine_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """One summary per name (mode or peer) from the same benchmark repeated round-robin.
+
+    Every round runs every mode once, one after another, and ``rounds[k]`` holds round k's
+    summaries with their speedups already taken within that round (against that round's
+    sequential run). Each timing field becomes the median over the rounds: a mode's
+    ``speedup`` is thus the median of ratios between runs taken minutes apart, which a drift
+    of the machine's speed over the whole benchmark does not bias. ``rounds`` (per name) keeps
+    each round's timing fields; ``phase_fraction`` is averaged; the other fields, the same in
+    every round, are the first round's."""
+    if not rounds:
+        raise ValueError("no rounds to combine")
+    out = {}
+    for name, first in rounds[0].items():
+        per_round = [r[name] for r in rounds if name in r]
+        fields = dict(first)
+        for key in ROUND_FIELDS:
+            values = [r.get(key) for r in per_round if r.get(key) is not None]
+            fields[key] = statistics.median(values) if values else first.get(key)
+        phases = list(dict.fromkeys(k for r in per_round for k in r.get("phase_fraction", {})))
+        fields["phase_fraction"] = {k: statistics.fmean(r.get("phase_fraction", {}).get(k, 0.0)
+                                                        for r in per_round) for k in phases}
+        fields["rounds"] = [{key: r.get(key) for key in ROUND_FIELDS} for r in per_round]
+        out[name] = fields
+    return out
+
+
 def ideal_step_time(steps: list[dict], warmup: int = 2) -> Optional[float]:
     """The step time of a sequential run if scoring were fully hidden under decoding and no
     decode slot were wasted on the tail, from its own measured phases (median over the steps
@@ -291,10 +330,23 @@ def format_table(modes: dict[str, dict]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
+def format_rounds(modes: dict[str, dict]) -> str:
+    """Each mode's speedup round by round (a repeated benchmark's table gives their medians)."""
+    rows = [(name, [r.get("speedup") for r in m.get("rounds", [])]) for name, m in modes.items()]
+    width = max(len(name) for name, _ in rows)
+    lines = ["speedup per round (the table gives their medians):"]
+    lines += [f"  {name.ljust(width)}  " + "  ".join(_fmt(x, ".2f") + "x" for x in values)
+              for name, values in rows if values]
+    return "\n".join(lines)
+
+
 def format_markdown(report: dict) -> str:
     """The results as a markdown table (modes, then peers), with the run's facts."""
     machine = report.get("machine", {})
-    lines = [f"`oppo-bench` {report.get('steps')} steps per run, seed {report.get('seed')}, "
+    repeat = report.get("repeat") or 1
+    rounds = (f" {repeat} rounds round-robin, medians over the rounds (a speedup: the median of "
+              f"the rounds' own);" if repeat > 1 else "")
+    lines = [f"`oppo-bench` {report.get('steps')} steps per run,{rounds} seed {report.get('seed')}, "
              f"config {report.get('config') or 'built-in workload'}; {machine.get('platform')}, "
              f"{machine.get('cpu_count')} CPUs, GPU: {machine.get('cuda_device') or 'none'}, "
              f"torch {machine.get('torch')}, DeepSpeed {machine.get('deepspeed')}.",
@@ -311,6 +363,10 @@ def format_markdown(report: dict) -> str:
             f"{_fmt(m.get('scoring_hidden_frac'), '.1%')} | {_fmt(m.get('tail_waste_frac'), '.1%')} | "
             f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')} | "
             f"{_fmt(m.get('gold_first'), '.3f')} -> {_fmt(m.get('gold_last'), '.3f')} |")
+    if repeat > 1:
+        lines.append("\nSpeedup per round: " + "; ".join(
+            f"{name} " + ", ".join(_fmt(r.get("speedup"), ".2f") + "x" for r in m.get("rounds", []))
+            for name, m in report.get("modes", {}).items()) + ".")
     for name, ratio in report.get("ratios", {}).items():
         lines.append(f"\n{name}: {_fmt(ratio, '.2f')}x")
     return "\n".join(lines) + "\n"

@@ -85,6 +85,38 @@ def test_speedup_relative_to_sequential():
     assert alone["intra"]["speedup"] is None
 
 
+def test_combine_rounds_takes_medians_of_each_rounds_own_values():
+    """Three rounds of two modes; the machine was slower in round 2 (every mode alike): each
+    timing field is the median over the rounds, a speedup the median of the rounds' own
+    speedups (not the ratio of the medians), phase fractions the mean; reward comes from
+    round 1 (the same in every round)."""
+    def summary(step_s, rate, speedup, hidden, train_frac, reward=1.0):
+        return {"step_time_s": step_s, "samples_per_s": rate, "speedup": speedup,
+                "scoring_hidden_frac": hidden, "ideal_step_time_s": 0.1, "of_ideal": 0.1 / step_s,
+                "phase_fraction": {"generate": 1 - train_frac, "train": train_frac},
+                "reward_first": reward, "tail_waste_frac": 0.5}
+    rounds = [{"sequential": summary(0.4, 40.0, 1.0, 0.0, 0.2), "oppo": summary(0.2, 80.0, 2.0, 0.9, 0.4)},
+              {"sequential": summary(0.8, 20.0, 1.0, 0.0, 0.4), "oppo": summary(0.5, 32.0, 1.6, 0.8, 0.6)},
+              {"sequential": summary(0.5, 32.0, 1.0, 0.0, 0.3), "oppo": summary(0.2, 80.0, 2.5, 0.7, 0.5, reward=9.0)}]
+    out = bench.combine_rounds(rounds)
+    oppo = out["oppo"]
+    assert oppo["speedup"] == 2.0  # median of 2.0, 1.6, 2.5 (the medians' ratio would be 2.5)
+    assert oppo["samples_per_s"] == 80.0 and oppo["step_time_s"] == 0.2
+    assert oppo["scoring_hidden_frac"] == pytest.approx(0.8)
+    assert oppo["phase_fraction"] == pytest.approx({"generate": 0.5, "train": 0.5})
+    assert oppo["reward_first"] == 1.0 and oppo["tail_waste_frac"] == 0.5
+    assert [r["speedup"] for r in oppo["rounds"]] == [2.0, 1.6, 2.5]
+    assert out["sequential"]["step_time_s"] == 0.5 and out["sequential"]["speedup"] == 1.0
+    assert "1.60x" in bench.format_rounds(out) and "2.50x" in bench.format_rounds(out)
+    with pytest.raises(ValueError):
+        bench.combine_rounds([])
+
+
+def test_round_directories():
+    assert bench.round_dir("/w", "oppo", 1) == os.path.join("/w", "oppo")
+    assert bench.round_dir("/w", "oppo", 3) == os.path.join("/w", "oppo.round3")
+
+
 def test_ideal_step_time_hand_values():
     # step 1 is warm-up; step 2: lengths 2, 4 -> waste 1 - 6/8 = 0.25: 0.4 * 0.75 + 0.05 + 0.3
     # = 0.65; step 3: lengths 3, 3 -> no waste: 0.2 + 0.05 + 0.3 = 0.55; median 0.6
@@ -335,3 +367,33 @@ def test_stage_modes_beside_data_parallel_ones_on_two_ranks(cache_dir, tmp_path)
     log = (runs / "intra" / "stdout.log").read_text()
     assert "deepspeed.launcher.runner" in log.splitlines()[0]
     assert "scorer rank 1: served 2 rollouts" in log
+
+
+def test_repeat_runs_the_modes_round_robin(cache_dir, tmp_path, capsys):
+    """--repeat 2: every mode twice, in rounds (round 2 in name.round2), each round's speedup
+    against its own sequential run, the medians in the JSON and the table."""
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    code = bench_cli.main(["--config", TINY, "--modes", "sequential,inter", "--steps", "2",
+                           "--repeat", "2", "--json", str(out), "--table", str(md), *SMALL,
+                           f"workload.cache_dir={cache_dir}"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert err.index("sequential (round 1 of 2)") < err.index("inter (round 1 of 2)") \
+        < err.index("sequential (round 2 of 2)") < err.index("inter (round 2 of 2)")
+    report = json.loads(out.read_text())
+    assert report["repeat"] == 2
+    for name in ("sequential", "inter"):
+        for d in (name, f"{name}.round2"):
+            assert (tmp_path / "b.runs" / d / "metrics.jsonl").is_file()
+    inter = report["modes"]["inter"]
+    assert len(inter["rounds"]) == 2
+    per_round = [r["speedup"] for r in inter["rounds"]]
+    assert inter["speedup"] == pytest.approx(sum(per_round) / 2)  # the median of two
+    assert all(r["speedup"] == 1.0 for r in report["modes"]["sequential"]["rounds"])
+    assert "2 rounds round-robin" in md.read_text() and "Speedup per round" in md.read_text()
+
+
+def test_repeat_must_be_positive(tmp_path, capsys):
+    code = bench_cli.main(["--modes", "sequential", "--steps", "2", "--repeat", "0",
+                           "--json", str(tmp_path / "b.json")])
+    assert code == 2 and "--repeat must be >= 1" in capsys.readouterr().err

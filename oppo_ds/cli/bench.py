@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 
 from .. import bench
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="processes per mode (default 1); N > 1 starts them with DeepSpeed's "
                              "launcher on this machine, one per GPU. With oppo.placement=stage the "
                              "streaming modes use one of them as the scorer rank")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the whole benchmark N times round-robin (every mode once per "
+                             "round) and report medians over the rounds; a speedup is the "
+                             "median of the rounds' own speedups (default 1)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides applied to every mode, e.g. ppo.batch_size=32")
     return parser
@@ -61,6 +66,8 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
         raise bench.BenchError("--warmup must be >= 0", code=2)
     if args.ranks < 1:
         raise bench.BenchError(f"--ranks must be >= 1, got {args.ranks}", code=2)
+    if args.repeat < 1:
+        raise bench.BenchError(f"--repeat must be >= 1, got {args.repeat}", code=2)
     if args.ranks > 1 and args.peers:
         raise bench.BenchError("--peers runs one process (TRL's PPO here is single-process); "
                                "leave --ranks at 1 to compare with a peer", code=2)
@@ -83,17 +90,14 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
         raise bench.BenchError("--plot needs matplotlib (pip install 'oppo-ds[plot]')", code=2)
 
 
-def run(args) -> dict:
-    modes = bench.parse_modes(args.modes)
-    json_path = os.path.abspath(args.json_path)
-    workdir = os.path.abspath(args.workdir or os.path.splitext(json_path)[0] + ".runs")
-    check_inputs(args, modes, workdir)
-    machine = bench.machine_info()  # before the runs: the load average they started under
+def run_round(args, modes: list[str], workdir: str, round_index: int, traced) -> dict:
+    """Every mode, then every peer, once, one after another: round ``round_index`` of the
+    benchmark. Speedups, the ideal bound and the peer ratios are taken within the round."""
     results, histories, traces = {}, {}, {}
-    traced = bench.trace_step(args.steps, args.warmup) if args.plot else None
+    rounds = f" (round {round_index} of {args.repeat})" if args.repeat > 1 else ""
     for i, mode in enumerate(modes, 1):
-        run_dir = os.path.join(workdir, mode)
-        print(f"[{i}/{len(modes)}] {mode}: {args.steps} steps, log {run_dir}/stdout.log",
+        run_dir = bench.round_dir(workdir, mode, round_index)
+        print(f"[{i}/{len(modes)}] {mode}{rounds}: {args.steps} steps, log {run_dir}/stdout.log",
               file=sys.stderr, flush=True)
         overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides,
                                           trace_step=traced)
@@ -105,8 +109,9 @@ def run(args) -> dict:
         results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
     peers, peer_histories = {}, {}
     for peer in bench.parse_peers(args.peers):
-        run_dir = os.path.join(workdir, f"peer-{peer}")
-        print(f"[peer] {peer}: {args.steps} steps, log {run_dir}/stdout.log", file=sys.stderr, flush=True)
+        run_dir = bench.round_dir(workdir, f"peer-{peer}", round_index)
+        print(f"[peer] {peer}{rounds}: {args.steps} steps, log {run_dir}/stdout.log",
+              file=sys.stderr, flush=True)
         rows = bench.run_peer(peer, args.config, args.steps, args.seed, args.overrides, run_dir)
         peers[peer] = bench.summarize_mode(rows, args.warmup, hidden_default=0.0)
         peer_histories[f"{peer} (peer)"] = rows
@@ -120,13 +125,38 @@ def run(args) -> dict:
     ratios = {f"{mode} / {peer} samples/s": results[mode]["samples_per_s"] / p["samples_per_s"]
               for peer, p in peers.items() for mode in results
               if mode != "sequential" and results[mode]["samples_per_s"] and p["samples_per_s"]}
+    return {"modes": results, "peers": peers, "ratios": ratios, "histories": histories,
+            "peer_histories": peer_histories, "traces": traces}
+
+
+def run(args) -> dict:
+    modes = bench.parse_modes(args.modes)
+    json_path = os.path.abspath(args.json_path)
+    workdir = os.path.abspath(args.workdir or os.path.splitext(json_path)[0] + ".runs")
+    check_inputs(args, modes, workdir)
+    machine = bench.machine_info()  # before the runs: the load average they started under
+    traced = bench.trace_step(args.steps, args.warmup) if args.plot else None
+    # round-robin: every mode once per round, so that a drift of the machine's speed during
+    # the benchmark reaches every mode alike and each round's speedups pair runs close in time
+    rounds = [run_round(args, modes, workdir, k, traced) for k in range(1, args.repeat + 1)]
+    first = rounds[0]
+    if args.repeat > 1:
+        results = bench.combine_rounds([r["modes"] for r in rounds])
+        peers = bench.combine_rounds([r["peers"] for r in rounds]) if first["peers"] else {}
+        ratios = {name: statistics.median(r["ratios"][name] for r in rounds)
+                  for name in first["ratios"]}
+    else:
+        results, peers, ratios = first["modes"], first["peers"], first["ratios"]
+    histories, peer_histories, traces = first["histories"], first["peer_histories"], first["traces"]
     report = {"config": args.config, "steps": args.steps, "seed": args.seed, "ranks": args.ranks,
-              "overrides": list(args.overrides), "workdir": workdir,
+              "repeat": args.repeat, "overrides": list(args.overrides), "workdir": workdir,
               "machine": machine, "modes": results, "peers": peers, "ratios": ratios}
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     print(bench.format_table({**results, **{f"{p} (peer)": f for p, f in peers.items()}}))
+    if args.repeat > 1:
+        print(bench.format_rounds(results))
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")
     print(f"results: {json_path}")
