@@ -270,6 +270,23 @@ def launch_command(module: str, args: list[str], ranks: int = 1) -> list[str]:
             "--master_port", str(find_free_port()), "--module", module, *args]
 
 
+# what a launcher tells a process about the world it belongs to
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT")
+
+
+def child_env(ranks: int, env: Optional[dict] = None) -> dict:
+    """The environment of one run: this process's, less the rendezvous variables when the
+    run is one process (it is a world of its own; DeepSpeed's launcher sets them for several).
+    A leftover LOCAL_RANK made accelerate, under TRL's trainer, wait for a distributed world
+    that did not exist (MASTER_ADDR expected, but not set)."""
+    env = dict(os.environ if env is None else env)
+    if ranks == 1:
+        for key in RENDEZVOUS_VARS:
+            env.pop(key, None)
+    return env
+
+
 def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: str,
              module: str = "oppo_ds.train", ranks: int = 1) -> list[dict]:
     """Train ``mode`` in a child process (``ranks`` of them under DeepSpeed's launcher);
@@ -280,7 +297,8 @@ def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: st
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env=child_env(ranks)).returncode
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if code != 0 or not os.path.isfile(metrics_path):
         raise BenchError(f"mode {mode!r} failed (exit {code}); log: {log_path}; last lines:\n"

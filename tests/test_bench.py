@@ -285,9 +285,18 @@ def test_unknown_peer_is_refused():
     assert bench.parse_peers(None) == [] and bench.parse_peers("trl") == ["trl"]
 
 
-def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path):
+def test_child_env_drops_rendezvous_variables_of_one_process_runs():
+    env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1", "PATH": "/bin"}
+    assert bench.child_env(1, env) == {"PATH": "/bin"}
+    assert bench.child_env(2, env) == env
+
+
+def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path, monkeypatch):
     """--peers trl runs TRL 1.12's PPO on the same workload in its own process; its fields
     are a mode's, and the JSON carries it under peers.trl with our modes' ratio to it."""
+    # left behind by an in-process run (DeepSpeed needs it after its group exists): the
+    # children must not take it for a launcher's
+    monkeypatch.setenv("LOCAL_RANK", "0")
     out, md = tmp_path / "b.json", tmp_path / "b.md"
     png = tmp_path / "b.png"
     code = bench_cli.main(["--modes", "sequential,oppo", "--peers", "trl", "--steps", "3",
