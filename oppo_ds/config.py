@@ -181,9 +181,9 @@ class OppoConfig:
     others score whole sequences after generation. `actor`: PPO's old log-probs are the ones
     the actor computed as it decoded each token (for a deferred sequence's carried tokens, in
     the prefill that rebuilds its cache under the current weights) instead of one more actor
-    forward after generation; the same log-probs up to float rounding, refused where
-    DeepSpeed's hybrid engine decodes with inference kernels (they differ from the training
-    forward there)."""
+    forward after generation; the same log-probs up to float rounding. Where DeepSpeed's
+    hybrid engine decodes with its inference kernels, whose log-probs differ from the training
+    forward's, they are recomputed after generation all the same (logged at start)."""
     placement: Literal["inline", "colocated", "stage"] = "inline"
     """Where scorer prefill runs: inline = between decode chunks in the same thread (the
     reference for correctness); colocated = concurrently on the same devices (a worker

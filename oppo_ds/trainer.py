@@ -22,7 +22,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
-from .config import Config, ConfigError, save_config
+from .config import Config, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
@@ -124,18 +124,16 @@ def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
     return out
 
 
-def check_actor_streaming(streams_actor: bool, hybrid_engine_path: str) -> None:
-    """Old log-probs taken from the actor's decode (``oppo.stream_to`` holding ``actor``) are
-    the training forward's only when decoding runs that same forward: refused where DeepSpeed's
-    hybrid engine decodes with its inference kernels (fused, often fp16 kernels whose
-    log-probs differ from the training forward's, the reason DeepSpeed-Chat recomputes)."""
+def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
+    """Whether PPO's old log-probs come from the actor's decode (``oppo.stream_to`` holding
+    ``actor``, with streaming on). They are the training forward's only when decoding runs
+    that same forward: where DeepSpeed's hybrid engine decodes with its inference kernels
+    (fused kernels whose log-probs differ from the training forward's, the reason
+    DeepSpeed-Chat recomputes) they are recomputed after generation, as the critic's values
+    are under the stage placement; the trainer logs it at start."""
     from .engines.deepspeed_engine import HYBRID_KERNELS
 
-    if streams_actor and hybrid_engine_path == HYBRID_KERNELS:
-        raise ConfigError("oppo.stream_to", "holds actor, but the hybrid engine decodes with "
-                          "DeepSpeed's inference kernels, whose log-probs differ from the training "
-                          "forward's; drop actor from oppo.stream_to (the old log-probs are then "
-                          "recomputed after generation) or set system.hybrid_engine: false")
+    return requested and hybrid_engine_path != HYBRID_KERNELS
 
 
 def oracle_vocab(arch: str) -> int:
@@ -220,7 +218,11 @@ class PPOTrainer(StagePlacement):
         self.actor, self.critic = models.actor, models.critic
         self.reference, self.reward = models.reference, models.reward
         self.device = self.actor.device
-        check_actor_streaming(cfg.oppo.streams_actor, self.actor.hybrid_engine_path)
+        self.actor_streams = actor_streams(cfg.oppo.streams_actor, self.actor.hybrid_engine_path)
+        if cfg.oppo.streams_actor and not self.actor_streams and self.is_main:
+            logger.info("oppo.stream_to holds actor, but the hybrid engine decodes with DeepSpeed's "
+                        "inference kernels, whose log-probs differ from the training forward's: "
+                        "the actor's old log-probs are recomputed after generation")
         # a model-parallel backend (megatron) has fewer data-parallel ranks than processes: the
         # ranks of one model replica must draw the same prompts and sample the same tokens
         model_parallel_dp = getattr(self.actor, "data_parallel_group", None)
@@ -349,7 +351,7 @@ class PPOTrainer(StagePlacement):
                 if o.streaming:
                     gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch],
                                                                     chunk, targets)
-                    if o.streams_actor:  # every token was sampled by the current weights
+                    if self.actor_streams:  # every token was sampled by the current weights
                         streamed["actor"] = gen.logprobs
                 else:
                     gen = self.generate([x.input_ids for x in batch], targets)
@@ -407,7 +409,7 @@ class PPOTrainer(StagePlacement):
                     decode_steps(model, state, self.sampling, self.sample_gen, stop=stop)
             stop.wait(state)
             pool.absorb(running, state, version=self.step_count, step=self.step_count)
-            if o.streams_actor:
+            if self.actor_streams:
                 # the current weights' log-probs of a row that finished now: its carried tokens
                 # from the prefill that rebuilt its cache, the rest as sampled
                 for row in state.finish_order:

@@ -220,6 +220,10 @@ def test_schedules_stream_the_actor_as_configured():
     (recompute,) = schedules(_cfg("oppo.streaming=true", "oppo.chunk_size=16",
                                   "oppo.stream_to=[reference,critic]"), "intra")
     assert not recompute.actor_streams
+    # under the hybrid engine the trainer recomputes them (its inference kernels differ)
+    (hybrid,) = schedules(_cfg("oppo.streaming=true", "oppo.chunk_size=16",
+                               "system.hybrid_engine=true"), "oppo")
+    assert not hybrid.actor_streams
 
 
 def test_inter_with_delta_zero_is_sequential():

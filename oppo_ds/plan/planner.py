@@ -97,8 +97,10 @@ def schedules(cfg: Config, mode: str) -> list[Schedule]:
     chunks = list(o.chunk_candidates) if o.chunk_size == "auto" else [o.chunk_size]
     if not streamed:
         chunks = chunks[:1]
-    return [Schedule(mode, streamed, o.placement, c, delta, actor_streams=o.streams_actor)
-            for c in chunks]
+    # the hybrid engine's inference kernels (its point on GPUs) make the trainer recompute the
+    # actor's log-probs (trainer.actor_streams)
+    own = o.streams_actor and not cfg.system.hybrid_engine
+    return [Schedule(mode, streamed, o.placement, c, delta, actor_streams=own) for c in chunks]
 
 
 def simulate_modes(cfg: Config, sim: StepSimulator, modes: Sequence[str] = MODES, steps: int = 30,
