@@ -193,8 +193,9 @@ class OppoConfig:
     last one holds the reward and reference models and receives each chunk by point-to-point
     over a link of its own with each actor rank. The critic trains, so under `stage` it does
     not stream: its values are computed on the actor ranks after generation. With
-    `overcommit` the scorer rank prefills each deferred row's response so far again every
-    step (it carries no cache between steps). Needs `streaming: true`."""
+    `overcommit` the scorer rank keeps the deferred rows in its caches from step to step, as
+    the frozen scorers do in the actor's process under the other placements (after a resume
+    it prefills them again once). Needs `streaming: true`."""
     overcommit: Union[int, Literal["auto"]] = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the

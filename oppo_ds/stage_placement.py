@@ -19,7 +19,8 @@ import torch.distributed as dist
 from .config import ConfigError
 from .models import build_causal_lm, build_value_model
 from .rollout.scorer import StreamingScorer
-from .rollout.stage import Op, Replica, ScorerStage, StageLayout, serve_round
+from .rollout.stage import Op, Replica, ScorerStage, serve_round
+from .rollout.stage_layout import StageLayout
 
 if TYPE_CHECKING:
     from .trainer import Sources
@@ -91,7 +92,7 @@ class StagePlacement:
                 out.append(StreamingScorer(self.reference, "reference", temperature=temp))
             return out
 
-        self.scorer_stages = [ScorerStage(scorers(), self.stage_links[a])
+        self.scorer_stages = [ScorerStage(scorers(), self.stage_links[a], carry=True)
                               for a in self.stage.senders]
 
     def _stage_replica(self) -> Replica:

@@ -239,7 +239,8 @@ class PPOTrainer(StagePlacement):
         self.remote = self.replica = None
         if self.stage is not None:
             if self.rank in self.stage.senders:
-                self.remote = RemoteScorers(self.stage_links[self.rank])
+                # the stage keeps deferred rows in its frozen scorers from step to step
+                self.remote = RemoteScorers(self.stage_links[self.rank], carry=True)
             if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
                 self.replica = self._stage_replica()
 

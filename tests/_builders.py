@@ -126,7 +126,7 @@ def _stage_guarded(target, rank, actors, tp, port, out, link_timeout_s, *args):
 
     import torch.distributed as dist
 
-    from oppo_ds.rollout.stage import StageLayout, replica_senders
+    from oppo_ds.rollout.stage_layout import StageLayout, replica_senders
 
     torch.set_num_threads(1)
     try:

@@ -143,23 +143,87 @@ def _continue_twice(actor, reference, reward, critic, remote):
     return report
 
 
+def _continue_carried(actor, reference, reward, remote):
+    """Three pool rollouts through a carrying stage (frozen scorers): round 1 continues the
+    rows round 0 left unfinished, which the stage holds (not sent again), beside 2 new
+    prompts; round 2 continues all but one of the still unfinished rows (the stage drops that
+    one). Against inline scorers that prefill every row's prompt and response so far afresh
+    each round: tokens identical, scores within 1e-5 (a carried prefix was prefilled chunk by
+    chunk, a fresh one in one forward: float summation order)."""
+    from oppo_ds.rollout.generate import finish
+    from oppo_ds.rollout.stage import stage_stream_continue
+    from oppo_ds.rollout.streaming import StreamingScorer, stream_continue
+    all_ids, all_mask = _prompts(PROMPT_LENS + [4, 5])
+    first = len(PROMPT_LENS)
+    params = _params()
+    rows = list(range(first))  # indices into all_ids; the row id is 100 + index
+    lengths = {}  # row index -> its response so far (tokens)
+    report = []
+    for round_ in range(3):
+        if round_ == 1:
+            rows = rows + [first, first + 1]
+        if round_ == 2:
+            rows = rows[1:]
+        idx = torch.tensor(rows)
+        width = max([len(lengths.get(r, [])) for r in rows] + [0])
+        prefix = torch.full((len(rows), max(width, 1)), PAD, dtype=torch.long)
+        for i, r in enumerate(rows):
+            prefix[i, :len(lengths.get(r, []))] = torch.tensor(lengths.get(r, []), dtype=torch.long)
+        inputs = dict(prompt_ids=all_ids[idx], prompt_mask=all_mask[idx])
+        if width:
+            inputs.update(prefix_ids=prefix[:, :width],
+                          prefix_lengths=torch.tensor([len(lengths.get(r, [])) for r in rows]))
+        uids = idx + 100
+        held_before = set(remote.held)
+        state, got, timing = stage_stream_continue(actor, remote, inputs, uids, params,
+                                                   torch.Generator().manual_seed(SEED + round_), 3,
+                                                   stop=_StopAt(2))
+        scorers = [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference")]
+        extra = (inputs["prefix_ids"], inputs["prefix_lengths"]) if width else ()
+        setup = [(sc.kind, "add", sc.add, (uids.tolist(), inputs["prompt_ids"],
+                                            inputs["prompt_mask"], *extra)) for sc in scorers]
+        ref_state, want, _ = stream_continue(actor, scorers, setup, inputs, uids, params,
+                                             torch.Generator().manual_seed(SEED + round_), 3,
+                                             stop=_StopAt(2))
+        ended = sorted(int(uids[r]) for r in state.finish_order)
+        report.append({
+            "same_tokens": torch.equal(state.tokens, ref_state.tokens) and
+            torch.equal(state.lengths, ref_state.lengths),
+            "ended": ended, "rows": {k: sorted(v) for k, v in got.items()},
+            "diff": max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k]),
+            "carried": sorted(held_before & set(uids.tolist())),
+            "held_after": sorted(remote.held),
+            "stage_begins": sum(e.name == "begin" for e in timing.events)})
+        gen = finish(state)
+        lengths = {r: gen.response_ids[i, :int(gen.lengths[i])].tolist()
+                   for i, r in enumerate(rows) if not bool(state.finished[i])}
+        rows = [r for i, r in enumerate(rows) if not bool(state.finished[i])]
+    return report
+
+
 def _worker(rank, _layout, links, out, scenario):
     from oppo_ds.rollout.stage import RemoteScorerError, RemoteScorers, ScorerStage
     from oppo_ds.rollout.streaming import StreamingScorer
     archs = ARCHS if scenario == "equal" else ARCHS[:1]
     for arch in archs:
         actor, reference, reward, critic = _models(arch)
+        carry = scenario == "carry"
         if rank == 1:
             failing = type("Failing", (_FailsOnce, StreamingScorer), {})
             cls = failing if scenario == "error" else None
-            served = ScorerStage(_scorers(reference, reward, critic, cls), links[0],
-                                 timeout=timedelta(seconds=60)).serve()
+            scorers = _scorers(reference, reward, critic, cls)
+            if carry:  # frozen scorers only
+                scorers = [sc for sc in scorers if sc.kind != "critic"]
+            served = ScorerStage(scorers, links[0], timeout=timedelta(seconds=60),
+                                 carry=carry).serve()
             out.put(("served", arch, served))
             continue
-        remote = RemoteScorers(links[0], timeout=timedelta(seconds=60))
+        remote = RemoteScorers(links[0], timeout=timedelta(seconds=60), carry=carry)
         scorers = _scorers(reference, reward, critic)
         try:
-            if scenario == "continue":
+            if carry:
+                out.put(("carry", arch, _continue_carried(actor, reference, reward, remote)))
+            elif scenario == "continue":
                 out.put(("continue", arch, _continue_twice(actor, reference, reward,
                                                            critic, remote)))
             elif scenario == "error":
@@ -217,6 +281,26 @@ def test_stage_continues_the_pools_rows_as_inline_scorers_do():
     assert second["running_before"] > 0  # the second rollout continued begun responses
     assert set(first["ended"]).isdisjoint(second["ended"])
     assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
+def test_a_carrying_stage_keeps_the_deferred_rows_between_rollouts():
+    """The trainer's stage (carry=True, reward and reference): rows a rollout left unfinished
+    stay in the stage's caches, the next BEGIN sends only new rows (no prefill on the stage
+    when every row is carried), a row the actor stops decoding is dropped there, and the
+    scores equal fresh inline scoring of every row's whole prefix (1e-5)."""
+    messages = _spawn("carry")
+    (report,) = [m for kind, _, m in messages if kind == "carry"]
+    first, second, third = report
+    for r in report:
+        assert r["same_tokens"] and r["diff"] < 1e-5, r
+        assert all(rows == r["ended"] for rows in r["rows"].values()), r
+    assert first["carried"] == [] and first["stage_begins"] == 2  # reward and reference
+    unfinished = first["held_after"]
+    assert unfinished and second["carried"] == unfinished  # continued without being re-sent
+    assert second["stage_begins"] == 2  # the 2 new prompts only, one add per scorer
+    assert third["carried"] == second["held_after"][1:]  # the first one left the rollout
+    assert third["stage_begins"] == 0  # every row of round 2 was held
+    assert [n for kind, _, n in messages if kind == "served"] == [3]
 
 
 def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():
@@ -374,7 +458,7 @@ def test_layout_from_the_deepspeed_launcher():
     """``deepspeed --num_gpus 3`` on one node: ranks 0-1 act, rank 2 scores. An actor rank
     joins a world of 2 (and the node's process count follows, as DeepSpeed's CPU all-reduce
     compares the two); the scorer process changes nothing."""
-    from oppo_ds.rollout.stage import StageLayout
+    from oppo_ds.rollout.stage_layout import StageLayout
     env = {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "3",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     actor = StageLayout.from_env(env)
@@ -390,7 +474,7 @@ def test_layout_from_the_deepspeed_launcher():
 def test_layout_from_a_bare_srun_task_and_a_model_split():
     """Under ``srun`` without a launcher the variables come from Slurm's (the same rules as
     ``oppo_ds.rendezvous``); with tensor_parallel 2 one rank per replica streams."""
-    from oppo_ds.rollout.stage import StageLayout
+    from oppo_ds.rollout.stage_layout import StageLayout
     env = {"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "5", "SLURM_LOCALID": "0",
            "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "77"}
     layout = StageLayout.from_env(env, tp=2)
@@ -406,6 +490,6 @@ def test_layout_from_a_bare_srun_task_and_a_model_split():
     ({"RANK": "0", "WORLD_SIZE": "4"}, 2, "k x 2 actor ranks plus the scorer rank, got WORLD_SIZE=4"),
 ])
 def test_layout_refuses_a_launch_it_cannot_split(env, tp, words):
-    from oppo_ds.rollout.stage import StageLayout
+    from oppo_ds.rollout.stage_layout import StageLayout
     with pytest.raises(ValueError, match=words):
         StageLayout.from_env(env, tp=tp)

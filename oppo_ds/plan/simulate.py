@@ -403,11 +403,9 @@ class StepSimulator:
             widths = ctx0.astype(float)
             again = (float(widths.sum()), float((widths * (widths + 1) / 2).sum()))
             frozen = [k for k in sched.streamed if k != "critic"]
-            if sched.placement == "stage":  # the scorer rank carries no cache: every row again
-                t += submit(frozen, *again)
-            else:
-                new = int((~g.streamed_by_frozen[running]).sum())
-                t += submit(frozen, lay.prompt_len * new, lay.prompt_len * (lay.prompt_len + 1) / 2 * new)
+            # the frozen scorers (on the scorer rank too) hold the deferred rows: new rows only
+            new = int((~g.streamed_by_frozen[running]).sum())
+            t += submit(frozen, lay.prompt_len * new, lay.prompt_len * (lay.prompt_len + 1) / 2 * new)
             if "critic" in sched.streamed:  # the critic trains: it prefills every running row anew
                 t += submit(["critic"], *again)
         points = {int(x) for x in rem if x < n_stop} | {n_stop}

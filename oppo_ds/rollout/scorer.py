@@ -45,6 +45,8 @@ from ..algo import logprobs_from_logits
 from .generate import position_ids_from_mask
 
 SCORER_KINDS = ("reward", "reference", "critic")
+# the scorers whose models never train: their prefix state outlives an update
+FROZEN_KINDS = ("reward", "reference")
 
 
 class StreamingScorer:

@@ -26,12 +26,17 @@ Wire protocol. Every message is a header, an int64 tensor of ``HEADER_LEN`` entr
 determine (none when a size is 0), all on the wire device (CPU for gloo, the current CUDA
 device for NCCL). Actor -> scorer:
 
-    BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   int64 (2, B, P): prompt ids, mask;
-                  L, partial]                           then, when L > 0, int64 (B, 1 + L):
-                                                        each row's response so far (its length,
-                                                        then L tokens, right-padded): the rows
-                                                        a rollout pool continues. partial = 1:
-                                                        rows may end the rollout unfinished
+    BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   int64 (2, B, P): prompt ids, mask of
+                  L, partial, N]                        the B rows new to the stage; then, when
+                                                        L > 0, int64 (B, 1 + L): each new row's
+                                                        response so far (its length, then L
+                                                        tokens, right-padded): rows a rollout
+                                                        pool continues; then int64 (2, N): the
+                                                        rollout's N rows in decode order, their
+                                                        ids and 1 where the row is new (0: the
+                                                        stage holds it from the last rollout).
+                                                        partial = 1: rows may end the rollout
+                                                        unfinished
     CONSUME      [CONSUME, chunk, A, c]                 int64 (A, 2 + c): rows, lengths, tokens
     FINISH       [FINISH, chunk, n]                     int64 (n,): rows that ended (n > 0)
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
@@ -47,6 +52,15 @@ Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
                                     start_s, end_s), seconds from the scorer's BEGIN receipt
     ERROR    [ERROR, nbytes]        uint8 (nbytes,): the scorer rank's traceback, UTF-8
     ABORTED  [ABORTED]
+
+Carrying rows between rollouts (``carry=True`` on both ends, frozen scorers only: the
+reward and reference models, whose prefix state an update does not change). After a partial
+rollout the stage keeps the rows that did not finish in its scorers' caches, and the next
+BEGIN sends only the rows the stage does not hold; rows it holds that the next rollout does
+not list are dropped. Both ends follow the same rule (the actor's ``RemoteScorers.held`` is
+what the stage holds), and both forget everything after an ABORT or an ERROR. Without
+``carry`` the stage resets after every rollout and every row is new. CONSUME and FINISH name
+rows by their place in the rollout (0..N-1); the stage maps them to its row ids.
 
 A scorer that raises makes the stage send ERROR at once and drop the rest of the rollout's
 messages up to its END_ROLLOUT / ABORT (then it resets its scorers and serves the next
@@ -69,7 +83,6 @@ the share of the scorers' busy time that lay before the actor's last token on th
 from __future__ import annotations
 
 import enum
-import os
 import queue
 import threading
 import time
@@ -82,7 +95,8 @@ import torch
 import torch.distributed as dist
 
 from .generate import SamplingParams, finish, start_decode
-from .scorer import SCORER_KINDS, StreamingScorer
+from .scorer import FROZEN_KINDS, SCORER_KINDS, StreamingScorer
+from .stage_layout import Link
 from .streaming import (ScorerTiming, StreamTiming, TimelineEvent, _assemble, _clock,
                         _decode_in_chunks, _no_wait, _summarize, _Timeline)
 
@@ -128,83 +142,6 @@ def _wait(work, timeout: Optional[timedelta]) -> None:
     work.wait() if timeout is None else work.wait(timeout)
 
 
-@dataclass
-class Link:
-    """The channel between one actor rank and the scorer rank: a process group holding the
-    two (``group``, either a standalone two-rank group, :func:`connect_link`, or a group of
-    torch.distributed's world, :meth:`in_world`) and the other end's rank in it (``peer``).
-    ``actor_rank`` / ``scorer_rank`` are the two processes' ranks in the job (the launcher's
-    RANK), for messages; ``on_scorer`` says which end this process is."""
-    group: object
-    peer: int
-    backend: str
-    actor_rank: int
-    scorer_rank: int
-    on_scorer: bool
-    standalone: bool = False
-
-    @property
-    def rank(self) -> int:
-        return self.scorer_rank if self.on_scorer else self.actor_rank
-
-    def isend(self, t: torch.Tensor):
-        return self.group.send([t], self.peer, 0)
-
-    def irecv(self, t: torch.Tensor):
-        return self.group.recv([t], self.peer, 0)
-
-    def close(self) -> None:
-        """Let go of the group. A standalone one is then destroyed here, its transport threads
-        joined while the interpreter is whole (left to interpreter exit, a gloo thread can
-        outlive Python; see ``oppo_ds.cli.train``), provided nothing else holds it; a world
-        group is left to its owner. (Not ``ProcessGroupGloo.shutdown``: on torch 2.13 the
-        scorer rank then aborted at exit, "terminate called without an active exception",
-        in every run.)"""
-        self.group = None
-
-    @classmethod
-    def in_world(cls, peer: int, group=None) -> "Link":
-        """A link over a group of torch.distributed's world (default: the world itself)
-        holding this rank and ``peer`` (GLOBAL rank); this rank is the actor end when it is
-        the lower of the two."""
-        me = dist.get_rank()
-        ranks = dist.get_process_group_ranks(group) if group is not None else \
-            list(range(dist.get_world_size()))
-        if peer == me or peer not in ranks or me not in ranks:
-            raise ValueError(f"rank {peer} and this rank {me} must be two ranks of the group "
-                             f"(global ranks {list(ranks)})")
-        pg = group if group is not None else dist.group.WORLD
-        low, high = sorted((me, peer))
-        return cls(pg, dist.get_group_rank(pg, peer) if group is not None else peer,
-                   dist.get_backend(group), actor_rank=low, scorer_rank=high,
-                   on_scorer=me == high)
-
-
-# the processes of a stage wait this long for each other: to open a link (the actor ranks
-# open theirs after preparing the workload and loading models' sources) and per message
-# (the scorer rank waits a whole training phase between rollouts)
-LINK_TIMEOUT = timedelta(minutes=30)
-
-
-def connect_link(store, actor_rank: int, scorer_rank: int, on_scorer: bool,
-                 backend: str = "gloo", timeout: timedelta = LINK_TIMEOUT) -> Link:
-    """A standalone two-rank process group of ``actor_rank`` (rank 0 in it) and
-    ``scorer_rank`` (rank 1), rendezvoused through ``store`` under a key of its own; both
-    ends call it. Collective over those two processes only: not in torch.distributed's world
-    (it needs no default group, and no other process takes part)."""
-    prefix = dist.PrefixStore(f"oppo_ds/stage/link/{actor_rank}-{scorer_rank}/", store)
-    me = 1 if on_scorer else 0
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefix, me, 2, options)
-    elif backend == "gloo":
-        group = dist.ProcessGroupGloo(prefix, me, 2, timeout)
-    else:
-        raise ValueError(f"a stage link runs over gloo or nccl, got {backend!r}")
-    return Link(group, 1 - me, backend, actor_rank, scorer_rank, on_scorer, standalone=True)
-
-
 def _encode_events(events: Sequence[TimelineEvent]) -> torch.Tensor:
     rows = []
     for e in events:
@@ -235,10 +172,15 @@ class ScorerStage:
     """
 
     def __init__(self, scorers: Sequence[StreamingScorer], link: Link,
-                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None):
+                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None,
+                 carry: bool = False):
         kinds = [s.kind for s in scorers]
         if not kinds or len(set(kinds)) != len(kinds):
             raise ValueError(f"one scorer per kind, at least one, got {kinds}")
+        if carry and not set(kinds) <= set(FROZEN_KINDS):
+            raise ValueError(f"carry: only frozen scorers ({', '.join(FROZEN_KINDS)}) keep "
+                             f"rows across rollouts (an update changes the others), got {kinds}")
+        self.carry = carry
         if not link.on_scorer:
             raise ValueError(f"rank {link.rank} is the actor end of its link, not the scorer's")
         self.scorers = list(scorers)
@@ -257,6 +199,7 @@ class ScorerStage:
         self._finished: dict[str, dict[int, torch.Tensor]] = {s.kind: {} for s in self.scorers}
         self._replied = self._failed = self._in_rollout = self._partial = False
         self._batch = 0
+        self._row_ids = torch.zeros(0, dtype=torch.long)  # the scorers' id of each row
 
     def serve(self, rollouts: Optional[int] = None) -> int:
         """Serve rollouts until SHUTDOWN, or until ``rollouts`` of them have ended (default: no
@@ -295,7 +238,10 @@ class ScorerStage:
                     self._guard(self._send_results)
                 else:
                     self._send(_header(Op.ABORTED, device=self.wire))
-            self._reset()
+            if self.carry and op == Op.END_ROLLOUT and self._partial and not self._failed:
+                self._start_rollout(0.0)  # the unfinished rows stay for the next rollout
+            else:
+                self._reset()
             return 1
         if op == Op.BEGIN and not self._failed:
             self._start_rollout(self._received)
@@ -313,8 +259,9 @@ class ScorerStage:
         payload = None
         if shape is not None and all(shape):
             payload = self._recv_tensor(shape)
-        if op == Op.BEGIN and head[5] > 0:  # the responses the rows already have
-            payload = (payload, self._recv_tensor((head[1], 1 + head[5])))
+        if op == Op.BEGIN:  # the responses the new rows already have, then the rollout's rows
+            prefix = self._recv_tensor((head[1], 1 + head[5])) if head[5] > 0 else None
+            payload = (payload, prefix, self._recv_tensor((2, head[7])))
         return op, head, payload
 
     def _recv_tensor(self, shape) -> torch.Tensor:
@@ -332,25 +279,39 @@ class ScorerStage:
             self._failed = self._replied = True
 
     def _begin(self, head, payload) -> None:
-        prompts, prefix = payload if head[5] > 0 else (payload, None)
+        prompts, prefix, rows = payload
+        self._row_ids, new = rows[0].cpu(), rows[1].cpu().bool()
+        self._batch, self._partial = self._row_ids.numel(), bool(head[6])
+        listed = set(self._row_ids.tolist())
+        for scorer in self.scorers:
+            held = set(scorer.rows.tolist())
+            missing = listed - held - set(self._row_ids[new].tolist())
+            if missing:
+                raise RuntimeError(f"{scorer.kind}: rows {sorted(missing)} are not held here: the "
+                                   f"actor and the stage disagree on the carried rows")
+            gone = sorted(held - listed)  # rows the actor no longer decodes
+            if gone:
+                scorer.drop(gone)
+        if prompts is None:  # every row is carried
+            return
         ids = prompts[0].to(_DTYPES[head[3]])
         mask = prompts[1].to(_DTYPES[head[4]])
-        self._batch, self._partial = ids.shape[0], bool(head[6])
-        rows = range(self._batch)
         extra = (prefix[:, 1:], prefix[:, 0]) if prefix is not None else ()
+        new_ids = self._row_ids[new].tolist()
         for scorer in self.scorers:
-            self._timeline.run(scorer.kind, "begin", scorer.add, rows, ids, mask, *extra)
+            self._timeline.run(scorer.kind, "begin", scorer.add, new_ids, ids, mask, *extra)
 
     def _apply(self, op, head, payload) -> None:
         run, chunk = self._timeline.run, head[1]
+        ids = self._row_ids.to(self.device)
         if op == Op.CONSUME:
-            rows, lengths, tokens = payload[:, 0], payload[:, 1], payload[:, 2:]
+            rows, lengths, tokens = ids[payload[:, 0]], payload[:, 1], payload[:, 2:]
             for scorer in self.scorers:
                 run(scorer.kind, f"consume {chunk}", scorer.consume, rows, tokens, lengths)
         elif op == Op.FINISH:
             for scorer in self.scorers:
                 self._finished[scorer.kind].update(
-                    run(scorer.kind, f"finish {chunk}", scorer.finish, payload))
+                    run(scorer.kind, f"finish {chunk}", scorer.finish, ids[payload]))
         else:
             raise ValueError(f"unknown op {op} in a rollout (header {head})")
 
@@ -358,11 +319,12 @@ class ScorerStage:
         codes, values = [], []
         for scorer in self.scorers:
             per_row = self._finished[scorer.kind]
-            missing = sorted(set(range(self._batch)) - set(per_row))
+            ids = self._row_ids.tolist()  # the reply names rows by their place in the rollout
+            missing = sorted(i for i, r in enumerate(ids) if r not in per_row)
             if missing and not self._partial:
                 raise KeyError(f"{scorer.kind}: rows {missing} never finished")
-            rows = [per_row[i].float().reshape(-1).to(self.wire) if i in per_row else None
-                    for i in range(self._batch)]
+            rows = [per_row[r].float().reshape(-1).to(self.wire) if r in per_row else None
+                    for r in ids]
             codes.append([SCORER_KINDS.index(scorer.kind)] +
                          [-1 if r is None else r.numel() for r in rows])
             values.extend(r for r in rows if r is not None)
@@ -430,10 +392,15 @@ class RemoteScorers:
     ``begin`` / ``chunk`` send asynchronously (the sent tensors are kept until their sends
     complete) and return at once; ``results`` ends the rollout and waits for the stage's
     reply; ``abort`` ends it without results; ``close`` shuts the stage down. A scorer's
-    failure raises ``RemoteScorerError`` naming the rank, with its traceback.
+    failure raises ``RemoteScorerError`` naming the rank, with its traceback. ``carry`` must
+    match the stage's: ``held`` is then the set of row ids the stage keeps from the last
+    partial rollout (module docstring).
     """
 
-    def __init__(self, link: Link, timeout: Optional[timedelta] = None):
+    def __init__(self, link: Link, timeout: Optional[timedelta] = None, carry: bool = False):
+        self.carry = carry
+        self.held: set[int] = set()
+        self._rollout_rows: list[int] = []
         if link.on_scorer:
             raise ValueError(f"rank {link.rank} is the scorer end of its link, not the actor's")
         self.link, self.scorer_rank, self.timeout = link, link.scorer_rank, timeout
@@ -449,32 +416,43 @@ class RemoteScorers:
 
     def begin(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
               prefix_ids: Optional[torch.Tensor] = None,
-              prefix_lengths: Optional[torch.Tensor] = None, partial: bool = False) -> float:
+              prefix_lengths: Optional[torch.Tensor] = None, partial: bool = False,
+              row_ids: Optional[Sequence[int]] = None) -> float:
         """Send the prompts (and, for rows that continue a response, the response so far:
         ``prefix_ids`` (B, L) right-padded, ``prefix_lengths`` (B,)); ``partial``: rows may
         end the rollout unfinished (a rollout pool's stop rule), their results are left out.
-        Returns ``time.perf_counter()`` at the send (the moment the stage's event times count
-        from)."""
+        ``row_ids`` (B,): the rows' ids (default 0..B-1); with ``carry``, rows the stage holds
+        (``held``) are not sent again. Returns ``time.perf_counter()`` at the send (the moment
+        the stage's event times count from)."""
         if self._open or self._closed:
             raise RuntimeError("begin: a rollout is already open" if self._open
                                else "begin: the scorer stage was shut down")
-        batch, width = prompt_ids.shape
+        batch = prompt_ids.shape[0]
+        row_ids = list(range(batch)) if row_ids is None else [int(r) for r in row_ids]
+        if len(row_ids) != batch or len(set(row_ids)) != batch:
+            raise ValueError(f"row_ids: {batch} distinct ids expected, got {row_ids}")
+        new = torch.tensor([r not in self.held for r in row_ids], dtype=torch.bool)
+        sub = new.nonzero().squeeze(-1).to(prompt_ids.device)
+        prompt_ids, prompt_mask = prompt_ids[sub], prompt_mask[sub]
         codes = _DTYPES.index(prompt_ids.dtype), _DTYPES.index(prompt_mask.dtype)
         payload = torch.stack([prompt_ids.to(self.wire, torch.long),
                                prompt_mask.to(self.wire, torch.long)])
         prefix = None
-        if prefix_ids is not None and prefix_ids.shape[1] > 0:
-            prefix = torch.cat([prefix_lengths.reshape(-1, 1).to(self.wire, torch.long),
-                                prefix_ids.to(self.wire, torch.long)], dim=1)
+        if prefix_ids is not None and prefix_ids.shape[1] > 0 and sub.numel():
+            prefix = torch.cat([prefix_lengths[sub].reshape(-1, 1).to(self.wire, torch.long),
+                                prefix_ids[sub].to(self.wire, torch.long)], dim=1)
+        rows = torch.stack([torch.tensor(row_ids, dtype=torch.long), new.long()]).to(self.wire)
         self._open, self._ended = True, False
+        self._rollout_rows, self._partial = row_ids, partial
         if self._early_reply:
             self._post_reply()
         sent = time.perf_counter()
-        self._isend(_header(Op.BEGIN, batch, width, *codes,
-                            0 if prefix is None else prefix.shape[1] - 1, int(partial),
+        self._isend(_header(Op.BEGIN, *payload.shape[1:], *codes,
+                            0 if prefix is None else prefix.shape[1] - 1, int(partial), batch,
                             device=self.wire), payload)
         if prefix is not None:
             self._isend(prefix)
+        self._isend(rows)
         return sent
 
     def chunk(self, name: str, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
@@ -501,7 +479,11 @@ class RemoteScorers:
         self._end(Op.END_ROLLOUT)
         if self._reply is None:
             self._post_reply()
-        return self._take_reply()
+        finished, events = self._take_reply()
+        if self.carry and self._partial:  # what the stage keeps (see ScorerStage.handle)
+            done = {i for rows in finished.values() for i in rows}
+            self.held = {r for i, r in enumerate(self._rollout_rows) if i not in done}
+        return finished, events
 
     def abort(self) -> None:
         """End an open rollout without results (the stage resets its scorers)."""
@@ -568,6 +550,7 @@ class RemoteScorers:
         """Receive the rollout's one reply; the rollout is closed afterwards either way."""
         work, head, waiter = self._reply
         self._reply = None
+        self.held = set()  # unless the rollout ends well (results), the stage keeps nothing
         try:
             waiter.result(self.timeout) if waiter is not None else _wait(work, self.timeout)
             op, *sizes = head.tolist()
@@ -686,12 +669,13 @@ def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: 
                           generator: Optional[torch.Generator], chunk_size: int, stop=None,
                           replica: Optional[Replica] = None):
     """``stream_continue`` (the rollout pool's streaming rollout) with the scorers on the
-    scorer stage. The stage keeps nothing between rollouts: every running row goes to it with
-    its prompt and the response it has so far, which it prefills (on its own device, while
-    this rank rebuilds its KV cache the same way) before the chunks come; rows still running
-    when ``stop`` ends the rollout are dropped there and sent again next time. So a deferred
-    row's reward and reference prefix is recomputed on the scorer rank each step rather than
-    carried as under ``inline`` / ``colocated`` (same scores within float rounding).
+    scorer stage. A row new to the stage goes to it with its prompt and the response it has so
+    far, which it prefills (on its own device, while this rank rebuilds its KV cache the same
+    way) before the chunks come. Rows still running when ``stop`` ends the rollout: with a
+    carrying stage (``remote.carry``, frozen scorers) they stay in its caches and are not sent
+    again, as the frozen scorers carry them under ``inline`` / ``colocated``; otherwise they
+    are dropped there and sent again next time (their prefix recomputed; the same scores
+    within float rounding). ``row_ids`` name the rows to the stage.
 
     Returns (DecodeState, {kind: {row id: result}} of the rows that finished, StreamTiming),
     as ``stream_continue``; ``replica`` as in ``stage_stream_generate``."""
@@ -702,11 +686,11 @@ def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: 
                        for kind, per_row in finished.items()}
 
     return _on_replica(actor, remote, start_inputs, params, generator, chunk_size, replica,
-                       package=package, stop=stop, partial=True)
+                       package=package, stop=stop, partial=True, row_ids=row_ids.tolist())
 
 
 def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int, replica,
-                package, stop=None, partial: bool = False):
+                package, stop=None, partial: bool = False, row_ids=None):
     """One streamed rollout: on the rank that streams (no ``replica``, or its sender) to the
     stage, on the other ranks of a replica decoded quietly and given the sender's results."""
     if chunk_size < 1:
@@ -718,7 +702,7 @@ def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int,
         try:
             state, finished, timing = _stream_to_stage(
                 actor, remote, inputs, params, generator, chunk_size, stop, partial,
-                hold_errors=replica is not None)
+                hold_errors=replica is not None, row_ids=row_ids)
         except Exception as err:
             if replica is not None:  # the other ranks of the replica wait for the scores
                 _share(replica, f"rank {dist.get_rank()}, which streams for its replica, "
@@ -766,7 +750,7 @@ class _HoldError:
 
 
 def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generator,
-                     chunk_size: int, stop, partial: bool, hold_errors: bool):
+                     chunk_size: int, stop, partial: bool, hold_errors: bool, row_ids=None):
     """The rollout on the rank that streams: (DecodeState, {kind: {row: result}}, timing)."""
     device = inputs["prompt_ids"].device
     events: list[TimelineEvent] = []
@@ -777,7 +761,7 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
         # the stage prefills the prompts (and responses so far) while this rank does too
         begin_s = remote.begin(inputs["prompt_ids"], inputs["prompt_mask"],
                                inputs.get("prefix_ids"), inputs.get("prefix_lengths"),
-                               partial=partial) - start
+                               partial=partial, row_ids=row_ids) - start
         state = timeline.run("actor", "prefill", lambda: start_decode(actor, params=params,
                                                                       **inputs))
         sink = _HoldError(remote) if hold_errors else remote
@@ -800,90 +784,3 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
     timing.scoring_end_s = max(received_s, timing.decode_end_s)
     timing.scoring_tail_s = timing.scoring_end_s - timing.decode_end_s
     return state, finished, timing
-
-
-def replica_senders(actor_ranks: int, tp: int = 1, pp: int = 1) -> list[int]:
-    """The first rank of every model replica of ``actor_ranks`` ranks split tensor x pipeline
-    parallel by megatron-core's default order (``tp-cp-ep-dp-pp``: tensor-parallel ranks
-    consecutive, then data-parallel replicas, then pipeline stages): replica ``d`` is ranks
-    ``{s * tp * dp + d * tp + t}``, its first rank ``d * tp``. Unsplit models: every rank."""
-    if actor_ranks % (tp * pp):
-        raise ValueError(f"{actor_ranks} actor ranks do not hold replicas of tensor_parallel="
-                         f"{tp} x pipeline_parallel={pp}")
-    return [d * tp for d in range(actor_ranks // (tp * pp))]
-
-
-@dataclass
-class StageLayout:
-    """The trainer's processes under the ``stage`` placement: of the ``launched`` processes
-    the launcher started (its RANK / WORLD_SIZE), the last one is the scorer rank and the
-    others, 0..N-1, the actor ranks. The actor ranks form torch.distributed's world by
-    themselves (WORLD_SIZE N: ``actor_env``), so every collective of DeepSpeed (ZeRO-3's and
-    the hybrid engine's included) and of megatron-core runs among them; the scorer rank joins
-    no world. ``senders`` are the actor ranks that stream (one per model replica: the ranks of
-    a tensor/pipeline-parallel replica decode the same tokens, ``replica_senders``); each
-    opens a ``Link`` of its own with the scorer rank (``open_links``)."""
-    rank: int  # this process's rank among the launched ones
-    launched: int
-    senders: list[int]
-
-    @property
-    def scorer_rank(self) -> int:
-        return self.launched - 1
-
-    @property
-    def actor_ranks(self) -> list[int]:
-        return list(range(self.launched - 1))
-
-    @property
-    def is_scorer(self) -> bool:
-        return self.rank == self.scorer_rank
-
-    @classmethod
-    def from_env(cls, env: dict, tp: int = 1, pp: int = 1) -> "StageLayout":
-        """From the launcher's variables (RANK and WORLD_SIZE; a bare ``srun`` task's are
-        derived from Slurm's first, ``oppo_ds.rendezvous``). ``tp`` x ``pp``: the model split
-        of the actor ranks (Megatron). Raises ValueError for a launch it cannot split."""
-        from ..rendezvous import slurm_rendezvous
-
-        env = {**env, **(slurm_rendezvous(env) or {})}
-        launched = int(env.get("WORLD_SIZE", "1"))
-        if launched < 2:
-            raise ValueError(f"the stage placement needs a rank of its own for the scorers "
-                             f"besides the actor ranks: launch N + 1 ranks (deepspeed "
-                             f"--num_gpus N+1 --module oppo_ds.train ...), got WORLD_SIZE={launched}")
-        if (launched - 1) % (tp * pp):
-            raise ValueError(f"with tensor_parallel x pipeline_parallel = {tp * pp} the stage "
-                             f"placement needs k x {tp * pp} actor ranks plus the scorer rank, "
-                             f"got WORLD_SIZE={launched}")
-        return cls(int(env.get("RANK", "0")), launched, replica_senders(launched - 1, tp, pp))
-
-    def env_updates(self, env: dict) -> dict:
-        """The rendezvous variables this process must set before anything else: a bare
-        ``srun`` task's, derived from Slurm's; on an actor rank WORLD_SIZE the actor ranks
-        only, so that it joins torch.distributed's world of those (and the per-node count
-        too, when every process is on one node: DeepSpeed's CPU shared-memory all-reduce
-        compares it with the world size)."""
-        from ..rendezvous import slurm_rendezvous
-
-        out = dict(slurm_rendezvous(env) or {})
-        if not self.is_scorer:
-            actors = str(self.launched - 1)
-            out["WORLD_SIZE"] = actors
-            for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
-                if env.get(key) == str(self.launched):
-                    out[key] = actors
-        return out
-
-    def open_links(self, backend: str, timeout: timedelta = LINK_TIMEOUT) -> dict[int, Link]:
-        """This process's links, by actor rank: on the scorer rank one per sender, on a
-        sender its own, on the other actor ranks none. Rendezvous through the launcher's
-        store (MASTER_ADDR / MASTER_PORT, hosted by actor rank 0's process group, which must
-        exist by then); each link's open waits for both of its ends."""
-        mine = self.senders if self.is_scorer else [a for a in self.senders if a == self.rank]
-        if not mine:
-            return {}
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
-        return {a: connect_link(store, a, self.scorer_rank, self.is_scorer, backend, timeout)
-                for a in mine}

@@ -1,0 +1,178 @@
+"""Which process is which under the ``stage`` placement and how the two ends of each link
+find each other: ``StageLayout`` (the launcher's ranks split into actor ranks and the scorer
+rank), ``replica_senders`` (one streaming rank per model replica) and ``Link`` /
+``connect_link`` (a standalone two-rank process group per streaming actor rank). The
+messages that travel over a link are ``stage.py``'s.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Link:
+    """The channel between one actor rank and the scorer rank: a process group holding the
+    two (``group``, either a standalone two-rank group, :func:`connect_link`, or a group of
+    torch.distributed's world, :meth:`in_world`) and the other end's rank in it (``peer``).
+    ``actor_rank`` / ``scorer_rank`` are the two processes' ranks in the job (the launcher's
+    RANK), for messages; ``on_scorer`` says which end this process is."""
+    group: object
+    peer: int
+    backend: str
+    actor_rank: int
+    scorer_rank: int
+    on_scorer: bool
+    standalone: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.scorer_rank if self.on_scorer else self.actor_rank
+
+    def isend(self, t: torch.Tensor):
+        return self.group.send([t], self.peer, 0)
+
+    def irecv(self, t: torch.Tensor):
+        return self.group.recv([t], self.peer, 0)
+
+    def close(self) -> None:
+        """Let go of the group. A standalone one is then destroyed here, its transport threads
+        joined while the interpreter is whole (left to interpreter exit, a gloo thread can
+        outlive Python; see ``oppo_ds.cli.train``), provided nothing else holds it; a world
+        group is left to its owner. (Not ``ProcessGroupGloo.shutdown``: on torch 2.13 the
+        scorer rank then aborted at exit, "terminate called without an active exception",
+        in every run.)"""
+        self.group = None
+
+    @classmethod
+    def in_world(cls, peer: int, group=None) -> "Link":
+        """A link over a group of torch.distributed's world (default: the world itself)
+        holding this rank and ``peer`` (GLOBAL rank); this rank is the actor end when it is
+        the lower of the two."""
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else \
+            list(range(dist.get_world_size()))
+        if peer == me or peer not in ranks or me not in ranks:
+            raise ValueError(f"rank {peer} and this rank {me} must be two ranks of the group "
+                             f"(global ranks {list(ranks)})")
+        pg = group if group is not None else dist.group.WORLD
+        low, high = sorted((me, peer))
+        return cls(pg, dist.get_group_rank(pg, peer) if group is not None else peer,
+                   dist.get_backend(group), actor_rank=low, scorer_rank=high,
+                   on_scorer=me == high)
+
+
+# the processes of a stage wait this long for each other: to open a link (the actor ranks
+# open theirs after preparing the workload and loading models' sources) and per message
+# (the scorer rank waits a whole training phase between rollouts)
+LINK_TIMEOUT = timedelta(minutes=30)
+
+
+def connect_link(store, actor_rank: int, scorer_rank: int, on_scorer: bool,
+                 backend: str = "gloo", timeout: timedelta = LINK_TIMEOUT) -> Link:
+    """A standalone two-rank process group of ``actor_rank`` (rank 0 in it) and
+    ``scorer_rank`` (rank 1), rendezvoused through ``store`` under a key of its own; both
+    ends call it. Collective over those two processes only: not in torch.distributed's world
+    (it needs no default group, and no other process takes part)."""
+    prefix = dist.PrefixStore(f"oppo_ds/stage/link/{actor_rank}-{scorer_rank}/", store)
+    me = 1 if on_scorer else 0
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefix, me, 2, options)
+    elif backend == "gloo":
+        group = dist.ProcessGroupGloo(prefix, me, 2, timeout)
+    else:
+        raise ValueError(f"a stage link runs over gloo or nccl, got {backend!r}")
+    return Link(group, 1 - me, backend, actor_rank, scorer_rank, on_scorer, standalone=True)
+
+
+def replica_senders(actor_ranks: int, tp: int = 1, pp: int = 1) -> list[int]:
+    """The first rank of every model replica of ``actor_ranks`` ranks split tensor x pipeline
+    parallel by megatron-core's default order (``tp-cp-ep-dp-pp``: tensor-parallel ranks
+    consecutive, then data-parallel replicas, then pipeline stages): replica ``d`` is ranks
+    ``{s * tp * dp + d * tp + t}``, its first rank ``d * tp``. Unsplit models: every rank."""
+    if actor_ranks % (tp * pp):
+        raise ValueError(f"{actor_ranks} actor ranks do not hold replicas of tensor_parallel="
+                         f"{tp} x pipeline_parallel={pp}")
+    return [d * tp for d in range(actor_ranks // (tp * pp))]
+
+
+@dataclass
+class StageLayout:
+    """The trainer's processes under the ``stage`` placement: of the ``launched`` processes
+    the launcher started (its RANK / WORLD_SIZE), the last one is the scorer rank and the
+    others, 0..N-1, the actor ranks. The actor ranks form torch.distributed's world by
+    themselves (WORLD_SIZE N: ``actor_env``), so every collective of DeepSpeed (ZeRO-3's and
+    the hybrid engine's included) and of megatron-core runs among them; the scorer rank joins
+    no world. ``senders`` are the actor ranks that stream (one per model replica: the ranks of
+    a tensor/pipeline-parallel replica decode the same tokens, ``replica_senders``); each
+    opens a ``Link`` of its own with the scorer rank (``open_links``)."""
+    rank: int  # this process's rank among the launched ones
+    launched: int
+    senders: list[int]
+
+    @property
+    def scorer_rank(self) -> int:
+        return self.launched - 1
+
+    @property
+    def actor_ranks(self) -> list[int]:
+        return list(range(self.launched - 1))
+
+    @property
+    def is_scorer(self) -> bool:
+        return self.rank == self.scorer_rank
+
+    @classmethod
+    def from_env(cls, env: dict, tp: int = 1, pp: int = 1) -> "StageLayout":
+        """From the launcher's variables (RANK and WORLD_SIZE; a bare ``srun`` task's are
+        derived from Slurm's first, ``oppo_ds.rendezvous``). ``tp`` x ``pp``: the model split
+        of the actor ranks (Megatron). Raises ValueError for a launch it cannot split."""
+        from ..rendezvous import slurm_rendezvous
+
+        env = {**env, **(slurm_rendezvous(env) or {})}
+        launched = int(env.get("WORLD_SIZE", "1"))
+        if launched < 2:
+            raise ValueError(f"the stage placement needs a rank of its own for the scorers "
+                             f"besides the actor ranks: launch N + 1 ranks (deepspeed "
+                             f"--num_gpus N+1 --module oppo_ds.train ...), got WORLD_SIZE={launched}")
+        if (launched - 1) % (tp * pp):
+            raise ValueError(f"with tensor_parallel x pipeline_parallel = {tp * pp} the stage "
+                             f"placement needs k x {tp * pp} actor ranks plus the scorer rank, "
+                             f"got WORLD_SIZE={launched}")
+        return cls(int(env.get("RANK", "0")), launched, replica_senders(launched - 1, tp, pp))
+
+    def env_updates(self, env: dict) -> dict:
+        """The rendezvous variables this process must set before anything else: a bare
+        ``srun`` task's, derived from Slurm's; on an actor rank WORLD_SIZE the actor ranks
+        only, so that it joins torch.distributed's world of those (and the per-node count
+        too, when every process is on one node: DeepSpeed's CPU shared-memory all-reduce
+        compares it with the world size)."""
+        from ..rendezvous import slurm_rendezvous
+
+        out = dict(slurm_rendezvous(env) or {})
+        if not self.is_scorer:
+            actors = str(self.launched - 1)
+            out["WORLD_SIZE"] = actors
+            for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+                if env.get(key) == str(self.launched):
+                    out[key] = actors
+        return out
+
+    def open_links(self, backend: str, timeout: timedelta = LINK_TIMEOUT) -> dict[int, Link]:
+        """This process's links, by actor rank: on the scorer rank one per sender, on a
+        sender its own, on the other actor ranks none. Rendezvous through the launcher's
+        store (MASTER_ADDR / MASTER_PORT, hosted by actor rank 0's process group, which must
+        exist by then); each link's open waits for both of its ends."""
+        mine = self.senders if self.is_scorer else [a for a in self.senders if a == self.rank]
+        if not mine:
+            return {}
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        return {a: connect_link(store, a, self.scorer_rank, self.is_scorer, backend, timeout)
+                for a in mine}
