@@ -101,13 +101,30 @@ class _StopAt:
         return state is None or state.done or len(state.finish_order) >= self.need
 
 
+def _against_fresh_inline(actor, scorers, inputs, uids, params, round_, state, got) -> dict:
+    """The same pool rollout inline, with ``scorers`` prefilling every row's prompt and
+    response so far afresh: whether the tokens agree, which rows ended, and the largest
+    difference of the stage's results (``got``) to the inline ones."""
+    from oppo_ds.rollout.streaming import stream_continue
+    extra = (inputs["prefix_ids"], inputs["prefix_lengths"]) if "prefix_ids" in inputs else ()
+    setup = [(sc.kind, "add", sc.add, (uids.tolist(), inputs["prompt_ids"],
+                                        inputs["prompt_mask"], *extra)) for sc in scorers]
+    ref_state, want, _ = stream_continue(actor, scorers, setup, inputs, uids, params,
+                                         torch.Generator().manual_seed(SEED + round_), 3,
+                                         stop=_StopAt(2))
+    return {"same_tokens": torch.equal(state.tokens, ref_state.tokens) and
+            torch.equal(state.lengths, ref_state.lengths),
+            "ended": sorted(int(uids[r]) for r in state.finish_order),
+            "rows": {k: sorted(v) for k, v in got.items()},
+            "diff": max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k])}
+
+
 def _continue_twice(actor, reference, reward, critic, remote):
     """Two pool rollouts through the stage (the second continues the rows the first left
     unfinished, from their responses so far) against ``stream_continue`` inline with scorers
     that prefill every row the same way: tokens identical, results of the rows that finished
     within ATOL, none for rows still running."""
     from oppo_ds.rollout.stage import stage_stream_continue
-    from oppo_ds.rollout.streaming import stream_continue
     ids, mask = _prompts()
     params = _params()
     uids = torch.arange(100, 100 + ids.shape[0])
@@ -118,20 +135,10 @@ def _continue_twice(actor, reference, reward, critic, remote):
                                               torch.Generator().manual_seed(SEED + round_), 3,
                                               stop=_StopAt(2))
         scorers = _scorers(reference, reward, critic)
-        extra = (inputs["prefix_ids"], inputs["prefix_lengths"]) if "prefix_ids" in inputs else ()
-        setup = [(sc.kind, "add", sc.add, (uids.tolist(), inputs["prompt_ids"],
-                                            inputs["prompt_mask"], *extra)) for sc in scorers]
-        ref_state, want, _ = stream_continue(actor, scorers, setup, inputs, uids, params,
-                                             torch.Generator().manual_seed(SEED + round_), 3,
-                                             stop=_StopAt(2))
-        ended = sorted(int(uids[r]) for r in state.finish_order)
-        report.append({
-            "same_tokens": torch.equal(state.tokens, ref_state.tokens) and
-            torch.equal(state.lengths, ref_state.lengths),
-            "ended": ended, "kinds": sorted(got),
-            "rows": {k: sorted(v) for k, v in got.items()},
-            "diff": max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k]),
-            "running_before": int((inputs.get("prefix_lengths", torch.zeros(0)) > 0).sum())})
+        report.append({**_against_fresh_inline(actor, scorers, inputs, uids, params, round_,
+                                               state, got),
+                       "kinds": sorted(got),
+                       "running_before": int((inputs.get("prefix_lengths", torch.zeros(0)) > 0).sum())})
         # the next round continues the rows still running, from their responses so far
         keep = [i for i in range(len(uids)) if not bool(state.finished[i])]
         lengths = state.lengths[keep]
@@ -152,7 +159,7 @@ def _continue_carried(actor, reference, reward, remote):
     chunk, a fresh one in one forward: float summation order)."""
     from oppo_ds.rollout.generate import finish
     from oppo_ds.rollout.stage import stage_stream_continue
-    from oppo_ds.rollout.streaming import StreamingScorer, stream_continue
+    from oppo_ds.rollout.streaming import StreamingScorer
     all_ids, all_mask = _prompts(PROMPT_LENS + [4, 5])
     first = len(PROMPT_LENS)
     params = _params()
@@ -179,18 +186,8 @@ def _continue_carried(actor, reference, reward, remote):
                                                    torch.Generator().manual_seed(SEED + round_), 3,
                                                    stop=_StopAt(2))
         scorers = [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference")]
-        extra = (inputs["prefix_ids"], inputs["prefix_lengths"]) if width else ()
-        setup = [(sc.kind, "add", sc.add, (uids.tolist(), inputs["prompt_ids"],
-                                            inputs["prompt_mask"], *extra)) for sc in scorers]
-        ref_state, want, _ = stream_continue(actor, scorers, setup, inputs, uids, params,
-                                             torch.Generator().manual_seed(SEED + round_), 3,
-                                             stop=_StopAt(2))
-        ended = sorted(int(uids[r]) for r in state.finish_order)
         report.append({
-            "same_tokens": torch.equal(state.tokens, ref_state.tokens) and
-            torch.equal(state.lengths, ref_state.lengths),
-            "ended": ended, "rows": {k: sorted(v) for k, v in got.items()},
-            "diff": max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k]),
+            **_against_fresh_inline(actor, scorers, inputs, uids, params, round_, state, got),
             "carried": sorted(held_before & set(uids.tolist())),
             "held_after": sorted(remote.held),
             "stage_begins": sum(e.name == "begin" for e in timing.events)})
