@@ -58,16 +58,15 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
                   generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their policy log-probs. logits: (N, V) -> (N,), (N,)."""
-    logits = logits.float()
+    scaled = _policy_logits(logits, params)
     if params.greedy:
-        tokens = logits.argmax(-1)
-        return tokens, _token_logprobs(logits, tokens, params)
-    scaled = logits / params.temperature
+        tokens = scaled.argmax(-1)
+        return tokens, _token_logprobs(scaled, tokens)
     probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
     # multinomial draws on the generator's device; sample there and move back
     tokens = torch.multinomial(probs.to(generator.device) if generator is not None else probs,
                                1, generator=generator).squeeze(-1).to(logits.device)
-    return tokens, _token_logprobs(logits, tokens, params)
+    return tokens, _token_logprobs(scaled, tokens)
 
 
 @dataclass
@@ -169,14 +168,16 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     )
 
 
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                    params: SamplingParams) -> torch.Tensor:
-    """Log-probs of ``tokens`` (...,) under ``logits`` (..., V) as ``sample_tokens`` computes
-    them: temperature-scaled, before top-k / top-p; the raw distribution when greedy."""
+def _policy_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The policy's logits in fp32: temperature-scaled, the raw ones when greedy (before
+    top-k / top-p, which shape only what is sampled)."""
     logits = logits.float()
-    if not params.greedy:
-        logits = logits / params.temperature
-    return logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+    return logits if params.greedy else logits / params.temperature
+
+
+def _token_logprobs(policy_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probs of ``tokens`` (...,) under ``_policy_logits`` (..., V)."""
+    return policy_logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def _prefix_logprobs(logits: torch.Tensor, prefix: torch.Tensor, lengths: torch.Tensor,
@@ -190,7 +191,7 @@ def _prefix_logprobs(logits: torch.Tensor, prefix: torch.Tensor, lengths: torch.
     steps = torch.arange(prefix.shape[1], device=prefix.device)
     at = (context - lengths[:, None] - 1 + steps[None, :]).clamp(min=0, max=context - 1)
     rows = torch.arange(prefix.shape[0], device=prefix.device)[:, None]
-    out = _token_logprobs(logits[rows, at], prefix, params)
+    out = _token_logprobs(_policy_logits(logits[rows, at], params), prefix)
     return torch.where(steps[None, :] < lengths[:, None], out, 0.0)
 
 
