@@ -38,7 +38,7 @@ setup(
         "peer": ["trl==1.12.0"],
         "plot": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:main",
+    entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:entry",
                                     "oppo-bench = oppo_ds.cli.bench:main",
                                     "oppo-plan = oppo_ds.cli.plan:main"]},
 )

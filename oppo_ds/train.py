@@ -1,7 +1,5 @@
 """``python -m oppo_ds.train`` and ``deepspeed --module oppo_ds.train``: see oppo_ds.cli.train."""
-import sys
-
-from .cli.train import main
+from .cli.train import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

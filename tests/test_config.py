@@ -326,6 +326,24 @@ def test_cli_main_returns_2(capsys):
     assert err.startswith("oppo-train: error: --config: no such file") and err.count("\n") == 1
 
 
+def test_exit_process_runs_atexit_and_flushes_before_it_exits():
+    """oppo-train ends through exit_process (no interpreter finalization, see its docstring):
+    what a run left in stdout's buffer and the atexit handlers (TensorBoard's, logging's) must
+    still come out, and the code must be main's."""
+    code = ("import atexit, logging, sys\n"
+            "from oppo_ds.cli.train import exit_process\n"
+            "atexit.register(lambda: print('atexit ran'))\n"
+            "logging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+            "logging.getLogger('x').warning('logged')\n"
+            "print('buffered', end='')\n"
+            "exit_process(3)\n"
+            "print('never')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "bufferedatexit ran\n"
+    assert proc.stderr == "logged\n"
+
+
 def test_cli_print_config_round_trips(tmp_path, capsys):
     overrides = ["ppo.kl_coef=0.125", "system.zero_stage=2", "model.reference=null",
                  "ppo.actor_lr=1e-6", "steps=3"]

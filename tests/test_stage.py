@@ -13,7 +13,6 @@ stage must serve the next rollout, and both processes must exit (timeouts everyw
 """
 from __future__ import annotations
 
-import traceback
 from datetime import timedelta
 
 import pytest

@@ -221,7 +221,7 @@ class MegatronTrainEngine(TrainEngine):
 
 def check_megatron_config(cfg: Config) -> None:
     """``ConfigError`` for settings this backend does not have (yet)."""
-    s, o = cfg.system, cfg.oppo
+    s = cfg.system
     if s.zero_stage != 0 or s.offload or s.hybrid_engine or s.partition_reference:
         raise ConfigError("system.backend", "megatron shards models by tensor_parallel and "
                           "pipeline_parallel; zero_stage, offload, hybrid_engine and "
