@@ -104,6 +104,22 @@ def _gloo_guarded(target, rank, world, port, out, group_timeout_s, *args):
     except BaseException:
         out.put(("crash", rank, traceback.format_exc()))
         raise
+    _exit_without_finalizing(out)
+
+
+def _exit_without_finalizing(out) -> None:
+    """End a worker that finished: what it put on ``out`` is flushed to the pipe, then the
+    process exits 0 without finalizing Python, as ``oppo-train`` does (``exit_process``): a
+    group megatron-core or DeepSpeed still holds can otherwise abort the finished process
+    (SIGABRT, "terminate called without an active exception")."""
+    import os
+    import sys
+
+    out.close()
+    out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_stage(target, actors: int, *args, join_s: float, tp: int = 1,
@@ -145,6 +161,7 @@ def _stage_guarded(target, rank, actors, tp, port, out, link_timeout_s, *args):
     except BaseException:
         out.put(("crash", rank, traceback.format_exc()))
         raise
+    _exit_without_finalizing(out)
 
 
 def spawn_and_collect(target, args_of_rank, world: int, join_s: float) -> list:
