@@ -39,11 +39,14 @@ test: $(STAMP)
 # 6 minutes on 2 CPU cores once the workload is prepared): bench/results.json, results.md,
 # plots.png (reward and gold against samples and time, step time by phase) and
 # plots-timeline.png (one step per mode, lanes as in the paper's Figure 1).
+# BENCH_REPEAT=3 runs every mode 3 times round-robin and reports medians over the rounds
+# (single runs on a shared machine vary by 20-50%; docs/benchmarks.md).
 BENCH_STEPS ?= 100
+BENCH_REPEAT ?= 1
 bench: $(STAMP)
 	$(PY) -m oppo_ds.cli.bench --modes sequential,intra,inter,oppo --peers trl \
-		--steps $(BENCH_STEPS) --json bench/results.json --table bench/results.md \
-		--plot bench/plots.png
+		--steps $(BENCH_STEPS) --repeat $(BENCH_REPEAT) --json bench/results.json \
+		--table bench/results.md --plot bench/plots.png
 
 clean-cache:
 	rm -rf .cache/oppo-builtin
