@@ -279,6 +279,35 @@ def test_forward_no_grad_and_generation_under_zero3(hybrid):
     engine.train_step([batch], lm_loss)  # training still works after decoding
 
 
+def _uneven_decode_rank(rank, world, out, hybrid):
+    # persistence threshold and reuse distance 0: as for a big model, ZeRO-3's hooks would
+    # release every layer after its forward and all-gather it again on the next
+    engine = make_engine("qwen2", zero_stage=3, hybrid_engine=hybrid, ds_config_overrides={
+        "zero_optimization": {"stage3_param_persistence_threshold": 0,
+                              "stage3_max_reuse_distance": 0}})
+    batch = fixed_batch()
+    with engine.generation_context() as module:
+        for _ in range(1 + 4 * rank):  # rank 1 decodes five times as many steps
+            logits = module(input_ids=batch["input_ids"][:, :6]).logits
+    loss = engine.train_step([batch], lm_loss)[0]["loss"]  # the hooks are back for training
+    out.put(("ok", rank, float(logits.sum()), float(loss)))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_generation_context_under_zero3_lets_ranks_decode_different_numbers_of_steps(hybrid):
+    """oppo-train's pool stops decoding on a rank whose rows all ended while the others go
+    on: inside ``generation_context`` a ZeRO-3 module's forwards must not be collective. Two
+    gloo ranks make 1 and 5 forwards, then train together; the first forward's logits agree
+    (same weights on both ranks) and both losses are finite."""
+    from _builders import spawn_gloo
+
+    messages = spawn_gloo(_uneven_decode_rank, 2, hybrid, join_s=240, group_timeout_s=60)
+    ok = sorted(m for m in messages if m[0] == "ok")
+    assert [m[1] for m in ok] == [0, 1]
+    assert ok[0][2] == pytest.approx(ok[1][2], rel=1e-5)
+    assert all(torch.isfinite(torch.tensor(m[3])) for m in ok)
+
+
 # --- hybrid engine on CPU ---------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])

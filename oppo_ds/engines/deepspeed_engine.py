@@ -232,6 +232,54 @@ def _build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int,
 # Engine
 # --------------------------------------------------------------------------------------
 
+def _zero3_offload(engine):
+    """The object that owns a ZeRO-3 engine's module hooks: the engine's optimizer for a
+    frozen (inference-only) engine, its ``parameter_offload`` for a trained one."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    optimizer = engine.optimizer
+    return optimizer if isinstance(optimizer, DeepSpeedZeRoOffload) else optimizer.parameter_offload
+
+
+@contextlib.contextmanager
+def gathered_without_hooks(engines) -> Iterator[None]:
+    """Every parameter of the ZeRO-3 ``engines`` whole on every rank until the context ends,
+    and their modules' forwards inside it free of collectives. Collective on entry and exit
+    (every rank enters it once).
+
+    ``GatheredParameters`` alone gathers the weights once, but ZeRO-3's module hooks still
+    run on every forward: a submodule's post-forward hook re-partitions its parameters (unless
+    the recorded trace says they are reused soon), the next forward all-gathers them again,
+    and the root's pre-forward hook compares the recorded module order across ranks until the
+    trace is complete. All of these are collectives, which hang or mismatch when ranks make
+    different numbers of forwards (each rank's rollout ends at its own token and streams its
+    own rows). So the hooks are taken off for the context and put back after it (the trace
+    is then re-recorded, as after any change of hooks). Costs a full copy of each model's
+    weights per rank, as the hybrid engine's gathered generation. No autograd inside."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    engines = list(engines)
+    if not engines:
+        yield
+        return
+    params = [p for e in engines for p in e.module.parameters()]
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        offloads = [_zero3_offload(e) for e in engines]
+        for offload in offloads:
+            offload._remove_module_hooks()
+            offload.forward_hooks.clear()
+            offload.backward_hooks.clear()
+            # setup_zero_stage3_hooks pushes the root again: keep the stack at one entry each
+            stack = parameter_offload.FWD_MODULE_STACK
+            if offload.module in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(offload.module)]
+        try:
+            yield
+        finally:
+            for offload in offloads:
+                offload.setup_zero_stage3_hooks()
+
+
 class DeepSpeedTrainEngine(TrainEngine):
     """A model trained with DeepSpeed (``deepspeed.initialize`` with a built config).
 
@@ -411,16 +459,21 @@ class DeepSpeedTrainEngine(TrainEngine):
             self.module.train(was_training)
 
     def _gathered_for_generation(self) -> contextlib.AbstractContextManager:
-        """Under ZeRO-3, gather every parameter once for the whole decode.
-
-        Without it each decode step would all-gather each layer again (the ZeRO-3 hooks);
-        with it the forward runs on full local weights and issues no collective, so ranks
-        may decode different numbers of steps. Costs one full copy of the weights per rank,
-        as the hybrid engine's ``pin_parameters`` does.
+        """Under ZeRO-3, every parameter gathered once for the whole decode, and the module
+        run without ZeRO-3's hooks (``gathered_without_hooks``), so that the forwards issue no
+        collective and ranks may decode different numbers of steps (a rank whose rows all
+        ended stops while the others go on). Gathering alone is not enough: the hooks would
+        release and all-gather layers again on later forwards unless the trace keeps them,
+        which it does for tiny models only. Costs one full copy of the weights per rank, as
+        the hybrid engine's ``pin_parameters`` does. With the hybrid engine's inference
+        kernels (GPU), its own containers run the decode: only the gather is ours.
         """
         if self.zero_stage != 3:
             return contextlib.nullcontext()
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+        if self.hybrid_engine_path == HYBRID_KERNELS:
+            return deepspeed.zero.GatheredParameters(list(self.module.parameters()),
+                                                     modifier_rank=None)
+        return gathered_without_hooks([self._engine])
 
     def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
         self._engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {})
