@@ -46,6 +46,7 @@ the mask (GPT-2) would score left-padded prompts differently from DeepSpeed-Chat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from types import SimpleNamespace
@@ -240,14 +241,7 @@ class OppoExperience:
             raise ValueError("the tokenizer has no pad token (DeepSpeed-Chat's load_hf_tokenizer "
                              "sets one)")
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if world > 1 and any(_zero_stage(m) == 3 for m in (actor, ref, critic, reward)):
-            # every forward of a ZeRO-3 model is a collective, but each rank's pool ends its
-            # decoding at its own token: the ranks' gathers would no longer pair up
-            raise NotImplementedError(
-                "--enable_oppo with ZeRO stage 3 on more than one rank is not supported yet "
-                "(use --actor_zero_stage/--critic_zero_stage <= 2, or oppo-train, whose "
-                "rollout keeps ZeRO-3 ranks in lock-step)")
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if chunk_size != "auto" and int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1 or auto, got {chunk_size}")
         unknown = set(stream_to) - {"reference", "critic"}
@@ -367,13 +361,15 @@ class OppoExperience:
         before = sum(len(e.tokens) for e in running)
         timing = None
         t0 = time.perf_counter()
-        if running and not stop(None):
-            inputs = pool.decode_inputs(running, self.pad_id, self.device)
-            state, results, timing = self._stream(running, inputs, chunk, stop)
-            pool.absorb(running, state, version=self.calls, step=self.calls)
-            for entry in running:
-                entry.results.update({kind: per_row[entry.uid] for kind, per_row in results.items()
-                                      if entry.uid in per_row})
+        with self._gathered():  # every rank enters, whether or not it has rows to decode
+            if running and not stop(None):
+                inputs = pool.decode_inputs(running, self.pad_id, self.device)
+                state, results, timing = self._stream(running, inputs, chunk, stop)
+                pool.absorb(running, state, version=self.calls, step=self.calls)
+                for entry in running:
+                    entry.results.update({kind: per_row[entry.uid]
+                                          for kind, per_row in results.items()
+                                          if entry.uid in per_row})
         seconds = time.perf_counter() - t0
         produced = sum(len(e.tokens) for e in running) - before
         taken = pool.take()
@@ -387,6 +383,33 @@ class OppoExperience:
                       "deferred": len(pool), "decoded_tokens": produced, "rollout_s": seconds,
                       "scoring_hidden_frac": timing.scoring_hidden_frac if timing else 0.0}
         return taken, {e.uid: e.results for e in taken}
+
+    def _gathered(self):
+        """The rollout's ZeRO-3 models whole on every rank for the whole call, their forwards
+        free of collectives (``gathered_without_hooks``; every rank enters it). Without it
+        each forward of a ZeRO-3 model is collective (its layers are all-gathered), while the
+        ranks' pools make different numbers of forwards (each stops decoding at its own token
+        and streams only its own running rows): the collectives would not pair up. Costs a
+        full copy of each gathered model's weights per rank during the rollout, as the
+        actor's under DeepSpeed-Chat's hybrid engine and oppo-train's ZeRO-3 rollout."""
+        models = [self.actor, self.reward] + [m for kind, m in (("reference", self.ref),
+                                                                ("critic", self.critic))
+                                              if kind in self.stream_to]
+        zero3 = list({id(m): m for m in models if _zero_stage(m) == 3}.values())
+        if not zero3:
+            return contextlib.nullcontext()
+        from ..engines.deepspeed_engine import gathered_without_hooks
+
+        return gathered_without_hooks(zero3)
+
+    def _on_every_rank(self, engine, needed: bool) -> bool:
+        """Whether any rank needs a forward of ``engine``: under ZeRO-3 with several ranks a
+        forward is collective, so every rank runs it when one does."""
+        if self.world == 1 or _zero_stage(engine) != 3:
+            return needed
+        flag = torch.tensor([int(needed)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _stream(self, running: list[PoolEntry], inputs: dict, chunk: int, stop: BatchStop):
         frozen = ["reward"] + [k for k in self.stream_to if k == "reference"]
@@ -442,7 +465,8 @@ class OppoExperience:
         for kind, (key, dtype) in kinds.items():
             rows = [r.get(kind) for r in streamed] if streamed is not None else [None] * len(seq)
             whole = None
-            if any(r is None for r in rows):
+            engine = {"reference": self.ref, "critic": self.critic, "reward": self.reward}[kind]
+            if self._on_every_rank(engine, any(r is None for r in rows)):
                 whole = self._score_whole(kind, seq, attention_mask, width)
             if kind == "reward":
                 value = torch.stack([(whole[i] if r is None else r).to(device=seq.device,
