@@ -36,7 +36,10 @@ Dtypes are the models' (fp32 log-probs with ``--compute_fp32_loss``). What diffe
     dropout-free ones (DeepSpeed-Chat computes them after ``trainer.train()``);
   * under overcommitment a call returns ``need = pool - Delta`` sequences: B in steady state,
     B - Delta on the first call, and prompts of several calls mixed; the last Delta
-    prompts of a run stay unfinished.
+    prompts of a run stay unfinished;
+  * ZeRO-3 models decode and stream gathered whole on every rank, without ZeRO-3's hooks,
+    for the length of the rollout (each rank's pool makes its own number of forwards, which
+    per-layer all-gathers could not follow): a full copy of each per rank meanwhile.
 Positions: the scorers feed explicit position ids counted over real tokens, which is what
 OPT computes from the attention mask and, for rotary models (Llama, Qwen2), gives the same
 attention as DeepSpeed-Chat's column positions up to float rounding (rotary attention
