@@ -242,7 +242,7 @@ def _zero3_offload(engine):
 
 
 @contextlib.contextmanager
-def gathered_without_hooks(engines) -> Iterator[None]:
+def gathered_without_hooks(engines: list) -> Iterator[None]:
     """Every parameter of the ZeRO-3 ``engines`` whole on every rank until the context ends,
     and their modules' forwards inside it free of collectives. Collective on entry and exit
     (every rank enters it once).
@@ -258,10 +258,6 @@ def gathered_without_hooks(engines) -> Iterator[None]:
     weights per rank, as the hybrid engine's gathered generation. No autograd inside."""
     from deepspeed.runtime.zero import parameter_offload
 
-    engines = list(engines)
-    if not engines:
-        yield
-        return
     params = [p for e in engines for p in e.module.parameters()]
     with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         offloads = [_zero3_offload(e) for e in engines]
