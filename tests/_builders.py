@@ -109,17 +109,14 @@ def _gloo_guarded(target, rank, world, port, out, group_timeout_s, *args):
 
 def _exit_without_finalizing(out) -> None:
     """End a worker that finished: what it put on ``out`` is flushed to the pipe, then the
-    process exits 0 without finalizing Python, as ``oppo-train`` does (``exit_process``): a
+    process exits 0 through ``oppo-train``'s own ``exit_process`` (no Python finalization): a
     group megatron-core or DeepSpeed still holds can otherwise abort the finished process
     (SIGABRT, "terminate called without an active exception")."""
-    import os
-    import sys
+    from oppo_ds.cli.train import exit_process
 
     out.close()
     out.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)
 
 
 def spawn_stage(target, actors: int, *args, join_s: float, tp: int = 1,
