@@ -29,7 +29,7 @@ from .experience import (Experience, response_logprobs, response_values, sequenc
 from .lora import has_lora, merged_state_dict
 from .models import load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
-from .rollout.controllers import ChunkSizeController, DeltaController
+from .rollout.controllers import QUANTILES, ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
                            staleness_metrics, staleness_rows)
 from .rollout.stage import RemoteScorers, stage_stream_continue, stage_stream_generate
@@ -363,7 +363,7 @@ class PPOTrainer(StagePlacement):
         with timer.phase("score"):
             exp = self.make_experience(keys, gen, streamed)
         if self.chunk_ctl is not None:
-            self._control_chunk_size(chunk, timer.times, timing, produced, float(gen.lengths.max()))
+            self._control_chunk_size(chunk, timer.times, timing, produced)
         with timer.phase("advantages"):
             self.compute_advantages(exp)
         with timer.phase("train"):
@@ -493,8 +493,7 @@ class PPOTrainer(StagePlacement):
         path = os.path.join(self.cfg.logging.output_dir, "traces", f"step{self.step_count}.json")
         chrome_trace([TimelineEvent(*e) for e in events], path, step=self.step_count)
 
-    def _control_chunk_size(self, chunk: int, phase_s: dict, timing, tokens: float,
-                            longest: float) -> None:
+    def _control_chunk_size(self, chunk: int, phase_s: dict, timing, tokens: float) -> None:
         """Feed the chunk-size controller this step's rollout cost, averaged over all actor
         ranks so that every rank takes the same decision (not over the data-parallel group
         only: the ranks of a Megatron replica measure different times, and a replica whose
@@ -503,12 +502,19 @@ class PPOTrainer(StagePlacement):
         tokens = max(tokens, 1.0)
         scorers = len(timing.scorers) if timing is not None else 0
         chunks, busy = (timing.chunks, timing.scoring_busy_s) if timing is not None else (0, 0.0)
+        pipe = Pipeline.from_timing(timing) if timing is not None else None
+        width = 3 + QUANTILES  # Pipeline.as_list()
         local = torch.tensor([(phase_s["generate"] + phase_s["score"]) / tokens,
-                              chunks * scorers, tokens * scorers, busy, longest],
+                              chunks * scorers, tokens * scorers, busy, scorers,
+                              float(pipe is not None),
+                              *(pipe.as_list() if pipe is not None else [0.0] * width)],
                              dtype=torch.float64)
-        per_token, calls, scored, busy, longest = \
-            (all_reduce_sum(local, self.actor_group) / self.actor_ranks).tolist()
-        decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy, longest)
+        total = all_reduce_sum(local, self.actor_group)
+        per_token, calls, scored, busy, scorers = (total[:5] / self.actor_ranks).tolist()
+        piped = total[5].item()  # ranks that decoded: the pipeline is their mean
+        pipe = Pipeline.from_list((total[6:] / piped).tolist()) if piped else None
+        decision = self.chunk_ctl.observe(chunk, per_token, calls, scored, busy,
+                                          scorers=round(scorers), pipeline=pipe)
         if decision and self.is_main:
             logger.info("step %d: %s", self.step_count + 1, decision)
 

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from oppo_ds.rollout.controllers import ChunkSizeController, fit_prefill_cost, model_chunk_size
+from oppo_ds.rollout.controllers import (ChunkSizeController, Pipeline, fit_prefill_cost,
+                                         model_chunk_size, overlapped_cost)
 
 
 def test_fit_recovers_per_call_and_per_token_cost():
@@ -20,14 +21,51 @@ def test_fit_needs_two_different_chunk_sizes():
         fit_prefill_cost([(10, 100, 1.0), (20, 200, 2.0)])
 
 
-def test_model_chunk_size_is_the_square_root_rule():
-    # sqrt(L a / b) = sqrt(64 * 2e-3 / 1e-4) = sqrt(1280) = 35.8 -> nearest in log scale: 32
-    assert model_chunk_size(2e-3, 1e-4, 64, (4, 8, 16, 32, 64)) == 32
-    # sqrt(16 * 1e-3 / 1e-3) = 4
-    assert model_chunk_size(1e-3, 1e-3, 16, (4, 8, 16, 32, 64)) == 4
+def test_overlapped_cost_plays_the_pipeline_through():
+    # two rows decoding 4 and 8 tokens (one row per group), 1 ms per decode step, one scorer
+    # at 2 ms per call + 0.5 ms per token. Pure decoding ends at 8 ms.
+    pipe = Pipeline(decode_s=1e-3, handover_s=0.0, rows=2, lengths=(4.0, 8.0))
+    # chunk 8: handed over at 8 ms with 12 tokens: 2 + 6 = 8 ms of scoring, all in the tail
+    assert overlapped_cost(8, pipe, 2e-3, 0.5e-3, 1) == pytest.approx(8e-3)
+    # chunk 4: chunk 1 (8 tokens) at 4 ms, done at 4 + 6 = 10; chunk 2 (4 tokens) at 8 ms,
+    # starts when the scorer is free (10), done at 14: 6 ms after the last token
+    assert overlapped_cost(4, pipe, 2e-3, 0.5e-3, 1) == pytest.approx(6e-3)
+    # chunk 2: 4 tokens at 2 ms (done 6), 4 at 4 (done 10), 2 at 6 (13), 2 at 8 (16): the
+    # per-call cost outruns decoding and the backlog is the tail, 8 ms
+    assert overlapped_cost(2, pipe, 2e-3, 0.5e-3, 1) == pytest.approx(8e-3)
+    # a 1 ms hand-over per chunk delays each chunk and is paid by the actor: chunk 4 is
+    # handed over at 5 ms (done 11) and 10 ms (done 15), against 8 ms of pure decoding
+    slow = Pipeline(decode_s=1e-3, handover_s=1e-3, rows=2, lengths=(4.0, 8.0))
+    assert overlapped_cost(4, slow, 2e-3, 0.5e-3, 1) == pytest.approx(7e-3)
+    # two scorers: each chunk's work doubles (chunk 8: 2 x 8 ms)
+    assert overlapped_cost(8, pipe, 2e-3, 0.5e-3, 2) == pytest.approx(16e-3)
+
+
+def test_model_chunk_size_takes_the_cheapest_and_inline_the_largest():
+    pipe = Pipeline(decode_s=1e-3, handover_s=0.0, rows=2, lengths=(4.0, 8.0))
+    chosen, costs = model_chunk_size(2e-3, 0.5e-3, pipe, 1, (2, 4, 8))
+    assert chosen == 4 and costs[4] == pytest.approx(6e-3)
+    # no per-token cost: every size leaves one 2 ms call in the tail; ties go to the larger
+    assert model_chunk_size(2e-3, 0.0, pipe, 1, (2, 4, 8))[0] == 8
     # without overlap nothing is hidden: the fewest hand-overs (largest chunk) win
-    assert model_chunk_size(2e-3, 1e-4, 64, (4, 8, 16, 32, 64), overlapped=False) == 64
-    assert model_chunk_size(2e-3, 0.0, 64, (4, 16)) == 16
+    assert model_chunk_size(2e-3, 0.5e-3, pipe, 1, (2, 4, 8), overlapped=False) == (8, {})
+    assert model_chunk_size(2e-3, 0.5e-3, None, 1, (2, 4, 8)) == (8, {})
+
+
+def test_pipeline_from_a_rollouts_timing():
+    from oppo_ds.rollout.streaming import StreamTiming
+
+    # 16 rows that decoded 1..16 tokens in 4 chunks: 32 ms decoding, 3 ms between chunks
+    timing = StreamTiming(chunks=4, chunk_decode_s=32e-3, handover_s=3e-3,
+                          row_tokens=list(range(16, 0, -1)))
+    pipe = Pipeline.from_timing(timing)
+    assert pipe.decode_s == pytest.approx(2e-3)  # 32 ms over the longest row's 16 steps
+    assert pipe.handover_s == pytest.approx(1e-3)  # 3 gaps between 4 chunks
+    assert pipe.rows == 16
+    # group i of 8 (2 rows each) at the sorted tokens' index (i + 0.5) * 2; the last: the max
+    assert pipe.lengths == (2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0)
+    assert Pipeline.from_list(pipe.as_list()) == pipe
+    assert Pipeline.from_timing(StreamTiming(row_tokens=[0, 0])) is None
 
 
 def _cost(chunk, a=2e-3, b=1e-4, tokens=300, length=64):
@@ -35,26 +73,42 @@ def _cost(chunk, a=2e-3, b=1e-4, tokens=300, length=64):
     return calls, tokens, a * calls + b * tokens
 
 
+# the actor's side of the steps below: 16 rows, 1.5 ms per step, 0.2 ms per hand-over
+PIPE = Pipeline(decode_s=1.5e-3, handover_s=0.2e-3, rows=16,
+                lengths=(4.0, 8.0, 10.0, 14.0, 18.0, 25.0, 40.0, 64.0))
+
+
 def test_calibrates_then_explores_and_keeps_the_fastest():
     ctl = ChunkSizeController(candidates=(4, 8, 16, 32, 64), explore_every=4)
     used = []
-    per_token = {4: 3.0, 8: 2.0, 16: 1.0, 32: 1.5, 64: 2.5}  # 16 is the fastest in practice
+    per_token = {4: 3.0, 8: 1.0, 16: 2.0, 32: 1.5, 64: 2.5}  # 8 is the fastest in practice
     messages = []
     for _ in range(12):
         c = ctl.next_chunk_size()
         used.append(c)
-        msg = ctl.observe(c, per_token[c], *_cost(c), response_len=64)
+        msg = ctl.observe(c, per_token[c], *_cost(c), scorers=3, pipeline=PIPE)
         if msg:
             messages.append(msg)
-    # calibration at both ends, then the model's choice (32), then at step 4 an exploration
-    # round over all five candidates, after which the measured fastest (16) is kept
+    # calibration at both ends, then the model's choice (16: its costs are 4: 116 ms, 8: 74,
+    # 16: 62, 32: 74, 64: 116 for three scorers at 2 ms per call + 0.1 ms per token), then at
+    # step 4 an exploration round over all five candidates, after which the measured
+    # fastest (8) is kept
     assert used[:2] == [4, 64]
-    assert used[2:4] == [32, 32]
+    assert used[2:4] == [16, 16]
     assert used[4:9] == [4, 8, 16, 32, 64]
-    assert used[9:] == [16, 16, 16]
-    assert any("cost model" in m for m in messages)
+    assert used[9:] == [8, 8, 8]
+    assert messages[0].startswith("chunk_size=16 from the cost model")
+    assert "16: 62.0" in messages[0]
     assert any("exploring" in m for m in messages)
-    assert any(m.startswith("chunk_size=16 after exploring") for m in messages)
+    assert any(m.startswith("chunk_size=8 after exploring") for m in messages)
+
+
+def test_without_the_actors_timing_the_model_keeps_the_fewest_hand_overs():
+    ctl = ChunkSizeController(candidates=(4, 8, 16, 32, 64), explore_every=0)
+    for _ in range(2):
+        c = ctl.next_chunk_size()
+        msg = ctl.observe(c, 1.0, *_cost(c))
+    assert ctl.chunk_size == 64 and "fewest hand-overs" in msg
 
 
 def test_state_dict_round_trip_mid_exploration():
@@ -65,7 +119,7 @@ def test_state_dict_round_trip_mid_exploration():
         for _ in range(n):
             c = ctl.next_chunk_size()
             out.append(c)
-            ctl.observe(c, per_token[c], *_cost(c), response_len=64)
+            ctl.observe(c, per_token[c], *_cost(c), pipeline=PIPE)
         return out
 
     full = ChunkSizeController(explore_every=4)

@@ -58,7 +58,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..rollout.controllers import ChunkSizeController, DeltaController
+from ..rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from ..rollout.generate import SamplingParams
 from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
 from ..rollout.scorer import StreamingScorer
@@ -380,8 +380,8 @@ class OppoExperience:
         if timing is not None and self.chunk_ctl is not None and produced:
             scorers = len(timing.scorers)
             self.chunk_ctl.observe(chunk, seconds / produced, timing.chunks * scorers,
-                                   produced * scorers, timing.scoring_busy_s,
-                                   max(len(e.tokens) for e in running))
+                                   produced * scorers, timing.scoring_busy_s, scorers=scorers,
+                                   pipeline=Pipeline.from_timing(timing))
         self.stats = {"chunk_size": chunk, "delta": delta, "returned": len(taken),
                       "deferred": len(pool), "decoded_tokens": produced, "rollout_s": seconds,
                       "scoring_hidden_frac": timing.scoring_hidden_frac if timing else 0.0}

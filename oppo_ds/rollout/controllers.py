@@ -1,21 +1,37 @@
 """Online control of OPPO's knobs. ``ChunkSizeController`` picks the streaming chunk size.
 
 Chunk size trades two costs. Every hand-over to the scorers has a fixed cost (a forward
-call, its launch and bookkeeping), so small chunks pay it often; the last chunk's prefill is
-left after the actor's final token, so large chunks leave a long scoring tail. With a scorer
-prefill of ``a + b * c`` seconds for a chunk of ``c`` tokens and responses of ``L`` tokens, the
-hand-over cost ``(L / c) * a`` plus the tail ``a + b * c`` is smallest at ``c* = sqrt(L a / b)``.
+call, its launch and bookkeeping), so small chunks pay it often; the scorers cannot start on a
+chunk before the actor has decoded it, so large chunks leave a long scoring tail after the
+actor's last token. The cost model sets the actor's measured decode time per step against the
+scorers' measured prefill time:
 
-The controller starts from that cost model, fitted to the scorer timings of two calibration
-steps (at the smallest and the largest candidate), and then follows the paper's rule: every ``explore_every`` steps it tries each
-candidate for one step and keeps the fastest (seconds per generated token of the rollout).
-Every decision is returned with its reason so the trainer can log it.
+- the scorers' prefill of a chunk of ``t`` tokens takes ``a + b * t`` seconds per scorer
+  (``fit_prefill_cost``, from two calibration steps at the smallest and the largest
+  candidate);
+- the actor decodes a step in ``d`` seconds and spends ``h`` seconds on each hand-over (both
+  measured on its timeline), and the rows decode as many tokens as the calibration steps'
+  rows did (``Pipeline.lengths``).
+
+With the scorers running concurrently (``colocated``, ``stage``), ``overlapped_cost`` plays the
+rollout through for each candidate: chunk ``k`` is handed over when the actor has decoded it,
+the scorers take the chunks in order, and the cost of the candidate is the time from the end
+of pure decoding (all steps at ``d``) to the end of the scoring: the hand-overs plus the
+scoring tail, including any backlog when the scorers cannot keep up with small chunks. The
+smallest wins. ``inline`` hides nothing (the scoring runs between chunks, in the actor's
+time), so there the fewest hand-overs win: the largest candidate.
+
+After choosing from the model the controller follows the paper's rule: every
+``explore_every`` steps it tries each candidate for one step and keeps the fastest (seconds per
+generated token of the rollout). Every decision is returned with its reason so the trainer
+can log it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+QUANTILES = 8  # groups of rows in ``Pipeline.lengths``
 
 
 def fit_prefill_cost(observations: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -36,16 +52,68 @@ def fit_prefill_cost(observations: Sequence[tuple[float, float, float]]) -> tupl
     return max(a, 0.0), max(b, 0.0)
 
 
-def model_chunk_size(a: float, b: float, response_len: float, candidates: Sequence[int],
-                     overlapped: bool = True) -> int:
-    """The candidate nearest (in log scale) to ``sqrt(L a / b)``. Without overlap (the inline
-    placement) no scoring is hidden, so the fewest hand-overs win: the largest candidate."""
-    if b <= 0 or not overlapped:
-        return max(candidates)  # prefill cost does not grow with the chunk: fewest hand-overs
-    if a <= 0:
-        return min(candidates)
-    best = math.sqrt(response_len * a / b)
-    return min(candidates, key=lambda c: abs(math.log(c) - math.log(best)))
+@dataclass(frozen=True)
+class Pipeline:
+    """What a streamed rollout showed of the actor's side: ``decode_s`` seconds per decode
+    step, ``handover_s`` seconds per hand-over, ``rows`` rows, and the tokens they decoded as
+    ``QUANTILES`` values, each standing for ``rows / QUANTILES`` rows (``lengths``)."""
+    decode_s: float
+    handover_s: float
+    rows: float
+    lengths: tuple[float, ...]
+
+    @classmethod
+    def from_timing(cls, timing) -> Optional["Pipeline"]:
+        """From a rollout's ``StreamTiming``; None when it decoded nothing."""
+        tokens = sorted(timing.row_tokens)
+        if not tokens or tokens[-1] <= 0:
+            return None
+        n = len(tokens)
+        lengths = tuple(float(tokens[min(n - 1, int((i + 0.5) * n / QUANTILES))])
+                        for i in range(QUANTILES - 1))
+        return cls(decode_s=timing.chunk_decode_s / tokens[-1],
+                   handover_s=timing.handover_s / max(timing.chunks - 1, 1),
+                   rows=float(n), lengths=lengths + (float(tokens[-1]),))
+
+    def as_list(self) -> list[float]:
+        """Fixed-size numbers (for averaging over ranks and for checkpoints)."""
+        return [self.decode_s, self.handover_s, self.rows, *self.lengths]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> "Pipeline":
+        return cls(float(values[0]), float(values[1]), float(values[2]),
+                   tuple(float(v) for v in values[3:]))
+
+
+def overlapped_cost(chunk: int, pipe: Pipeline, call_s: float, token_s: float,
+                    scorers: int) -> float:
+    """Seconds that chunk size ``chunk`` adds to a rollout whose scorers run concurrently
+    with decoding: from the end of pure decoding (every step at ``pipe.decode_s``) to the end
+    of the scoring. Chunk k is handed over (``pipe.handover_s``) once the actor has decoded
+    it; each of the ``scorers`` then prefills it in ``call_s + token_s * tokens`` seconds,
+    taking the chunks in order."""
+    steps = max(pipe.lengths)
+    per_group = pipe.rows / len(pipe.lengths)
+    now = done = 0.0  # the actor's clock; when the scorers finish the work handed to them
+    start = 0
+    while start < steps:
+        end = min(start + chunk, steps)
+        now += (end - start) * pipe.decode_s + pipe.handover_s
+        tokens = per_group * sum(min(n, end) - min(n, start) for n in pipe.lengths)
+        done = max(done, now) + scorers * (call_s + token_s * tokens)
+        start = end
+    return done - steps * pipe.decode_s
+
+
+def model_chunk_size(a: float, b: float, pipe: Optional[Pipeline], scorers: int,
+                     candidates: Sequence[int], overlapped: bool = True) -> tuple[int, dict]:
+    """The candidate with the smallest ``overlapped_cost`` and the cost of each (seconds).
+    Without overlap (the inline placement) nothing is hidden, so the fewest hand-overs win:
+    the largest candidate (no costs)."""
+    if not overlapped or pipe is None:
+        return max(candidates), {}
+    costs = {c: overlapped_cost(c, pipe, a, b, scorers) for c in candidates}
+    return min(candidates, key=lambda c: (costs[c], -c)), costs
 
 
 @dataclass
@@ -71,20 +139,22 @@ class ChunkSizeController:
         return self.exploring[0] if self.exploring else self.chunk_size
 
     def observe(self, used: int, seconds_per_token: float, scorer_calls: float,
-                scorer_tokens: float, scorer_busy_s: float, response_len: float) -> Optional[str]:
-        """Record a finished step that streamed with chunk size ``used``. Returns a message
-        when a decision is made (to be logged), else None."""
+                scorer_tokens: float, scorer_busy_s: float, scorers: int = 1,
+                pipeline: Optional[Pipeline] = None) -> Optional[str]:
+        """Record a finished step that streamed with chunk size ``used``: its seconds per
+        generated token, the scorers' calls, tokens and busy seconds (summed over the
+        ``scorers``), and the actor's side of it (``Pipeline``; without it an overlapped
+        placement is modelled as inline). Returns a message when a decision is made (to be
+        logged), else None."""
         self.step += 1
         if self.chunk_size is None:
-            self.calibration.append((scorer_calls, scorer_tokens, scorer_busy_s))
+            self.calibration.append((scorer_calls, scorer_tokens, scorer_busy_s, scorers,
+                                     *(pipeline.as_list() if pipeline is not None else ())))
             if len(self.calibration) < 2 or len(self.candidates) == 1:
                 if len(self.candidates) == 1:
                     self.chunk_size = self.candidates[0]
                 return None
-            a, b = fit_prefill_cost(self.calibration)
-            self.chunk_size = model_chunk_size(a, b, response_len, self.candidates, self.overlapped)
-            return (f"chunk_size={self.chunk_size} from the cost model: scorer prefill "
-                    f"{a * 1e3:.3f} ms/call + {b * 1e3:.4f} ms/token, responses ~{response_len:.0f} tokens")
+            return self._from_model()
         if self.exploring and used == self.exploring[0]:
             self.trials[used] = seconds_per_token
             self.exploring.pop(0)
@@ -98,6 +168,27 @@ class ChunkSizeController:
             self.exploring = list(self.candidates)
             return f"exploring chunk sizes {list(self.candidates)} over the next {len(self.candidates)} steps"
         return None
+
+    def _from_model(self) -> str:
+        a, b = fit_prefill_cost([obs[:3] for obs in self.calibration])
+        pipes = [Pipeline.from_list(obs[4:]) for obs in self.calibration if len(obs) > 4]
+        pipe = None
+        if len(pipes) == len(self.calibration):  # the calibration steps' mean
+            pipe = Pipeline.from_list([sum(v) / len(pipes) for v in
+                                       zip(*(p.as_list() for p in pipes))])
+        scorers = max(int(self.calibration[-1][3]), 1)
+        self.chunk_size, costs = model_chunk_size(a, b, pipe, scorers, self.candidates,
+                                                  self.overlapped)
+        text = (f"chunk_size={self.chunk_size} from the cost model: scorer prefill "
+                f"{a * 1e3:.3f} ms/call + {b * 1e3:.4f} ms/token")
+        if costs:
+            detail = ", ".join(f"{c}: {t * 1e3:.1f}" for c, t in sorted(costs.items()))
+            text += (f", actor decode {pipe.decode_s * 1e3:.3f} ms/step + hand-over "
+                     f"{pipe.handover_s * 1e3:.3f} ms/chunk, {max(pipe.lengths):.0f} steps; "
+                     f"predicted hand-overs + scoring tail (ms): {detail}")
+        else:
+            text += " (nothing overlaps: the fewest hand-overs)"
+        return text
 
     def state_dict(self) -> dict:
         return {"candidates": list(self.candidates), "explore_every": self.explore_every,

@@ -765,8 +765,8 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
         state = timeline.run("actor", "prefill", lambda: start_decode(actor, params=params,
                                                                       **inputs))
         sink = _HoldError(remote) if hold_errors else remote
-        chunks = _decode_in_chunks(actor, state, sink, timeline, params, generator, chunk_size,
-                                   stop=stop)
+        chunks, row_tokens = _decode_in_chunks(actor, state, sink, timeline, params,
+                                               generator, chunk_size, stop=stop)
         if hold_errors and sink.error is not None:
             raise sink.error
         finished, stage_events = remote.results()
@@ -775,7 +775,8 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
         raise
     received_s = _clock(device) - start
 
-    timing = StreamTiming(chunks=chunks, scorers={k: ScorerTiming() for k in finished},
+    timing = StreamTiming(chunks=chunks, row_tokens=row_tokens,
+                          scorers={k: ScorerTiming() for k in finished},
                           events=events + [e._replace(start_s=e.start_s + begin_s,
                                                       end_s=e.end_s + begin_s)
                                            for e in stage_events])

@@ -61,6 +61,11 @@ class StreamTiming:
         between chunks, which the actor waited for (nothing runs concurrently there).
     scoring_tail_s: ``scoring_end_s - decode_end_s`` (>= 0), what the step waits for after
         the last token, work still queued for the scorer thread included.
+    chunk_decode_s: the actor's time in its decode chunks (``decode_s`` less the prefill).
+    handover_s: the actor's time between its chunks, handing them over (under ``inline``
+        the scoring itself).
+    row_tokens: the tokens each row decoded in this rollout (the chunk-size controller's
+        picture of how many rows are still running at each step).
     events: the timeline, ordered by start: lane "actor" holds the prompt prefill and one
         event per decode chunk; each scorer's lane (its kind) one event per call.
     """
@@ -73,6 +78,9 @@ class StreamTiming:
     scoring_busy_s: float = 0.0
     scoring_hidden_frac: float = 0.0
     scoring_tail_s: float = 0.0
+    chunk_decode_s: float = 0.0
+    handover_s: float = 0.0
+    row_tokens: list[int] = field(default_factory=list)
     events: list[TimelineEvent] = field(default_factory=list)
 
 
@@ -283,8 +291,8 @@ def stream_generate(actor, scorers: Sequence[StreamingScorer], prompt_ids: torch
         state = timeline.run("actor", "prefill", lambda: start_decode(
             actor, prompt_ids, prompt_mask, params, targets=targets))
         scoring.begin(prompt_ids, prompt_mask)
-        timing.chunks = _decode_in_chunks(actor, state, scoring, timeline, params, generator,
-                                          chunk_size)
+        timing.chunks, timing.row_tokens = _decode_in_chunks(
+            actor, state, scoring, timeline, params, generator, chunk_size)
         finished = scoring.results()
     finally:
         scoring.close()
@@ -318,8 +326,9 @@ def stream_continue(actor, scorers: Sequence[StreamingScorer], setup: Sequence[t
         scoring.setup(setup)
         state = timeline.run("actor", "prefill", lambda: start_decode(actor, params=params,
                                                                       **start_inputs))
-        timing.chunks = _decode_in_chunks(actor, state, scoring, timeline, params, generator,
-                                          chunk_size, row_ids=row_ids.to(device), stop=stop)
+        timing.chunks, timing.row_tokens = _decode_in_chunks(
+            actor, state, scoring, timeline, params, generator, chunk_size,
+            row_ids=row_ids.to(device), stop=stop)
         finished = scoring.results()
     finally:
         scoring.close()
@@ -361,8 +370,8 @@ def _decode_in_chunks(actor, state: DecodeState, sink, timeline: "_Timeline",
     """Decode ``state`` to the end (or until ``stop`` says enough), ``chunk_size`` tokens at a
     time, handing every chunk to ``sink.chunk(name, rows, tokens, counts, ended_rows)`` (the
     scorers, local or remote), rows named by ``row_ids`` (default: their index in the
-    state). Returns the number of chunks."""
-    chunks = 0
+    state). Returns the number of chunks and the tokens each row decoded (a list)."""
+    chunks, start = 0, state.lengths.clone()
     while not state.over:
         rows = state.active.clone()
         before = state.lengths[rows].clone()
@@ -376,7 +385,7 @@ def _decode_in_chunks(actor, state: DecodeState, sink, timeline: "_Timeline",
         if row_ids is not None:
             rows, ended = row_ids[rows], row_ids[ended]
         sink.chunk(name, rows, tokens, counts, ended)
-    return chunks
+    return chunks, (state.lengths - start).tolist()
 
 
 def _summarize(timing: StreamTiming) -> None:
@@ -387,6 +396,10 @@ def _summarize(timing: StreamTiming) -> None:
     decode_end = max(e.end_s for e in actor)
     timing.decode_s = sum(e.end_s - e.start_s for e in actor)
     timing.decode_end_s = decode_end
+    chunks = [e for e in actor if e.name.startswith("chunk")]
+    timing.chunk_decode_s = sum(e.end_s - e.start_s for e in chunks)
+    # the gaps between chunks; the last hand-over comes after the last token, in the tail
+    timing.handover_s = sum(max(0.0, b.start_s - a.end_s) for a, b in zip(chunks, chunks[1:]))
     for e in scoring:
         t = timing.scorers[e.lane]
         t.busy_s += e.end_s - e.start_s
