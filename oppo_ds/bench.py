@@ -275,15 +275,22 @@ RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAST
                    "MASTER_PORT")
 
 
-def child_env(ranks: int, env: Optional[dict] = None) -> dict:
+def child_env(ranks: int, env: Optional[dict] = None, cores: Optional[int] = None) -> dict:
     """The environment of one run: this process's, less the rendezvous variables when the
     run is one process (it is a world of its own; DeepSpeed's launcher sets them for several).
     A leftover LOCAL_RANK made accelerate, under TRL's trainer, wait for a distributed world
-    that did not exist (MASTER_ADDR expected, but not set)."""
+    that did not exist (MASTER_ADDR expected, but not set). Several processes share the
+    machine's ``cores`` (default: this machine's): each gets its share of torch threads
+    (``OMP_NUM_THREADS``, unless it is set), as torchrun does; by default each would start
+    one thread per core, more threads than cores in all (on the 2-core development VM a
+    second process of 2 threads made tiny-model steps several times slower, see
+    docs/benchmarks.md)."""
     env = dict(os.environ if env is None else env)
     if ranks == 1:
         for key in RENDEZVOUS_VARS:
             env.pop(key, None)
+    else:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or os.cpu_count() or 1) // ranks)))
     return env
 
 

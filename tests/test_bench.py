@@ -288,7 +288,11 @@ def test_unknown_peer_is_refused():
 def test_child_env_drops_rendezvous_variables_of_one_process_runs():
     env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1", "PATH": "/bin"}
     assert bench.child_env(1, env) == {"PATH": "/bin"}
-    assert bench.child_env(2, env) == env
+    # several processes share the cores: each gets its share of threads, unless set
+    assert bench.child_env(2, env, cores=2) == {**env, "OMP_NUM_THREADS": "1"}
+    assert bench.child_env(8, env, cores=16)["OMP_NUM_THREADS"] == "2"
+    assert bench.child_env(4, env, cores=2)["OMP_NUM_THREADS"] == "1"
+    assert bench.child_env(2, {**env, "OMP_NUM_THREADS": "3"}, cores=2)["OMP_NUM_THREADS"] == "3"
 
 
 def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path, monkeypatch):
