@@ -1,7 +1,8 @@
 """The trainer's side of ``oppo.placement: stage`` (a mixin of ``PPOTrainer``).
 
 The last launched process is the scorer stage: it holds the reward model (and the reference
-model when it streams) and serves the actor ranks' chunks (``rollout/stage.py``). The actor
+model, and a copy of the critic that takes the actor ranks' weights after every update, when
+they stream) and serves the actor ranks' chunks (``rollout/stage.py``). The actor
 ranks form torch.distributed's world by themselves and train as they would without a stage;
 the scorer rank is in no world: each streaming actor rank reaches it over a link of its own
 (``StageLayout``), so no collective of the actor ranks ever waits for it.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from .config import ConfigError
 from .models import build_causal_lm, build_value_model
 from .rollout.scorer import StreamingScorer
-from .rollout.stage import Op, Replica, ScorerStage, serve_round
+from .rollout.stage import Op, Replica, ScorerStage, StageWeights, serve_round
 from .rollout.stage_layout import StageLayout
 
 if TYPE_CHECKING:
@@ -44,14 +46,46 @@ class StagePlacement:
         os.environ.update(stage.env_updates(dict(os.environ)))
         if stage.rank == 0:
             stream_to = self.cfg.oppo.stream_to
-            kinds = ["reward"] + [k for k in stream_to if k == "reference"]
+            kinds = ["reward"] + [k for k in stream_to if k == "reference"] + \
+                (["critic"] if self.critic_on_stage else [])
             senders = "" if stage.senders == stage.actor_ranks else \
                 f" (streamed by ranks {stage.senders}, one per model replica)"
+            critic = ""
+            if self.critic_on_stage:
+                critic = "; the critic's weights go to it after every update"
+            elif "critic" in stream_to:
+                critic = ("; the critic does not stream under backend megatron (its weights are "
+                          "split over the model-parallel ranks): its values are computed on the "
+                          "actor ranks after generation")
             logger.info("oppo.placement=stage: rank %d scores (%s) for actor ranks %s%s%s",
-                        stage.scorer_rank, ", ".join(kinds), stage.actor_ranks, senders,
-                        "; the critic trains, so it does not stream: its values are computed on "
-                        "the actor ranks after generation" if "critic" in stream_to else "")
+                        stage.scorer_rank, ", ".join(kinds), stage.actor_ranks, senders, critic)
         return stage
+
+    @property
+    def critic_on_stage(self) -> bool:
+        """Whether the critic streams on the scorer rank: a copy there takes the actor ranks'
+        weights before every rollout that follows an update (``_send_critic_to_stage``). Not
+        under backend megatron, whose critic is split over the model-parallel ranks in its own
+        layout; there its values come from the actor ranks after generation."""
+        o = self.cfg.oppo
+        return (o.placement == "stage" and "critic" in o.stream_to
+                and self.cfg.system.backend == "deepspeed")
+
+    def _send_critic_to_stage(self) -> None:
+        """Before a rollout: the critic's weights to the stage's copy, if it trained since
+        they were last sent. Every actor rank sends to its own link (the stage's copy is
+        shared, and whichever rank's rollout it serves first must find this step's weights);
+        under ZeRO-3 the gather is collective over the actor ranks. ``critic_send_s``: how
+        long it took (0 when nothing was sent; logged as ``stream/critic_weights_s``)."""
+        self.critic_send_s = 0.0
+        if not self.critic_on_stage or self._critic_sent == self.step_count:
+            return
+        start = time.perf_counter()
+        with self.critic.generation_context() as critic:
+            if self.remote is not None:
+                self.remote.send_weights(critic, version=self.step_count)
+        self._critic_sent = self.step_count
+        self.critic_send_s = time.perf_counter() - start
 
     def _open_stage_links(self) -> None:
         """Open this process's links to the other end(s): on the scorer rank before it reads
@@ -77,6 +111,8 @@ class StagePlacement:
         ScorerStage per streaming actor rank (one per model replica), each with scorers of its
         own over those models (their rollouts are served at the same time)."""
         from .engines import prepare_frozen
+        from .engines.factory import prepare_trained
+        from .models import disable_dropout
 
         s = self.cfg.system
         # HF models on this rank (either backend): one whole copy of each frozen scorer
@@ -85,14 +121,22 @@ class StagePlacement:
         self.reference = None
         if "reference" in self.cfg.oppo.stream_to:
             self.reference = prepare_frozen(build_causal_lm(src.reference, **common), dtype)
+        weights = None
+        if self.critic_on_stage:  # built as the actor ranks build theirs (LoRA included)
+            critic = prepare_trained(disable_dropout(build_value_model(src.critic, **common)),
+                                     self.cfg, "critic")
+            weights = StageWeights(prepare_frozen(critic, dtype))
 
         def scorers():  # one set per actor rank: their rollouts are served at the same time
             out = [StreamingScorer(self.reward, "reward")]
             if self.reference is not None:
                 out.append(StreamingScorer(self.reference, "reference", temperature=temp))
+            if weights is not None:
+                out.append(StreamingScorer(weights.model, "critic"))
             return out
 
-        self.scorer_stages = [ScorerStage(scorers(), self.stage_links[a], carry=True)
+        self.scorer_stages = [ScorerStage(scorers(), self.stage_links[a], carry=True,
+                                          weights=weights)
                               for a in self.stage.senders]
 
     def _stage_replica(self) -> Replica:

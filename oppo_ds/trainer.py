@@ -130,7 +130,7 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     that same forward: where DeepSpeed's hybrid engine decodes with its inference kernels
     (fused kernels whose log-probs differ from the training forward's, the reason
     DeepSpeed-Chat recomputes) they are recomputed after generation, as the critic's values
-    are under the stage placement; the trainer logs it at start."""
+    are under the stage placement with backend megatron; the trainer logs it at start."""
     from .engines.deepspeed_engine import HYBRID_KERNELS
 
     return requested and hybrid_engine_path != HYBRID_KERNELS
@@ -239,8 +239,12 @@ class PPOTrainer(StagePlacement):
         self.remote = self.replica = None
         if self.stage is not None:
             if self.rank in self.stage.senders:
-                # the stage keeps deferred rows in its frozen scorers from step to step
-                self.remote = RemoteScorers(self.stage_links[self.rank], carry=True)
+                # the stage keeps deferred rows in its frozen scorers from step to step; its
+                # critic copy is rebuilt every rollout from every row, with this step's weights
+                self.remote = RemoteScorers(self.stage_links[self.rank], carry=True,
+                                            refresh=self.critic_on_stage)
+            self._critic_sent = None  # the critic version the stage holds (step count)
+            self.critic_send_s = 0.0
             if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
                 self.replica = self._stage_replica()
 
@@ -360,6 +364,8 @@ class PPOTrainer(StagePlacement):
         if timing is not None:
             extra.update(streaming_metrics(timing))
             extra["oppo/chunk_size"] = chunk
+            if self.critic_on_stage:  # inside generate: the critic's weights to the stage
+                extra["stream/critic_weights_s"] = self.critic_send_s
         with timer.phase("score"):
             exp = self.make_experience(keys, gen, streamed)
         if self.chunk_ctl is not None:
@@ -446,11 +452,12 @@ class PPOTrainer(StagePlacement):
         their caches from step to step (frozen models: a deferred row's prefix stays valid),
         so only rows they do not hold yet are added, with whatever response those rows
         already have; the critic trains, so its scorer is new each step and prefills every
-        row's prompt + partial response. Under the stage placement the scorer rank keeps
-        nothing between steps: every running row goes to it with its response so far."""
+        row's prompt + partial response. Under the stage placement the scorer rank does the
+        same with its copies (the critic's sent to it when it trained)."""
         o = self.cfg.oppo
         if self.stage is not None:
             uids = torch.tensor([e.uid for e in running], dtype=torch.long)
+            self._send_critic_to_stage()
             with self.actor.generation_context() as actor:
                 return stage_stream_continue(actor, self.remote, inputs, uids, self.sampling,
                                              self.sample_gen, chunk, stop=stop,
@@ -525,7 +532,8 @@ class PPOTrainer(StagePlacement):
         o = self.cfg.oppo
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        if self.stage is not None:  # the scorers are on the scorer rank (no critic)
+        if self.stage is not None:  # the scorers are on the scorer rank
+            self._send_critic_to_stage()
             with self.actor.generation_context() as actor:
                 return stage_stream_generate(actor, self.remote, ids, mask, self.sampling,
                                              self.sample_gen, chunk_size, targets=targets,

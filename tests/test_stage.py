@@ -149,13 +149,16 @@ def _continue_twice(actor, reference, reward, critic, remote):
     return report
 
 
-def _continue_carried(actor, reference, reward, remote):
-    """Three pool rollouts through a carrying stage (frozen scorers): round 1 continues the
-    rows round 0 left unfinished, which the stage holds (not sent again), beside 2 new
-    prompts; round 2 continues all but one of the still unfinished rows (the stage drops that
-    one). Against inline scorers that prefill every row's prompt and response so far afresh
-    each round: tokens identical, scores within 1e-5 (a carried prefix was prefilled chunk by
-    chunk, a fresh one in one forward: float summation order)."""
+def _continue_carried(actor, reference, reward, critic, remote):
+    """Three pool rollouts through a carrying stage (the trainer's: frozen scorers carry,
+    the critic is rebuilt each rollout): round 1 continues the rows round 0 left unfinished,
+    which the frozen scorers hold (sent again for the critic only), beside 2 new prompts;
+    round 2 continues all but one of the still unfinished rows (the stage drops that one).
+    Before each round the critic "trains" (its weights are redrawn here) and goes to the
+    stage (``send_weights``). Against inline scorers, the critic with this round's weights,
+    that prefill every row's prompt and response so far afresh each round: tokens
+    identical, scores within 1e-5 (a carried prefix was prefilled chunk by chunk, a fresh one
+    in one forward: float summation order)."""
     from oppo_ds.rollout.generate import finish
     from oppo_ds.rollout.stage import stage_stream_continue
     from oppo_ds.rollout.streaming import StreamingScorer
@@ -181,20 +184,34 @@ def _continue_carried(actor, reference, reward, remote):
                           prefix_lengths=torch.tensor([len(lengths.get(r, [])) for r in rows]))
         uids = idx + 100
         held_before = set(remote.held)
+        _sharpen(critic, seed=30 + round_)  # an update
+        remote.send_weights(critic, version=round_, bucket=1000)  # several buckets
         state, got, timing = stage_stream_continue(actor, remote, inputs, uids, params,
                                                    torch.Generator().manual_seed(SEED + round_), 3,
                                                    stop=_StopAt(2))
-        scorers = [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference")]
+        scorers = [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference"),
+                   StreamingScorer(critic, "critic")]
         report.append({
             **_against_fresh_inline(actor, scorers, inputs, uids, params, round_, state, got),
             "carried": sorted(held_before & set(uids.tolist())),
             "held_after": sorted(remote.held),
-            "stage_begins": sum(e.name == "begin" for e in timing.events)})
+            "stage_begins": {k: sum(e.name == "begin" and e.lane == k for e in timing.events)
+                             for k in ("reward", "reference", "critic")}})
         gen = finish(state)
         lengths = {r: gen.response_ids[i, :int(gen.lengths[i])].tolist()
                    for i, r in enumerate(rows) if not bool(state.finished[i])}
         rows = [r for i, r in enumerate(rows) if not bool(state.finished[i])]
-    return report
+    # a critic of another shape: refused, and the stage says why at the next rollout
+    from oppo_ds.models import build_value_model
+    from oppo_ds.rollout.stage import RemoteScorerError
+    remote.send_weights(build_value_model(ARCHS[1], vocab_size=VOCAB, seed=3), version=9)
+    try:
+        stage_stream_continue(actor, remote, dict(prompt_ids=all_ids[:2], prompt_mask=all_mask[:2]),
+                              torch.tensor([200, 201]), params, torch.Generator().manual_seed(0), 3)
+        refused = None
+    except RemoteScorerError as err:
+        refused = str(err)
+    return report, refused
 
 
 def _worker(rank, _layout, links, out, scenario):
@@ -208,17 +225,21 @@ def _worker(rank, _layout, links, out, scenario):
             failing = type("Failing", (_FailsOnce, StreamingScorer), {})
             cls = failing if scenario == "error" else None
             scorers = _scorers(reference, reward, critic, cls)
-            if carry:  # frozen scorers only
-                scorers = [sc for sc in scorers if sc.kind != "critic"]
+            weights = None
+            if carry:  # the stage's critic copy starts elsewhere: only WEIGHTS make it right
+                from oppo_ds.rollout.stage import StageWeights
+                weights = StageWeights(_sharpen(critic, seed=99))
             served = ScorerStage(scorers, links[0], timeout=timedelta(seconds=60),
-                                 carry=carry).serve()
+                                 carry=carry, weights=weights).serve()
             out.put(("served", arch, served))
             continue
-        remote = RemoteScorers(links[0], timeout=timedelta(seconds=60), carry=carry)
+        remote = RemoteScorers(links[0], timeout=timedelta(seconds=60), carry=carry,
+                               refresh=carry)
         scorers = _scorers(reference, reward, critic)
         try:
             if carry:
-                out.put(("carry", arch, _continue_carried(actor, reference, reward, remote)))
+                out.put(("carry", arch, _continue_carried(actor, reference, reward, critic,
+                                                          remote)))
             elif scenario == "continue":
                 out.put(("continue", arch, _continue_twice(actor, reference, reward,
                                                            critic, remote)))
@@ -280,23 +301,30 @@ def test_stage_continues_the_pools_rows_as_inline_scorers_do():
 
 
 def test_a_carrying_stage_keeps_the_deferred_rows_between_rollouts():
-    """The trainer's stage (carry=True, reward and reference): rows a rollout left unfinished
-    stay in the stage's caches, the next BEGIN sends only new rows (no prefill on the stage
-    when every row is carried), a row the actor stops decoding is dropped there, and the
-    scores equal fresh inline scoring of every row's whole prefix (1e-5)."""
+    """The trainer's stage (carry=True; reward and reference carry, the critic takes new
+    weights before every rollout and rebuilds every row): rows a rollout left unfinished stay
+    in the frozen scorers' caches, the next BEGIN prefills only new rows there (none when
+    every row is carried), a row the actor stops decoding is dropped, and every score,
+    the critic's included, equals fresh inline scoring of every row's whole prefix with
+    that round's weights (1e-5). WEIGHTS of a critic of another shape are refused with the
+    reason, at the next rollout."""
     messages = _spawn("carry")
-    (report,) = [m for kind, _, m in messages if kind == "carry"]
+    (report, refused) = [m for kind, _, m in messages if kind == "carry"][0]
     first, second, third = report
     for r in report:
         assert r["same_tokens"] and r["diff"] < 1e-5, r
+        assert r["rows"]["critic"] == r["ended"], r
         assert all(rows == r["ended"] for rows in r["rows"].values()), r
-    assert first["carried"] == [] and first["stage_begins"] == 2  # reward and reference
+    frozen = ("reward", "reference")
+    assert first["carried"] == [] and first["stage_begins"] == dict.fromkeys(frozen + ("critic",), 1)
     unfinished = first["held_after"]
     assert unfinished and second["carried"] == unfinished  # continued without being re-sent
-    assert second["stage_begins"] == 2  # the 2 new prompts only, one add per scorer
+    # the 2 new prompts only (one add per frozen scorer), and the critic rebuilds every row
+    assert second["stage_begins"] == dict.fromkeys(frozen + ("critic",), 1)
     assert third["carried"] == second["held_after"][1:]  # the first one left the rollout
-    assert third["stage_begins"] == 0  # every row of round 2 was held
-    assert [n for kind, _, n in messages if kind == "served"] == [3]
+    assert third["stage_begins"] == {"reward": 0, "reference": 0, "critic": 1}
+    assert refused is not None and "is not the stage's copy" in refused, refused
+    assert [n for kind, _, n in messages if kind == "served"] == [4]
 
 
 def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():

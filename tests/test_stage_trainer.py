@@ -2,15 +2,14 @@
 
 The main test launches a real run with DeepSpeed's own launcher on CPU, 2 processes: rank 0
 is the actor rank (DeepSpeed engines in a torch.distributed world of the actor ranks alone),
-rank 1 the scorer stage (reward and reference models), in no world, linked to the actor rank
-by a two-rank group of their own. It must give the metrics of an in-process single-rank run
-with the ``inline`` placement and the same seed: the same sampled responses (sampling does
-not depend on where scoring runs) and the same scores. Step 1 is compared at 1e-5 and later
-steps at 1e-4, the tolerances of ``test_streaming_gives_the_sequential_run``: the scores are
-the same computation in another process (bit-identical in ``test_stage.py``), but the critic
-does not stream under ``stage`` (its values come from one whole-sequence forward after
-generation, inline streams it chunk by chunk), which differs by float summation order
-(~1e-7), and later steps carry such differences through Adam updates. The run checkpoints
+rank 1 the scorer stage (reward and reference models, and a copy of the critic that takes the
+actor rank's weights after every update), in no world, linked to the actor rank by a two-rank
+group of their own. It must give the metrics of an in-process single-rank run with the
+``inline`` placement and the same seed: the same sampled responses (sampling does not depend
+on where scoring runs) and the same scores. Step 1 is compared at 1e-5 and later steps at
+1e-4, the tolerances of ``test_streaming_gives_the_sequential_run``: the scores are the same
+computation in another process (bit-identical in ``test_stage.py``), and later steps carry
+float-rounding differences through Adam updates. The run checkpoints
 every step and is resumed (the actor ranks' barriers never wait for the scorer process).
 Other launches put two actor ranks on one scorer rank (3 processes) against a 2-rank inline
 run, with overcommitment, and with ZeRO-3 under the hybrid engine, whose collectives run over
@@ -84,7 +83,8 @@ def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
     assert sorted(os.listdir(ckpt / "trainer" / "step2")) == ["rank0.pt"]
     proc = launch(out, cache_dir, "steps=3")
     assert "resumed from step2 at step 2" in proc.stdout + proc.stderr
-    assert "the critic trains, so it does not stream" in proc.stdout + proc.stderr
+    assert "scores (reward, reference, critic)" in proc.stdout + proc.stderr
+    assert "the critic's weights go to it after every update" in proc.stdout + proc.stderr
     assert (ckpt / "latest").read_text().strip() == "step3"
     assert (out / "actor" / "model.safetensors").is_file()  # exported at the end
     summary = json.loads((out / "summary.json").read_text())
@@ -104,6 +104,7 @@ def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
         assert 0.0 <= b[step]["stream/scoring_hidden_frac"] <= 1.0
         assert b[step]["stream/scorer_busy_s"] > 0
         assert b[step]["stream/chunks"] == a[step]["stream/chunks"]
+        assert b[step]["stream/critic_weights_s"] > 0  # sent before every step (first: the initial)
 
 
 def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):

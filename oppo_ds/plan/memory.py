@@ -126,11 +126,14 @@ def streamed_scorers(cfg: Config) -> list[str]:
 
 
 def on_scorer_rank(cfg: Config) -> set[str]:
-    """The models the stage placement's scorer rank holds whole, off the actor ranks: the
-    reward model and the reference when it streams (the critic trains, so it stays)."""
+    """The models the stage placement's scorer rank holds whole: the reward model and the
+    reference when it streams (off the actor ranks), and a copy of the critic when it streams
+    (it trains on the actor ranks and its weights go to the copy after each update; not under
+    backend megatron, whose critic does not stream on the stage)."""
     if cfg.oppo.placement != "stage" or not cfg.oppo.streaming:
         return set()
-    return set(cfg.oppo.streamed_scorers) - {"critic"}
+    kinds = set(cfg.oppo.streamed_scorers)
+    return kinds if cfg.system.backend == "deepspeed" else kinds - {"critic"}
 
 
 def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,
@@ -140,8 +143,9 @@ def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: i
     set of KV caches of ``rows`` rows per sender."""
     w = dtype_bytes(cfg.system.dtype)
     whole = {"reward": w * shapes.reward.params(value_head=True),
-             "reference": w * shapes.reference.params()}
-    shape = {"reward": shapes.reward, "reference": shapes.reference}
+             "reference": w * shapes.reference.params(),
+             "critic": w * shapes.critic.params(value_head=True)}
+    shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     kinds = on_scorer_rank(cfg)
     plan.items["scorer_rank_models"] = sum(whole[k] for k in kinds)
     plan.items["scorer_rank_kv"] = sum(senders * rows * seq * shape[k].kv_bytes_per_token(w)

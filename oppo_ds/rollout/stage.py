@@ -26,8 +26,16 @@ Wire protocol. Every message is a header, an int64 tensor of ``HEADER_LEN`` entr
 determine (none when a size is 0), all on the wire device (CPU for gloo, the current CUDA
 device for NCCL). Actor -> scorer:
 
+    WEIGHTS      [WEIGHTS, version, dtype, numel,       the critic's parameters (a stage with a
+                  bucket, names]                        critic), in ``named_parameters`` order,
+                                                        flattened and cut into buckets of
+                                                        ``bucket`` elements, one message each;
+                                                        names: crc32 of the names and shapes
+                                                        (checked). Sent between rollouts, before
+                                                        a BEGIN, whenever the critic trained
     BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   int64 (2, B, P): prompt ids, mask of
-                  L, partial, N]                        the B rows new to the stage; then, when
+                  L, partial, N]                        the B rows new to the stage (all N
+                                                        rows when B = N); then, when
                                                         L > 0, int64 (B, 1 + L): each new row's
                                                         response so far (its length, then L
                                                         tokens, right-padded): rows a rollout
@@ -53,14 +61,22 @@ Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
     ERROR    [ERROR, nbytes]        uint8 (nbytes,): the scorer rank's traceback, UTF-8
     ABORTED  [ABORTED]
 
-Carrying rows between rollouts (``carry=True`` on both ends, frozen scorers only: the
-reward and reference models, whose prefix state an update does not change). After a partial
-rollout the stage keeps the rows that did not finish in its scorers' caches, and the next
-BEGIN sends only the rows the stage does not hold; rows it holds that the next rollout does
-not list are dropped. Both ends follow the same rule (the actor's ``RemoteScorers.held`` is
-what the stage holds), and both forget everything after an ABORT or an ERROR. Without
-``carry`` the stage resets after every rollout and every row is new. CONSUME and FINISH name
-rows by their place in the rollout (0..N-1); the stage maps them to its row ids.
+Carrying rows between rollouts (``carry=True`` on both ends). After a partial rollout the
+stage keeps the rows that did not finish in its frozen scorers' caches (the reward and
+reference models, whose prefix state an update does not change), and the next BEGIN sends
+only the rows the stage does not hold; rows it holds that the next rollout does not list are
+dropped. Both ends follow the same rule (the actor's ``RemoteScorers.held`` is what the stage
+holds), and both forget everything after an ABORT or an ERROR. Without ``carry`` the stage
+resets after every rollout and every row is new. CONSUME and FINISH name rows by their place
+in the rollout (0..N-1); the stage maps them to its row ids.
+
+The critic trains, so its copy on the stage (``StageWeights``) takes the actor rank's
+weights by WEIGHTS whenever they changed, and its cache is rebuilt at every BEGIN from every
+row's prompt and response so far: the actor end sends all N rows (``refresh=True``), the
+frozen scorers add the new ones among them, the critic all. Several actor ranks (data
+parallel: the same critic weights) each send WEIGHTS to their own link before their BEGIN,
+so whichever link's rollout the stage serves first, the shared copy is already that step's;
+a version already loaded is received and dropped.
 
 A scorer that raises makes the stage send ERROR at once and drop the rest of the rollout's
 messages up to its END_ROLLOUT / ABORT (then it resets its scorers and serves the next
@@ -87,6 +103,7 @@ import queue
 import threading
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -113,12 +130,14 @@ class Op(enum.IntEnum):
     RESULTS = 7
     ERROR = 8
     ABORTED = 9
+    WEIGHTS = 10
 
 
 # dtypes the header can name (prompt ids and masks travel as int64 and are cast back)
 _DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
            torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _EVENT_NAMES = ("begin", "consume", "finish")
+WEIGHTS_BUCKET = 1 << 26  # elements per WEIGHTS message (256 MiB in fp32)
 
 
 class RemoteScorerError(RuntimeError):
@@ -160,6 +179,70 @@ def _decode_events(table: torch.Tensor, offset: float) -> list[TimelineEvent]:
     return events
 
 
+def _layout_hash(module: torch.nn.Module) -> int:
+    """crc32 of the parameters' names and shapes: both ends must hold the same model."""
+    text = ";".join(f"{n}:{tuple(p.shape)}" for n, p in module.named_parameters())
+    return zlib.crc32(text.encode())
+
+
+def _buckets(params: Sequence[torch.Tensor], bucket: int) -> list[list[tuple]]:
+    """The parameters' concatenation cut into pieces of ``bucket`` elements: per bucket the
+    (flat view of a parameter, start, end) spans it is made of, in order."""
+    out, current, filled = [], [], 0
+    for p in params:
+        if not p.is_contiguous():
+            raise ValueError("WEIGHTS: parameters must be contiguous")
+        flat, start = p.data.view(-1), 0
+        while start < flat.numel():
+            take = min(bucket - filled, flat.numel() - start)
+            current.append((flat, start, start + take))
+            filled, start = filled + take, start + take
+            if filled == bucket:
+                out.append(current)
+                current, filled = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+class StageWeights:
+    """The stage's copy of a model that trains on the actor ranks (the critic): WEIGHTS
+    messages load the actor rank's parameters into it. One object serves the ScorerStages of
+    every actor rank (they share the model); a version already loaded is received and
+    dropped. ``error``: why a WEIGHTS message could not be loaded (reported to the actor at
+    the next BEGIN)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = [p for _, p in model.named_parameters()]
+        self.numel = sum(p.numel() for p in self.params)
+        self.layout = _layout_hash(model)
+        self.version: Optional[int] = None
+        self.error: Optional[str] = None
+
+    @torch.no_grad()
+    def receive(self, head: Sequence[int], recv) -> None:
+        """Take the message whose header is ``head``; ``recv(shape, dtype)`` receives the
+        next payload tensor (on the model's device)."""
+        version, dtype, numel, bucket, layout = head[1:6]
+        fits = (numel, layout) == (self.numel, self.layout)
+        load = fits and version != self.version
+        spans = iter(_buckets(self.params, bucket)) if load else None
+        for start in range(0, numel, bucket):
+            flat = recv((min(bucket, numel - start),), _DTYPES[dtype])
+            if load:
+                offset = 0
+                for view, a, b in next(spans):
+                    view[a:b].copy_(flat[offset:offset + b - a])
+                    offset += b - a
+        if not fits:
+            self.error = (f"the actor rank's critic ({numel} parameters, layout crc32 {layout}) "
+                          f"is not the stage's copy ({self.numel}, {self.layout}): both ends "
+                          f"must build the same architecture")
+        elif load:
+            self.version = version
+
+
 class ScorerStage:
     """Runs on the scorer rank: applies the actor rank's messages to ``scorers``.
 
@@ -173,14 +256,18 @@ class ScorerStage:
 
     def __init__(self, scorers: Sequence[StreamingScorer], link: Link,
                  device: Optional[torch.device] = None, timeout: Optional[timedelta] = None,
-                 carry: bool = False):
+                 carry: bool = False, weights: Optional[StageWeights] = None):
         kinds = [s.kind for s in scorers]
         if not kinds or len(set(kinds)) != len(kinds):
             raise ValueError(f"one scorer per kind, at least one, got {kinds}")
-        if carry and not set(kinds) <= set(FROZEN_KINDS):
-            raise ValueError(f"carry: only frozen scorers ({', '.join(FROZEN_KINDS)}) keep "
-                             f"rows across rollouts (an update changes the others), got {kinds}")
-        self.carry = carry
+        trained = [s for s in scorers if s.kind not in FROZEN_KINDS]
+        if weights is not None and [s.model for s in trained] != [weights.model]:
+            raise ValueError(f"weights: the model of the one trained scorer (critic), got "
+                             f"scorers {kinds}")
+        # with carry, the frozen scorers keep rows across rollouts; a trained one (the
+        # critic) is rebuilt at every BEGIN from every row (the actor end's refresh=True)
+        self.carry, self.weights = carry, weights
+        self._pending: Optional[str] = None  # a WEIGHTS message this stage could not take
         if not link.on_scorer:
             raise ValueError(f"rank {link.rank} is the actor end of its link, not the scorer's")
         self.scorers = list(scorers)
@@ -232,6 +319,9 @@ class ScorerStage:
             self._reset()
             self.stopped_by = Op.SHUTDOWN
             return 0
+        if op == Op.WEIGHTS:
+            self._take_weights(head)
+            return 0
         if op in (Op.END_ROLLOUT, Op.ABORT):
             if not self._replied:
                 if op == Op.END_ROLLOUT:
@@ -264,10 +354,21 @@ class ScorerStage:
             payload = (payload, prefix, self._recv_tensor((2, head[7])))
         return op, head, payload
 
-    def _recv_tensor(self, shape) -> torch.Tensor:
-        t = torch.empty(shape, dtype=torch.long, device=self.wire)
+    def _recv_tensor(self, shape, dtype=torch.long) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.wire)
         _wait(self.link.irecv(t), self.timeout)
         return t.to(self.device)
+
+    def _take_weights(self, head) -> None:
+        """A WEIGHTS message (between rollouts): into ``weights``, or received and dropped
+        when this stage has none (the error then goes back at the next BEGIN)."""
+        if self.weights is not None:
+            self.weights.receive(head, self._recv_tensor)
+            return
+        numel, bucket = head[3], head[4]
+        for start in range(0, numel, bucket):
+            self._recv_tensor((min(bucket, numel - start),), _DTYPES[head[2]])
+        self._pending = "WEIGHTS sent to a stage without a trained scorer (critic)"
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -282,8 +383,23 @@ class ScorerStage:
         prompts, prefix, rows = payload
         self._row_ids, new = rows[0].cpu(), rows[1].cpu().bool()
         self._batch, self._partial = self._row_ids.numel(), bool(head[6])
+        frozen = [s for s in self.scorers if s.kind in FROZEN_KINDS]
+        trained = [s for s in self.scorers if s.kind not in FROZEN_KINDS]
+        for error in (self._pending, self.weights.error if self.weights else None):
+            if error:
+                raise RuntimeError(error)
+        if self.weights is not None and self.weights.version is None:
+            raise RuntimeError("the critic's weights never arrived: the actor end sends them "
+                               "(RemoteScorers.send_weights) before its first rollout")
+        every_row = head[1] == self._batch  # the payload holds all rows, not just new ones
+        if trained and not every_row:
+            raise RuntimeError(f"{trained[0].kind} is rebuilt at every rollout from every row, "
+                               f"but the BEGIN holds {head[1]} of {self._batch} (the actor "
+                               f"end needs refresh=True)")
+        for scorer in trained:
+            scorer.reset()
         listed = set(self._row_ids.tolist())
-        for scorer in self.scorers:
+        for scorer in frozen:
             held = set(scorer.rows.tolist())
             missing = listed - held - set(self._row_ids[new].tolist())
             if missing:
@@ -297,8 +413,14 @@ class ScorerStage:
         ids = prompts[0].to(_DTYPES[head[3]])
         mask = prompts[1].to(_DTYPES[head[4]])
         extra = (prefix[:, 1:], prefix[:, 0]) if prefix is not None else ()
+        for scorer in trained:
+            self._timeline.run(scorer.kind, "begin", scorer.add, self._row_ids.tolist(), ids,
+                               mask, *extra)
+        if every_row and not bool(new.all()):  # the frozen scorers hold some of them
+            sub = new.nonzero().squeeze(-1).to(ids.device)
+            ids, mask, extra = ids[sub], mask[sub], tuple(t[sub] for t in extra)
         new_ids = self._row_ids[new].tolist()
-        for scorer in self.scorers:
+        for scorer in frozen if new_ids else ():
             self._timeline.run(scorer.kind, "begin", scorer.add, new_ids, ids, mask, *extra)
 
     def _apply(self, op, head, payload) -> None:
@@ -394,11 +516,14 @@ class RemoteScorers:
     reply; ``abort`` ends it without results; ``close`` shuts the stage down. A scorer's
     failure raises ``RemoteScorerError`` naming the rank, with its traceback. ``carry`` must
     match the stage's: ``held`` is then the set of row ids the stage keeps from the last
-    partial rollout (module docstring).
+    partial rollout (module docstring). ``refresh``: the stage rebuilds a trained scorer (the
+    critic) at every rollout, so every row goes with the BEGIN; ``send_weights`` gives it the
+    critic's weights between rollouts.
     """
 
-    def __init__(self, link: Link, timeout: Optional[timedelta] = None, carry: bool = False):
-        self.carry = carry
+    def __init__(self, link: Link, timeout: Optional[timedelta] = None, carry: bool = False,
+                 refresh: bool = False):
+        self.carry, self.refresh = carry, refresh
         self.held: set[int] = set()
         self._rollout_rows: list[int] = []
         if link.on_scorer:
@@ -432,7 +557,8 @@ class RemoteScorers:
         if len(row_ids) != batch or len(set(row_ids)) != batch:
             raise ValueError(f"row_ids: {batch} distinct ids expected, got {row_ids}")
         new = torch.tensor([r not in self.held for r in row_ids], dtype=torch.bool)
-        sub = new.nonzero().squeeze(-1).to(prompt_ids.device)
+        sub = (torch.ones_like(new) if self.refresh else new).nonzero().squeeze(-1)
+        sub = sub.to(prompt_ids.device)
         prompt_ids, prompt_mask = prompt_ids[sub], prompt_mask[sub]
         codes = _DTYPES.index(prompt_ids.dtype), _DTYPES.index(prompt_mask.dtype)
         payload = torch.stack([prompt_ids.to(self.wire, torch.long),
@@ -454,6 +580,26 @@ class RemoteScorers:
             self._isend(prefix)
         self._isend(rows)
         return sent
+
+    def send_weights(self, module: torch.nn.Module, version: int,
+                     bucket: int = WEIGHTS_BUCKET) -> None:
+        """Send ``module``'s parameters (the critic, whole on this rank) to the stage's copy,
+        between rollouts; returns when they are sent. ``version`` names them (the stage
+        skips a version it has). On the wire in the parameters' dtype (float32 when they
+        mix dtypes), ``bucket`` elements per message: one bucket's copy at a time."""
+        if self._open or self._closed:
+            raise RuntimeError("send_weights: between rollouts only" if self._open
+                               else "send_weights: the scorer stage was shut down")
+        params = [p for _, p in module.named_parameters()]
+        dtypes = {p.dtype for p in params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        numel = sum(p.numel() for p in params)
+        _wait(self.link.isend(_header(Op.WEIGHTS, version, _DTYPES.index(dtype), numel, bucket,
+                                      _layout_hash(module), device=self.wire)), self.timeout)
+        with torch.no_grad():
+            for spans in _buckets(params, bucket):
+                flat = torch.cat([view[a:b].to(dtype) for view, a, b in spans]).to(self.wire)
+                _wait(self.link.isend(flat), self.timeout)
 
     def chunk(self, name: str, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
               ended: torch.Tensor) -> None:
