@@ -256,6 +256,14 @@ def run_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list
     return run_mode(f"peer {peer}", None, cmd_args, run_dir, module=PEERS[peer])
 
 
+def mode_ranks(mode: str, ranks: int, baseline_ranks: Optional[int] = None) -> int:
+    """The processes ``mode`` runs as: ``ranks``, or for a mode that does not stream
+    (sequential, inter) ``baseline_ranks`` when given."""
+    if baseline_ranks is None or MODES[mode].streams:
+        return ranks
+    return baseline_ranks
+
+
 def launch_command(module: str, args: list[str], ranks: int = 1) -> list[str]:
     """The command of one run: ``python -m module`` for one process, else DeepSpeed's
     launcher starting ``ranks`` processes on this machine (``deepspeed --num_gpus ranks``, on
@@ -371,7 +379,11 @@ def format_markdown(report: dict) -> str:
     repeat = report.get("repeat") or 1
     rounds = (f" {repeat} rounds round-robin, medians over the rounds (a speedup: the median of "
               f"the rounds' own);" if repeat > 1 else "")
-    lines = [f"`oppo-bench` {report.get('steps')} steps per run,{rounds} seed {report.get('seed')}, "
+    ranks, base = report.get("ranks") or 1, report.get("baseline_ranks") or report.get("ranks") or 1
+    procs = "" if ranks == base == 1 else \
+        (f" {ranks} processes per mode," if ranks == base else
+         f" {ranks} processes per streaming mode, {base} per mode that does not stream,")
+    lines = [f"`oppo-bench` {report.get('steps')} steps per run,{procs}{rounds} seed {report.get('seed')}, "
              f"config {report.get('config') or 'built-in workload'}; {machine.get('platform')}, "
              f"{machine.get('cpu_count')} CPUs, GPU: {machine.get('cuda_device') or 'none'}, "
              f"torch {machine.get('torch')}, DeepSpeed {machine.get('deepspeed')}.",

@@ -382,6 +382,32 @@ def test_stage_modes_beside_data_parallel_ones_on_two_ranks(cache_dir, tmp_path)
     assert "scorer rank 1: served 2 rollouts" in log
 
 
+def test_baseline_ranks_give_the_modes_that_do_not_stream_their_own_count(cache_dir, tmp_path,
+                                                                          capsys):
+    """``--baseline-ranks M``: sequential and inter run as M processes, the streaming modes
+    as --ranks (the stage's actor ranks plus its scorer rank); the JSON and the table say
+    so. M = 1 here: sequential in one process, no launcher."""
+    assert [bench.mode_ranks(m, 8, 7) for m in ("sequential", "intra", "inter", "oppo")] == \
+        [7, 8, 7, 8]
+    assert bench.mode_ranks("sequential", 8) == 8
+    out = str(tmp_path / "x.json")
+    assert bench_cli.main(["--modes", "sequential", "--steps", "2", "--json", out,
+                           "--baseline-ranks", "0"]) == 2
+    assert "--baseline-ranks must be >= 1" in capsys.readouterr().err
+    md = tmp_path / "b.md"
+    code = bench_cli.main(["--config", TINY, "--modes", "sequential", "--steps", "2", "--ranks",
+                           "2", "--baseline-ranks", "1", "--json", out, "--table", str(md),
+                           *SMALL, f"workload.cache_dir={cache_dir}", "logging.tensorboard=false"])
+    assert code == 0
+    report = json.loads(open(out).read())
+    assert report["ranks"] == 2 and report["baseline_ranks"] == 1
+    summary = json.loads((tmp_path / "x.runs" / "sequential" / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["samples"] == 2 * 8
+    log = (tmp_path / "x.runs" / "sequential" / "stdout.log").read_text()
+    assert "deepspeed.launcher.runner" not in log.splitlines()[0]
+    assert "2 processes per streaming mode, 1 per mode that does not stream" in md.read_text()
+
+
 def test_repeat_runs_the_modes_round_robin(cache_dir, tmp_path, capsys):
     """--repeat 2: every mode twice, in rounds (round 2 in name.round2), each round's speedup
     against its own sequential run, the medians in the JSON and the table."""

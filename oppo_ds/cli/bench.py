@@ -11,6 +11,9 @@ With ``--ranks N`` each mode runs as N processes under DeepSpeed's launcher (one
 
     oppo-bench --ranks 8 --config FILE --modes sequential,oppo --steps 50 --json out.json \
         oppo.placement=stage      # oppo: 7 actor ranks + the scorer rank; sequential: 8 ranks
+
+``--baseline-ranks M`` gives the modes that do not stream M processes instead (M = 7 above:
+the same run as oppo's 7 actor ranks, on the same machine).
 """
 from __future__ import annotations
 
@@ -49,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="processes per mode (default 1); N > 1 starts them with DeepSpeed's "
                              "launcher on this machine, one per GPU. With oppo.placement=stage the "
                              "streaming modes use one of them as the scorer rank")
+    parser.add_argument("--baseline-ranks", type=int, metavar="M",
+                        help="processes for the modes that do not stream (sequential, inter); "
+                             "default: --ranks. With oppo.placement=stage and --ranks N, M = N - 1 "
+                             "trains them on as many actor ranks as the stage modes have: every "
+                             "mode the same run (batch, tokens) on the same machine")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the whole benchmark N times round-robin (every mode once per "
                              "round) and report medians over the rounds; a speedup is the "
@@ -68,6 +76,9 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
         raise bench.BenchError(f"--ranks must be >= 1, got {args.ranks}", code=2)
     if args.repeat < 1:
         raise bench.BenchError(f"--repeat must be >= 1, got {args.repeat}", code=2)
+    if args.baseline_ranks is not None and args.baseline_ranks < 1:
+        raise bench.BenchError(f"--baseline-ranks must be >= 1, got {args.baseline_ranks}",
+                               code=2)
     if args.ranks > 1 and args.peers:
         raise bench.BenchError("--peers runs one process (TRL's PPO here is single-process); "
                                "leave --ranks at 1 to compare with a peer", code=2)
@@ -101,7 +112,9 @@ def run_round(args, modes: list[str], workdir: str, round_index: int, traced) ->
               file=sys.stderr, flush=True)
         overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides,
                                           trace_step=traced)
-        histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir, ranks=args.ranks)
+        histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir,
+                                         ranks=bench.mode_ranks(mode, args.ranks,
+                                                                args.baseline_ranks))
         trace = bench.read_trace(run_dir, traced) if traced else None
         if trace is not None:
             traces[mode] = trace
@@ -149,6 +162,7 @@ def run(args) -> dict:
         results, peers, ratios = first["modes"], first["peers"], first["ratios"]
     histories, peer_histories, traces = first["histories"], first["peer_histories"], first["traces"]
     report = {"config": args.config, "steps": args.steps, "seed": args.seed, "ranks": args.ranks,
+              "baseline_ranks": bench.mode_ranks("sequential", args.ranks, args.baseline_ranks),
               "repeat": args.repeat, "overrides": list(args.overrides), "workdir": workdir,
               "machine": machine, "modes": results, "peers": peers, "ratios": ratios}
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
