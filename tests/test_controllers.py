@@ -111,6 +111,17 @@ def test_without_the_actors_timing_the_model_keeps_the_fewest_hand_overs():
     assert ctl.chunk_size == 64 and "fewest hand-overs" in msg
 
 
+def test_a_calibration_saved_without_the_actors_timing_still_decides():
+    # a checkpoint taken mid-calibration by a version that kept (calls, tokens, busy) only
+    old = {"candidates": [4, 8, 16, 32, 64], "explore_every": 0, "chunk_size": None, "step": 1,
+           "calibration": [list(_cost(4))], "exploring": [], "trials": {}}
+    ctl = ChunkSizeController()
+    ctl.load_state_dict(old)
+    assert ctl.next_chunk_size() == 64
+    msg = ctl.observe(64, 1.0, *_cost(64), scorers=3, pipeline=PIPE)
+    assert ctl.chunk_size == 64 and "fewest hand-overs" in msg
+
+
 def test_state_dict_round_trip_mid_exploration():
     per_token = {4: 3.0, 8: 2.0, 16: 1.0, 32: 1.5, 64: 2.5}
 

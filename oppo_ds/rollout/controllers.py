@@ -176,7 +176,8 @@ class ChunkSizeController:
         if len(pipes) == len(self.calibration):  # the calibration steps' mean
             pipe = Pipeline.from_list([sum(v) / len(pipes) for v in
                                        zip(*(p.as_list() for p in pipes))])
-        scorers = max(int(self.calibration[-1][3]), 1)
+        last = self.calibration[-1]  # (calls, tokens, busy[, scorers, *pipeline])
+        scorers = max(int(last[3]), 1) if len(last) > 3 else 1
         self.chunk_size, costs = model_chunk_size(a, b, pipe, scorers, self.candidates,
                                                   self.overlapped)
         text = (f"chunk_size={self.chunk_size} from the cost model: scorer prefill "
