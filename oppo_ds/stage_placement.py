@@ -21,7 +21,8 @@ import torch.distributed as dist
 from .config import ConfigError
 from .models import build_causal_lm, build_value_model
 from .rollout.scorer import StreamingScorer
-from .rollout.stage import Op, Replica, ScorerStage, StageWeights, serve_round
+from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
+from .rollout.stage_stream import Replica
 from .rollout.stage_layout import StageLayout
 
 if TYPE_CHECKING:

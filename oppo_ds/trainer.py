@@ -32,7 +32,8 @@ from .rollout.generate import SamplingParams, decode_steps, generate, start_deco
 from .rollout.controllers import QUANTILES, ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
                            staleness_metrics, staleness_rows)
-from .rollout.stage import RemoteScorers, stage_stream_continue, stage_stream_generate
+from .rollout.stage import RemoteScorers
+from .rollout.stage_stream import stage_stream_continue, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
 from .preemption import StopOnSignal

@@ -347,7 +347,8 @@ def _stage_worker(rank, world, out):
     from oppo_ds.megatron.model import build_model
     from oppo_ds.megatron.parallel import init_model_parallel
     from oppo_ds.rollout.generate import SamplingParams
-    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage, stage_stream_generate
+    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage
+    from oppo_ds.rollout.stage_stream import stage_stream_generate
     from oppo_ds.rollout.stage_layout import Link
     from oppo_ds.rollout.streaming import StreamingScorer
 

@@ -69,7 +69,7 @@ class _FailsOnce:
 
 def _compare(actor, scorers, remote, chunk_size):
     """Stage vs inline on rank 0: what the pytest process checks."""
-    from oppo_ds.rollout.stage import stage_stream_generate
+    from oppo_ds.rollout.stage_stream import stage_stream_generate
     from oppo_ds.rollout.streaming import stream_generate
     ids, mask = _prompts()
     params = _params()
@@ -123,7 +123,7 @@ def _continue_twice(actor, reference, reward, critic, remote):
     unfinished, from their responses so far) against ``stream_continue`` inline with scorers
     that prefill every row the same way: tokens identical, results of the rows that finished
     within ATOL, none for rows still running."""
-    from oppo_ds.rollout.stage import stage_stream_continue
+    from oppo_ds.rollout.stage_stream import stage_stream_continue
     ids, mask = _prompts()
     params = _params()
     uids = torch.arange(100, 100 + ids.shape[0])
@@ -160,7 +160,7 @@ def _continue_carried(actor, reference, reward, critic, remote):
     identical, scores within 1e-5 (a carried prefix was prefilled chunk by chunk, a fresh one
     in one forward: float summation order)."""
     from oppo_ds.rollout.generate import finish
-    from oppo_ds.rollout.stage import stage_stream_continue
+    from oppo_ds.rollout.stage_stream import stage_stream_continue
     from oppo_ds.rollout.streaming import StreamingScorer
     all_ids, all_mask = _prompts(PROMPT_LENS + [4, 5])
     first = len(PROMPT_LENS)
@@ -347,8 +347,8 @@ def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():
 
 def _replica_worker(rank, layout, links, out, scenario):
     import torch.distributed as dist
-    from oppo_ds.rollout.stage import (RemoteScorerError, RemoteScorers, Replica, ScorerStage,
-                                       stage_stream_generate)
+    from oppo_ds.rollout.stage import RemoteScorerError, RemoteScorers, ScorerStage
+    from oppo_ds.rollout.stage_stream import Replica, stage_stream_generate
     from oppo_ds.rollout.streaming import StreamingScorer, stream_generate
     actor, reference, reward, critic = _models(ARCHS[0])
     if rank == 2:

@@ -1,7 +1,8 @@
 """The ``stage`` placement: the streaming scorers on their own rank, a pipeline stage after the
 actor.
 
-The actor rank decodes in chunks and hands every chunk to ``RemoteScorers``, which sends it
+The actor rank decodes in chunks (``stage_stream.py``: ``stage_stream_generate`` /
+``stage_stream_continue``) and hands every chunk to ``RemoteScorers``, which sends it
 to the scorer rank with ``isend`` and returns at once: the actor goes on decoding while the
 scorer rank prefills the chunk into its scorers' KV caches (two processes, real concurrency).
 The scorer rank runs ``ScorerStage.serve``: it receives the messages and applies them to its
@@ -19,7 +20,7 @@ scorers of its own over the same models, served together by ``serve_round``: eve
 applied as it arrives, so each rank's chunks are scored while it decodes. A
 model split tensor/pipeline parallel over several ranks (Megatron) decodes the same tokens on
 each of them: only its first rank streams (``replica_senders``) and broadcasts the scores to the
-others (``Replica``), so the scorer rank scores each replica's rollout once.
+others (``stage_stream.Replica``), so the scorer rank scores each replica's rollout once.
 
 Wire protocol. Every message is a header, an int64 tensor of ``HEADER_LEN`` entries
 ``[op, a, b, c, d, 0, 0, 0]``, followed by the payload tensors the header's op and sizes
@@ -104,18 +105,14 @@ import threading
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from .generate import SamplingParams, finish, start_decode
 from .scorer import FROZEN_KINDS, SCORER_KINDS, StreamingScorer
 from .stage_layout import Link
-from .streaming import (ScorerTiming, StreamTiming, TimelineEvent, _assemble, _clock,
-                        _decode_in_chunks, _no_wait, _summarize, _Timeline)
+from .streaming import TimelineEvent, _no_wait, _Timeline
 
 HEADER_LEN = 8
 
@@ -759,175 +756,3 @@ def _split_results(codes: torch.Tensor, values: torch.Tensor) -> dict[str, dict[
         finished[kind] = {i: (p.reshape(()) if kind == "reward" else p)
                           for i, p in zip(rows, parts)}
     return finished
-
-
-@dataclass
-class Replica:
-    """The ranks of one model replica (tensor x pipeline parallel) decode the same tokens;
-    only ``sender`` (a GLOBAL rank) streams them to the scorer rank, and it shares the scores
-    and the timing with the others over ``group`` (the replica's model-parallel group)."""
-    group: object
-    sender: int
-
-    @property
-    def sends(self) -> bool:
-        return dist.get_rank() == self.sender
-
-
-class _Quiet:
-    """The chunk sink of a replica rank that does not send (its replica's sender does)."""
-
-    def chunk(self, name, rows, tokens, counts, ended) -> None:
-        pass
-
-
-def stage_stream_generate(actor, remote: Optional[RemoteScorers], prompt_ids: torch.Tensor,
-                          prompt_mask: torch.Tensor, params: SamplingParams,
-                          generator: Optional[torch.Generator], chunk_size: int,
-                          targets: Optional[torch.Tensor] = None,
-                          replica: Optional[Replica] = None):
-    """``stream_generate`` with the scorers on the scorer stage behind ``remote``.
-
-    Returns (Generation, results, StreamTiming) as ``stream_generate`` does: the same
-    Generation (sampling is untouched) and the same scores (the same computation, in another
-    process). Timing: ``scoring_end_s`` is when this rank had received the results,
-    ``scoring_tail_s`` what it waited for after its last token (the stage's remaining work
-    and the transfer), ``scorers`` / ``scoring_busy_s`` / ``scoring_hidden_frac`` /
-    ``events`` come from the stage's own timestamps, placed on this rank's timeline as the
-    module docstring says.
-
-    With ``replica`` (a model-parallel actor), every rank of it calls this with the same
-    prompts: the sender (``remote`` given) streams, the others (``remote`` None) decode the
-    same tokens without sending, and all return the sender's results and timing.
-    """
-    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, targets=targets)
-
-    def package(state, finished):
-        gen = finish(state)
-        return gen, {kind: _assemble(kind, per_row, gen) for kind, per_row in finished.items()}
-
-    return _on_replica(actor, remote, inputs, params, generator, chunk_size, replica,
-                       package=package)
-
-
-def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: dict,
-                          row_ids: torch.Tensor, params: SamplingParams,
-                          generator: Optional[torch.Generator], chunk_size: int, stop=None,
-                          replica: Optional[Replica] = None):
-    """``stream_continue`` (the rollout pool's streaming rollout) with the scorers on the
-    scorer stage. A row new to the stage goes to it with its prompt and the response it has so
-    far, which it prefills (on its own device, while this rank rebuilds its KV cache the same
-    way) before the chunks come. Rows still running when ``stop`` ends the rollout: with a
-    carrying stage (``remote.carry``, frozen scorers) they stay in its caches and are not sent
-    again, as the frozen scorers carry them under ``inline`` / ``colocated``; otherwise they
-    are dropped there and sent again next time (their prefix recomputed; the same scores
-    within float rounding). ``row_ids`` name the rows to the stage.
-
-    Returns (DecodeState, {kind: {row id: result}} of the rows that finished, StreamTiming),
-    as ``stream_continue``; ``replica`` as in ``stage_stream_generate``."""
-    row_ids = row_ids.to(start_inputs["prompt_ids"].device)
-
-    def package(state, finished):
-        return state, {kind: {int(row_ids[i]): v for i, v in per_row.items()}
-                       for kind, per_row in finished.items()}
-
-    return _on_replica(actor, remote, start_inputs, params, generator, chunk_size, replica,
-                       package=package, stop=stop, partial=True, row_ids=row_ids.tolist())
-
-
-def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int, replica,
-                package, stop=None, partial: bool = False, row_ids=None):
-    """One streamed rollout: on the rank that streams (no ``replica``, or its sender) to the
-    stage, on the other ranks of a replica decoded quietly and given the sender's results."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    device = inputs["prompt_ids"].device
-    if replica is None or replica.sends:
-        if remote is None:
-            raise ValueError("the rank that streams needs the scorer stage (remote)")
-        try:
-            state, finished, timing = _stream_to_stage(
-                actor, remote, inputs, params, generator, chunk_size, stop, partial,
-                hold_errors=replica is not None, row_ids=row_ids)
-        except Exception as err:
-            if replica is not None:  # the other ranks of the replica wait for the scores
-                _share(replica, f"rank {dist.get_rank()}, which streams for its replica, "
-                                f"failed: {type(err).__name__}: {err}")
-            raise
-        if replica is not None:
-            _share(replica, ({k: {i: v.cpu() for i, v in rows.items()}
-                              for k, rows in finished.items()}, timing))
-        return (*package(state, finished), timing)
-    if remote is not None:
-        raise ValueError(f"rank {dist.get_rank()} does not stream for its replica "
-                         f"(rank {replica.sender} does) but was given the scorer stage")
-    state = start_decode(actor, params=params, **inputs)
-    _decode_in_chunks(actor, state, _Quiet(), _Timeline(0.0, []), params, generator,
-                      chunk_size, stop=stop)
-    shared = _share(replica, None)
-    if isinstance(shared, str):
-        raise RemoteScorerError(shared)
-    finished, timing = shared
-    finished = {k: {i: v.to(device) for i, v in rows.items()} for k, rows in finished.items()}
-    return (*package(state, finished), timing)
-
-
-def _share(replica: Replica, obj):
-    """Broadcast ``obj`` from the replica's sender to its other ranks; returns it."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=replica.sender, group=replica.group)
-    return box[0]
-
-
-class _HoldError:
-    """A replica sender's sink: a scorer failure the stage reports mid-rollout is held until
-    this rank has decoded to the end, because the other ranks of its replica decode on and
-    their tensor/pipeline-parallel calls need this rank's."""
-
-    def __init__(self, remote: RemoteScorers):
-        self.remote, self.error = remote, None
-
-    def chunk(self, name, rows, tokens, counts, ended) -> None:
-        if self.error is None:
-            try:
-                self.remote.chunk(name, rows, tokens, counts, ended)
-            except RemoteScorerError as err:
-                self.error = err
-
-
-def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generator,
-                     chunk_size: int, stop, partial: bool, hold_errors: bool, row_ids=None):
-    """The rollout on the rank that streams: (DecodeState, {kind: {row: result}}, timing)."""
-    device = inputs["prompt_ids"].device
-    events: list[TimelineEvent] = []
-    start = _clock(device)
-    timeline = _Timeline(start, events, (lambda: torch.cuda.synchronize(device))
-                         if device.type == "cuda" else _no_wait)
-    try:
-        # the stage prefills the prompts (and responses so far) while this rank does too
-        begin_s = remote.begin(inputs["prompt_ids"], inputs["prompt_mask"],
-                               inputs.get("prefix_ids"), inputs.get("prefix_lengths"),
-                               partial=partial, row_ids=row_ids) - start
-        state = timeline.run("actor", "prefill", lambda: start_decode(actor, params=params,
-                                                                      **inputs))
-        sink = _HoldError(remote) if hold_errors else remote
-        chunks, row_tokens = _decode_in_chunks(actor, state, sink, timeline, params,
-                                               generator, chunk_size, stop=stop)
-        if hold_errors and sink.error is not None:
-            raise sink.error
-        finished, stage_events = remote.results()
-    except BaseException:
-        remote.abort()
-        raise
-    received_s = _clock(device) - start
-
-    timing = StreamTiming(chunks=chunks, row_tokens=row_tokens,
-                          scorers={k: ScorerTiming() for k in finished},
-                          events=events + [e._replace(start_s=e.start_s + begin_s,
-                                                      end_s=e.end_s + begin_s)
-                                           for e in stage_events])
-    timing.wall_s = _clock(device) - start
-    _summarize(timing)
-    timing.scoring_end_s = max(received_s, timing.decode_end_s)
-    timing.scoring_tail_s = timing.scoring_end_s - timing.decode_end_s
-    return state, finished, timing
