@@ -46,19 +46,22 @@ device for NCCL). Actor -> scorer:
                                                         stage holds it from the last rollout).
                                                         partial = 1: rows may end the rollout
                                                         unfinished
-    CONSUME      [CONSUME, chunk, A, c]                 int64 (A, 2 + c): rows, lengths, tokens
-    FINISH       [FINISH, chunk, n]                     int64 (n,): rows that ended (n > 0)
+    CONSUME      [CONSUME, chunk, A, c, n]              int64 (A * (2 + c) + n,): per row its
+                                                        place, its count of new tokens and the
+                                                        c tokens (right-padded), then the n rows
+                                                        that ended in this chunk
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
     ABORT        [ABORT]                                -> ABORTED (or nothing after an ERROR)
     SHUTDOWN     [SHUTDOWN]                             ``serve`` returns
 
 Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
 
-    RESULTS  [RESULTS, K, B, N, E]  int64 (K, 1 + B): kind code, then per-row result lengths
-                                    (-1: the row did not finish, partial rollouts only);
-                                    float32 (N,): the rows' results, kind by kind, row by row;
-                                    float64 (E, 5): events (lane code, name code, chunk,
-                                    start_s, end_s), seconds from the scorer's BEGIN receipt
+    RESULTS  [RESULTS, K, B, N, E]  float64 (K * (1 + B) + N + 5 E,), one message: per
+                                    scorer its kind code, then per-row result lengths (-1:
+                                    the row did not finish, partial rollouts only); the rows'
+                                    N results (float32 values), kind by kind, row by row; E
+                                    events (lane code, name code, chunk, start_s, end_s),
+                                    seconds from the scorer's BEGIN receipt
     ERROR    [ERROR, nbytes]        uint8 (nbytes,): the scorer rank's traceback, UTF-8
     ABORTED  [ABORTED]
 
@@ -68,7 +71,7 @@ reference models, whose prefix state an update does not change), and the next BE
 only the rows the stage does not hold; rows it holds that the next rollout does not list are
 dropped. Both ends follow the same rule (the actor's ``RemoteScorers.held`` is what the stage
 holds), and both forget everything after an ABORT or an ERROR. Without ``carry`` the stage
-resets after every rollout and every row is new. CONSUME and FINISH name rows by their place
+resets after every rollout and every row is new. CONSUME names rows by their place
 in the rollout (0..N-1); the stage maps them to its row ids.
 
 The critic trains, so its copy on the stage (``StageWeights``) takes the actor rank's
@@ -120,7 +123,6 @@ HEADER_LEN = 8
 class Op(enum.IntEnum):
     BEGIN = 1
     CONSUME = 2
-    FINISH = 3
     END_ROLLOUT = 4
     ABORT = 5
     SHUTDOWN = 6
@@ -341,8 +343,8 @@ class ScorerStage:
     def _recv_payload(self, head: torch.Tensor):
         head = head.tolist()  # on NCCL a host sync: the sizes decide the next receive
         op = head[0]
-        shape = {Op.BEGIN: (2, head[1], head[2]), Op.CONSUME: (head[2], 2 + head[3]),
-                 Op.FINISH: (head[2],)}.get(op)
+        shape = {Op.BEGIN: (2, head[1], head[2]),
+                 Op.CONSUME: (head[2] * (2 + head[3]) + head[4],)}.get(op)
         payload = None
         if shape is not None and all(shape):
             payload = self._recv_tensor(shape)
@@ -423,16 +425,17 @@ class ScorerStage:
     def _apply(self, op, head, payload) -> None:
         run, chunk = self._timeline.run, head[1]
         ids = self._row_ids.to(self.device)
-        if op == Op.CONSUME:
-            rows, lengths, tokens = ids[payload[:, 0]], payload[:, 1], payload[:, 2:]
-            for scorer in self.scorers:
-                run(scorer.kind, f"consume {chunk}", scorer.consume, rows, tokens, lengths)
-        elif op == Op.FINISH:
+        if op != Op.CONSUME:
+            raise ValueError(f"unknown op {op} in a rollout (header {head})")
+        active, width = head[2], 2 + head[3]
+        table, ended = payload[:active * width].view(active, width), payload[active * width:]
+        rows, lengths, tokens = ids[table[:, 0]], table[:, 1], table[:, 2:]
+        for scorer in self.scorers:
+            run(scorer.kind, f"consume {chunk}", scorer.consume, rows, tokens, lengths)
+        if ended.numel():
             for scorer in self.scorers:
                 self._finished[scorer.kind].update(
-                    run(scorer.kind, f"finish {chunk}", scorer.finish, ids[payload]))
-        else:
-            raise ValueError(f"unknown op {op} in a rollout (header {head})")
+                    run(scorer.kind, f"finish {chunk}", scorer.finish, ids[ended]))
 
     def _send_results(self) -> None:
         codes, values = [], []
@@ -447,12 +450,13 @@ class ScorerStage:
             codes.append([SCORER_KINDS.index(scorer.kind)] +
                          [-1 if r is None else r.numel() for r in rows])
             values.extend(r for r in rows if r is not None)
-        codes = torch.tensor(codes, dtype=torch.long, device=self.wire)
+        codes = torch.tensor(codes, dtype=torch.float64, device=self.wire).reshape(-1)
         values = torch.cat(values) if values else torch.zeros(0, device=self.wire)
         events = _encode_events(self._events).to(self.wire)
         head = _header(Op.RESULTS, len(self.scorers), self._batch, values.numel(),
                        events.shape[0], device=self.wire)
-        self._send(head, codes, values, events)
+        # one payload: each message costs a wake-up of the waiting side
+        self._send(head, torch.cat([codes, values.double(), events.reshape(-1)]))
 
     def _send(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -606,12 +610,11 @@ class RemoteScorers:
         if self._reply_arrived():
             self._take_reply()  # only an ERROR can come before END_ROLLOUT: raises
         chunk = int(name)
-        payload = torch.cat([rows[:, None], counts[:, None], tokens], dim=1).to(self.wire,
-                                                                                torch.long)
-        self._isend(_header(Op.CONSUME, chunk, *tokens.shape, device=self.wire), payload)
-        if ended.numel():
-            self._isend(_header(Op.FINISH, chunk, ended.numel(), device=self.wire),
-                        ended.to(self.wire, torch.long))
+        table = torch.cat([rows[:, None], counts[:, None], tokens], dim=1)
+        payload = torch.cat([table.reshape(-1), ended.to(table.device)]).to(self.wire,
+                                                                             torch.long)
+        self._isend(_header(Op.CONSUME, chunk, *tokens.shape, ended.numel(), device=self.wire),
+                    payload)
         # drop the sends that are done, so long rollouts hold only what is still in flight
         self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
 
@@ -710,10 +713,11 @@ class RemoteScorers:
                 raise RuntimeError(f"protocol error: reply op {op} from scorer rank "
                                    f"{self.scorer_rank} (header {head.tolist()})")
             kinds, batch, total, n_events = sizes[:4]
-            codes = self._recv((kinds, 1 + batch), torch.long).cpu()
-            values = self._recv((total,), torch.float32)
-            table = self._recv((n_events, 5), torch.float64).cpu()
-            return _split_results(codes, values), _decode_events(table, 0.0)
+            payload = self._recv((kinds * (1 + batch) + total + 5 * n_events,), torch.float64)
+            codes, values, table = payload.split([kinds * (1 + batch), total, 5 * n_events])
+            codes = codes.cpu().long().view(kinds, 1 + batch)
+            return (_split_results(codes, values.float()),
+                    _decode_events(table.cpu().view(n_events, 5), 0.0))
         finally:
             self._open = False
             self._drain()
