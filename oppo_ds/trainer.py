@@ -29,7 +29,7 @@ from .experience import (Experience, response_logprobs, response_values, sequenc
 from .lora import has_lora, merged_state_dict
 from .models import load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
-from .rollout.controllers import QUANTILES, ChunkSizeController, DeltaController, Pipeline
+from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
                            staleness_metrics, staleness_rows)
 from .rollout.stage import RemoteScorers
@@ -511,11 +511,10 @@ class PPOTrainer(StagePlacement):
         scorers = len(timing.scorers) if timing is not None else 0
         chunks, busy = (timing.chunks, timing.scoring_busy_s) if timing is not None else (0, 0.0)
         pipe = Pipeline.from_timing(timing) if timing is not None else None
-        width = 3 + QUANTILES  # Pipeline.as_list()
         local = torch.tensor([(phase_s["generate"] + phase_s["score"]) / tokens,
                               chunks * scorers, tokens * scorers, busy, scorers,
                               float(pipe is not None),
-                              *(pipe.as_list() if pipe is not None else [0.0] * width)],
+                              *(pipe.as_list() if pipe is not None else [0.0] * Pipeline.SIZE)],
                              dtype=torch.float64)
         total = all_reduce_sum(local, self.actor_group)
         per_token, calls, scored, busy, scorers = (total[:5] / self.actor_ranks).tolist()

@@ -64,7 +64,7 @@ def test_pipeline_from_a_rollouts_timing():
     assert pipe.rows == 16
     # group i of 8 (2 rows each) at the sorted tokens' index (i + 0.5) * 2; the last: the max
     assert pipe.lengths == (2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0)
-    assert Pipeline.from_list(pipe.as_list()) == pipe
+    assert Pipeline.from_list(pipe.as_list()) == pipe and len(pipe.as_list()) == Pipeline.SIZE
     assert Pipeline.from_timing(StreamTiming(row_tokens=[0, 0])) is None
 
 

@@ -75,8 +75,10 @@ class Pipeline:
                    handover_s=timing.handover_s / max(timing.chunks - 1, 1),
                    rows=float(n), lengths=lengths + (float(tokens[-1]),))
 
+    SIZE = 3 + QUANTILES  # len(as_list())
+
     def as_list(self) -> list[float]:
-        """Fixed-size numbers (for averaging over ranks and for checkpoints)."""
+        """``SIZE`` numbers (for averaging over ranks and for checkpoints)."""
         return [self.decode_s, self.handover_s, self.rows, *self.lengths]
 
     @classmethod

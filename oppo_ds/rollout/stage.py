@@ -184,6 +184,11 @@ def _layout_hash(module: torch.nn.Module) -> int:
     return zlib.crc32(text.encode())
 
 
+def _bucket_sizes(numel: int, bucket: int) -> list[int]:
+    """The sizes of the WEIGHTS payloads of ``numel`` elements cut into ``bucket``s."""
+    return [min(bucket, numel - start) for start in range(0, numel, bucket)]
+
+
 def _buckets(params: Sequence[torch.Tensor], bucket: int) -> list[list[tuple]]:
     """The parameters' concatenation cut into pieces of ``bucket`` elements: per bucket the
     (flat view of a parameter, start, end) spans it is made of, in order."""
@@ -227,8 +232,8 @@ class StageWeights:
         fits = (numel, layout) == (self.numel, self.layout)
         load = fits and version != self.version
         spans = iter(_buckets(self.params, bucket)) if load else None
-        for start in range(0, numel, bucket):
-            flat = recv((min(bucket, numel - start),), _DTYPES[dtype])
+        for size in _bucket_sizes(numel, bucket):
+            flat = recv((size,), _DTYPES[dtype])
             if load:
                 offset = 0
                 for view, a, b in next(spans):
@@ -364,9 +369,8 @@ class ScorerStage:
         if self.weights is not None:
             self.weights.receive(head, self._recv_tensor)
             return
-        numel, bucket = head[3], head[4]
-        for start in range(0, numel, bucket):
-            self._recv_tensor((min(bucket, numel - start),), _DTYPES[head[2]])
+        for size in _bucket_sizes(head[3], head[4]):
+            self._recv_tensor((size,), _DTYPES[head[2]])
         self._pending = "WEIGHTS sent to a stage without a trained scorer (critic)"
 
     def _guard(self, fn, *args) -> None:
