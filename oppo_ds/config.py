@@ -193,9 +193,8 @@ class OppoConfig:
     last one holds the reward and reference models and receives each chunk by point-to-point
     over a link of its own with each actor rank. The critic trains on the actor ranks; when
     it streams, the scorer rank holds a copy that takes their weights after every update
-    (backend deepspeed; under megatron its values are computed on the actor ranks after
-    generation). With
-    `overcommit` the scorer rank keeps the deferred rows in its caches from step to step, as
+    (under backend megatron each model replica gathers its critic's shards for the send).
+    With `overcommit` the scorer rank keeps the deferred rows in its caches from step to step, as
     the frozen scorers do in the actor's process under the other placements (after a resume
     it prefills them again once). Needs `streaming: true`."""
     overcommit: Union[int, Literal["auto"]] = 0

@@ -54,36 +54,40 @@ class StagePlacement:
             critic = ""
             if self.critic_on_stage:
                 critic = "; the critic's weights go to it after every update"
-            elif "critic" in stream_to:
-                critic = ("; the critic does not stream under backend megatron (its weights are "
-                          "split over the model-parallel ranks): its values are computed on the "
-                          "actor ranks after generation")
+                if self.cfg.system.backend == "megatron":
+                    critic += " (each replica gathers its shards in HF layout first)"
             logger.info("oppo.placement=stage: rank %d scores (%s) for actor ranks %s%s%s",
                         stage.scorer_rank, ", ".join(kinds), stage.actor_ranks, senders, critic)
         return stage
 
     @property
     def critic_on_stage(self) -> bool:
-        """Whether the critic streams on the scorer rank: a copy there takes the actor ranks'
-        weights before every rollout that follows an update (``_send_critic_to_stage``). Not
-        under backend megatron, whose critic is split over the model-parallel ranks in its own
-        layout; there its values come from the actor ranks after generation."""
+        """Whether the critic streams on the scorer rank: a copy there (an HF model, either
+        backend) takes the actor ranks' weights before every rollout that follows an update
+        (``_send_critic_to_stage``)."""
         o = self.cfg.oppo
-        return (o.placement == "stage" and "critic" in o.stream_to
-                and self.cfg.system.backend == "deepspeed")
+        return o.placement == "stage" and "critic" in o.stream_to
 
     def _send_critic_to_stage(self) -> None:
         """Before a rollout: the critic's weights to the stage's copy, if it trained since
-        they were last sent. Every actor rank sends to its own link (the stage's copy is
-        shared, and whichever rank's rollout it serves first must find this step's weights);
-        under ZeRO-3 the gather is collective over the actor ranks. ``critic_send_s``: how
-        long it took (0 when nothing was sent; logged as ``stream/critic_weights_s``)."""
+        they were last sent. Every streaming actor rank sends to its own link (the stage's
+        copy is shared, and whichever rank's rollout it serves first must find this step's
+        weights); under ZeRO-3 the gather is collective over the actor ranks. Under backend
+        megatron each replica first gathers its critic's shards on its streaming rank in HF
+        layout (``MegatronModel.to_hf``, collective over the replica's model-parallel group;
+        host memory for one whole critic there). ``critic_send_s``: how long it took (0 when
+        nothing was sent; logged as ``stream/critic_weights_s``)."""
         self.critic_send_s = 0.0
         if not self.critic_on_stage or self._critic_sent == self.step_count:
             return
         start = time.perf_counter()
         with self.critic.generation_context() as critic:
+            if getattr(critic, "collective_save", False):  # Megatron shards
+                critic = critic.to_hf(every_replica=True)
             if self.remote is not None:
+                if critic is None:
+                    raise RuntimeError(f"rank {self.rank} streams to the stage but its model "
+                                       f"replica gathered the critic on another rank")
                 self.remote.send_weights(critic, version=self.step_count)
         self._critic_sent = self.step_count
         self.critic_send_s = time.perf_counter() - start

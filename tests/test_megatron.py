@@ -463,17 +463,22 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
 
 def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path):
     """``oppo.placement: stage`` on the Megatron backend: actor and critic tensor parallel over
-    ranks 0-1, the reward and reference models on rank 2 (the scorer rank, outside megatron's
-    groups, fed chunks point-to-point). The two actor ranks of the replica decode the same
-    tokens; only rank 0 streams them, and rank 1 receives the scores from it. The run must
-    repeat the one-rank run's responses and metrics."""
+    ranks 0-1, the reward and reference models and an HF copy of the critic on rank 2 (the
+    scorer rank, outside megatron's groups, fed chunks point-to-point). Before each rollout
+    the replica gathers its critic's two shards on rank 0 in HF layout, which sends them to
+    the copy. The two actor ranks of the replica decode the same tokens; only rank 0 streams
+    them, and rank 1 receives the scores from it. The run must repeat the one-rank run's
+    responses and metrics (its critic values included: step 2's come from weights step 1
+    trained, sent over)."""
     want, _, _ = one_rank_run
     got, summary = _train(str(tmp_path / "run"), cache_dir, 3, "system.tensor_parallel=2",
                           "oppo.streaming=true", "oppo.placement=stage", "oppo.chunk_size=3",
-                          "oppo.stream_to=[reference]")
+                          "oppo.stream_to=[reference,critic]")
     log = (tmp_path / "run" / "launcher.log").read_text()
-    assert "rank 2 scores (reward, reference) for actor ranks [0, 1] (streamed by ranks [0], " \
-        "one per model replica)" in log
+    assert "rank 2 scores (reward, reference, critic) for actor ranks [0, 1] (streamed by " \
+        "ranks [0], one per model replica); the critic's weights go to it after every " \
+        "update (each replica gathers its shards in HF layout first)" in log
+    assert all(r["stream/critic_weights_s"] > 0 for r in got)
     # one rollout per step, not one per rank of the replica
     assert "scorer rank 2: served 2 rollouts from actor ranks [0]" in log
     assert "tensor_parallel=2 pipeline_parallel=1 data_parallel=1" in log
@@ -486,13 +491,35 @@ def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path)
         assert b["stream/scoring_hidden_frac"] > 0
 
 
+def test_stage_placement_with_two_replicas_sends_each_replicas_critic(cache_dir, tmp_path):
+    """Two data-parallel replicas (tp 1) and the scorer rank: each replica's rank streams its
+    own rollouts and sends its own copy of the critic's weights (the same after the
+    all-reduced update; the stage loads the first and drops the other). Same metrics as the
+    same two replicas with every scorer inline."""
+    args = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference,critic]"]
+    want, _ = _train(str(tmp_path / "inline"), cache_dir, 2, *args)
+    got, summary = _train(str(tmp_path / "stage"), cache_dir, 3, "oppo.placement=stage", *args)
+    log = (tmp_path / "stage" / "launcher.log").read_text()
+    assert "rank 2 scores (reward, reference, critic) for actor ranks [0, 1]; the critic's " \
+        "weights go to it" in log
+    assert "scorer rank 2: served 4 rollouts from actor ranks [0, 1]" in log
+    assert summary["world_size"] == 2 and summary["samples"] == 2 * 2 * 4
+    assert all(r["stream/critic_weights_s"] > 0 for r in got)
+    for a, b in zip(want, got):
+        assert a["response/lengths"] == b["response/lengths"]
+        for key in SAME:
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+
+
 def test_stage_placement_with_overcommitment_and_tensor_parallel(cache_dir, tmp_path):
     """Full OPPO on the stage placement with a tp=2 replica: the pool's rows (deferred ones
     with their responses so far) go to the scorer rank from rank 0 only, rank 1 gets the
-    finished rows' scores from rank 0, and the run repeats the one-rank pool run (1e-4) for
+    finished rows' scores from rank 0 (the critic's from the stage's copy, which prefills
+    every carried row again with the weights step 1 trained), and the run repeats the
+    one-rank pool run (critic streamed in that process) at 1e-4 for
     the 2 steps tp=2 is known to repeat (see docs/megatron.md: Adam turns reduction-order
     noise into visible drift from the third step on); step 2 continues rows step 1 deferred."""
-    pool = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference]",
+    pool = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference,critic]",
             "oppo.overcommit=2", "steps=2"]
     want, _ = _train(str(tmp_path / "one"), cache_dir, 1, *pool)
     got, summary = _train(str(tmp_path / "stage"), cache_dir, 3, "system.tensor_parallel=2",

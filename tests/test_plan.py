@@ -207,6 +207,27 @@ def test_streaming_hides_scoring_up_to_the_tail():
     assert own.phases["generate"] == pytest.approx(stage.phases["generate"])
 
 
+def test_the_stage_critic_costs_its_weights_over_the_node_before_each_rollout():
+    """The stage placement's critic copy takes the critic's weights before every rollout:
+    its bytes over the node's links, after a Megatron replica (tp 2) gathered its half from
+    the other rank; nothing when the critic does not stream on the stage."""
+    dev, L, chunk, bw = _overhead_device(intra_node_bw=1e9), 32, 8, 1e9
+    shape = tiny_shape("tiny-llama", 33)
+    lay = Layout(batch=8, micro=4, mini=8, epochs=1, prompt_len=11, gpus_per_node=2)
+    size = 2 * shape.params(value_head=True)  # bf16
+    split = CostModel(dev, Shapes(shape, shape, shape, shape), lay, model_split=(2, 1))
+    assert split.critic_to_stage_s() == pytest.approx(size / 2 / bw + size / bw)
+    whole = CostModel(dev, Shapes(shape, shape, shape, shape), lay)
+    assert whole.critic_to_stage_s() == pytest.approx(size / bw)
+    sim = StepSimulator(whole, LengthDist(192, values=(L,)))
+    with_critic = sim.run(Schedule("intra", ("reward", "critic"), "stage", chunk), steps=1, warmup=0)
+    without = sim.run(Schedule("intra", ("reward",), "stage", chunk), steps=1, warmup=0)
+    # the critic's prefills cost nothing on the actor's lane under stage but its last chunk's
+    # (the tail); the rest of the difference is the weights
+    gap = with_critic.steps[0].phases["generate"] - without.steps[0].phases["generate"]
+    assert gap == pytest.approx(size / bw + dev.prefill_call_s)
+
+
 def test_schedules_stream_the_actor_as_configured():
     """`actor` in oppo.stream_to is no scorer: it prefills nothing, it drops the actor's
     forward after generation (Schedule.actor_streams)."""

@@ -192,19 +192,21 @@ class MegatronModel(nn.Module):
     # every rank of a replica calls these; the gathering rank gets the result
     collective_save = True
 
-    def hf_state(self) -> Optional[dict[str, torch.Tensor]]:
+    def hf_state(self, every_replica: bool = False) -> Optional[dict[str, torch.Tensor]]:
         """The whole model's weights under HF names (``convert.megatron_to_hf``), on the first
         rank of data-parallel replica 0's model-parallel group (global rank 0); None on every
         other rank. Collective over that group when tp x pp > 1: its ranks send their shards
-        (on the CPU) to the first, which needs host memory for the whole model."""
+        (on the CPU) to the first, which needs host memory for the whole model.
+        ``every_replica``: on the first rank of every replica's group (each replica gathers
+        its own; the stage placement's streaming ranks, one per replica)."""
         g = self.groups
-        if g.dp_rank != 0:  # the replicas hold the same weights
+        if g.dp_rank != 0 and not every_replica:  # the replicas hold the same weights
             return None
         mine = self.megatron_state()
         if g.tp * g.pp == 1:
             shards = [[mine]]
         else:
-            first = dist.get_process_group_ranks(g.mp_group)[0]
+            first = min(dist.get_process_group_ranks(g.mp_group))
             received = [None] * (g.tp * g.pp) if dist.get_rank() == first else None
             dist.gather_object((g.pp_rank, g.tp_rank, mine), received, dst=first,
                                group=g.mp_group)
@@ -215,10 +217,10 @@ class MegatronModel(nn.Module):
                 shards[pp_rank][tp_rank] = state
         return state_to_hf(shards, self.shape, self.kind)
 
-    def to_hf(self):
+    def to_hf(self, every_replica: bool = False):
         """The HF model of these weights, on the CPU in the model's dtype, on the rank
         :meth:`hf_state` gathers on (None elsewhere; collective like it)."""
-        state = self.hf_state()
+        state = self.hf_state(every_replica)
         return None if state is None else hf_model(self.config, state, self.kind, self.shape.tied)
 
     def save_pretrained(self, path: str, **kwargs) -> None:

@@ -128,12 +128,10 @@ def streamed_scorers(cfg: Config) -> list[str]:
 def on_scorer_rank(cfg: Config) -> set[str]:
     """The models the stage placement's scorer rank holds whole: the reward model and the
     reference when it streams (off the actor ranks), and a copy of the critic when it streams
-    (it trains on the actor ranks and its weights go to the copy after each update; not under
-    backend megatron, whose critic does not stream on the stage)."""
+    (it trains on the actor ranks and its weights go to the copy after each update)."""
     if cfg.oppo.placement != "stage" or not cfg.oppo.streaming:
         return set()
-    kinds = set(cfg.oppo.streamed_scorers)
-    return kinds if cfg.system.backend == "deepspeed" else kinds - {"critic"}
+    return set(cfg.oppo.streamed_scorers)
 
 
 def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,

@@ -73,7 +73,7 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
     if s.backend == "megatron":
         split = megatron.model_split(cfg)
         if cfg.oppo.placement == "stage":  # HF copies on the scorer rank
-            whole = frozenset(set(cfg.oppo.streamed_scorers) - {"critic"})
+            whole = frozenset(cfg.oppo.streamed_scorers)
     return CostModel(device, shapes, lay, dtype_bytes=dtype_bytes(s.dtype), zero_stage=s.zero_stage,
                      model_split=split, whole_scorers=whole,
                      offload=s.offload, checkpointing=s.gradient_checkpointing,

@@ -270,6 +270,18 @@ class CostModel:
                     total += self._train_model(kind, micros) + self._optimizer_step(kind)
         return total
 
+    def critic_to_stage_s(self) -> float:
+        """The stage placement's critic weights before a rollout: gathered whole on the
+        sending rank (ZeRO-3 over the ranks; a Megatron replica's shards over its
+        model-parallel links), then sent to the scorer rank's copy, on the node."""
+        critic = self.shapes.critic.params(value_head=True)
+        size, mp = self.w * critic, self.mtp * self.mpp
+        if self.zero_stage == 3:
+            gather = self._gather_s(critic)
+        else:
+            gather = size * (mp - 1) / mp / self.pp_bw if mp > 1 else 0.0
+        return gather + size / self.dev.intra_node_bw
+
     def rollout_fixed(self) -> float:
         """Per-rollout costs outside decoding: the hybrid engine gathering the ZeRO-3 actor
         into its inference containers, and the host's setup."""
@@ -378,6 +390,8 @@ class StepSimulator:
         width = lay.prompt_len + int(g.done[running].max())
         t = c.rollout_fixed() + c.prefill_job(
             "actor", len(rem) * width / lay.tp, len(rem) * width * (width + 1) / 2 / lay.tp).alone
+        if sched.placement == "stage" and "critic" in sched.streamed:
+            t += c.critic_to_stage_s()  # the updated critic to the scorer rank's copy
         jobs: list[tuple[float, Job]] = []  # (ready time, job) on the scorer lane
         inline_busy = 0.0
 
