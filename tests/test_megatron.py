@@ -12,6 +12,7 @@ pp=2, against a 1-rank run of the same seeds: the same responses and metrics.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -310,6 +311,41 @@ def _tied_export_worker(rank, world, out):
         report["logits"] = float((exported(**call).logits - lm(**call).logits)
                                  [mask.bool()].abs().max())
     out.put(("report", rank, report))
+
+
+def _gather_worker(rank, world, out):
+    import torch.distributed as dist
+
+    from oppo_ds.megatron.parallel import gather_states
+
+    g = torch.Generator().manual_seed(rank)
+    # mixed dtypes and odd sizes: each tensor's bytes start unaligned for the next dtype
+    mine = {"a": torch.randn(3, generator=g).to(torch.bfloat16),
+            "b": torch.randn(2, 5, generator=g), "c": torch.arange(rank + 1),
+            "empty": torch.zeros(0, 4), "h": torch.randn(7, generator=g).half()}
+    if rank == 2:
+        mine["only_here"] = torch.ones(2, dtype=torch.float64)
+    group = dist.new_group([1, 2, 0])  # the group's first rank is its lowest global rank
+    got = gather_states(mine, ("tag", rank), group)
+    buf = io.BytesIO()  # tensors by value (a queue would pass shared memory of this process)
+    torch.save((mine, got), buf)
+    out.put((rank, buf.getvalue()))
+
+
+def test_gather_states_moves_every_ranks_tensors_exactly(torch_one_thread):
+    """``parallel.gather_states`` (what ``MegatronModel.hf_state`` gathers shards with): the
+    lowest rank gets every rank's tag and tensors, bit for bit, in the group's order; the
+    others get None."""
+    results = {rank: torch.load(io.BytesIO(data)) for rank, data in _spawn(_gather_worker, 3)}
+    assert results[1][1] is None and results[2][1] is None
+    got = results[0][1]
+    assert [tag for tag, _ in got] == [("tag", r) for r in (0, 1, 2)]
+    for (_, state), rank in zip(got, (0, 1, 2)):
+        want = results[rank][0]
+        assert list(state) == list(want)
+        for name, t in want.items():
+            assert state[name].dtype == t.dtype and state[name].shape == t.shape
+            assert torch.equal(state[name], t), (rank, name)
 
 
 def test_tied_model_trained_apart_exports_untied(torch_one_thread):

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -196,7 +195,8 @@ class MegatronModel(nn.Module):
         """The whole model's weights under HF names (``convert.megatron_to_hf``), on the first
         rank of data-parallel replica 0's model-parallel group (global rank 0); None on every
         other rank. Collective over that group when tp x pp > 1: its ranks send their shards
-        (on the CPU) to the first, which needs host memory for the whole model.
+        to the first (``parallel.gather_states``), which needs host memory for the whole
+        model.
         ``every_replica``: on the first rank of every replica's group (each replica gathers
         its own; the stage placement's streaming ranks, one per replica)."""
         g = self.groups
@@ -206,14 +206,11 @@ class MegatronModel(nn.Module):
         if g.tp * g.pp == 1:
             shards = [[mine]]
         else:
-            first = min(dist.get_process_group_ranks(g.mp_group))
-            received = [None] * (g.tp * g.pp) if dist.get_rank() == first else None
-            dist.gather_object((g.pp_rank, g.tp_rank, mine), received, dst=first,
-                               group=g.mp_group)
+            received = parallel.gather_states(mine, (g.pp_rank, g.tp_rank), g.mp_group)
             if received is None:
                 return None
             shards = [[None] * g.tp for _ in range(g.pp)]
-            for pp_rank, tp_rank, state in received:
+            for (pp_rank, tp_rank), state in received:
                 shards[pp_rank][tp_rank] = state
         return state_to_hf(shards, self.shape, self.kind)
 
