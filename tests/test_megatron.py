@@ -676,6 +676,35 @@ def test_layer_spec_settings():
         assert err.value.key == "system.megatron_layers"
 
 
+def test_hf_model_holds_exactly_the_given_weights():
+    """``hf_model`` builds without random initialisation (the stage calls it before every
+    rollout), so a weight the state lacks would be left as whatever memory held: it is an
+    error naming the weight; a tied LM may lack only its lm_head, which is the embedding."""
+    from oppo_ds.megatron.model import hf_model
+    from oppo_ds.models import ValueHeadModel
+
+    config = tiny_config("tiny-qwen2", VOCAB)
+    torch.manual_seed(0)
+    ref = ValueHeadModel.from_config(config, dtype=torch.float32)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = hf_model(config, dict(state), "value", tied=False)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, state[name]), name
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():  # buffers (the rotary frequencies) are built as usual
+        assert torch.equal(model.eval()(input_ids=ids).values, ref.eval()(input_ids=ids).values)
+    del state["body.norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['body.norm.weight'\]"):
+        hf_model(config, state, "value", tied=False)
+    config.tie_word_embeddings = True
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tied = {k: v.detach().clone() for k, v in lm.state_dict().items() if k != "lm_head.weight"}
+    out = hf_model(config, tied, "lm", tied=True)
+    assert out.lm_head.weight is out.model.embed_tokens.weight
+
+
 def test_export_names_what_is_missing(tmp_path):
     from oppo_ds.megatron.export import main
 
