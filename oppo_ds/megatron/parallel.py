@@ -229,7 +229,7 @@ def gather_states(mine: dict[str, torch.Tensor], tag, group) -> Optional[list]:
         dist.recv(buf, src=rank, group=group)
         buf, state, offset = buf.cpu(), {}, 0
         for name, shape, dtype in their_layout:
-            n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            n = math.prod(shape) * dtype.itemsize
             # a copy of its own: aligned for the dtype, and not holding the whole buffer
             state[name] = buf[offset:offset + n].clone().view(dtype).reshape(shape)
             offset += n
