@@ -131,7 +131,7 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     that same forward: where DeepSpeed's hybrid engine decodes with its inference kernels
     (fused kernels whose log-probs differ from the training forward's, the reason
     DeepSpeed-Chat recomputes) they are recomputed after generation, as the critic's values
-    are under the stage placement with backend megatron; the trainer logs it at start."""
+    are when the critic does not stream; the trainer logs it at start."""
     from .engines.deepspeed_engine import HYBRID_KERNELS
 
     return requested and hybrid_engine_path != HYBRID_KERNELS
