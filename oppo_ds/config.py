@@ -192,10 +192,11 @@ class OppoConfig:
     train (their own torch.distributed world, so any ZeRO stage and the hybrid engine), the
     last one holds the reward and reference models and receives each chunk by point-to-point
     over a link of its own with each actor rank. The critic trains on the actor ranks; when
-    it streams, the scorer rank holds a copy that takes their weights after every update
-    (under backend megatron each model replica gathers its critic's shards for the send);
+    it streams, the scorer rank holds a copy that takes rank 0's weights after every update
+    (under backend megatron replica 0 gathers its critic's shards for the send);
     that copy is a whole critic in the scorer rank's memory (`oppo-plan` counts it): leave
-    `critic` out of `stream_to` to keep the critic on the actor ranks. With `overcommit` the scorer rank keeps the deferred rows in its caches from step to step, as
+    `critic` out of `stream_to` to keep the critic on the actor ranks. With `overcommit`
+    the scorer rank keeps the deferred rows in its caches from step to step, as
     the frozen scorers do in the actor's process under the other placements (after a resume
     it prefills them again once). Needs `streaming: true`."""
     overcommit: Union[int, Literal["auto"]] = 0

@@ -53,9 +53,10 @@ class StagePlacement:
                 f" (streamed by ranks {stage.senders}, one per model replica)"
             critic = ""
             if self.critic_on_stage:
-                critic = "; the critic's weights go to it after every update"
+                critic = (f"; the critic's weights go to it from rank {stage.senders[0]} "
+                          f"after every update")
                 if self.cfg.system.backend == "megatron":
-                    critic += " (each replica gathers its shards in HF layout first)"
+                    critic += " (gathered from its replica's shards in HF layout first)"
             logger.info("oppo.placement=stage: rank %d scores (%s) for actor ranks %s%s%s",
                         stage.scorer_rank, ", ".join(kinds), stage.actor_ranks, senders, critic)
         return stage
@@ -70,24 +71,29 @@ class StagePlacement:
 
     def _send_critic_to_stage(self) -> None:
         """Before a rollout: the critic's weights to the stage's copy, if it trained since
-        they were last sent. Every streaming actor rank sends to its own link (the stage's
-        copy is shared, and whichever rank's rollout it serves first must find this step's
-        weights); under ZeRO-3 the gather is collective over the actor ranks. Under backend
-        megatron each replica first gathers its critic's shards on its streaming rank in HF
-        layout (``MegatronModel.to_hf``, collective over the replica's model-parallel group;
-        host memory for one whole critic there). ``critic_send_s``: how long it took (0 when
-        nothing was sent; logged as ``stream/critic_weights_s``)."""
+        they were last sent. The copy is shared by every streaming actor rank's rollouts, so
+        the first streaming rank (global rank 0) sends them and the others tell the stage
+        to await that version before serving them (``RemoteScorers.await_weights``): the
+        weights cross to the scorer rank once per update. Under ZeRO-3 the gather is
+        collective over the actor ranks; under backend megatron replica 0 first gathers its
+        critic's shards on rank 0 in HF layout (``MegatronModel.to_hf``, collective over
+        that replica's model-parallel group; host memory for one whole critic there).
+        ``critic_send_s``: how long it took (0 when nothing was sent; logged as
+        ``stream/critic_weights_s``)."""
         self.critic_send_s = 0.0
         if not self.critic_on_stage or self._critic_sent == self.step_count:
             return
         start = time.perf_counter()
+        sends = self.rank == self.stage.senders[0]
         with self.critic.generation_context() as critic:
             if getattr(critic, "collective_save", False):  # Megatron shards
-                critic = critic.to_hf(every_replica=True)
-            if self.remote is not None:
+                critic = critic.to_hf()
+            if self.remote is not None and not sends:
+                self.remote.await_weights(version=self.step_count)
+            elif self.remote is not None:
                 if critic is None:
-                    raise RuntimeError(f"rank {self.rank} streams to the stage but its model "
-                                       f"replica gathered the critic on another rank")
+                    raise RuntimeError(f"rank {self.rank} sends the critic to the stage but "
+                                       f"its model replica gathered it on another rank")
                 self.remote.send_weights(critic, version=self.step_count)
         self._critic_sent = self.step_count
         self.critic_send_s = time.perf_counter() - start

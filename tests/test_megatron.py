@@ -512,8 +512,8 @@ def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path)
                           "oppo.stream_to=[reference,critic]")
     log = (tmp_path / "run" / "launcher.log").read_text()
     assert "rank 2 scores (reward, reference, critic) for actor ranks [0, 1] (streamed by " \
-        "ranks [0], one per model replica); the critic's weights go to it after every " \
-        "update (each replica gathers its shards in HF layout first)" in log
+        "ranks [0], one per model replica); the critic's weights go to it from rank 0 after " \
+        "every update (gathered from its replica's shards in HF layout first)" in log
     assert all(r["stream/critic_weights_s"] > 0 for r in got)
     # one rollout per step, not one per rank of the replica
     assert "scorer rank 2: served 2 rollouts from actor ranks [0]" in log
@@ -527,17 +527,17 @@ def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path)
         assert b["stream/scoring_hidden_frac"] > 0
 
 
-def test_stage_placement_with_two_replicas_sends_each_replicas_critic(cache_dir, tmp_path):
+def test_stage_placement_with_two_replicas_shares_one_critic_copy(cache_dir, tmp_path):
     """Two data-parallel replicas (tp 1) and the scorer rank: each replica's rank streams its
-    own rollouts and sends its own copy of the critic's weights (the same after the
-    all-reduced update; the stage loads the first and drops the other). Same metrics as the
-    same two replicas with every scorer inline."""
+    own rollouts; replica 0 sends the critic's weights (the same in both after the
+    all-reduced update), replica 1 has the stage await them. Same metrics as the same two
+    replicas with every scorer inline."""
     args = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference,critic]"]
     want, _ = _train(str(tmp_path / "inline"), cache_dir, 2, *args)
     got, summary = _train(str(tmp_path / "stage"), cache_dir, 3, "oppo.placement=stage", *args)
     log = (tmp_path / "stage" / "launcher.log").read_text()
     assert "rank 2 scores (reward, reference, critic) for actor ranks [0, 1]; the critic's " \
-        "weights go to it" in log
+        "weights go to it from rank 0 after every update" in log
     assert "scorer rank 2: served 4 rollouts from actor ranks [0, 1]" in log
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 2 * 4
     assert all(r["stream/critic_weights_s"] > 0 for r in got)

@@ -425,9 +425,44 @@ def test_a_scorer_failure_reaches_every_rank_of_the_replica():
 # rollout meanwhile. Served in turn (rank 0's rollout to its end first) this deadlocks: rank 1
 # would wait for its results and rank 0 for rank 1. ``serve_round`` serves both at once.
 
+def _fixed_rollout(rank):
+    """A rank's rollout without an actor: its prompts and 6 given tokens per row, sent as two
+    chunks of 3 (the second ends every row)."""
+    ids, mask = _prompts(seed=1 + rank)
+    tokens = torch.randint(3, VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(rank))
+    return ids, mask, tokens, torch.arange(ids.shape[0])
+
+
+def _send_chunk(remote, rollout, i):
+    _, _, tokens, rows = rollout
+    ended = rows if i == 1 else torch.zeros(0, dtype=torch.long)
+    remote.chunk(str(i), rows, tokens[:, 3 * i:3 * i + 3], torch.full_like(rows, 3), ended)
+
+
+def _diff_to_inline(got, scorers, rollout):
+    """The largest difference of the stage's results ``got`` to the same calls here."""
+    ids, mask, tokens, rows = rollout
+    want = {}
+    for scorer in scorers:
+        scorer.begin(ids, mask)
+        for i in (0, 1):
+            scorer.consume(rows, tokens[:, 3 * i:3 * i + 3], torch.full_like(rows, 3))
+        want[scorer.kind] = scorer.finish(rows)
+    return max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k])
+
+
+def _serve_rounds(stages, out):
+    """The scorer rank of these tests: rounds until the actor ranks shut it down."""
+    from oppo_ds.rollout.stage import serve_round
+    served = 0
+    while stages[0].stopped_by is None:
+        served += serve_round(stages)
+    out.put(("served", 2, served))
+
+
 def _concurrent_worker(rank, _layout, links, out):
     import torch.distributed as dist
-    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage, serve_round
+    from oppo_ds.rollout.stage import RemoteScorers, ScorerStage
     from oppo_ds.rollout.streaming import StreamingScorer
     _, reference, reward, _ = _models(ARCHS[0])
 
@@ -435,35 +470,22 @@ def _concurrent_worker(rank, _layout, links, out):
         return [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference")]
 
     if rank == 2:
-        stages = [ScorerStage(scorers(), links[a], timeout=timedelta(seconds=60))
-                  for a in (0, 1)]
-        served = 0
-        while stages[0].stopped_by is None:
-            served += serve_round(stages)
-        out.put(("served", rank, served))
+        _serve_rounds([ScorerStage(scorers(), links[a], timeout=timedelta(seconds=60))
+                       for a in (0, 1)], out)
         return
-    ids, mask = _prompts(seed=1 + rank)
-    tokens = torch.randint(3, VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(rank))
-    rows, three = torch.arange(ids.shape[0]), torch.full((ids.shape[0],), 3)
-    none = torch.zeros(0, dtype=torch.long)
+    rollout = _fixed_rollout(rank)
     remote = RemoteScorers(links[rank], timeout=timedelta(seconds=60))
-    remote.begin(ids, mask)
-    remote.chunk("0", rows, tokens[:, :3], three, none)
+    remote.begin(*rollout[:2])
+    _send_chunk(remote, rollout, 0)
     if rank == 0:
         dist.barrier()  # of the two actor ranks: rank 1's whole rollout happens meanwhile
-    remote.chunk("1", rows, tokens[:, 3:], three, rows)
+    _send_chunk(remote, rollout, 1)
     got, _ = remote.results()
     if rank == 1:
         dist.barrier()
     remote.close()
-    want = {}
-    for scorer in scorers():  # the same calls in this process
-        scorer.begin(ids, mask)
-        scorer.consume(rows, tokens[:, :3], three)
-        scorer.consume(rows, tokens[:, 3:], three)
-        want[scorer.kind] = scorer.finish(rows)
-    diff = max((got[k][r] - want[k][r]).abs().max().item() for k in want for r in want[k])
-    out.put(("rollout", rank, {"kinds": sorted(got), "rows": sorted(got["reward"]), "diff": diff}))
+    out.put(("rollout", rank, {"kinds": sorted(got), "rows": sorted(got["reward"]),
+                               "diff": _diff_to_inline(got, scorers(), rollout)}))
 
 
 def test_scorer_rank_serves_several_actor_ranks_at_once():
@@ -474,6 +496,74 @@ def test_scorer_rank_serves_several_actor_ranks_at_once():
         assert m["kinds"] == ["reference", "reward"] and m["rows"] == list(range(len(PROMPT_LENS)))
         assert m["diff"] < ATOL, m
     assert [n for kind, _, n in messages if kind == "served"] == [2]
+
+
+# ------------------------------------------------------------------ one critic copy, one sender
+# Actor ranks 0 and 1 share scorer rank 2 and its one critic copy, which starts with other
+# weights. Each round both "train" the critic to the same new weights; rank 0 sends them,
+# rank 1 only names the version (AWAIT_WEIGHTS) and sends its whole rollout at once, while
+# rank 0 holds its WEIGHTS back (a barrier, then half a second), so rank 1's BEGIN reaches
+# the stage first. A stage that scored it then would use the older copy (round 0: none at
+# all). A third round awaits a version nobody sends: rank 0's rollout is served, and then
+# rank 1's BEGIN is answered with the error instead of a hang.
+
+def _one_sender_worker(rank, _layout, links, out):
+    import time
+    import torch.distributed as dist
+    from oppo_ds.rollout.stage import (RemoteScorerError, RemoteScorers, ScorerStage,
+                                       StageWeights)
+    _, reference, reward, critic = _models(ARCHS[0])
+    if rank == 2:
+        weights = StageWeights(_sharpen(critic, seed=99))
+        _serve_rounds([ScorerStage(_scorers(reference, reward, weights.model), links[a],
+                                   timeout=timedelta(seconds=60), weights=weights)
+                       for a in (0, 1)], out)
+        return
+    rollout = _fixed_rollout(rank)
+    remote = RemoteScorers(links[rank], timeout=timedelta(seconds=60))
+
+    def send_rollout():
+        remote.begin(*rollout[:2])
+        _send_chunk(remote, rollout, 0)
+        _send_chunk(remote, rollout, 1)
+
+    for round_ in range(3):
+        if round_ < 2:
+            _sharpen(critic, seed=30 + round_)  # an update, the same on both ranks
+        if rank == 0:
+            dist.barrier()  # rank 1's rollout is on its way
+            time.sleep(0.5)
+            if round_ < 2:
+                remote.send_weights(critic, version=round_, bucket=1000)
+            send_rollout()
+        else:
+            remote.await_weights(version=round_ if round_ < 2 else 7)
+            send_rollout()
+            dist.barrier()
+        try:
+            got, _ = remote.results()
+        except RemoteScorerError as err:
+            out.put(("refused", rank, (round_, str(err))))
+            continue
+        diff = _diff_to_inline(got, _scorers(reference, reward, critic), rollout)
+        out.put(("rollout", rank, (round_, sorted(got), diff)))
+    remote.close()
+
+
+def test_one_rank_sends_the_critic_the_others_await_it():
+    """The stage waits for the awaited version before serving a rank's rollout, so every
+    rollout is scored by the critic of its round (1e-6 against this process's critic), with
+    the weights sent once per round; a version never sent is an error at that rank's BEGIN,
+    after the other rank's rollout was served."""
+    messages = spawn_stage(_one_sender_worker, 2, join_s=JOIN_S)
+    got = sorted(m for kind, _, m in messages if kind == "rollout")
+    assert [(r, k) for r, k, _ in got] == [(0, ["critic", "reference", "reward"])] * 2 + \
+        [(1, ["critic", "reference", "reward"])] * 2 + [(2, ["critic", "reference", "reward"])]
+    assert all(diff < ATOL for *_, diff in got), got
+    (refused,) = [(rank, m) for kind, rank, m in messages if kind == "refused"]
+    assert refused[0] == 1 and refused[1][0] == 2, refused
+    assert "awaited the critic's weights version 7" in refused[1][1], refused
+    assert [n for kind, _, n in messages if kind == "served"] == [6]
 
 
 # ------------------------------------------------------------------ the layout of a launch

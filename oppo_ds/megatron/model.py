@@ -191,16 +191,14 @@ class MegatronModel(nn.Module):
     # every rank of a replica calls these; the gathering rank gets the result
     collective_save = True
 
-    def hf_state(self, every_replica: bool = False) -> Optional[dict[str, torch.Tensor]]:
+    def hf_state(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model's weights under HF names (``convert.megatron_to_hf``), on the first
         rank of data-parallel replica 0's model-parallel group (global rank 0); None on every
         other rank. Collective over that group when tp x pp > 1: its ranks send their shards
         to the first (``parallel.gather_states``), which needs host memory for the whole
-        model.
-        ``every_replica``: on the first rank of every replica's group (each replica gathers
-        its own; the stage placement's streaming ranks, one per replica)."""
+        model."""
         g = self.groups
-        if g.dp_rank != 0 and not every_replica:  # the replicas hold the same weights
+        if g.dp_rank != 0:  # the replicas hold the same weights
             return None
         mine = self.megatron_state()
         if g.tp * g.pp == 1:
@@ -214,10 +212,10 @@ class MegatronModel(nn.Module):
                 shards[pp_rank][tp_rank] = state
         return state_to_hf(shards, self.shape, self.kind)
 
-    def to_hf(self, every_replica: bool = False):
+    def to_hf(self):
         """The HF model of these weights, on the CPU in the model's dtype, on the rank
         :meth:`hf_state` gathers on (None elsewhere; collective like it)."""
-        state = self.hf_state(every_replica)
+        state = self.hf_state()
         return None if state is None else hf_model(self.config, state, self.kind, self.shape.tied)
 
     def save_pretrained(self, path: str, **kwargs) -> None:

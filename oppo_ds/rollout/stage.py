@@ -34,6 +34,10 @@ device for NCCL). Actor -> scorer:
                                                         names: crc32 of the names and shapes
                                                         (checked). Sent between rollouts, before
                                                         a BEGIN, whenever the critic trained
+    AWAIT_WEIGHTS [AWAIT_WEIGHTS, version]              no payload: the critic's weights of
+                                                        ``version`` come over another actor
+                                                        rank's link; this link's next message
+                                                        is served once the stage holds them
     BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   int64 (2, B, P): prompt ids, mask of
                   L, partial, N]                        the B rows new to the stage (all N
                                                         rows when B = N); then, when
@@ -78,9 +82,14 @@ The critic trains, so its copy on the stage (``StageWeights``) takes the actor r
 weights by WEIGHTS whenever they changed, and its cache is rebuilt at every BEGIN from every
 row's prompt and response so far: the actor end sends all N rows (``refresh=True``), the
 frozen scorers add the new ones among them, the critic all. Several actor ranks (data
-parallel: the same critic weights) each send WEIGHTS to their own link before their BEGIN,
-so whichever link's rollout the stage serves first, the shared copy is already that step's;
-a version already loaded is received and dropped.
+parallel, or Megatron replicas: the same critic weights) share one copy, so one of them
+sends WEIGHTS and the others send AWAIT_WEIGHTS naming the version before their BEGIN:
+``serve_round`` stops receiving on a link that awaits a version the copy does not hold yet
+(its BEGIN and chunks wait in the transport) and resumes it once the WEIGHTS have been
+loaded, so no rollout is scored with an older critic and the weights cross the scorer
+rank's links once per update, not once per actor rank. A version already loaded is received
+and dropped. When no link that could still send the awaited version is open, the waiting
+links resume and their next BEGIN reports the error.
 
 A scorer that raises makes the stage send ERROR at once and drop the rest of the rollout's
 messages up to its END_ROLLOUT / ABORT (then it resets its scorers and serves the next
@@ -130,6 +139,7 @@ class Op(enum.IntEnum):
     ERROR = 8
     ABORTED = 9
     WEIGHTS = 10
+    AWAIT_WEIGHTS = 11
 
 
 # dtypes the header can name (prompt ids and masks travel as int64 and are cast back)
@@ -271,7 +281,8 @@ class ScorerStage:
         # with carry, the frozen scorers keep rows across rollouts; a trained one (the
         # critic) is rebuilt at every BEGIN from every row (the actor end's refresh=True)
         self.carry, self.weights = carry, weights
-        self._pending: Optional[str] = None  # a WEIGHTS message this stage could not take
+        self._pending: Optional[str] = None  # an error for the next BEGIN (weights)
+        self.awaiting: Optional[int] = None  # the critic version AWAIT_WEIGHTS named
         if not link.on_scorer:
             raise ValueError(f"rank {link.rank} is the actor end of its link, not the scorer's")
         self.scorers = list(scorers)
@@ -303,6 +314,8 @@ class ScorerStage:
             head = self.post_header()
             _wait(head[0], self.timeout)
             ended += self.handle(head[1], time.perf_counter())
+            if self.waiting:  # this stage's one link cannot bring the weights
+                self.give_up_waiting("this stage serves one actor rank's link alone")
             if self.stopped_by is not None:
                 return ended
         return ended
@@ -326,6 +339,12 @@ class ScorerStage:
         if op == Op.WEIGHTS:
             self._take_weights(head)
             return 0
+        if op == Op.AWAIT_WEIGHTS:
+            if self.weights is None:
+                self._pending = "AWAIT_WEIGHTS sent to a stage without a trained scorer (critic)"
+            else:
+                self.awaiting = head[1]
+            return 0
         if op in (Op.END_ROLLOUT, Op.ABORT):
             if not self._replied:
                 if op == Op.END_ROLLOUT:
@@ -344,6 +363,23 @@ class ScorerStage:
         elif not self._failed:  # the rest of a failed rollout is dropped
             self._guard(self._apply, op, head, payload)
         return 0
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this link awaits critic weights (AWAIT_WEIGHTS) that the shared copy does
+        not hold yet: its next message is not to be received until they are loaded."""
+        if self.awaiting is not None and (self.weights.version == self.awaiting or
+                                          self.weights.error is not None):
+            self.awaiting = None  # loaded (or refused: the error goes back at the BEGIN)
+        return self.awaiting is not None
+
+    def give_up_waiting(self, why: str) -> None:
+        """Stop waiting for the awaited weights: the next BEGIN reports that they never came."""
+        held = self.weights.version if self.weights is not None else None
+        self._pending = (f"actor rank {self.actor_rank} awaited the critic's weights version "
+                         f"{self.awaiting} from another actor rank, which never sent them "
+                         f"(the stage holds version {held}; {why})")
+        self.awaiting = None
 
     def _recv_payload(self, head: torch.Tensor):
         head = head.tolist()  # on NCCL a host sync: the sizes decide the next receive
@@ -388,7 +424,8 @@ class ScorerStage:
         self._batch, self._partial = self._row_ids.numel(), bool(head[6])
         frozen = [s for s in self.scorers if s.kind in FROZEN_KINDS]
         trained = [s for s in self.scorers if s.kind not in FROZEN_KINDS]
-        for error in (self._pending, self.weights.error if self.weights else None):
+        pending, self._pending = self._pending, None
+        for error in (pending, self.weights.error if self.weights else None):
             if error:
                 raise RuntimeError(error)
         if self.weights is not None and self.weights.version is None:
@@ -480,7 +517,10 @@ def serve_round(stages: Sequence[ScorerStage]) -> int:
     ``stopped_by``); returns how many rollouts ended. The
     stages must not share scorer objects (their caches are in use at the same time). A
     header's arrival is waited for in a thread per message (gloo reports a receive's
-    completion only to a waiter); the payloads are received here."""
+    completion only to a waiter); the payloads are received here. A stage whose link awaits
+    critic weights (AWAIT_WEIGHTS) gets no receive posted until another link's WEIGHTS have
+    loaded them; once every stage still open waits, none can, and they give up (their next
+    BEGIN reports it)."""
     arrived: queue.Queue = queue.Queue()
 
     def post(i: int) -> None:
@@ -492,6 +532,7 @@ def serve_round(stages: Sequence[ScorerStage]) -> int:
         stage.stopped_by = None
         post(i)
     ended, open_ = 0, len(stages)
+    parked: list[int] = []  # stages waiting for critic weights, no receive posted
     while open_:
         i, head, received, err = arrived.get()
         if err is not None:
@@ -501,7 +542,13 @@ def serve_round(stages: Sequence[ScorerStage]) -> int:
         if n or stages[i].stopped_by is not None:
             open_ -= 1  # this stage is done for the round: no receive posted for it
         else:
-            post(i)
+            parked.append(i)
+        if parked and len(parked) == open_ and all(stages[j].waiting for j in parked):
+            for j in parked:  # no open link is left to send the weights they wait for
+                stages[j].give_up_waiting("no other actor rank's link was still open")
+        for j in [j for j in parked if not stages[j].waiting]:
+            parked.remove(j)
+            post(j)
     return ended
 
 
@@ -605,6 +652,15 @@ class RemoteScorers:
             for spans in _buckets(params, bucket):
                 flat = torch.cat([view[a:b].to(dtype) for view, a, b in spans]).to(self.wire)
                 _wait(self.link.isend(flat), self.timeout)
+
+    def await_weights(self, version: int) -> None:
+        """Between rollouts: the stage's critic copy is to hold ``version`` before it serves
+        this link's next rollout; another actor rank's link sends those weights
+        (``send_weights``), so they cross to the scorer rank once, not once per actor rank."""
+        if self._open or self._closed:
+            raise RuntimeError("await_weights: between rollouts only" if self._open
+                               else "await_weights: the scorer stage was shut down")
+        self._isend(_header(Op.AWAIT_WEIGHTS, version, device=self.wire))
 
     def chunk(self, name: str, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
               ended: torch.Tensor) -> None:
