@@ -201,17 +201,25 @@ def _continue_carried(actor, reference, reward, critic, remote):
         lengths = {r: gen.response_ids[i, :int(gen.lengths[i])].tolist()
                    for i, r in enumerate(rows) if not bool(state.finished[i])}
         rows = [r for i, r in enumerate(rows) if not bool(state.finished[i])]
-    # a critic of another shape: refused, and the stage says why at the next rollout
     from oppo_ds.models import build_value_model
     from oppo_ds.rollout.stage import RemoteScorerError
+
+    def refused():
+        try:
+            stage_stream_continue(actor, remote, dict(prompt_ids=all_ids[:2],
+                                                      prompt_mask=all_mask[:2]),
+                                  torch.tensor([200, 201]), params,
+                                  torch.Generator().manual_seed(0), 3)
+            return None
+        except RemoteScorerError as err:
+            return str(err)
+
+    # weights awaited from another link, where there is none: the next rollout says so
+    remote.await_weights(version=42)
+    never_sent = refused()
+    # a critic of another shape: refused, and the stage says why at the next rollout
     remote.send_weights(build_value_model(ARCHS[1], vocab_size=VOCAB, seed=3), version=9)
-    try:
-        stage_stream_continue(actor, remote, dict(prompt_ids=all_ids[:2], prompt_mask=all_mask[:2]),
-                              torch.tensor([200, 201]), params, torch.Generator().manual_seed(0), 3)
-        refused = None
-    except RemoteScorerError as err:
-        refused = str(err)
-    return report, refused
+    return report, (never_sent, refused())
 
 
 def _worker(rank, _layout, links, out, scenario):
@@ -306,10 +314,11 @@ def test_a_carrying_stage_keeps_the_deferred_rows_between_rollouts():
     in the frozen scorers' caches, the next BEGIN prefills only new rows there (none when
     every row is carried), a row the actor stops decoding is dropped, and every score,
     the critic's included, equals fresh inline scoring of every row's whole prefix with
-    that round's weights (1e-5). WEIGHTS of a critic of another shape are refused with the
-    reason, at the next rollout."""
+    that round's weights (1e-5). Weights awaited from another actor rank's link (there is
+    none) and WEIGHTS of a critic of another shape are refused with the reason, at the next
+    rollout."""
     messages = _spawn("carry")
-    (report, refused) = [m for kind, _, m in messages if kind == "carry"][0]
+    (report, (never_sent, refused)) = [m for kind, _, m in messages if kind == "carry"][0]
     first, second, third = report
     for r in report:
         assert r["same_tokens"] and r["diff"] < 1e-5, r
@@ -323,8 +332,10 @@ def test_a_carrying_stage_keeps_the_deferred_rows_between_rollouts():
     assert second["stage_begins"] == dict.fromkeys(frozen + ("critic",), 1)
     assert third["carried"] == second["held_after"][1:]  # the first one left the rollout
     assert third["stage_begins"] == {"reward": 0, "reference": 0, "critic": 1}
+    assert never_sent is not None and "awaited the critic's weights version 42" in never_sent
+    assert "serves one actor rank's link alone" in never_sent, never_sent
     assert refused is not None and "is not the stage's copy" in refused, refused
-    assert [n for kind, _, n in messages if kind == "served"] == [4]
+    assert [n for kind, _, n in messages if kind == "served"] == [5]
 
 
 def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():
