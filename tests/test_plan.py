@@ -210,13 +210,16 @@ def test_streaming_hides_scoring_up_to_the_tail():
 def test_the_stage_critic_costs_its_weights_over_the_node_before_each_rollout():
     """The stage placement's critic copy takes the critic's weights before every rollout:
     its bytes over the node's links, after a Megatron replica (tp 2) gathered its half from
-    the other rank; nothing when the critic does not stream on the stage."""
-    dev, L, chunk, bw = _overhead_device(intra_node_bw=1e9), 32, 8, 1e9
+    the other rank into rank 0's host memory (the whole critic out over its host link, and
+    back for the send); nothing when the critic does not stream on the stage."""
+    dev, L, chunk, bw = _overhead_device(intra_node_bw=1e9, host_link_bw=4e9), 32, 8, 1e9
     shape = tiny_shape("tiny-llama", 33)
     lay = Layout(batch=8, micro=4, mini=8, epochs=1, prompt_len=11, gpus_per_node=2)
     size = 2 * shape.params(value_head=True)  # bf16
-    split = CostModel(dev, Shapes(shape, shape, shape, shape), lay, model_split=(2, 1))
-    assert split.critic_to_stage_s() == pytest.approx(size / 2 / bw + size / bw)
+    split = CostModel(dev, Shapes(shape, shape, shape, shape), lay, model_split=(2, 1),
+                      whole_scorers=frozenset({"reward", "critic"}))
+    assert split.critic_to_stage_s() == pytest.approx(size / 2 / bw + 2 * size / 4e9 +
+                                                      size / bw)
     whole = CostModel(dev, Shapes(shape, shape, shape, shape), lay)
     assert whole.critic_to_stage_s() == pytest.approx(size / bw)
     sim = StepSimulator(whole, LengthDist(192, values=(L,)))

@@ -273,13 +273,19 @@ class CostModel:
     def critic_to_stage_s(self) -> float:
         """The stage placement's critic weights before a rollout: gathered whole on the
         sending rank (ZeRO-3 over the ranks; a Megatron replica's shards over its
-        model-parallel links), then sent to the scorer rank's copy, on the node."""
+        model-parallel links), then sent to the scorer rank's copy, on the node. A Megatron
+        critic (an HF copy on the scorer rank: in ``whole_scorers``) is gathered into rank
+        0's host memory and converted there (``MegatronModel.to_hf``), so its bytes cross
+        that rank's host link twice, out and back for the send; the conversion's own host
+        work is not charged (docs/megatron.md measures it)."""
         critic = self.shapes.critic.params(value_head=True)
         size, mp = self.w * critic, self.mtp * self.mpp
         if self.zero_stage == 3:
             gather = self._gather_s(critic)
         else:
             gather = size * (mp - 1) / mp / self.pp_bw if mp > 1 else 0.0
+        if "critic" in self.whole_scorers:
+            gather += 2 * size / self.dev.host_link_bw
         return gather + size / self.dev.intra_node_bw
 
     def rollout_fixed(self) -> float:
