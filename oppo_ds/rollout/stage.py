@@ -512,7 +512,9 @@ class RemoteScorers:
         """Send ``module``'s parameters (the critic, whole on this rank) to the stage's copy,
         between rollouts; returns when they are sent. ``version`` names them (the stage
         skips a version it has). On the wire in the parameters' dtype (float32 when they
-        mix dtypes), ``bucket`` elements per message: one bucket's copy at a time."""
+        mix dtypes), ``bucket`` elements per message: one bucket's buffer on the wire device,
+        filled straight from the parameters (a host-resident critic, a Megatron one gathered
+        by ``to_hf``, crosses to the GPU once, with no host-side copy first) and reused."""
         if self._open or self._closed:
             raise RuntimeError("send_weights: between rollouts only" if self._open
                                else "send_weights: the scorer stage was shut down")
@@ -522,10 +524,15 @@ class RemoteScorers:
         numel = sum(p.numel() for p in params)
         _wait(self.link.isend(_header(Op.WEIGHTS, version, _DTYPES.index(dtype), numel, bucket,
                                       _layout_hash(module), device=self.wire)), self.timeout)
+        buffer = torch.empty(min(bucket, numel), dtype=dtype, device=self.wire)
         with torch.no_grad():
             for spans in _buckets(params, bucket):
-                flat = torch.cat([view[a:b].to(dtype) for view, a, b in spans]).to(self.wire)
-                _wait(self.link.isend(flat), self.timeout)
+                filled = 0
+                for view, a, b in spans:  # the copy casts and moves at once
+                    buffer[filled:filled + b - a].copy_(view[a:b])
+                    filled += b - a
+                # waited on before the next bucket overwrites the buffer
+                _wait(self.link.isend(buffer[:filled]), self.timeout)
 
     def await_weights(self, version: int) -> None:
         """Between rollouts: the stage's critic copy is to hold ``version`` before it serves
