@@ -213,11 +213,12 @@ def gather_states(mine: dict[str, torch.Tensor], tag, group) -> Optional[list]:
     on_device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
     layout = [(name, tuple(t.shape), t.dtype) for name, t in mine.items()]
-    raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8)
-                     for t in mine.values()]) if mine else torch.empty(0, dtype=torch.uint8)
+    size = sum(t.numel() * t.dtype.itemsize for t in mine.values())
     heads = [None] * len(ranks) if dist.get_rank() == first else None
-    dist.gather_object((tag, layout, raw.numel()), heads, dst=first, group=group)
-    if heads is None:
+    dist.gather_object((tag, layout, size), heads, dst=first, group=group)
+    if heads is None:  # only the senders flatten their tensors into bytes
+        raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8)
+                         for t in mine.values()]) if mine else torch.empty(0, dtype=torch.uint8)
         dist.send(raw.to(on_device), dst=first, group=group)
         return None
     out = []
