@@ -110,14 +110,18 @@ def format_plan(out: dict, config: str) -> str:
 
 
 def format_calibration(out: dict) -> str:
+    fit = out["fit"]
     lines = [f"oppo-plan --calibrate {out['results']}: cpu device fitted to the sequential run",
-             "  " + ", ".join(f"{k} {v:.4g}" for k, v in out["device"].items()), "",
+             "  " + ", ".join(f"{k} {v:.4g}" for k, v in out["device"].items()),
+             "  sequential phases per step, measured / fitted (rms residual): " + ", ".join(
+                 f"{k} {fit['measured_s'][k]:.4f} / {fit['fitted_s'][k]:.4f} s ({fit['rms_residual_s'][k]:.4f})"
+                 for k in fit["measured_s"]), "",
              f"  {'mode':<11}{'pred. step':>11}{'meas. step':>11}{'pred. speedup':>14}"
              f"{'meas. speedup':>14}{'error':>8}"]
     for mode, m in out["modes"].items():
         meas = m.get("measured_speedup")
-        lines.append(f"  {mode:<11}{m['predicted_step_s']:>11.4f}{m.get('measured_step_s', float('nan')):>11.4f}"
-                     f"{m['predicted_speedup']:>13.3f}x"
+        step = f"{m['measured_step_s']:>11.4f}" if "measured_step_s" in m else f"{'-':>11}"
+        lines.append(f"  {mode:<11}{m['predicted_step_s']:>11.4f}{step}{m['predicted_speedup']:>13.3f}x"
                      + (f"{meas:>13.3f}x{m['speedup_error']:>+8.1%}" if meas is not None else f"{'-':>14}"))
     return "\n".join(lines)
 

@@ -1,18 +1,17 @@
 """The simulator checked against reality: fit the ``cpu`` device to the phase timings that
 ``make bench`` measured on the built-in workload, then predict the other modes' speedups.
 
-Only the **sequential** run is fitted (per step, least squares over the steps after the
-warm-up):
-
-    generate = setup + decode_call x longest response + row_cost x sum of responses
-    score    = 8 calls x call + token_cost x padded tokens   (actor, reference, critic, reward;
-                                                               2 micro-batches each)
-    train    = 4 calls x call + token_cost x padded tokens   (actor and critic, forward+backward)
-
-Each slope becomes an effective FLOP/s of the tiny models (FLOPs per token from their shapes),
-each intercept a per-call overhead. The streaming and overcommitting modes are then
-*predicted* by the simulator from these costs and the sequential run's own response lengths,
-and compared with their measured speedups (none of their timings enter the fit).
+Only the **sequential** run is fitted, and with the simulator's own cost formulas: every
+per-call overhead and every inverse FLOP/s (decode, prefill, training; the rollout's setup)
+enters a simulated phase time linearly, so the sequential schedule is simulated once per
+parameter, on a probe device where that parameter alone costs one unit, over the run's own
+response lengths step by step. Those per-step phase times (generate, score, train) are the
+regressors; non-negative least squares against the measured ones gives the parameters. The
+fitted device therefore reproduces the sequential run's phases as the simulator computes them
+(decode steps, padded micro-batches, attention over the context, the prompt's prefill), not
+a simplified formula beside it. The streaming and overcommitting modes are then *predicted*
+from these costs and each mode's own response lengths, and compared with their measured
+speedups over the same runs (none of their timings enter the fit).
 """
 from __future__ import annotations
 
@@ -23,11 +22,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import ConfigError, load_config
+from ..config import Config, ConfigError, load_config
 from .costs import CPU, Device, with_measured
 from .planner import cost_model, layout, length_dist, schedules
-from .shapes import Shapes, resolve_shapes
-from .simulate import MODES, StepSimulator, _micro_tokens
+from .shapes import resolve_shapes
+from .simulate import MODES, StepSimulator
 
 WARMUP = 2  # oppo-bench leaves the first 2 steps out of its timing
 
@@ -70,54 +69,52 @@ def _lstsq(columns: list[np.ndarray], y: np.ndarray) -> np.ndarray:
         keep.pop(int(np.argmin(coef)))
 
 
-def _rate(flops: float, seconds: float) -> float:
-    """Effective FLOP/s of a per-token (or per-row) slope; a slope too small to measure
-    (fitted at 0) leaves the rate unbounded."""
-    return flops / seconds if seconds > 0 else 1e18
+def _rate(seconds_per_flop: float) -> float:
+    """Effective FLOP/s from a fitted time per FLOP; one too small to measure (fitted at 0)
+    leaves the rate unbounded."""
+    return 1.0 / seconds_per_flop if seconds_per_flop > 0 else UNBOUNDED
 
 
-def fit_cpu(steps: list[dict], shapes: Shapes, prompt_len: int, micro: int, mini: int,
-            epochs: int, base: Device = CPU, seed: int = 0) -> tuple[Device, dict]:
-    """The ``cpu`` device fitted to sequential steps' phase timings; also the fit's residuals."""
-    lengths = [np.asarray(r["response/lengths"], dtype=np.int64) for r in steps]
-    gen = np.array([r["time/phase/generate"] for r in steps])
-    score = np.array([r["time/phase/score"] for r in steps])
-    train = np.array([r["time/phase/train"] for r in steps])
-    ones = np.ones(len(steps))
-    longest = np.array([x.max() for x in lengths], dtype=float)
-    total = np.array([x.sum() for x in lengths], dtype=float)
-    setup, per_step, per_row = _lstsq([ones, longest, total], gen)
+PHASES = ("generate", "score", "train")
+# the cost-model parameters the fit measures, each entering the simulator linearly: per-call
+# overheads in seconds, and the inverse of each effective FLOP/s
+FITTED = ("rollout_setup_s", "decode_call_s", "decode_flops", "prefill_call_s", "prefill_flops",
+          "train_call_s", "train_flops")
+UNBOUNDED = 1e18  # a rate whose time is too small to count: shown as 1e+18
 
-    padded = np.array([_micro_tokens(x, micro, prompt_len)[0] for x in lengths])
-    score_calls = 4 * -(-len(lengths[0]) // micro)
-    score0, score_tok = _lstsq([ones, padded], score)
-    # training permutes the batch each epoch: the expected padding over permutations
-    rng = np.random.default_rng(seed)
-    perm_padded = np.array([np.mean([_micro_tokens(x[rng.permutation(len(x))], micro, prompt_len)[0]
-                                     for _ in range(16)]) * epochs for x in lengths])
-    train_calls = 2 * epochs * -(-len(lengths[0]) // micro)
-    train0, train_tok = _lstsq([ones, perm_padded], train)
 
-    a = shapes.actor
-    prefill_flops_per_token = sum(2 * s.matmul_params(head) for s, head in (
-        (shapes.actor, False), (shapes.reference, False), (shapes.critic, True), (shapes.reward, True)))
-    train_flops_per_token = 3 * (2 * shapes.actor.matmul_params() + 2 * shapes.critic.matmul_params(True))
-    other = float(np.mean([r["time/step_s"] - r["time/phase/generate"] - r["time/phase/score"]
-                           - r["time/phase/train"] for r in steps]))
-    device = with_measured(
-        # a row's share of a decode step too small to measure: the step's cost is its call
-        base, decode_flops=_rate(2 * a.matmul_params(), per_row), decode_call_s=float(per_step),
-        prefill_flops=_rate(prefill_flops_per_token, score_tok), prefill_call_s=float(score0 / score_calls),
-        train_flops=_rate(train_flops_per_token, train_tok), train_call_s=float(train0 / train_calls),
-        layer_s=0.0, optim_s=0.0, step_other_s=other, rollout_setup_s=0.0)
-    # the prompt prefill sits in the generate intercept: what is left is the rollout's setup
-    prompt = _micro_tokens(np.zeros(len(lengths[0]), np.int64), len(lengths[0]), prompt_len)
-    prefill = (device.prefill_call_s + 2 * a.matmul_params() * prompt[0] / device.prefill_flops)
-    device = with_measured(device, rollout_setup_s=max(0.0, float(setup) - prefill))
-    fit = {"generate": {"intercept_s": float(setup), "per_decode_step_s": float(per_step),
-                        "per_row_token_s": float(per_row)},
-           "score": {"intercept_s": float(score0), "per_padded_token_s": float(score_tok)},
-           "train": {"intercept_s": float(train0), "per_padded_token_s": float(train_tok)},
+def _probe(base: Device, name: str) -> Device:
+    """A device whose only cost is one unit of ``name`` (a second per call, or one FLOP a
+    second): the simulator's phase times under it are that parameter's regressors."""
+    zero = {k: (UNBOUNDED if k.endswith("flops") else 0.0) for k in FITTED}
+    zero[name] = 1.0
+    return with_measured(base, bw=UNBOUNDED, layer_s=0.0, optim_s=0.0, step_other_s=0.0, **zero)
+
+
+def fit_cpu(cfg: Config, steps: list[dict], base: Device = CPU, seed: int = 0) -> tuple[Device, dict]:
+    """The ``cpu`` device fitted to a sequential run's phase timings (``steps``: its
+    metrics.jsonl from the first step), and the fit's figures."""
+    shapes, lay = resolve_shapes(cfg), layout(cfg, 1, 1)
+    dist = dataclasses.replace(length_dist(cfg), per_step=tuple(tuple(r["response/lengths"]) for r in steps))
+    sched = schedules(cfg, "sequential")[0]
+
+    def phases(device: Device) -> np.ndarray:
+        sim = StepSimulator(cost_model(cfg, shapes, device, lay), dist)
+        res = sim.run(sched, steps=len(steps), warmup=WARMUP, seed=seed)
+        return np.concatenate([[s.phases[k] for s in res.steps] for k in PHASES])
+
+    timed = steps[WARMUP:]
+    measured = np.concatenate([[r[f"time/phase/{k}"] for r in timed] for k in PHASES])
+    coef = _lstsq([phases(_probe(base, name)) for name in FITTED], measured)
+    fields = {name: (_rate(c) if name.endswith("flops") else float(c)) for name, c in zip(FITTED, coef)}
+    other = float(np.mean([r["time/step_s"] - sum(r[f"time/phase/{k}"] for k in PHASES) for r in timed]))
+    # memory traffic is no term of the fit: the tiny models' weights stay in the CPU's
+    # caches and their calls' overheads dominate, so the fitted device leaves it out too
+    device = with_measured(base, bw=UNBOUNDED, layer_s=0.0, optim_s=0.0, step_other_s=other, **fields)
+    fitted, real = phases(device).reshape(len(PHASES), -1), measured.reshape(len(PHASES), -1)
+    fit = {"measured_s": {k: float(m.mean()) for k, m in zip(PHASES, real)},
+           "fitted_s": {k: float(f.mean()) for k, f in zip(PHASES, fitted)},
+           "rms_residual_s": {k: float(np.sqrt(np.mean((f - m) ** 2))) for k, f, m in zip(PHASES, fitted, real)},
            "other_s": other}
     return device, fit
 
@@ -130,12 +127,8 @@ def calibrate(results_path: str, seed: int = 0,
     cfg = load_config(os.path.join(runs, "sequential", "config.yaml"))
     shapes = resolve_shapes(cfg)
     lay = layout(cfg, 1, 1)
-    seq = read_steps(runs, "sequential")
-    p = cfg.ppo
-    device, fit = fit_cpu(seq, shapes, lay.prompt_len, p.micro_batch_size, p.mini_batch_size,
-                          p.ppo_epochs, base=base, seed=seed)
+    device, fit = fit_cpu(cfg, read_steps(runs, "sequential", warmup=0), base=base, seed=seed)
     model = cost_model(cfg, shapes, device, lay)
-    measured_modes = results.get("modes", {})
     out: dict = {"results": results_path, "fit": fit, "device": _device_json(device), "modes": {}}
     predicted = {}
     for mode in MODES:
@@ -155,8 +148,10 @@ def calibrate(results_path: str, seed: int = 0,
                  "chunk_size": res.schedule.chunk if res.schedule.streamed else None,
                  "delta": res.schedule.delta,
                  "predicted_phases_s": {k: round(res.mean(k), 5) for k in ("generate", "score", "train")}}
-        measured = measured_modes.get(mode, {}).get("speedup")
-        if measured is not None and os.path.isdir(os.path.join(runs, mode)):
+        if mode in results.get("modes", {}) and os.path.isdir(os.path.join(runs, mode)):
+            # over the runs whose lengths were replayed (under --repeat, the first round's;
+            # oppo-bench's own figure is then the median over the rounds)
+            measured = measured_seq / _measured_step(runs, mode)
             entry["measured_step_s"] = round(_measured_step(runs, mode), 5)
             entry["measured_speedup"] = round(measured, 4)
             entry["speedup_error"] = round(entry["predicted_speedup"] / measured - 1.0, 4)
@@ -188,9 +183,6 @@ def calibrated_device(results_path: Optional[str]) -> Device:
     """The cpu device fitted to ``results_path`` (the shipped constants when None)."""
     if results_path is None:
         return CPU
-    results, runs = read_bench(results_path)
+    _, runs = read_bench(results_path)
     cfg = load_config(os.path.join(runs, "sequential", "config.yaml"))
-    p = cfg.ppo
-    device, _ = fit_cpu(read_steps(runs, "sequential"), resolve_shapes(cfg), layout(cfg, 1, 1).prompt_len,
-                        p.micro_batch_size, p.mini_batch_size, p.ppo_epochs)
-    return device
+    return fit_cpu(cfg, read_steps(runs, "sequential", warmup=0))[0]

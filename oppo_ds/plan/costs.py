@@ -92,16 +92,17 @@ GPUS: dict[str, Device] = {d.name: d for d in (
 
 # The development machine (2 cores, 24 GiB), measured: the tiny built-in models are bound by
 # per-call overhead, so these are the effective rates and overheads that the fit of
-# ``make bench``'s sequential phase timings gave (``oppo-plan --calibrate bench/results.json``,
-# run of 2026-11-22), not peak numbers. A decode step cost the same whatever its number of
-# rows (the per-row slope came out at 0): its FLOP/s is left unbounded.
+# ``make bench``'s sequential phase timings gave (``oppo-plan --calibrate
+# tests/data/bench-cpu-2core/results.json``, the run of 2026-11-22), not peak numbers. A decode
+# step cost the same whatever its number of rows (the per-row slope came out at 0): its FLOP/s
+# is left unbounded, as is the memory bandwidth, which the fit has no term for.
 CPU = Device(
     "cpu", mem_gib=24.0, peak_flops=0.0, hbm_bw=0.0,
-    decode_flops=1e18, prefill_flops=3.292e10, train_flops=2.508e10, bw=2e10,
+    decode_flops=1e18, prefill_flops=3.583e10, train_flops=3.428e10, bw=1e18,
     intra_node_bw=5e9, inter_node_bw=1e9, host_link_bw=2e10,
-    decode_call_s=2.014e-3, prefill_call_s=2.058e-3, train_call_s=5.512e-3, layer_s=0.0,
-    optim_s=0.0, rollout_setup_s=1.33e-4, step_other_s=5.261e-3, cpu_adam_params_s=2e8,
-    measured="fit to bench/results.json (make bench, 2026-11-22, 2-core CPU)")
+    decode_call_s=2.010e-3, prefill_call_s=2.651e-3, train_call_s=7.319e-3, layer_s=0.0,
+    optim_s=0.0, rollout_setup_s=0.0, step_other_s=5.261e-3, cpu_adam_params_s=2e8,
+    measured="fit to tests/data/bench-cpu-2core/results.json (make bench, 2026-11-22, 2-core CPU)")
 
 DEVICES: dict[str, Device] = {**GPUS, "cpu": CPU}
 
