@@ -38,18 +38,18 @@ device for NCCL). Actor -> scorer:
                                                         ``version`` come over another actor
                                                         rank's link; this link's next message
                                                         is served once the stage holds them
-    BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   int64 (2, B, P): prompt ids, mask of
-                  L, partial, N]                        the B rows new to the stage (all N
-                                                        rows when B = N); then, when
-                                                        L > 0, int64 (B, 1 + L): each new row's
-                                                        response so far (its length, then L
-                                                        tokens, right-padded): rows a rollout
-                                                        pool continues; then int64 (2, N): the
-                                                        rollout's N rows in decode order, their
-                                                        ids and 1 where the row is new (0: the
-                                                        stage holds it from the last rollout).
-                                                        partial = 1: rows may end the rollout
-                                                        unfinished
+    BEGIN        [BEGIN, B, P, ids dtype, mask dtype,   one int64 message, flat: (2, B, P)
+                  L, partial, N]                        prompt ids, mask of the B rows new to
+                                                        the stage (all N rows when B = N);
+                                                        then, when L > 0, (B, 1 + L): each new
+                                                        row's response so far (its length,
+                                                        then L tokens, right-padded): rows a
+                                                        rollout pool continues; then (2, N):
+                                                        the rollout's N rows in decode order,
+                                                        their ids and 1 where the row is new
+                                                        (0: the stage holds it from the last
+                                                        rollout). partial = 1: rows may end
+                                                        the rollout unfinished
     CONSUME      [CONSUME, chunk, A, c, n]              int64 (A * (2 + c) + n,): per row its
                                                         place, its count of new tokens and the
                                                         c tokens (right-padded), then the n rows
@@ -258,14 +258,15 @@ class ScorerStage:
     def _recv_payload(self, head: torch.Tensor):
         head = head.tolist()  # on NCCL a host sync: the sizes decide the next receive
         op = head[0]
-        shape = {Op.BEGIN: (2, head[1], head[2]),
-                 Op.CONSUME: (head[2] * (2 + head[3]) + head[4],)}.get(op)
         payload = None
-        if shape is not None and all(shape):
-            payload = self._recv_tensor(shape)
-        if op == Op.BEGIN:  # the responses the new rows already have, then the rollout's rows
-            prefix = self._recv_tensor((head[1], 1 + head[5])) if head[5] > 0 else None
-            payload = (payload, prefix, self._recv_tensor((2, head[7])))
+        if op == Op.CONSUME and head[2] * (2 + head[3]) + head[4]:
+            payload = self._recv_tensor((head[2] * (2 + head[3]) + head[4],))
+        elif op == Op.BEGIN:  # the new rows' prompts, the responses they already have, the rows
+            new, width, prefix = head[1], head[2], head[5]
+            sizes = [2 * new * width, new * (1 + prefix) if prefix > 0 else 0, 2 * head[7]]
+            flat = self._recv_tensor((sum(sizes),)).split(sizes)
+            payload = (flat[0].view(2, new, width),
+                       flat[1].view(new, 1 + prefix) if prefix > 0 else None, flat[2].view(2, -1))
         return op, head, payload
 
     def _recv_tensor(self, shape, dtype=torch.long) -> torch.Tensor:
@@ -499,12 +500,10 @@ class RemoteScorers:
         if self._early_reply:
             self._post_reply()
         sent = time.perf_counter()
+        flat = torch.cat([t.reshape(-1) for t in (payload, prefix, rows) if t is not None])
         self._isend(_header(Op.BEGIN, *payload.shape[1:], *codes,
                             0 if prefix is None else prefix.shape[1] - 1, int(partial), batch,
-                            device=self.wire), payload)
-        if prefix is not None:
-            self._isend(prefix)
-        self._isend(rows)
+                            device=self.wire), flat)
         return sent
 
     def send_weights(self, module: torch.nn.Module, version: int,
