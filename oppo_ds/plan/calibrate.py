@@ -29,6 +29,12 @@ from .shapes import resolve_shapes
 from .simulate import MODES, StepSimulator
 
 WARMUP = 2  # oppo-bench leaves the first 2 steps out of its timing
+PHASES = ("generate", "score", "train")
+# the cost-model parameters the fit measures, each entering the simulator linearly: per-call
+# overheads in seconds, and the inverse of each effective FLOP/s
+FITTED = ("rollout_setup_s", "decode_call_s", "decode_flops", "prefill_call_s", "prefill_flops",
+          "train_call_s", "train_flops")
+UNBOUNDED = 1e18  # a rate whose time is too small to count: shown as 1e+18
 
 
 def read_bench(results_path: str) -> tuple[dict, str]:
@@ -73,14 +79,6 @@ def _rate(seconds_per_flop: float) -> float:
     """Effective FLOP/s from a fitted time per FLOP; one too small to measure (fitted at 0)
     leaves the rate unbounded."""
     return 1.0 / seconds_per_flop if seconds_per_flop > 0 else UNBOUNDED
-
-
-PHASES = ("generate", "score", "train")
-# the cost-model parameters the fit measures, each entering the simulator linearly: per-call
-# overheads in seconds, and the inverse of each effective FLOP/s
-FITTED = ("rollout_setup_s", "decode_call_s", "decode_flops", "prefill_call_s", "prefill_flops",
-          "train_call_s", "train_flops")
-UNBOUNDED = 1e18  # a rate whose time is too small to count: shown as 1e+18
 
 
 def _probe(base: Device, name: str) -> Device:
@@ -147,15 +145,16 @@ def calibrate(results_path: str, seed: int = 0,
                  "predicted_speedup": round(base_s / res.mean("step_s"), 4),
                  "chunk_size": res.schedule.chunk if res.schedule.streamed else None,
                  "delta": res.schedule.delta,
-                 "predicted_phases_s": {k: round(res.mean(k), 5) for k in ("generate", "score", "train")}}
+                 "predicted_phases_s": {k: round(res.mean(k), 5) for k in PHASES}}
         if mode in results.get("modes", {}) and os.path.isdir(os.path.join(runs, mode)):
             # over the runs whose lengths were replayed (under --repeat, the first round's;
             # oppo-bench's own figure is then the median over the rounds)
-            measured = measured_seq / _measured_step(runs, mode)
-            entry["measured_step_s"] = round(_measured_step(runs, mode), 5)
+            step = _measured_step(runs, mode)
+            measured = measured_seq / step
+            entry["measured_step_s"] = round(step, 5)
             entry["measured_speedup"] = round(measured, 4)
             entry["speedup_error"] = round(entry["predicted_speedup"] / measured - 1.0, 4)
-            entry["step_error"] = round(res.mean("step_s") / _measured_step(runs, mode) - 1.0, 4)
+            entry["step_error"] = round(res.mean("step_s") / step - 1.0, 4)
             entry["measured_phases_s"] = _measured_phases(runs, mode)
         out["modes"][mode] = entry
     out["measured_sequential_step_s"] = round(measured_seq, 5)
@@ -170,7 +169,7 @@ def _measured_step(runs: str, mode: str) -> float:
 def _measured_phases(runs: str, mode: str) -> dict:
     rows = read_steps(runs, mode)
     return {k: round(float(np.mean([r.get(f"time/phase/{k}", 0.0) for r in rows])), 5)
-            for k in ("generate", "score", "train")}
+            for k in PHASES}
 
 
 def _device_json(d: Device) -> dict:

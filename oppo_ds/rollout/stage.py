@@ -259,8 +259,9 @@ class ScorerStage:
         head = head.tolist()  # on NCCL a host sync: the sizes decide the next receive
         op = head[0]
         payload = None
-        if op == Op.CONSUME and head[2] * (2 + head[3]) + head[4]:
-            payload = self._recv_tensor((head[2] * (2 + head[3]) + head[4],))
+        if op == Op.CONSUME:
+            size = head[2] * (2 + head[3]) + head[4]
+            payload = self._recv_tensor((size,)) if size else None
         elif op == Op.BEGIN:  # the new rows' prompts, the responses they already have, the rows
             new, width, prefix = head[1], head[2], head[5]
             sizes = [2 * new * width, new * (1 + prefix) if prefix > 0 else 0, 2 * head[7]]
