@@ -23,6 +23,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+# tokenizer_config.json classes that mean "tokenizer.json is the whole pipeline"
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Keys under which other projects store a scalar head: ours, HF *ForSequenceClassification
 # (``score``), DeepSpeed-Chat's RewardModel (``v_head``), TRL's value head (``v_head.summary``).
 _HEAD_KEYS = ("value_head.weight", "score.weight", "v_head.weight", "v_head.summary.weight")
@@ -259,13 +261,27 @@ def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=No
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     """A tokenizer from a local directory; pad token falls back to EOS (decoder-only models
-    often ship without one) and padding is on the left, as decoding needs."""
-    from transformers import AutoTokenizer
+    often ship without one) and padding is on the left, as decoding needs.
+
+    A directory whose tokenizer_config.json names the generic class (`TokenizersBackend`,
+    `PreTrainedTokenizerFast`: tokenizer.json is the whole pipeline, as our built-in
+    workload saves it) is loaded with that class. AutoTokenizer would pick the model type's
+    own class for some types (Qwen2 among them) whatever the file says, and rebuild a
+    byte-level BPE over the vocabulary: "bold c ->" came back as "boldc", "->" lost."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path!r} is not a local directory")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                        local_files_only=True)
+    declared = None
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            declared = json.load(f).get("tokenizer_class")
+    if declared in GENERIC_TOKENIZER_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                            local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

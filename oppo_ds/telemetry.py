@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -116,6 +117,14 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
+def _stdev(xs):
+    """Sample standard deviation; NaN when a value is not finite (statistics.stdev raises
+    AttributeError on a NaN), None under two values."""
+    if len(xs) < 2:
+        return None
+    return statistics.stdev(xs) if all(math.isfinite(x) for x in xs) else float("nan")
+
+
 def summarize(history: list[dict]) -> dict:
     """Reward and gold over the first and last 10 steps, with the step-to-step noise (the std
     of per-step means over the run's first 10 steps) to judge whether the change is real."""
@@ -130,7 +139,7 @@ def summarize(history: list[dict]) -> dict:
             continue
         out[f"{name}_first10"] = _mean(values[:10])
         out[f"{name}_last10"] = _mean(values[-10:])
-        out[f"{name}_noise_std"] = statistics.stdev(values[:10]) if len(values[:10]) > 1 else None
+        out[f"{name}_noise_std"] = _stdev(values[:10])
     samples = sum(column("samples"))
     out["samples"] = samples
     out["samples_per_s"] = samples / out["wall_s"] if out["wall_s"] else None

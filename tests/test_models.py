@@ -2,6 +2,7 @@
 checkpoint round trips, value heads taken from other formats, KV-cache consistency of the
 value model, local-only loading, dropout switched off."""
 
+import json
 import os
 
 import pytest
@@ -268,6 +269,10 @@ def test_trust_remote_code_off_by_default_and_passed_through(tmp_path, monkeypat
     assert ModelConfig().trust_remote_code is False
     build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(tmp_path)
     workload.build_tokenizer().save_pretrained(tmp_path)
+    # no class named: AutoTokenizer picks one (a generic class is loaded without it)
+    tok_config = tmp_path / "tokenizer_config.json"
+    tok_config.write_text(json.dumps({k: v for k, v in json.loads(tok_config.read_text()).items()
+                                      if k != "tokenizer_class"}))
     seen = []
 
     def spy(cls, name):
@@ -311,6 +316,21 @@ def test_load_tokenizer_of_workload(tmp_path):
     assert batch["attention_mask"][0] == [0, 0, 1, 1, 1, 1]
     assert batch["input_ids"][0][-1] == batch["input_ids"][1][-1]  # both end with "->"
     assert batch["input_ids"][0][2] == batch["input_ids"][1][0] == workload.BOS_ID
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_workload_tokenizer_saved_with_each_model_loads_as_saved(arch, tmp_path):
+    # beside a Qwen2 config.json, AutoTokenizer loads Qwen2Tokenizer whatever
+    # tokenizer_config.json names, and it split "warm a b ->" into letters and lost "->"
+    build_causal_lm(arch, vocab_size=VOCAB, seed=0).save_pretrained(tmp_path)
+    built = workload.build_tokenizer()
+    built.save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    text = "warm a b ->"
+    ids = tok(text)["input_ids"]
+    assert ids == built(text)["input_ids"] == [workload.BOS_ID, *built.convert_tokens_to_ids(text.split())]
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert workload.parse_prompt(tok.decode(ids, skip_special_tokens=True).split()) is not None
 
 
 def test_load_tokenizer_pad_falls_back_to_eos(tmp_path):

@@ -84,6 +84,31 @@ def test_run_writes_real_outputs(cache_dir, tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step4"
 
 
+@pytest.mark.parametrize("arch", ["tiny-qwen2", "tiny-gpt2"])
+def test_builtin_workload_on_the_other_architectures(arch, tmp_path):
+    """The built-in task on every tiny architecture: the prompts come back as tasks (gold is
+    a number in [-1, 1] at every step; under tiny-qwen2 transformers once loaded the saved
+    tokenizer as Qwen2's byte-level BPE, every prompt lost its "->" and gold was NaN)."""
+    _, summary = run(str(tmp_path / "cache"), tmp_path / "run", "steps=2", f"model.builtin_arch={arch}")
+    for row in read_history(str(tmp_path / "run" / "metrics.jsonl")):
+        assert -1.0 <= row["gold/mean"] <= 1.0, row["gold/mean"]
+    assert -1.0 <= summary["gold_last10"] <= 1.0
+
+
+def test_summary_of_a_diverged_run_is_still_written():
+    """A NaN reward (a run that diverged) gives NaN figures in the summary, not a crash at
+    the end of the run (statistics.stdev raises AttributeError on NaN)."""
+    from oppo_ds.telemetry import summarize
+
+    history = [{"reward/mean": r, "time/step_s": 1.0, "samples": 8} for r in (1.0, float("nan"), 2.0)]
+    out = summarize(history)
+    assert out["reward_noise_std"] != out["reward_noise_std"]  # NaN
+    assert out["reward_first10"] != out["reward_first10"]
+    assert out["samples"] == 24 and out["wall_s"] == 3.0
+    assert summarize(history[:1])["reward_noise_std"] is None
+    assert summarize([history[0], history[2]])["reward_noise_std"] == pytest.approx(2 ** -0.5)
+
+
 def _metrics_by_step(path):
     return {r["step"]: r for r in read_history(str(path))}
 
