@@ -63,7 +63,9 @@ class CheckpointManager:
                                     f"{self.rank} ({path}); was it saved with another world size?")
         for name, engine in engines.items():
             engine.load(os.path.join(self.root, name), tag)
-        state = torch.load(path, weights_only=False)
+        # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise
+        # come back on the saving rank's GPU, which a resume on another layout may not have
+        state = torch.load(path, weights_only=False, map_location="cpu")
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and torch.cuda.is_available():

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 logger = logging.getLogger(__name__)
 
 PREEMPTED_EXIT = 75
@@ -65,8 +67,8 @@ class StopOnSignal:
         code = float(getattr(signal, f"SIG{self.received}")) if self.received else 0.0
         if not (dist.is_available() and dist.is_initialized()):
             return self.received
-        flag = torch.tensor([code if code else float("inf")], dtype=torch.float64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        flag = comm.all_reduce(torch.tensor([code if code else float("inf")], dtype=torch.float64),
+                               op=dist.ReduceOp.MIN, group=group)
         if flag.item() == float("inf"):
             return None
         return signal.Signals(int(flag.item())).name.removeprefix("SIG")

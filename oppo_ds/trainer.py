@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
 from . import workload as wl
 from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits, gae_advantages,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
@@ -111,14 +112,15 @@ def streaming_metrics(timing) -> dict:
 
 
 def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
-                width: int) -> torch.Tensor:
-    """Per-row results (scalars, or (T_row,) right-padded to ``width``) as one tensor, rows
-    listed in ``missing`` taken in order from ``scored``."""
+                width: int, device) -> torch.Tensor:
+    """Per-row results (scalars, or (T_row,) right-padded to ``width``) as one tensor on
+    ``device``, rows listed in ``missing`` taken in order from ``scored`` (the others may
+    sit elsewhere: a resumed pool's rows come back on the CPU)."""
     fill, missing = iter(scored.unbind(0)) if scored is not None else iter(()), set(missing)
     rows = [next(fill) if i in missing else r for i, r in enumerate(rows)]
     if rows[0].dim() == 0:
-        return torch.stack([r.float() for r in rows])
-    out = torch.zeros(len(rows), width, dtype=torch.float32, device=rows[0].device)
+        return torch.stack([r.float().to(device) for r in rows])
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
     for i, r in enumerate(rows):
         n = min(r.numel(), width)
         out[i, :n] = r[:n].to(out.device)
@@ -146,11 +148,8 @@ def oracle_vocab(arch: str) -> int:
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over the ranks of ``group`` (default: the world)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-    return t
+    """Sum over the ranks of ``group`` (default: the world), on ``t``'s device."""
+    return comm.all_reduce(t, group=group)
 
 
 def gather_floats(values: list, group=None) -> list:
@@ -557,6 +556,11 @@ class PPOTrainer(StagePlacement):
         streamed = streamed or {}
         temp = self.cfg.generation.temperature
         args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+        # per row, from the rollout pool: None where nothing valid was streamed (a critic
+        # value from before the last update, or a scorer that did not see the row)
+        missing = {kind: [i for i, r in enumerate(got) if r is None]
+                   for kind, got in streamed.items() if isinstance(got, list)}
+        calls = self._equal_forward_calls(missing)
 
         def streamed_or_scored(kind, fn):
             got = streamed.get(kind)
@@ -564,11 +568,10 @@ class PPOTrainer(StagePlacement):
                 return self._micro_batched(fn, args)
             if isinstance(got, torch.Tensor):
                 return got
-            # per row, from the rollout pool: None where nothing valid was streamed (a critic
-            # value from before the last update, or a scorer that did not see the row)
-            missing = [i for i, r in enumerate(got) if r is None]
-            scored = self._micro_batched(fn, tuple(a[missing] for a in args)) if missing else None
-            return _stack_rows(got, missing, scored, gen.response_ids.shape[1])
+            rows = missing[kind]
+            scored = self._micro_batched(fn, tuple(a[rows] for a in args), calls=calls.get(kind),
+                                         filler=args) if rows or kind in calls else None
+            return _stack_rows(got, rows, scored, gen.response_ids.shape[1], gen.response_ids.device)
 
         old_logprobs = streamed_or_scored(
             "actor", lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]))
@@ -579,28 +582,50 @@ class PPOTrainer(StagePlacement):
         scores = streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a))
         gold = None
         if self.builtin_prompts:
-            gold = torch.tensor(self._gold(gen), dtype=torch.float32)
+            gold = torch.tensor(self._gold(gen), dtype=torch.float32, device=gen.response_ids.device)
         return Experience(prompt_keys=keys, prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask,
                           response_ids=gen.response_ids, response_mask=gen.response_mask,
                           behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
 
-    def _micro_batched(self, fn, args):
+    def _micro_batched(self, fn, args, calls: Optional[int] = None, filler=None):
         """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask),
         each trimmed to its own longest prompt and response; (B,) or (B, T) results, padded
-        back to the batch's response width with zeros."""
-        if args[0].shape[0] == 0:
-            raise ValueError("no rows to score")
+        back to the batch's response width with zeros (None for no rows). ``calls``: make
+        that many calls in all, the ones past the rows on the first row of ``filler``, their
+        results dropped (a collective forward: every rank must call it alike)."""
         n, width = self.cfg.ppo.micro_batch_size, args[2].shape[1]
+        if args[0].shape[0] == 0 and calls is None:
+            raise ValueError("no rows to score")
         parts = []
-        for i in range(0, args[0].shape[0], n):
-            prompt_ids, prompt_mask, response_ids, response_mask = (a[i:i + n] for a in args)
+
+        def call(prompt_ids, prompt_mask, response_ids, response_mask):
             p, t = used_widths(prompt_mask, response_mask)
-            out = fn(prompt_ids[:, -p:], prompt_mask[:, -p:], response_ids[:, :t], response_mask[:, :t])
+            return fn(prompt_ids[:, -p:], prompt_mask[:, -p:], response_ids[:, :t], response_mask[:, :t])
+
+        for i in range(0, args[0].shape[0], n):
+            out = call(*(a[i:i + n] for a in args))
             if out.dim() == 2 and out.shape[1] < width:
                 out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
             parts.append(out)
-        return torch.cat(parts, dim=0)
+        for _ in range(len(parts), calls or 0):
+            call(*(a[:1] for a in filler))
+        return torch.cat(parts, dim=0) if parts else None
+
+    def _equal_forward_calls(self, missing: dict[str, list[int]]) -> dict[str, int]:
+        """How many scoring calls each kind must make on this rank so that every data-parallel
+        rank makes the same number: under ZeRO-3 the actor's and critic's forwards are
+        collectives, and with the rollout pool each rank has its own rows left to score
+        after streaming (a row that finished in an earlier step, one whose critic values
+        predate the update); a rank with fewer calls than the others would wait in the
+        next collective while they wait in the forward. {} where no forward is collective."""
+        kinds = [k for k in ("actor", "critic") if k in missing]
+        if not kinds or self.cfg.system.zero_stage != 3 or self.world_size < 2:
+            return {}
+        n = self.cfg.ppo.micro_batch_size
+        counts = comm.all_reduce_ints([-(-len(missing[k]) // n) for k in kinds],
+                                      op=dist.ReduceOp.MAX, group=self.dp_group)
+        return dict(zip(kinds, counts))
 
     def _gold(self, gen) -> list[float]:
         prompts = self.tokenizer.batch_decode(gen.prompt_ids, skip_special_tokens=True)
@@ -633,7 +658,7 @@ class PPOTrainer(StagePlacement):
         p = self.cfg.ppo
         gas = p.mini_batch_size // p.micro_batch_size
         sums: dict[str, torch.Tensor] = {}
-        total_tokens = torch.zeros((), dtype=torch.float64)
+        total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
@@ -700,7 +725,7 @@ class PPOTrainer(StagePlacement):
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac"}
-        scalars = {"kl/mean": self._kl_stats["kl"].detach().double()}
+        scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
         means = all_reduce_sum(torch.stack(list(scalars.values())), self.dp_group) / self.world_size

@@ -63,18 +63,26 @@ def test_two_ranks_train_and_resume(tmp_path, zero_stage):
     assert (ckpt / "latest").read_text().strip() == "step3"
 
 
-def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path):
+@pytest.mark.parametrize("streaming", [False, True], ids=["pool", "pool+streaming"])
+def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming):
     """ZeRO-3 with overcommitment on 2 ranks: each rank keeps its own pool and takes its own
     first B; decoding stops for both at the same token (one all-reduce per token: both ranks
     count the same number), and a rank that had its B early kept decoding its deferred
-    sequences meanwhile. Every prompt drawn on a rank is trained once or still in its pool."""
+    sequences meanwhile. Every prompt drawn on a rank is trained once or still in its pool.
+
+    With streaming (full OPPO) each rank also has its own rows left to score after the
+    rollout (a row that finished in an earlier step has no log-probs of the current actor);
+    the actor's and critic's ZeRO-3 forwards are collectives, so every rank makes as many
+    scoring calls as the rank with the most (before, step 2 hung: one rank waited in a
+    forward, the other in the next all-reduce)."""
     import torch
 
     from oppo_ds.rollout.pool import RolloutPool
 
     out, cache = tmp_path / "run", tmp_path / "cache"
     launch(out, cache, "steps=3", "system.zero_stage=3", "oppo.overcommit=3", "checkpoint.every=3",
-           "checkpoint.export_hf=false")
+           "checkpoint.export_hf=false",
+           *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 3 * 2 * 4
     states = [torch.load(out / "checkpoints" / "trainer" / "step3" / f"rank{r}.pt", weights_only=False)

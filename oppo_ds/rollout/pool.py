@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .generate import DecodeState, Generation, target_lengths
 
 
@@ -238,9 +239,7 @@ class BatchStop:
             return True
         ok = self.local(state)
         if self.sync:
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-            ok = bool(flag.item())
+            ok = bool(comm.all_reduce_ints([int(ok)], op=dist.ReduceOp.MIN, group=self.group)[0])
             self.calls += 1
         self.satisfied = ok
         return ok

@@ -1,0 +1,55 @@
+"""Small collectives on host-side values (flags, counts, per-step means).
+
+torch.distributed's group on a GPU is NCCL's, which takes CUDA tensors only: a CPU tensor
+there raises "No backend type associated with device type cpu". Gloo (CPU) takes CPU
+tensors. Every collective of ours that starts from a Python value goes through here, so
+it runs on whichever device the group's backend needs and comes back where it started.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def active(group=None) -> bool:
+    """Whether ``group`` (default: the world) has more than one rank to talk to."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def comm_device(group=None) -> torch.device:
+    """The device a collective on ``group`` needs its tensors on: the current CUDA device
+    under NCCL, the CPU otherwise (gloo, or no group at all)."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
+    """``t`` reduced over the ranks of ``group`` (default: the world) with ``op`` (default:
+    sum), on ``t``'s own device; ``t`` itself is left as it was. One rank: ``t``."""
+    if not active(group):
+        return t
+    out = t.detach().to(comm_device(group), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return out.to(t.device)
+
+
+def all_reduce_ints(values: Sequence[int], op=None, group=None) -> list[int]:
+    """A list of ints reduced element-wise over the ranks of ``group`` (default: sum)."""
+    return all_reduce(torch.tensor(list(values), dtype=torch.long), op=op, group=group).tolist()
+
+
+def set_local_cuda_device() -> torch.device:
+    """Make this process's GPU the current CUDA device and return it (the CPU without CUDA):
+    the launcher's LOCAL_RANK, modulo the GPUs this process sees (under Slurm's
+    ``--gpus-per-task`` each task sees one, whatever its local rank). Called before anything
+    lands on a GPU: torch and DeepSpeed's init_distributed leave every process on cuda:0,
+    and only ``deepspeed.initialize`` moves an engine to its rank's GPU, so models built
+    before it (reference, reward) or a device read before it would sit on GPU 0."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
