@@ -20,6 +20,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def _after_queued_work() -> float:
+    """perf_counter once this process's GPU stream has run what was queued on it: CUDA
+    kernels run asynchronously, and a phase that ends with forwards still queued (scoring)
+    would hand its GPU time to the next one. The current stream only: a device-wide sync
+    would also wait for NCCL receives posted for the stage placement's next message."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()
+
+
 class PhaseTimer:
     """Wall time of named phases within one step, and their (start, end) offsets from the
     timer's creation for a timeline trace."""
@@ -31,11 +41,11 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        start = _after_queued_work()
         try:
             yield
         finally:
-            end = time.perf_counter()
+            end = _after_queued_work()
             self.times[name] = self.times.get(name, 0.0) + end - start
             self.events.append(("phases", name, start - self.origin, end - self.origin))
 

@@ -13,6 +13,7 @@ from oppo_ds.rollout.generate import (
     filter_logits,
     finish,
     generate,
+    inverse_cdf_sample,
     position_ids_from_mask,
     sample_tokens,
     start_decode,
@@ -177,6 +178,24 @@ def test_sample_tokens_frequencies():
     share = (tokens == 0).float().mean().item()
     assert abs(share - 2 / 3) < 0.015  # softmax([log 2, 0]) = [2/3, 1/3]
     assert torch.allclose(logprobs[tokens == 0], torch.tensor(2 / 3).log())
+
+
+def test_inverse_cdf_sample_by_hand_and_never_a_zero_probability_token():
+    """The sampler used when the generator is on the CPU and the logits on a GPU (no GPU
+    here: the function is called directly). probs [0, .25, 0, .75]: CDF 0, .25, .25, 1."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]]).repeat(6, 1)
+    u = torch.tensor([0.0, 0.1, 0.2499, 0.25, 0.9, 1.0 - 2 ** -40], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, u).tolist() == [1, 1, 1, 3, 3, 3]
+    # rows that do not sum to 1 (float32 softmax over a large vocabulary) scale u to their mass
+    # (mass 0.8: u 0.2 -> 0.16 falls in token 1's 0.2, u 0.3 -> 0.24 past it)
+    short = torch.tensor([[0.0, 0.2, 0.0, 0.6]]).repeat(2, 1)
+    assert inverse_cdf_sample(short, torch.tensor([0.2, 0.3])).tolist() == [1, 3]
+    # frequencies follow the probabilities; zero-probability tokens (top-k / top-p) never come
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.0, 0.2]]).repeat(40000, 1)
+    u = torch.rand(40000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(inverse_cdf_sample(probs, u), minlength=5) / 40000
+    assert counts[1] == counts[3] == 0
+    assert torch.allclose(counts, probs[0], atol=0.01)
 
 
 # ---------------------------------------------------------------- filtering

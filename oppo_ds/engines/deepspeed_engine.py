@@ -40,6 +40,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
+from oppo_ds.comm import set_local_cuda_device
 from oppo_ds.engines.base import (
     LossFn,
     ModelCallable,
@@ -103,9 +104,12 @@ def init_distributed_if_needed() -> None:
                 if key not in os.environ:
                     os.environ[key] = value if value is not None else str(find_free_port())
                     added.append(key)
+    # each process on its own GPU before anything lands on one (the models built next)
+    set_local_cuda_device()
     # If torch.distributed is already up, deepspeed.comm wraps the existing group.
     shm_name = _shm_buffer_name()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    set_local_cuda_device()  # again: under mpirun DeepSpeed's MPI discovery sets LOCAL_RANK
     if shm_name is not None:
         _unlink_shm_buffer(shm_name)
     # The group exists now: drop the rendezvous variables we invented, so that processes this

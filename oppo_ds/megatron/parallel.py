@@ -17,12 +17,13 @@ activation it sent. Gloo on CPU, NCCL on GPU.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..comm import set_local_cuda_device
 
 
 @dataclass
@@ -102,10 +103,7 @@ def init_model_parallel(tp: int, pp: int, *, seed: int = 0) -> ParallelGroups:
 
 def device() -> torch.device:
     """CUDA's current device when there is one (the launcher's LOCAL_RANK), else the CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return set_local_cuda_device()
 
 
 # ------------------------------------------------------------------------------ pipeline

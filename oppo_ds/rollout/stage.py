@@ -169,7 +169,9 @@ class ScorerStage:
 
     def _start_rollout(self, start: float) -> None:
         self._events: list[TimelineEvent] = []
-        wait = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" \
+        # this stream only: a device-wide sync would also wait for the links' posted NCCL
+        # receives, i.e. for every actor rank's next message
+        wait = torch.cuda.current_stream(self.device).synchronize if self.device.type == "cuda" \
             else _no_wait
         self._timeline = _Timeline(start, self._events, wait)
         self._finished: dict[str, dict[int, torch.Tensor]] = {s.kind: {} for s in self.scorers}

@@ -157,7 +157,9 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
     device = inputs["prompt_ids"].device
     events: list[TimelineEvent] = []
     start = _clock(device)
-    timeline = _Timeline(start, events, (lambda: torch.cuda.synchronize(device))
+    # this stream only: a device-wide sync would also wait for the link's pending NCCL
+    # transfers, i.e. for the stage
+    timeline = _Timeline(start, events, torch.cuda.current_stream(device).synchronize
                          if device.type == "cuda" else _no_wait)
     try:
         # the stage prefills the prompts (and responses so far) while this rank does too

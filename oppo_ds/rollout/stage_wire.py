@@ -5,6 +5,7 @@ critic's weights cut into WEIGHTS buckets and loaded into the stage's copy (``St
 from __future__ import annotations
 
 import enum
+import time
 import zlib
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -52,6 +53,11 @@ def _header(op: Op, *sizes: int, device) -> torch.Tensor:
 def _wait(work, timeout: Optional[timedelta]) -> None:
     # no timeout: the group's own (init_process_group's ``timeout``)
     work.wait() if timeout is None else work.wait(timeout)
+    # NCCL's wait() only makes the current CUDA stream wait for the transfer; the wire reads
+    # what arrived on the host (a header's fields, which link spoke first): wait for it here
+    # (gloo's transfers are complete once wait() returns)
+    while not work.is_completed():
+        time.sleep(1e-5)
 
 
 def _encode_events(events: Sequence[TimelineEvent]) -> torch.Tensor:
