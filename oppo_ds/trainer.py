@@ -23,7 +23,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
-from .config import Config, save_config
+from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
@@ -314,10 +314,18 @@ class PPOTrainer(StagePlacement):
         self.shuffle_gen.set_state(state["shuffle_gen"])
         if self.chunk_ctl is not None and state.get("chunk_ctl"):
             self.chunk_ctl.load_state_dict(state["chunk_ctl"])
+        held = len(state["pool"]["entries"]) if state.get("pool") else 0
+        if self.pool is None and held:
+            raise ConfigError("oppo.overcommit", (
+                f"0, but checkpoint {tag} holds {held} deferred sequence(s) in its rollout pool, "
+                f"which a run without overcommitment would drop; resume with oppo.overcommit "
+                f"above 0 or auto, as it was written, or start afresh with checkpoint.resume=never"))
         if self.pool is not None:
             if not state.get("pool"):
-                raise ValueError(f"checkpoint {tag} has no rollout pool: it was written without "
-                                 f"overcommitment and cannot continue a run with it")
+                raise ConfigError("oppo.overcommit", (
+                    f"{self.cfg.oppo.overcommit}, but checkpoint {tag} has no rollout pool: it was "
+                    f"written without overcommitment and cannot continue a run with it; resume "
+                    f"with oppo.overcommit=0, or start afresh with checkpoint.resume=never"))
             self.pool.load_state_dict(state["pool"])
             for kind, scorer_state in state.get("scorers", {}).items():
                 self._carried_scorer(kind).load_state_dict(scorer_state)

@@ -282,6 +282,24 @@ def test_overcommit_loses_nothing_and_trains_nothing_twice(cache_dir, tmp_path):
     assert deferrals["deferred"] == sum(1 for r in history for d in r["pool/deferrals"] if d > 0)
 
 
+def test_resume_refuses_to_drop_or_invent_a_pool(cache_dir, tmp_path):
+    """A checkpoint with deferred sequences resumed without overcommitment would drop them:
+    refused, naming the key, the checkpoint left as it was; so is the reverse (a pool cannot
+    continue a run written without one)."""
+    from oppo_ds.config import ConfigError
+
+    out = tmp_path / "pool"
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false", "oppo.overcommit=4")
+    with pytest.raises(ConfigError, match=r"oppo.overcommit: 0, but checkpoint step2 holds 4 deferred"):
+        run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
+    assert len(read_history(str(out / "metrics.jsonl"))) == 2
+    plain = tmp_path / "plain"
+    run(cache_dir, plain, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
+    with pytest.raises(ConfigError, match=r"oppo.overcommit: 4, but checkpoint step2 has no rollout pool"):
+        run(cache_dir, plain, "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=4")
+
+
 def test_overcommit_resume_continues_exactly(cache_dir, tmp_path):
     """A run with deferred sequences in its pool, killed after its step-3 checkpoint and
     resumed, continues exactly (1e-6, as the sequential resume test): the pool, the ledger and

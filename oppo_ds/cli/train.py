@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (DataError, FileNotFoundError) as err:
+    except (ConfigError, DataError, FileNotFoundError) as err:  # a checkpoint the settings cannot continue
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
     summary = trainer.train()
