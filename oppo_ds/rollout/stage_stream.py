@@ -81,14 +81,14 @@ def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: 
 
     Returns (DecodeState, {kind: {row id: result}} of the rows that finished, StreamTiming),
     as ``stream_continue``; ``replica`` as in ``stage_stream_generate``."""
-    row_ids = row_ids.to(start_inputs["prompt_ids"].device)
+    ids = row_ids.tolist()  # once: per finished row on a GPU tensor, a sync each
 
     def package(state, finished):
-        return state, {kind: {int(row_ids[i]): v for i, v in per_row.items()}
+        return state, {kind: {ids[i]: v for i, v in per_row.items()}
                        for kind, per_row in finished.items()}
 
     return _on_replica(actor, remote, start_inputs, params, generator, chunk_size, replica,
-                       package=package, stop=stop, partial=True, row_ids=row_ids.tolist())
+                       package=package, stop=stop, partial=True, row_ids=ids)
 
 
 def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int, replica,
