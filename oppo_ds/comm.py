@@ -27,7 +27,7 @@ def comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, *, op=None, group=None) -> torch.Tensor:
     """``t`` reduced over the ranks of ``group`` (default: the world) with ``op`` (default:
     sum), on ``t``'s own device; ``t`` itself is left as it was. One rank: ``t``."""
     if not active(group):
@@ -37,7 +37,7 @@ def all_reduce(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
     return out.to(t.device)
 
 
-def all_reduce_ints(values: Sequence[int], op=None, group=None) -> list[int]:
+def all_reduce_ints(values: Sequence[int], *, op=None, group=None) -> list[int]:
     """A list of ints reduced element-wise over the ranks of ``group`` (default: sum)."""
     return all_reduce(torch.tensor(list(values), dtype=torch.long), op=op, group=group).tolist()
 

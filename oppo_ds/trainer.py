@@ -382,7 +382,7 @@ class PPOTrainer(StagePlacement):
         metrics.update(extra)
         if self.delta_ctl is not None:
             reward = comm.all_reduce(torch.tensor([metrics["reward/mean"]], dtype=torch.float64),
-                                     self.actor_group) / self.actor_ranks
+                                     group=self.actor_group) / self.actor_ranks
             decision = self.delta_ctl.observe(reward.item())
             if decision and self.is_main:
                 logger.info("step %d: %s", self.step_count, decision)
@@ -518,7 +518,7 @@ class PPOTrainer(StagePlacement):
                               float(pipe is not None),
                               *(pipe.as_list() if pipe is not None else [0.0] * Pipeline.SIZE)],
                              dtype=torch.float64)
-        total = comm.all_reduce(local, self.actor_group)
+        total = comm.all_reduce(local, group=self.actor_group)
         per_token, calls, scored, busy, scorers = (total[:5] / self.actor_ranks).tolist()
         piped = total[5].item()  # ranks that decoded: the pipeline is their mean
         pipe = Pipeline.from_list((total[6:] / piped).tolist()) if piped else None
@@ -651,7 +651,7 @@ class PPOTrainer(StagePlacement):
             # statistics over every rank's batch, so the update does not depend on the split
             n, s, sq = comm.all_reduce(torch.stack([mask.sum(), (advantages * mask).sum(),
                                                     (advantages.pow(2) * mask).sum()]).double(),
-                                       self.dp_group)
+                                       group=self.dp_group)
             mean = s / n
             var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
             advantages = masked_whiten(advantages, mask, mean=mean.float(), var=var.float())
@@ -667,7 +667,7 @@ class PPOTrainer(StagePlacement):
             for mini in order.split(p.mini_batch_size):
                 micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
                 tokens = comm.all_reduce(sum(m.response_mask.sum() for m in micro).double(),
-                                         self.dp_group)
+                                         group=self.dp_group)
                 norm = token_normalizer(tokens.float(), gas, self.world_size)
                 actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
@@ -731,7 +731,7 @@ class PPOTrainer(StagePlacement):
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
-        means = comm.all_reduce(torch.stack(list(scalars.values())), self.dp_group) / self.world_size
+        means = comm.all_reduce(torch.stack(list(scalars.values())), group=self.dp_group) / self.world_size
         metrics.update(zip(scalars, means.tolist()))
         return metrics
 
