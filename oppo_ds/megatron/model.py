@@ -278,7 +278,12 @@ class MegatronModel(nn.Module):
 
     def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """cos, sin (N, 1, S, D) at the given positions; computed in fp32 as HF does."""
-        inv_freq = self.gpt.rotary_pos_emb.inv_freq.to(position_ids.device, torch.float32)
+        rope = self.gpt.rotary_pos_emb
+        if rope.inv_freq.device != position_ids.device:
+            # a plain attribute, built on the CPU (use_cpu_initialization): moved once, as
+            # megatron's own get_emb does, not copied to the GPU at every forward
+            rope.inv_freq = rope.inv_freq.to(position_ids.device)
+        inv_freq = rope.inv_freq.float()
         freqs = position_ids[..., None].float() * inv_freq             # (N, S, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
