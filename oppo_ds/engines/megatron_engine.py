@@ -254,14 +254,15 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     converted; every rank keeps only its own shard."""
     from ..megatron.loading import CheckpointError, is_safetensors_checkpoint, load_megatron_model
     from ..megatron.model import build_model, resolve_layer_spec
-    from ..megatron.parallel import device as accelerator, init_model_parallel
+    from ..comm import set_local_cuda_device
+    from ..megatron.parallel import init_model_parallel
     from ..models import FROM_CONFIG_ARCHS, build_causal_lm, build_value_model, disable_dropout
     from .factory import Models
 
     check_megatron_config(cfg)
     p, s = cfg.ppo, cfg.system
     groups = init_model_parallel(s.tensor_parallel, s.pipeline_parallel, seed=cfg.seed)
-    dtype, where = _DTYPES[s.dtype], accelerator()
+    dtype, where = _DTYPES[s.dtype], set_local_cuda_device()
     spec = resolve_layer_spec(s.megatron_layers)
     hf_args = dict(common, dtype="fp32")  # converted in fp32, cast after sharding
     first_rank = dist.get_rank() == 0

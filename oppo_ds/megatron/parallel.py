@@ -23,8 +23,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import set_local_cuda_device
-
 
 @dataclass
 class ParallelGroups:
@@ -99,11 +97,6 @@ def init_model_parallel(tp: int, pp: int, *, seed: int = 0) -> ParallelGroups:
         mp_group=ps.get_model_parallel_group(),
         pp_ranks=list(dist.get_process_group_ranks(pp_group)),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-
-
-def device() -> torch.device:
-    """CUDA's current device when there is one (the launcher's LOCAL_RANK), else the CPU."""
-    return set_local_cuda_device()
 
 
 # ------------------------------------------------------------------------------ pipeline

@@ -125,7 +125,7 @@ from .stage_layout import Link
 from .stage_wire import (_DTYPES, HEADER_LEN, WEIGHTS_BUCKET, Op, StageWeights, _bucket_sizes,
                          _buckets, _decode_events, _encode_events, _header, _layout_hash, _wait,
                          _wire_device)
-from .streaming import TimelineEvent, _no_wait, _Timeline
+from .streaming import TimelineEvent, _current_stream_wait, _Timeline
 
 class RemoteScorerError(RuntimeError):
     """A scorer on the scorer rank raised; the message holds the rank and its traceback."""
@@ -169,11 +169,7 @@ class ScorerStage:
 
     def _start_rollout(self, start: float) -> None:
         self._events: list[TimelineEvent] = []
-        # this stream only: a device-wide sync would also wait for the links' posted NCCL
-        # receives, i.e. for every actor rank's next message
-        wait = torch.cuda.current_stream(self.device).synchronize if self.device.type == "cuda" \
-            else _no_wait
-        self._timeline = _Timeline(start, self._events, wait)
+        self._timeline = _Timeline(start, self._events, _current_stream_wait(self.device))
         self._finished: dict[str, dict[int, torch.Tensor]] = {s.kind: {} for s in self.scorers}
         self._replied = self._failed = self._in_rollout = self._partial = False
         self._batch = 0

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .generate import SamplingParams, finish, start_decode
 from .stage import RemoteScorerError, RemoteScorers
 from .streaming import (ScorerTiming, StreamTiming, TimelineEvent, _assemble, _clock,
-                        _decode_in_chunks, _no_wait, _summarize, _Timeline)
+                        _current_stream_wait, _decode_in_chunks, _summarize, _Timeline)
 
 
 @dataclass
@@ -157,10 +157,7 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
     device = inputs["prompt_ids"].device
     events: list[TimelineEvent] = []
     start = _clock(device)
-    # this stream only: a device-wide sync would also wait for the link's pending NCCL
-    # transfers, i.e. for the stage
-    timeline = _Timeline(start, events, torch.cuda.current_stream(device).synchronize
-                         if device.type == "cuda" else _no_wait)
+    timeline = _Timeline(start, events, _current_stream_wait(device))
     try:
         # the stage prefills the prompts (and responses so far) while this rank does too
         begin_s = remote.begin(inputs["prompt_ids"], inputs["prompt_mask"],

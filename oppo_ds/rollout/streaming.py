@@ -107,6 +107,13 @@ def _no_wait() -> None:
     pass
 
 
+def _current_stream_wait(device: torch.device) -> Callable[[], None]:
+    """A timeline's wait for the stage placement: the current CUDA stream of ``device`` only
+    (a device-wide sync would also wait for the posted NCCL receives of the links, that is
+    for the other side's next message); nothing on the CPU."""
+    return torch.cuda.current_stream(device).synchronize if device.type == "cuda" else _no_wait
+
+
 class _Timeline:
     """Times calls onto lanes. ``wait`` blocks until the calling thread's queued device work
     is done, so a call ends when its kernels have: the whole device for ``inline``, only the
