@@ -16,7 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
 _TAG = re.compile(r"^step(\d+)$")
+_RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
 
 
 def _barrier() -> None:
@@ -25,8 +28,8 @@ def _barrier() -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, *, rank: int, keep_last: int):
-        self.root, self.rank, self.keep_last = root, rank, keep_last
+    def __init__(self, root: str, *, rank: int, world_size: int, keep_last: int):
+        self.root, self.rank, self.world_size, self.keep_last = root, rank, world_size, keep_last
 
     def latest(self) -> Optional[str]:
         path = os.path.join(self.root, "latest")
@@ -56,11 +59,29 @@ class CheckpointManager:
         _barrier()
 
     def load(self, tag: str, engines: dict) -> dict:
-        """Restore the engines and RNG states of ``tag``; returns the trainer state."""
-        path = os.path.join(self.root, "trainer", tag, f"rank{self.rank}.pt")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint {tag!r} has no trainer state for rank "
-                                    f"{self.rank} ({path}); was it saved with another world size?")
+        """Restore the engines and RNG states of ``tag``; returns the trainer state.
+
+        Raises ``ConfigError`` (key ``checkpoint.resume``) before touching an engine when
+        ``tag`` was written by another number of ranks: every rank's rollout pool, prompt
+        shard and random state are its own, and a rank without its file (or a file without
+        its rank) would lose or invent them."""
+        folder = os.path.join(self.root, "trainer", tag)
+        if not os.path.isdir(folder):
+            held = ", ".join(self.tags()) or "none"
+            raise ConfigError("checkpoint.resume", f"no checkpoint {tag} in {self.root} (it holds: {held})")
+        files = os.listdir(folder)
+        saved = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, files) if m)
+        if saved != list(range(len(saved))) or not saved:
+            raise ConfigError("checkpoint.resume", (
+                f"checkpoint {tag} is incomplete: {folder} holds the trainer state of ranks "
+                f"{saved}; resume from another tag, or start afresh with checkpoint.resume=never"))
+        if len(saved) != self.world_size:
+            raise ConfigError("checkpoint.resume", (
+                f"checkpoint {tag} was written by {len(saved)} rank(s), this run has "
+                f"{self.world_size}: each rank's rollout pool, prompt shard and random state "
+                f"are its own; resume with {len(saved)} rank(s), or start afresh with "
+                f"checkpoint.resume=never"))
+        path = os.path.join(folder, f"rank{self.rank}.pt")
         for name, engine in engines.items():
             engine.load(os.path.join(self.root, name), tag)
         # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise

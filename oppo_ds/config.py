@@ -376,7 +376,10 @@ class CheckpointConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: str = "auto"
     """`auto` = continue from the latest checkpoint in output_dir when there is one,
-    `never` = start fresh, or a checkpoint directory to load."""
+    `never` = start fresh, or the tag of one checkpoint under output_dir/checkpoints
+    (`step300`). A run resumes only with the number of ranks, seed, prompts and
+    `data.shuffle` it was written with (each rank's pool, prompt shard and random state are its
+    own); placement, streaming and chunk size may change."""
     keep_last: int = 2
     """Checkpoints to keep (older ones are removed)."""
     export_hf: bool = True
@@ -390,6 +393,9 @@ class CheckpointConfig:
     def __post_init__(self):
         _require(self.every >= 0, "every", "must be >= 0")
         _require(self.keep_last >= 1, "keep_last", "must be >= 1")
+        _require(self.resume in ("auto", "never") or re.fullmatch(r"step\d+", self.resume) is not None,
+                 "resume", f"{self.resume!r}: must be auto, never or a checkpoint tag stepN "
+                           f"(a folder name under output_dir/checkpoints/trainer)")
 
 
 @dataclass

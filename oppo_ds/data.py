@@ -407,6 +407,16 @@ def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool) -> list[int]
 # --------------------------------------------------------------------------------------------
 
 
+class StreamMismatch(ValueError):
+    """A saved stream state that this stream cannot continue; ``changed`` maps each setting
+    that differs to (saved, now)."""
+
+    def __init__(self, changed: dict[str, tuple[Any, Any]]):
+        self.changed = changed
+        super().__init__("PromptStream state does not match this stream: " + "; ".join(
+            f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in changed.items()))
+
+
 class PromptStream:
     """Deterministic, resumable prompts for one data-parallel rank.
 
@@ -498,17 +508,15 @@ class PromptStream:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; the stream then yields exactly what the saved one would.
 
-        Raises ``ValueError`` if the state was saved with a different seed, world size, shuffle
-        setting or number of prompts (when those keys are present), since the order would differ.
+        Raises ``StreamMismatch`` (a ``ValueError``) if the state was saved with a different
+        seed, world size, shuffle setting or number of prompts (when those keys are present),
+        since the order would differ.
         """
         mine = self.state_dict()
-        changed = [
-            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
-            for k in ("seed", "world_size", "num_prompts", "shuffle")
-            if k in state and state[k] != mine[k]
-        ]
+        changed = {k: (state[k], mine[k]) for k in ("seed", "world_size", "num_prompts", "shuffle")
+                   if k in state and state[k] != mine[k]}
         if changed:
-            raise ValueError("PromptStream state does not match this stream: " + "; ".join(changed))
+            raise StreamMismatch(changed)
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.prompts_per_epoch:
             raise ValueError(

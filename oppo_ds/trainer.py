@@ -24,7 +24,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
-from .data import PromptStream, encode_prompts, left_pad, read_prompt_rows
+from .data import DataError, PromptStream, StreamMismatch, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
@@ -42,6 +42,11 @@ from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
+
+# a saved prompt stream's settings, as a user sets them
+_STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
+                   "world_size": "{} data-parallel ranks"}
+
 
 @dataclass
 class Sources:
@@ -265,7 +270,8 @@ class PPOTrainer(StagePlacement):
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
         self.step_count = 0
         self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
-                                      rank=self.rank, keep_last=cfg.checkpoint.keep_last)
+                                      rank=self.rank, world_size=self.actor_ranks,  # a file each
+                                      keep_last=cfg.checkpoint.keep_last)
         self._maybe_resume()
         self.telemetry = Telemetry(cfg.logging.output_dir, enabled=self.is_main,
                                    tensorboard=cfg.logging.tensorboard,
@@ -292,7 +298,8 @@ class PPOTrainer(StagePlacement):
             logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", path,
                            encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
         if len(encoded.prompts) < self.world_size:
-            raise ValueError(f"{path}: {len(encoded.prompts)} usable prompts for {self.world_size} ranks")
+            raise DataError(f"{path}: {len(encoded.prompts)} usable prompts for {self.world_size} "
+                            f"ranks; every rank needs at least one")
         return encoded.prompts
 
     def _maybe_resume(self) -> None:
@@ -304,7 +311,16 @@ class PPOTrainer(StagePlacement):
             return
         state = self.ckpt.load(tag, engines={"actor": self.actor, "critic": self.critic})
         self.step_count = state["step"]
-        self.stream.load_state_dict(state["stream"])
+        try:
+            self.stream.load_state_dict(state["stream"])
+        except StreamMismatch as err:  # the prompt order would differ: neither exact nor once each
+            raise ConfigError("checkpoint.resume", (
+                f"checkpoint {tag} was written with " + ", ".join(
+                    _STREAM_SETTING[k].format(saved) for k, (saved, _) in err.changed.items())
+                + ", this run has " + ", ".join(
+                    _STREAM_SETTING[k].format(now) for k, (_, now) in err.changed.items())
+                + ": the prompt order follows them; resume with the settings it was written "
+                  "with, or start afresh with checkpoint.resume=never")) from None
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         if self.chunk_ctl is not None and state.get("chunk_ctl"):

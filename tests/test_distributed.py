@@ -21,7 +21,7 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
          "system.torch_threads=1"]
 
 
-def launch(out_dir, cache_dir, *overrides, ranks=2):
+def launch(out_dir, cache_dir, *overrides, ranks=2, returncode=0):
     launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
     assert launcher, "the deepspeed launcher is installed with deepspeed"
     port = find_free_port()
@@ -30,7 +30,7 @@ def launch(out_dir, cache_dir, *overrides, ranks=2):
            f"logging.output_dir={out_dir}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     # DeepSpeed's CPU all-reduce maps a ~66 MB /dev/shm buffer per rank and never removes it;
     # the ranks remove theirs once every rank has mapped them (init_distributed_if_needed)
     left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
@@ -56,6 +56,14 @@ def test_two_ranks_train_and_resume(tmp_path, zero_stage):
     cursors = [torch.load(ckpt / "trainer" / "step2" / f"rank{r}.pt", weights_only=False)["stream"]
                for r in (0, 1)]
     assert all(c["position"] == 2 * 4 for c in cursors)
+
+    # one rank cannot continue two ranks' pools, prompt shards and random states: refused
+    # in one line before any engine loads, the checkpoint left as it was
+    proc = launch(out, cache, "steps=3", f"system.zero_stage={zero_stage}", ranks=1, returncode=2)
+    assert ("oppo-train: error: checkpoint.resume: checkpoint step2 was written by 2 rank(s), "
+            "this run has 1") in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (ckpt / "latest").read_text().strip() == "step2"
 
     # resume with two ranks: continues at step 3, history stays one line per step
     launch(out, cache, "steps=3", f"system.zero_stage={zero_stage}")

@@ -1,0 +1,56 @@
+"""Tier 0: the checkpoint manager's check of a tag's per-rank trainer states, which runs
+before any engine is loaded (the whole resume path is in test_trainer.py and, with real
+ranks, test_distributed.py)."""
+from __future__ import annotations
+
+import pytest
+
+from oppo_ds.checkpoint import CheckpointManager
+from oppo_ds.config import ConfigError
+
+
+def _write(root, tag, ranks):
+    """Each rank's trainer state as the manager saves it (no engines, no process group)."""
+    for r in ranks:
+        CheckpointManager(str(root), rank=r, world_size=len(ranks), keep_last=2).save(
+            tag, {"step": 1}, engines={})
+
+
+class _Engine:
+    """Records whether the manager got as far as the engines."""
+
+    def __init__(self):
+        self.loaded = False
+
+    def load(self, path, tag):
+        self.loaded = True
+
+
+def test_another_world_size_is_refused_before_the_engines(tmp_path):
+    _write(tmp_path, "step1", [0, 1])
+    engine = _Engine()
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2)
+    with pytest.raises(ConfigError, match=r"checkpoint.resume: checkpoint step1 was written by 2 "
+                                          r"rank\(s\), this run has 1.*resume with 2 rank\(s\)"):
+        manager.load("step1", {"actor": engine})
+    assert not engine.loaded
+    manager = CheckpointManager(str(tmp_path), rank=2, world_size=3, keep_last=2)
+    with pytest.raises(ConfigError, match="written by 2 rank"):
+        manager.load("step1", {"actor": engine})
+
+
+def test_an_incomplete_or_missing_tag_is_refused(tmp_path):
+    _write(tmp_path, "step1", [1])
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=2, keep_last=2)
+    with pytest.raises(ConfigError, match=r"checkpoint step1 is incomplete: .* ranks \[1\]"):
+        manager.load("step1", {})
+    with pytest.raises(ConfigError, match=r"no checkpoint step7 in .* \(it holds: step1\)"):
+        manager.load("step7", {})
+
+
+def test_a_complete_tag_loads(tmp_path):
+    _write(tmp_path, "step1", [0, 1])
+    engine = _Engine()
+    state = CheckpointManager(str(tmp_path), rank=1, world_size=2, keep_last=2).load(
+        "step1", {"actor": engine})
+    assert engine.loaded and state["step"] == 1
