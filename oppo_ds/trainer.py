@@ -338,8 +338,20 @@ class PPOTrainer(StagePlacement):
                     f"written without overcommitment and cannot continue a run with it; resume "
                     f"with oppo.overcommit=0, or start afresh with checkpoint.resume=never"))
             self.pool.load_state_dict(state["pool"])
+            limit = self.cfg.generation.max_new_tokens
+            longest = max((len(e.tokens) for e in self.pool.running()), default=0)
+            if longest >= limit:  # such a row could neither continue nor end where it was cut
+                raise ConfigError("generation.max_new_tokens", (
+                    f"{limit}, but checkpoint {tag} holds a deferred sequence of {longest} "
+                    f"tokens, still running; resume with generation.max_new_tokens above "
+                    f"{longest} (as it was written), or start afresh with checkpoint.resume=never"))
+            # the frozen scorers' caches of the deferred rows, where this run keeps them: under
+            # the stage the scorer rank holds its own and, like any scorer without a row's
+            # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
+            carried = set(self._streamed_kinds()) & {"reward", "reference"} if self.stage is None else set()
             for kind, scorer_state in state.get("scorers", {}).items():
-                self._carried_scorer(kind).load_state_dict(scorer_state)
+                if kind in carried:
+                    self._carried_scorer(kind).load_state_dict(scorer_state)
         if self.delta_ctl is not None and state.get("delta_ctl"):
             self.delta_ctl.load_state_dict(state["delta_ctl"])
         if self.is_main:

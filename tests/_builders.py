@@ -198,3 +198,17 @@ def spawn_and_collect(target, args_of_rank, world: int, join_s: float) -> list:
     assert not hung, f"processes {hung} did not exit; messages: {messages}"
     assert [p.exitcode for p in procs] == [0] * world, messages
     return messages
+
+
+def assert_trained_once(trainer_state_file, batch_size: int, steps: int) -> None:
+    """A pool checkpoint's ledger balances, ``steps`` batches were trained with no prompt
+    twice (runs shorter than an epoch), and every prompt drawn was trained or waits in it."""
+    from oppo_ds.rollout.pool import RolloutPool
+
+    state = torch.load(trainer_state_file, weights_only=False)
+    pool = RolloutPool(batch_size=batch_size, max_defer_steps=2)
+    pool.load_state_dict(state["pool"])
+    pool.check()
+    trained = pool.ledger.trained
+    assert sum(trained.values()) == steps * batch_size and set(trained.values()) == {1}
+    assert set(pool.ledger.drawn) == set(trained) | {e.key for e in pool.entries}

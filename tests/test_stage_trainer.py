@@ -167,6 +167,26 @@ def test_stage_with_overcommitment_gives_the_inline_pool_run_and_resumes(cache_d
     assert sum(trained.values()) == 4 * 4 and set(trained.values()) == {1}
 
 
+def test_placement_changed_on_resume_keeps_every_deferred_row(cache_dir, tmp_path):
+    """A pool checkpoint written inline holds the frozen scorers' caches of its deferred rows;
+    resumed on the stage, the scorer rank has none of them and prefills those rows afresh (the
+    caches are not loaded on the actor rank, which has no reward model: this crashed before),
+    and a stage checkpoint, which holds no caches, resumes inline. Every prompt is trained
+    exactly once or still waits in the pool."""
+    from _builders import assert_trained_once
+
+    out = tmp_path / "run"
+    common = ("checkpoint.every=1", "checkpoint.export_hf=false", *POOL)
+    run_in_process(cache_dir, out, "steps=2", *common)
+    state = torch.load(out / "checkpoints" / "trainer" / "step2" / "rank0.pt", weights_only=False)
+    assert state["pool"]["entries"] and state["scorers"]
+    proc = launch(out, cache_dir, "steps=3", *common)
+    assert "resumed from step2 at step 2" in proc.stdout + proc.stderr
+    run_in_process(cache_dir, out, "steps=4", *common)
+    assert sorted(_by_step(out / "metrics.jsonl")) == [1, 2, 3, 4]
+    assert_trained_once(out / "checkpoints" / "trainer" / "step4" / "rank0.pt", 4, 4)
+
+
 def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tmp_path):
     """The pool's lock-step stop (one all-reduce per token) among the actor ranks only: the
     scorer process is in no world. Same metrics as 2 ranks inline."""

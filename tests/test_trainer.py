@@ -284,8 +284,9 @@ def test_overcommit_loses_nothing_and_trains_nothing_twice(cache_dir, tmp_path):
 
 def test_resume_refuses_to_drop_or_invent_a_pool(cache_dir, tmp_path):
     """A checkpoint with deferred sequences resumed without overcommitment would drop them:
-    refused, naming the key, the checkpoint left as it was; so is the reverse (a pool cannot
-    continue a run written without one)."""
+    refused, naming the key, the checkpoint left as it was; so is a length limit that a
+    deferred row already reached, and the reverse (a pool cannot continue a run written
+    without one)."""
     from oppo_ds.config import ConfigError
 
     out = tmp_path / "pool"
@@ -294,10 +295,56 @@ def test_resume_refuses_to_drop_or_invent_a_pool(cache_dir, tmp_path):
         run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     assert len(read_history(str(out / "metrics.jsonl"))) == 2
+    # a deferred row longer than a lowered length limit could not continue: refused too
+    longest = max(len(e["tokens"]) for e in torch.load(
+        out / "checkpoints" / "trainer" / "step2" / "rank0.pt", weights_only=False)["pool"]["entries"]
+        if not e["finished"])
+    with pytest.raises(ConfigError, match=rf"generation.max_new_tokens: {longest}, but checkpoint "
+                                          rf"step2 holds a deferred sequence of {longest} tokens"):
+        run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=4",
+            f"generation.max_new_tokens={longest}")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     plain = tmp_path / "plain"
     run(cache_dir, plain, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
     with pytest.raises(ConfigError, match=r"oppo.overcommit: 4, but checkpoint step2 has no rollout pool"):
         run(cache_dir, plain, "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=4")
+
+
+def test_resume_refuses_a_checkpoint_written_with_another_prompt_order(cache_dir, tmp_path):
+    """The prompt stream's order follows the seed, the prompts and the shuffle setting: a
+    resume with another of these would train some prompts twice and skip others, so it is
+    refused in one line naming the settings, and the checkpoint is left as it was."""
+    from oppo_ds.config import ConfigError
+
+    out = tmp_path / "run"
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
+    with pytest.raises(ConfigError, match=r"checkpoint.resume: checkpoint step2 was written with "
+                                          r"seed=0, data.shuffle=True, this run has seed=3, "
+                                          r"data.shuffle=False: the prompt order follows them"):
+        run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "seed=3", "data.shuffle=false")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
+    run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")  # as written: continues
+    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_streaming_switched_on_and_off_across_resumes_keeps_every_deferred_row(cache_dir, tmp_path):
+    """A pool checkpoint resumed with streaming turned on (no scorer holds the deferred rows'
+    caches: they prefill them), then with the reference no longer streamed (its carried cache
+    is not loaded), then with streaming off (the rows' streamed scores are dropped and whole
+    sequences scored): every prompt is still trained exactly once or waits in the pool."""
+    from _builders import assert_trained_once
+
+    out = tmp_path / "run"
+    common = ("checkpoint.every=1", "checkpoint.export_hf=false", "oppo.overcommit=4",
+              "oppo.chunk_size=4")
+    run(cache_dir, out, "steps=2", *common)
+    run(cache_dir, out, "steps=3", *common, "oppo.streaming=true",
+        "oppo.stream_to=[actor,reference,critic]")
+    resumed, _ = run(cache_dir, out, "steps=4", *common, "oppo.streaming=true", "oppo.stream_to=[]")
+    assert set(resumed.carried_scorers) == {"reward"}
+    resumed, _ = run(cache_dir, out, "steps=5", *common)
+    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3, 4, 5]
+    assert_trained_once(out / "checkpoints" / "trainer" / "step5" / "rank0.pt", 8, 5)
 
 
 def test_overcommit_resume_continues_exactly(cache_dir, tmp_path):
