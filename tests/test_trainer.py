@@ -135,6 +135,51 @@ def test_crash_then_resume_continues_exactly(cache_dir, tmp_path):
     assert resumed["reward_last10"] == pytest.approx(full["reward_last10"], abs=1e-6)
 
 
+@pytest.mark.parametrize("crash_at", [1, 2, 3], ids=["actor", "critic", "trainer-state"])
+def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(cache_dir, tmp_path,
+                                                                             monkeypatch, crash_at):
+    """A process killed while writing its step-4 checkpoint (here: the n-th file it writes
+    raises: the actor's engine file, the critic's, or the trainer state) leaves `latest` at
+    step 2, whose files are whole: the same command resumes there, with the pool, and gives
+    the uninterrupted run's metrics for steps 3-6 (1e-6, as above); step 4 is written again
+    over what the crash left of it."""
+    over = ("steps=6", "checkpoint.every=2", "checkpoint.export_hf=false", "oppo.overcommit=4")
+    run(cache_dir, tmp_path / "full", *over)
+    from oppo_ds.trainer import PPOTrainer
+
+    real_save, writes = torch.save, []
+    real_checkpoint = PPOTrainer.save_checkpoint
+
+    def save_checkpoint(self):
+        if self.step_count != 4:
+            return real_checkpoint(self)
+
+        def dying_save(obj, f, *args, **kwargs):
+            writes.append(str(f))
+            if len(writes) == crash_at:
+                raise KeyboardInterrupt("killed mid-save")
+            return real_save(obj, f, *args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "save", dying_save)
+            return real_checkpoint(self)
+    monkeypatch.setattr(PPOTrainer, "save_checkpoint", save_checkpoint)
+    with pytest.raises(KeyboardInterrupt, match="killed mid-save"):
+        run(cache_dir, tmp_path / "cut", *over)
+    monkeypatch.setattr(PPOTrainer, "save_checkpoint", real_checkpoint)
+    ckpt = tmp_path / "cut" / "checkpoints"
+    assert len(writes) == crash_at and "/actor/step4/" in writes[0]
+    assert (ckpt / "latest").read_text().strip() == "step2"
+    assert not list((ckpt / "trainer" / "step4").glob("rank*.pt"))  # its own file never landed
+    run(cache_dir, tmp_path / "cut", *over)
+    a, b = _metrics_by_step(tmp_path / "full" / "metrics.jsonl"), _metrics_by_step(tmp_path / "cut" / "metrics.jsonl")
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"]
+        for key in DETERMINISTIC:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-6), (step, key)
+    assert (ckpt / "latest").read_text().strip() == "step6"
+
+
 def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path):
     """Token-level loss aggregation: micro-batches of 4 or 2 inside a mini-batch of 4 give the
     same updates (1e-5: only floating-point summation order differs)."""
