@@ -35,18 +35,31 @@ class StopOnSignal:
     def __init__(self, names: list[str] | tuple[str, ...]):
         self.signals = [getattr(signal, f"SIG{name}") for name in names]
         self.received: Optional[str] = None
+        self._here = False  # a signal reached this process (not only another one of the run)
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name.removeprefix("SIG")
-        if self.received is not None and signum in (signal.SIGTERM, signal.SIGINT):
+        if self._here and signum in (signal.SIGTERM, signal.SIGINT):
             # asked twice: stop now, as without us
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
+        self._here = True
+        self.record(name)
+
+    def record(self, name: str, where: str = "") -> None:
+        """Take ``name`` (``"USR1"``) as received here, unless one was already: also for a
+        signal that reached another process of the run (``where`` says which)."""
         if self.received is None:
             self.received = name
-            logger.warning("SIG%s received: stopping after this step with a checkpoint", name)
+            logger.warning("SIG%s received%s: stopping after this step with a checkpoint", name,
+                           f" by {where}" if where else "")
+
+    @property
+    def number(self) -> int:
+        """The received signal's number, 0 for none."""
+        return int(getattr(signal, f"SIG{self.received}")) if self.received else 0
 
     def __enter__(self) -> "StopOnSignal":
         # Python runs handlers in the main thread only; elsewhere (a trainer inside a worker
@@ -64,7 +77,7 @@ class StopOnSignal:
     def agreed(self, group=None) -> Optional[str]:
         """Collective over ``group``: the name of a signal received by any rank (the
         lowest-numbered one when ranks got different ones), or None."""
-        code = float(getattr(signal, f"SIG{self.received}")) if self.received else 0.0
+        code = float(self.number)
         if not (dist.is_available() and dist.is_initialized()):
             return self.received
         flag = comm.all_reduce(torch.tensor([code if code else float("inf")], dtype=torch.float64),

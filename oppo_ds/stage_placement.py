@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .models import build_causal_lm, build_value_model
+from .preemption import StopOnSignal
 from .rollout.scorer import StreamingScorer
 from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
 from .rollout.stage_stream import Replica
@@ -167,13 +169,20 @@ class StagePlacement:
         served at once (``serve_round``); it returns when they shut the stage down at the end
         of training."""
         served = 0
-        while True:
-            served += serve_round(self.scorer_stages)
-            stops = {stage.stopped_by for stage in self.scorer_stages}
-            if len(stops) > 1:
-                raise RuntimeError(f"the actor ranks are out of step: some shut the stage "
-                                   f"down, others ended a rollout ({sorted(map(str, stops))})")
-            if stops == {Op.SHUTDOWN}:
-                logger.info("scorer rank %d: served %d rollouts from actor ranks %s", self.rank,
-                            served, self.stage.senders)
-                return None
+        # a stop signal here (srun passes one to every task) only goes out with the replies:
+        # the actor ranks stop after the step, checkpoint, and say so when they shut down
+        with StopOnSignal(self.cfg.checkpoint.on_signals) as stop:
+            while True:
+                served += serve_round(self.scorer_stages)
+                for stage in self.scorer_stages:
+                    stage.signal = stop.number
+                stops = {stage.stopped_by for stage in self.scorer_stages}
+                if len(stops) > 1:
+                    raise RuntimeError(f"the actor ranks are out of step: some shut the stage "
+                                       f"down, others ended a rollout ({sorted(map(str, stops))})")
+                if stops == {Op.SHUTDOWN}:
+                    logger.info("scorer rank %d: served %d rollouts from actor ranks %s", self.rank,
+                                served, self.stage.senders)
+                    number = max(stage.shutdown_signal for stage in self.scorer_stages)
+                    self.preempted = signal.Signals(number).name.removeprefix("SIG") if number else None
+                    return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -779,6 +780,9 @@ class PPOTrainer(StagePlacement):
                     saved = bool(cfg.checkpoint.every) and self.step_count % cfg.checkpoint.every == 0
                     if saved:
                         self.save_checkpoint()
+                    if self.remote is not None and self.remote.scorer_signal:  # srun signals every task
+                        stop.record(signal.Signals(self.remote.scorer_signal).name.removeprefix("SIG"),
+                                    f"the scorer rank ({self.remote.scorer_rank})")
                     self.preempted = stop.agreed(self.actor_group)
                     if self.preempted:
                         if not saved:
@@ -793,7 +797,8 @@ class PPOTrainer(StagePlacement):
                     if cfg.checkpoint.export_hf:
                         self.export(cfg.logging.output_dir)
             if self.remote is not None:
-                self.remote.close()  # the scorer rank's train() returns
+                # the scorer rank's train() returns, and knows whether training stopped early
+                self.remote.close(int(getattr(signal, "SIG" + self.preempted)) if self.preempted else 0)
         finally:
             extra = {"stopped_by_signal": "SIG" + self.preempted} if self.preempted else {}
             summary = self.telemetry.close({"wall_total_s": time.time() - t0, "world_size": self.world_size,

@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -185,6 +187,50 @@ def test_placement_changed_on_resume_keeps_every_deferred_row(cache_dir, tmp_pat
     run_in_process(cache_dir, out, "steps=4", *common)
     assert sorted(_by_step(out / "metrics.jsonl")) == [1, 2, 3, 4]
     assert_trained_once(out / "checkpoints" / "trainer" / "step4" / "rank0.pt", 4, 4)
+
+
+@pytest.mark.parametrize("signalled", [[1], [0, 1]], ids=["scorer-rank", "every-rank"])
+def test_a_signal_to_the_scorer_rank_stops_the_run_with_a_checkpoint(cache_dir, tmp_path, signalled):
+    """srun passes the job's USR1 to every task, the scorer rank included, which had no
+    handler: it died of the signal (exit -10), so the job exited neither 75 nor with the
+    scorer's work, and a signal that reached only the scorer rank was lost. Now the scorer
+    rank records it, keeps serving, and sends it with its next reply; the actor ranks stop
+    after that step with a checkpoint and tell the scorer rank when they shut it down:
+    every process exits 75, and the same command resumes."""
+    from oppo_ds.preemption import PREEMPTED_EXIT
+
+    out, port = tmp_path / "run", find_free_port()
+    args = ["checkpoint.export_hf=false", "oppo.placement=stage", *POOL]
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "oppo_ds.train", *SMALL, f"workload.cache_dir={cache_dir}",
+             f"logging.output_dir={out}", *args, "steps=400"],
+            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.time() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
+            assert time.time() < deadline, "no steps logged"
+            time.sleep(0.05)
+        for rank in signalled:
+            procs[rank].send_signal(signal.SIGUSR1)
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+    assert [p.returncode for p in procs] == [PREEMPTED_EXIT] * 2, logs[0][-2000:] + logs[1][-2000:]
+    done = len(metrics.read_text().splitlines())
+    assert 3 <= done < 400
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step{done}"
+    if signalled == [1]:
+        assert "SIGUSR1 received by the scorer rank (1)" in logs[0]
+    proc = launch(out, cache_dir, *args, f"steps={done + 1}")
+    assert f"resumed from step{done} at step {done}" in proc.stdout + proc.stderr
+    assert sorted(_by_step(metrics)) == list(range(1, done + 2))
 
 
 def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tmp_path):

@@ -56,16 +56,20 @@ device for NCCL). Actor -> scorer:
                                                         that ended in this chunk
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
     ABORT        [ABORT]                                -> ABORTED (or nothing after an ERROR)
-    SHUTDOWN     [SHUTDOWN]                             ``serve`` returns
+    SHUTDOWN     [SHUTDOWN, sig]                        ``serve`` returns; sig: the stop signal
+                                                        that ended training early, or 0
 
 Scorer -> actor, exactly one reply per rollout (BEGIN to END_ROLLOUT / ABORT):
 
-    RESULTS  [RESULTS, K, B, N, E]  float64 (K * (1 + B) + N + 5 E,), one message: per
+    RESULTS  [RESULTS, K, B, N, E, sig]
+                                    float64 (K * (1 + B) + N + 5 E,), one message: per
                                     scorer its kind code, then per-row result lengths (-1:
                                     the row did not finish, partial rollouts only); the rows'
                                     N results (float32 values), kind by kind, row by row; E
                                     events (lane code, name code, chunk, start_s, end_s),
-                                    seconds from the scorer's BEGIN receipt
+                                    seconds from the scorer's BEGIN receipt. sig: a stop
+                                    signal the scorer process received, or 0 (the actor
+                                    ranks stop after the step, as if they had received it)
     ERROR    [ERROR, nbytes]        uint8 (nbytes,): the scorer rank's traceback, UTF-8
     ABORTED  [ABORTED]
 
@@ -165,6 +169,9 @@ class ScorerStage:
         self.device = device if device is not None else \
             next(self.scorers[0].model.parameters()).device
         self.stopped_by: Optional[Op] = None
+        # stop signals: the one this process received (``signal``, set by its owner, goes out
+        # with every reply) and the one that stopped the actor ranks (their SHUTDOWN's)
+        self.signal = self.shutdown_signal = 0
         self._start_rollout(0.0)
 
     def _start_rollout(self, start: float) -> None:
@@ -207,6 +214,7 @@ class ScorerStage:
         if op == Op.SHUTDOWN:
             self._reset()
             self.stopped_by = Op.SHUTDOWN
+            self.shutdown_signal = head[1]
             return 0
         if op == Op.WEIGHTS:
             self._take_weights(head)
@@ -369,7 +377,7 @@ class ScorerStage:
         values = torch.cat(values) if values else torch.zeros(0, device=self.wire)
         events = _encode_events(self._events).to(self.wire)
         head = _header(Op.RESULTS, len(self.scorers), self._batch, values.numel(),
-                       events.shape[0], device=self.wire)
+                       events.shape[0], self.signal, device=self.wire)
         # one payload: each message costs a wake-up of the waiting side
         self._send(head, torch.cat([codes, values.double(), events.reshape(-1)]))
 
@@ -460,6 +468,7 @@ class RemoteScorers:
         self._inflight: list[tuple[object, tuple[torch.Tensor, ...]]] = []
         self._reply = None  # (work, header, waiter) of the posted receive of the reply
         self._open = self._ended = self._closed = False
+        self.scorer_signal = 0  # a stop signal the scorer process received (its last reply's)
 
     @property
     def in_rollout(self) -> bool:
@@ -583,12 +592,13 @@ class RemoteScorers:
         except RemoteScorerError:
             pass  # the rollout is being dropped anyway
 
-    def close(self) -> None:
-        """Abort an open rollout and shut the stage down (``serve`` returns)."""
+    def close(self, signal: int = 0) -> None:
+        """Abort an open rollout and shut the stage down (``serve`` returns); ``signal``: the
+        number of the stop signal that ended training early (0: it ran to its end)."""
         if self._closed:
             return
         self.abort()
-        self._isend(_header(Op.SHUTDOWN, device=self.wire))
+        self._isend(_header(Op.SHUTDOWN, signal, device=self.wire))
         self._drain()
         self._closed = True
 
@@ -651,7 +661,7 @@ class RemoteScorers:
             if op != Op.RESULTS:
                 raise RuntimeError(f"protocol error: reply op {op} from scorer rank "
                                    f"{self.scorer_rank} (header {head.tolist()})")
-            kinds, batch, total, n_events = sizes[:4]
+            kinds, batch, total, n_events, self.scorer_signal = sizes[:5]
             payload = self._recv((kinds * (1 + batch) + total + 5 * n_events,), torch.float64)
             codes, values, table = payload.split([kinds * (1 + batch), total, 5 * n_events])
             codes = codes.cpu().long().view(kinds, 1 + batch)
