@@ -212,3 +212,38 @@ def assert_trained_once(trainer_state_file, batch_size: int, steps: int) -> None
     trained = pool.ledger.trained
     assert sum(trained.values()) == steps * batch_size and set(trained.values()) == {1}
     assert set(pool.ledger.drawn) == set(trained) | {e.key for e in pool.entries}
+
+
+def rank_process(rank: int, world: int, port: int, args):
+    """One rank of an ``oppo-train`` run started without a launcher (a test that signals
+    one rank needs each rank's pid), its output in its ``stdout``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "oppo_ds.train", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def signal_after_steps(procs, metrics, steps: int, signalled, timeout_s: float = 300) -> list[str]:
+    """Once ``metrics`` (a run's metrics.jsonl) has ``steps`` lines, send SIGUSR1 to the
+    processes at the indices ``signalled``; returns every process's output once all ended
+    (each killed if it is still running after 120 s more)."""
+    import signal
+    import time
+
+    try:
+        deadline = time.time() + timeout_s
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+            assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
+            assert time.time() < deadline, "no steps logged"
+            time.sleep(0.05)
+        for i in signalled:
+            procs[i].send_signal(signal.SIGUSR1)
+        return [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None

@@ -16,15 +16,13 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import pytest
 import torch
-from _builders import spawn_gloo
+from _builders import signal_after_steps, spawn_gloo
 
 import megatron.core  # noqa: E402,F401  the test extra installs it: missing is a failure, not a skip
 
@@ -572,13 +570,10 @@ def test_stage_placement_with_overcommitment_and_tensor_parallel(cache_dir, tmp_
 
 def _rank_process(rank, world, port, out_dir, cache_dir, *overrides):
     """One rank of a run started without a launcher (the test needs each rank's pid)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "oppo_ds.train", *SMALL, f"workload.cache_dir={cache_dir}",
-           f"logging.output_dir={out_dir}", *overrides]
-    return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    from _builders import rank_process
+
+    return rank_process(rank, world, port, [*SMALL, f"workload.cache_dir={cache_dir}",
+                                            f"logging.output_dir={out_dir}", *overrides])
 
 
 def test_signal_to_one_rank_of_a_replica_stops_the_replica(cache_dir, tmp_path):
@@ -599,17 +594,8 @@ def test_signal_to_one_rank_of_a_replica_stops_the_replica(cache_dir, tmp_path):
             "oppo.delta_window=2", "oppo.stream_to=[reference,critic]"]
     port = find_free_port()
     procs = [_rank_process(r, 2, port, out, cache_dir, *args) for r in range(2)]
-    try:
-        metrics, deadline = out / "metrics.jsonl", time.time() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
-            assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
-            assert time.time() < deadline, "no steps logged"
-            time.sleep(0.05)
-        procs[1].send_signal(signal.SIGUSR1)  # rank 1 only
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill() if p.poll() is None else None
+    metrics = out / "metrics.jsonl"
+    logs = signal_after_steps(procs, metrics, 8, [1])  # rank 1 only
     assert [p.returncode for p in procs] == [PREEMPTED_EXIT] * 2, logs[0][-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     done = len(rows)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -197,31 +195,16 @@ def test_a_signal_to_the_scorer_rank_stops_the_run_with_a_checkpoint(cache_dir, 
     rank records it, keeps serving, and sends it with its next reply; the actor ranks stop
     after that step with a checkpoint and tell the scorer rank when they shut it down:
     every process exits 75, and the same command resumes."""
+    from _builders import rank_process, signal_after_steps
     from oppo_ds.preemption import PREEMPTED_EXIT
 
     out, port = tmp_path / "run", find_free_port()
     args = ["checkpoint.export_hf=false", "oppo.placement=stage", *POOL]
-    procs = []
-    for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "oppo_ds.train", *SMALL, f"workload.cache_dir={cache_dir}",
-             f"logging.output_dir={out}", *args, "steps=400"],
-            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        metrics, deadline = out / "metrics.jsonl", time.time() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
-            assert time.time() < deadline, "no steps logged"
-            time.sleep(0.05)
-        for rank in signalled:
-            procs[rank].send_signal(signal.SIGUSR1)
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill() if p.poll() is None else None
+    procs = [rank_process(rank, 2, port, [*SMALL, f"workload.cache_dir={cache_dir}",
+                                          f"logging.output_dir={out}", *args, "steps=400"])
+             for rank in (0, 1)]
+    metrics = out / "metrics.jsonl"
+    logs = signal_after_steps(procs, metrics, 3, signalled)
     assert [p.returncode for p in procs] == [PREEMPTED_EXIT] * 2, logs[0][-2000:] + logs[1][-2000:]
     done = len(metrics.read_text().splitlines())
     assert 3 <= done < 400
