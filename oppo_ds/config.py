@@ -312,6 +312,16 @@ class SystemConfig:
         _require(not self.offload_reference or self.partition_reference, "offload_reference",
                  "needs partition_reference: true (the offloaded weights are ZeRO-3 partitions)")
 
+    def check_world(self, processes: int) -> None:
+        """``ConfigError`` when ``processes`` (the run's actor ranks) cannot be cut into whole
+        model replicas of tensor_parallel x pipeline_parallel ranks."""
+        per_replica = self.tensor_parallel * self.pipeline_parallel
+        _require(processes % per_replica == 0, "tensor_parallel", (
+            f"{self.tensor_parallel} x pipeline_parallel {self.pipeline_parallel} = {per_replica} "
+            f"processes per model replica, but this run has {processes}: launch a multiple of "
+            f"{per_replica} (deepspeed --num_gpus {per_replica} --module oppo_ds.train ..., or "
+            f"torchrun --nproc_per_node {per_replica} -m oppo_ds.train ...), or set smaller sizes"))
+
 
 @dataclass
 class DataConfig:

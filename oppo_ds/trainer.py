@@ -185,6 +185,11 @@ class PPOTrainer(StagePlacement):
         self.rank = self.stage.rank if scorer_rank else dist.get_rank()
         self.world_size = len(self.stage.actor_ranks) if scorer_rank else dist.get_world_size()
         self.is_main = self.rank == 0
+        if not scorer_rank:  # before the workload is prepared: whole model replicas or nothing
+            try:
+                cfg.system.check_world(self.world_size)
+            except ConfigError as err:
+                raise err.under("system") from None
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
 

@@ -320,6 +320,26 @@ def test_cli_bad_key_is_one_line_exit_2(override, words):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+def test_model_parallel_sizes_the_launch_cannot_hold(tmp_path):
+    """tensor_parallel x pipeline_parallel must divide the processes: megatron_tiny.yaml
+    (tp 2) started as one process stops before anything is prepared, naming the key and how
+    to launch it (was a ValueError traceback from megatron's group setup, after the workload's
+    SFT and reward-model training)."""
+    cfg = load_config(None, ["system.backend=megatron", "system.tensor_parallel=2",
+                             "system.pipeline_parallel=3"])
+    cfg.system.check_world(12)
+    with pytest.raises(ConfigError, match=r"tensor_parallel: 2 x pipeline_parallel 3 = 6 processes "
+                                          r"per model replica, but this run has 4"):
+        cfg.system.check_world(4)
+    proc = _run_cli("--config", "examples/configs/megatron_tiny.yaml",
+                    f"logging.output_dir={tmp_path / 'run'}", f"workload.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("oppo-train: error: system.tensor_parallel: 2 x pipeline_parallel 1 = 2 processes per "
+            "model replica, but this run has 1: launch a multiple of 2 (deepspeed --num_gpus 2") in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "cache").exists()
+
+
 def test_cli_main_returns_2(capsys):
     assert train_main(["--config", "/nonexistent.yaml"]) == 2
     err = capsys.readouterr().err
