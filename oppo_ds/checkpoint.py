@@ -11,7 +11,7 @@ import os
 import random
 import re
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,9 @@ class CheckpointManager:
             self._prune(list(engines))
         _barrier()
 
-    def load(self, tag: str, engines: dict) -> dict:
+    def load(self, tag: str, engines: dict, check: Optional[Callable[[dict], None]] = None) -> dict:
         """Restore the engines and RNG states of ``tag``; returns the trainer state.
+        ``check(state)`` sees this rank's trainer state before any engine loads.
 
         Raises ``ConfigError`` (key ``checkpoint.resume``) before touching an engine when
         ``tag`` was written by another number of ranks: every rank's rollout pool, prompt
@@ -81,12 +82,14 @@ class CheckpointManager:
                 f"{self.world_size}: each rank's rollout pool, prompt shard and random state "
                 f"are its own; resume with {len(saved)} rank(s), or start afresh with "
                 f"checkpoint.resume=never"))
-        path = os.path.join(folder, f"rank{self.rank}.pt")
-        for name, engine in engines.items():
-            engine.load(os.path.join(self.root, name), tag)
         # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise
         # come back on the saving rank's GPU, which a resume on another layout may not have
-        state = torch.load(path, weights_only=False, map_location="cpu")
+        state = torch.load(os.path.join(folder, f"rank{self.rank}.pt"), weights_only=False,
+                           map_location="cpu")
+        if check is not None:  # before the engines: it may refuse what they would choke on
+            check(state)
+        for name, engine in engines.items():
+            engine.load(os.path.join(self.root, name), tag)
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and torch.cuda.is_available():

@@ -387,9 +387,10 @@ class CheckpointConfig:
     resume: str = "auto"
     """`auto` = continue from the latest checkpoint in output_dir when there is one,
     `never` = start fresh, or the tag of one checkpoint under output_dir/checkpoints
-    (`step300`). A run resumes only with the number of ranks, seed, prompts and
-    `data.shuffle` it was written with (each rank's pool, prompt shard and random state are its
-    own); placement, streaming and chunk size may change."""
+    (`step300`). A run resumes only with the number of ranks, seed, prompts, `data.shuffle`
+    and the actor's and critic's settings (model sources, architecture, LoRA, backend and
+    parallel sizes, ZeRO stage, dtype) it was written with; placement, streaming and chunk
+    size may change (docs/architecture.md, Checkpoints)."""
     keep_last: int = 2
     """Checkpoints to keep (older ones are removed)."""
     export_hf: bool = True

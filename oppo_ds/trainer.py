@@ -44,6 +44,13 @@ from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
 
+# the settings that decide what a checkpoint's engines hold: resumed under others, the
+# engines would load into another model, or continue the old one under a new name
+CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "model.actor_lora_dim",
+                       "model.critic_lora_dim", "model.lora_module_name", "model.only_optimize_lora",
+                       "system.backend", "system.tensor_parallel", "system.pipeline_parallel",
+                       "system.megatron_layers", "system.zero_stage", "system.dtype")
+
 # a saved prompt stream's settings, as a user sets them
 _STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
                    "world_size": "{} data-parallel ranks"}
@@ -315,7 +322,8 @@ class PPOTrainer(StagePlacement):
         tag = self.ckpt.latest() if resume == "auto" else resume
         if tag is None:
             return
-        state = self.ckpt.load(tag, engines={"actor": self.actor, "critic": self.critic})
+        state = self.ckpt.load(tag, engines={"actor": self.actor, "critic": self.critic},
+                               check=partial(self._check_checkpoint_settings, tag))
         self.step_count = state["step"]
         try:
             self.stream.load_state_dict(state["stream"])
@@ -363,6 +371,28 @@ class PPOTrainer(StagePlacement):
         if self.is_main:
             logger.info("resumed from %s at step %d", tag, self.step_count)
 
+    def _checkpoint_settings(self) -> dict:
+        values = self.cfg.to_dict()
+        settings = {key: values[key.split(".")[0]][key.split(".")[1]] for key in CHECKPOINT_SETTINGS}
+        for key in ("model.actor", "model.critic"):  # ./ckpt and /abs/ckpt are one model
+            if isinstance(settings[key], str) and os.path.exists(settings[key]):
+                settings[key] = os.path.realpath(settings[key])
+        return settings
+
+    def _check_checkpoint_settings(self, tag: str, state: dict) -> None:
+        """``ConfigError`` naming every setting of ``CHECKPOINT_SETTINGS`` that differs from
+        those ``tag`` was written with (checkpoints from before 2026-11-24 have none)."""
+        saved, now = state.get("settings") or {}, self._checkpoint_settings()
+        changed = [key for key in now if key in saved and saved[key] != now[key]]
+        if changed:
+            first, others = changed[0], changed[1:]
+            raise ConfigError(first, (
+                f"{now[first]}, but checkpoint {tag} was written with {saved[first]}"
+                + "".join(f"; {key}: {now[key]}, written with {saved[key]}" for key in others)
+                + ": its actor and critic are those models; resume with the settings it was "
+                  "written with, or start afresh (checkpoint.resume=never, or another "
+                  "logging.output_dir)"))
+
     def save_checkpoint(self) -> None:
         engines = {"actor": self.actor, "critic": self.critic}
         state = {"step": self.step_count, "stream": self.stream.state_dict(),
@@ -370,7 +400,8 @@ class PPOTrainer(StagePlacement):
                  "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
                  "pool": self.pool.state_dict() if self.pool is not None else None,
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
-                 "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()}}
+                 "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
+                 "settings": self._checkpoint_settings()}
         self.ckpt.save(f"step{self.step_count}", state, engines=engines)
 
     # ------------------------------------------------------------------ the PPO step

@@ -54,3 +54,16 @@ def test_a_complete_tag_loads(tmp_path):
     state = CheckpointManager(str(tmp_path), rank=1, world_size=2, keep_last=2).load(
         "step1", {"actor": engine})
     assert engine.loaded and state["step"] == 1
+
+
+def test_the_check_sees_the_state_before_any_engine_loads(tmp_path):
+    _write(tmp_path, "step1", [0])
+    engine, seen = _Engine(), []
+
+    def check(state):
+        seen.append(state["step"])
+        raise ConfigError("model.actor", "not this one")
+    with pytest.raises(ConfigError, match="model.actor: not this one"):
+        CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2).load(
+            "step1", {"actor": engine}, check=check)
+    assert seen == [1] and not engine.loaded

@@ -372,6 +372,30 @@ def test_resume_refuses_a_checkpoint_written_with_another_prompt_order(cache_dir
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
 
 
+def test_resume_refuses_a_checkpoint_of_other_models(cache_dir, tmp_path):
+    """A checkpoint's engines hold the actor and critic of the settings it was written with:
+    under another architecture or ZeRO stage DeepSpeed failed to load them with a traceback
+    (a state_dict size mismatch) or a missing optimizer file. Refused in one line naming each
+    setting and what it was, before any engine loads; a checkpoint written before the
+    settings were saved still resumes."""
+    from oppo_ds.config import ConfigError
+
+    out = tmp_path / "run"
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
+    with pytest.raises(ConfigError, match=r"^model.builtin_arch: tiny-gpt2, but checkpoint step2 was "
+                                          r"written with tiny-llama; system.zero_stage: 2, written "
+                                          r"with 0: its actor and critic are those models"):
+        run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "model.builtin_arch=tiny-gpt2",
+            "system.zero_stage=2")
+    state_file = out / "checkpoints" / "trainer" / "step2" / "rank0.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["settings"]["model.builtin_arch"] == "tiny-llama"
+    del state["settings"]  # as written before 2026-11-24
+    torch.save(state, state_file)
+    run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")
+    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
+
+
 def test_streaming_switched_on_and_off_across_resumes_keeps_every_deferred_row(cache_dir, tmp_path):
     """A pool checkpoint resumed with streaming turned on (no scorer holds the deferred rows'
     caches: they prefill them), then with the reference no longer streamed (its carried cache
