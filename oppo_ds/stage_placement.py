@@ -172,10 +172,10 @@ class StagePlacement:
         # a stop signal here (srun passes one to every task) only goes out with the replies:
         # the actor ranks stop after the step, checkpoint, and say so when they shut down
         with StopOnSignal(self.cfg.checkpoint.on_signals) as stop:
+            for stage in self.scorer_stages:
+                stage.stop_signal = lambda: stop.number
             while True:
                 served += serve_round(self.scorer_stages)
-                for stage in self.scorer_stages:
-                    stage.signal = stop.number
                 stops = {stage.stopped_by for stage in self.scorer_stages}
                 if len(stops) > 1:
                     raise RuntimeError(f"the actor ranks are out of step: some shut the stage "

@@ -120,7 +120,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -169,9 +169,11 @@ class ScorerStage:
         self.device = device if device is not None else \
             next(self.scorers[0].model.parameters()).device
         self.stopped_by: Optional[Op] = None
-        # stop signals: the one this process received (``signal``, set by its owner, goes out
-        # with every reply) and the one that stopped the actor ranks (their SHUTDOWN's)
-        self.signal = self.shutdown_signal = 0
+        # stop signals: the one this process received (its owner's ``stop_signal()``, asked
+        # at every reply, goes out with it) and the one that stopped the actor ranks (their
+        # SHUTDOWN's)
+        self.stop_signal: Callable[[], int] = lambda: 0
+        self.shutdown_signal = 0
         self._start_rollout(0.0)
 
     def _start_rollout(self, start: float) -> None:
@@ -377,7 +379,7 @@ class ScorerStage:
         values = torch.cat(values) if values else torch.zeros(0, device=self.wire)
         events = _encode_events(self._events).to(self.wire)
         head = _header(Op.RESULTS, len(self.scorers), self._batch, values.numel(),
-                       events.shape[0], self.signal, device=self.wire)
+                       events.shape[0], self.stop_signal(), device=self.wire)
         # one payload: each message costs a wake-up of the waiting side
         self._send(head, torch.cat([codes, values.double(), events.reshape(-1)]))
 
