@@ -340,6 +340,17 @@ def test_model_parallel_sizes_the_launch_cannot_hold(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+def test_cli_output_dir_that_cannot_be_one(tmp_path, capsys):
+    """A logging.output_dir that is a file (or under one) stops with one line naming the key,
+    before anything is built (was a FileExistsError traceback from the trainer)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert train_main(["steps=1", f"logging.output_dir={afile}"]) == 2
+    assert capsys.readouterr().err == f"oppo-train: error: logging.output_dir: {afile} is a file, not a directory\n"
+    assert train_main(["steps=1", f"logging.output_dir={afile / 'run'}"]) == 2
+    assert capsys.readouterr().err == f"oppo-train: error: logging.output_dir: {afile / 'run'}: Not a directory\n"
+
+
 def test_cli_main_returns_2(capsys):
     assert train_main(["--config", "/nonexistent.yaml"]) == 2
     err = capsys.readouterr().err

@@ -72,6 +72,19 @@ def resolve_config(args, prepare_files: bool = True):
     return load_config(args.config, mapped + extra + list(args.overrides)), notes
 
 
+def check_output_dir(path: str) -> None:
+    """``ConfigError`` for a ``logging.output_dir`` this process cannot write in (a file of
+    that name, no permission), before any model is built or workload prepared."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("logging.output_dir", f"{path} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ConfigError("logging.output_dir", f"{path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("logging.output_dir", f"{path}: not writable by this user")
+
+
 def launch_rank(env: dict[str, str]) -> tuple[int, int]:
     """(rank, world size) of this process as its launcher set them, before the process group
     exists: RANK / WORLD_SIZE, or under a bare ``srun`` the task variables they will be
@@ -112,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = launch_rank(dict(os.environ))
     try:
         cfg, notes = resolve_config(args, prepare_files=not args.print_config)
+        if not args.print_config:
+            check_output_dir(cfg.logging.output_dir)
     except (ConfigError, DataError) as err:
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
