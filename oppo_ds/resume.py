@@ -1,0 +1,125 @@
+"""The trainer's checkpoints, what they hold and what a resume may change (a mixin of
+``PPOTrainer``; the files themselves are ``CheckpointManager``'s).
+
+A trainer state holds, per rank, the step, the prompt stream's cursor, the sampling and
+shuffling generators, the chunk-size and Delta controllers, the rollout pool with its ledger,
+the frozen streaming scorers' caches of the deferred rows, and the settings that decide what
+the engines hold. A resume refuses, in one line naming what differs and before any engine
+loads where it can, what it could not continue exactly or without losing or inventing a
+deferred row (docs/architecture.md, "Checkpoints"); the placement, streaming and chunk size
+may change.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+
+from .config import ConfigError
+from .data import StreamMismatch
+
+logger = logging.getLogger(__name__)
+
+# the settings that decide what a checkpoint's engines hold: resumed under others, the
+# engines would load into another model, or continue the old one under a new name
+CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "model.actor_lora_dim",
+                       "model.critic_lora_dim", "model.lora_module_name", "model.only_optimize_lora",
+                       "system.backend", "system.tensor_parallel", "system.pipeline_parallel",
+                       "system.megatron_layers", "system.zero_stage", "system.dtype")
+
+# a saved prompt stream's settings, as a user sets them
+_STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
+                   "world_size": "{} data-parallel ranks"}
+
+
+class Resumable:
+    """``save_checkpoint`` and the resume at start-up (``_maybe_resume``) of ``PPOTrainer``."""
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "never":
+            return
+        tag = self.ckpt.latest() if resume == "auto" else resume
+        if tag is None:
+            return
+        state = self.ckpt.load(tag, engines={"actor": self.actor, "critic": self.critic},
+                               check=partial(self._check_checkpoint_settings, tag))
+        self.step_count = state["step"]
+        try:
+            self.stream.load_state_dict(state["stream"])
+        except StreamMismatch as err:  # the prompt order would differ: neither exact nor once each
+            raise ConfigError("checkpoint.resume", (
+                f"checkpoint {tag} was written with " + ", ".join(
+                    _STREAM_SETTING[k].format(saved) for k, (saved, _) in err.changed.items())
+                + ", this run has " + ", ".join(
+                    _STREAM_SETTING[k].format(now) for k, (_, now) in err.changed.items())
+                + ": the prompt order follows them; resume with the settings it was written "
+                  "with, or start afresh with checkpoint.resume=never")) from None
+        self.sample_gen.set_state(state["sample_gen"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        if self.chunk_ctl is not None and state.get("chunk_ctl"):
+            self.chunk_ctl.load_state_dict(state["chunk_ctl"])
+        held = len(state["pool"]["entries"]) if state.get("pool") else 0
+        if self.pool is None and held:
+            raise ConfigError("oppo.overcommit", (
+                f"0, but checkpoint {tag} holds {held} deferred sequence(s) in its rollout pool, "
+                f"which a run without overcommitment would drop; resume with oppo.overcommit "
+                f"above 0 or auto, as it was written, or start afresh with checkpoint.resume=never"))
+        if self.pool is not None:
+            if not state.get("pool"):
+                raise ConfigError("oppo.overcommit", (
+                    f"{self.cfg.oppo.overcommit}, but checkpoint {tag} has no rollout pool: it was "
+                    f"written without overcommitment and cannot continue a run with it; resume "
+                    f"with oppo.overcommit=0, or start afresh with checkpoint.resume=never"))
+            self.pool.load_state_dict(state["pool"])
+            limit = self.cfg.generation.max_new_tokens
+            longest = max((len(e.tokens) for e in self.pool.running()), default=0)
+            if longest >= limit:  # such a row could neither continue nor end where it was cut
+                raise ConfigError("generation.max_new_tokens", (
+                    f"{limit}, but checkpoint {tag} holds a deferred sequence of {longest} "
+                    f"tokens, still running; resume with generation.max_new_tokens above "
+                    f"{longest} (as it was written), or start afresh with checkpoint.resume=never"))
+            # the frozen scorers' caches of the deferred rows, where this run keeps them: under
+            # the stage the scorer rank holds its own and, like any scorer without a row's
+            # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
+            carried = set(self._streamed_kinds()) & {"reward", "reference"} if self.stage is None else set()
+            for kind, scorer_state in state.get("scorers", {}).items():
+                if kind in carried:
+                    self._carried_scorer(kind).load_state_dict(scorer_state)
+        if self.delta_ctl is not None and state.get("delta_ctl"):
+            self.delta_ctl.load_state_dict(state["delta_ctl"])
+        if self.is_main:
+            logger.info("resumed from %s at step %d", tag, self.step_count)
+
+    def _checkpoint_settings(self) -> dict:
+        values = self.cfg.to_dict()
+        settings = {key: values[key.split(".")[0]][key.split(".")[1]] for key in CHECKPOINT_SETTINGS}
+        for key in ("model.actor", "model.critic"):  # ./ckpt and /abs/ckpt are one model
+            if isinstance(settings[key], str) and os.path.exists(settings[key]):
+                settings[key] = os.path.realpath(settings[key])
+        return settings
+
+    def _check_checkpoint_settings(self, tag: str, state: dict) -> None:
+        """``ConfigError`` naming every setting of ``CHECKPOINT_SETTINGS`` that differs from
+        those ``tag`` was written with (checkpoints from before 2026-11-24 have none)."""
+        saved, now = state.get("settings") or {}, self._checkpoint_settings()
+        changed = [key for key in now if key in saved and saved[key] != now[key]]
+        if changed:
+            first, others = changed[0], changed[1:]
+            raise ConfigError(first, (
+                f"{now[first]}, but checkpoint {tag} was written with {saved[first]}"
+                + "".join(f"; {key}: {now[key]}, written with {saved[key]}" for key in others)
+                + ": its actor and critic are those models; resume with the settings it was "
+                  "written with, or start afresh (checkpoint.resume=never, or another "
+                  "logging.output_dir)"))
+
+    def save_checkpoint(self) -> None:
+        engines = {"actor": self.actor, "critic": self.critic}
+        state = {"step": self.step_count, "stream": self.stream.state_dict(),
+                 "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
+                 "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
+                 "pool": self.pool.state_dict() if self.pool is not None else None,
+                 "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
+                 "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
+                 "settings": self._checkpoint_settings()}
+        self.ckpt.save(f"step{self.step_count}", state, engines=engines)
