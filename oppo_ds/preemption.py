@@ -28,18 +28,28 @@ PREEMPTED_EXIT = 75
 """Exit code after a checkpoint on a signal (EX_TEMPFAIL: run the same command again)."""
 
 
+def signal_number(name: Optional[str]) -> int:
+    """``"USR1"`` -> signal.SIGUSR1's number; None -> 0 (how the wire and flags say "none")."""
+    return int(getattr(signal, f"SIG{name}")) if name else 0
+
+
+def signal_name(number: int) -> Optional[str]:
+    """The inverse of :func:`signal_number`."""
+    return signal.Signals(number).name.removeprefix("SIG") if number else None
+
+
 class StopOnSignal:
     """Records the first of ``names`` (``"USR1"``, ``"TERM"``, ...) that arrives; installed
     while training runs (:meth:`__enter__`), the previous handlers restored after."""
 
     def __init__(self, names: list[str] | tuple[str, ...]):
-        self.signals = [getattr(signal, f"SIG{name}") for name in names]
+        self.signals = [signal_number(name) for name in names]
         self.received: Optional[str] = None
         self._here = False  # a signal reached this process (not only another one of the run)
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name.removeprefix("SIG")
+        name = signal_name(signum)
         if self._here and signum in (signal.SIGTERM, signal.SIGINT):
             # asked twice: stop now, as without us
             signal.signal(signum, signal.SIG_DFL)
@@ -59,7 +69,7 @@ class StopOnSignal:
     @property
     def number(self) -> int:
         """The received signal's number, 0 for none."""
-        return int(getattr(signal, f"SIG{self.received}")) if self.received else 0
+        return signal_number(self.received)
 
     def __enter__(self) -> "StopOnSignal":
         # Python runs handlers in the main thread only; elsewhere (a trainer inside a worker
@@ -84,4 +94,4 @@ class StopOnSignal:
                                op=dist.ReduceOp.MIN, group=group)
         if flag.item() == float("inf"):
             return None
-        return signal.Signals(int(flag.item())).name.removeprefix("SIG")
+        return signal_name(int(flag.item()))

@@ -17,6 +17,7 @@ from functools import partial
 
 from .config import ConfigError
 from .data import StreamMismatch
+from .rollout.scorer import FROZEN_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Resumable:
             # the frozen scorers' caches of the deferred rows, where this run keeps them: under
             # the stage the scorer rank holds its own and, like any scorer without a row's
             # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
-            carried = set(self._streamed_kinds()) & {"reward", "reference"} if self.stage is None else set()
+            carried = set(self.cfg.oppo.streamed_scorers) & set(FROZEN_KINDS) if self.stage is None else set()
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .models import build_causal_lm, build_value_model
-from .preemption import StopOnSignal
+from .preemption import StopOnSignal, signal_name
 from .rollout.scorer import StreamingScorer
 from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
 from .rollout.stage_stream import Replica
@@ -183,6 +182,6 @@ class StagePlacement:
                 if stops == {Op.SHUTDOWN}:
                     logger.info("scorer rank %d: served %d rollouts from actor ranks %s", self.rank,
                                 served, self.stage.senders)
-                    number = max(stage.shutdown_signal for stage in self.scorer_stages)
-                    self.preempted = signal.Signals(number).name.removeprefix("SIG") if number else None
+                    self.preempted = signal_name(max(stage.shutdown_signal
+                                                     for stage in self.scorer_stages))
                     return None

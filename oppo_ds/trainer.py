@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from .rollout.stage import RemoteScorers
 from .rollout.stage_stream import stage_stream_continue, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
-from .preemption import StopOnSignal
+from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
@@ -717,7 +716,7 @@ class PPOTrainer(StagePlacement, Resumable):
                     if saved:
                         self.save_checkpoint()
                     if self.remote is not None and self.remote.scorer_signal:  # srun signals every task
-                        stop.record(signal.Signals(self.remote.scorer_signal).name.removeprefix("SIG"),
+                        stop.record(signal_name(self.remote.scorer_signal),
                                     f"the scorer rank ({self.remote.scorer_rank})")
                     self.preempted = stop.agreed(self.actor_group)
                     if self.preempted:
@@ -734,7 +733,7 @@ class PPOTrainer(StagePlacement, Resumable):
                         self.export(cfg.logging.output_dir)
             if self.remote is not None:
                 # the scorer rank's train() returns, and knows whether training stopped early
-                self.remote.close(int(getattr(signal, "SIG" + self.preempted)) if self.preempted else 0)
+                self.remote.close(signal_number(self.preempted))
         finally:
             extra = {"stopped_by_signal": "SIG" + self.preempted} if self.preempted else {}
             summary = self.telemetry.close({"wall_total_s": time.time() - t0, "world_size": self.world_size,
