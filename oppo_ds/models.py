@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .kv_cache import cache_kwargs, output_cache
+
 logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -167,10 +169,10 @@ class ValueHeadModel(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache: bool = False) -> ValueOutput:
         out = self.body(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids, past_key_values=past_key_values,
-                        use_cache=use_cache)
+                        position_ids=position_ids, use_cache=use_cache,
+                        **cache_kwargs(self.body, past_key_values))
         values = self.value_head(out.last_hidden_state).squeeze(-1)
-        return ValueOutput(values=values, past_key_values=out.past_key_values if use_cache else None)
+        return ValueOutput(values=values, past_key_values=output_cache(out) if use_cache else None)
 
     def save_pretrained(self, path: str, state_dict: Optional[dict] = None) -> None:
         """The body as an HF checkpoint plus the head in its own file; ``state_dict`` (this

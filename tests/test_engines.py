@@ -16,6 +16,7 @@ import transformers
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
+from oppo_ds.kv_cache import cache_kwargs, output_cache
 from oppo_ds.engines import (
     HYBRID_KERNELS,
     HYBRID_NO_KERNELS_CPU,
@@ -119,7 +120,7 @@ def greedy_decode(module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor
     out = module(input_ids=prompt, use_cache=True)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     for _ in range(new_tokens - 1):
-        out = module(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        out = module(input_ids=tokens[-1], use_cache=True, **cache_kwargs(module, output_cache(out)))
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat([prompt, *tokens], dim=1)
 

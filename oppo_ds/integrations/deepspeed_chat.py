@@ -58,6 +58,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from ..kv_cache import cache_kwargs, output_cache
 from ..rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from ..rollout.generate import SamplingParams
 from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
@@ -134,10 +135,10 @@ class ValueView:
     def __call__(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
                  use_cache=False, **_):
         out = self.model.rwtransformer(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, past_key_values=past_key_values,
-                                       use_cache=use_cache)
+                                       position_ids=position_ids, use_cache=use_cache,
+                                       **cache_kwargs(self.model.rwtransformer, past_key_values))
         values = self.model.v_head(out[0]).squeeze(-1)
-        return SimpleNamespace(values=values, past_key_values=out.past_key_values)
+        return SimpleNamespace(values=values, past_key_values=output_cache(out))
 
 
 class DSChatScorer:

@@ -25,6 +25,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..kv_cache import cache_kwargs, output_cache
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -175,7 +177,7 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         actor_logprobs=actor_logprobs, lengths=lengths,
         finished=torch.zeros(batch, dtype=torch.bool, device=device),
         active=torch.arange(batch, device=device),
-        past_key_values=out.past_key_values,
+        past_key_values=output_cache(out),
         cache_mask=context_mask.clone(),
         next_position=positions[:, -1] + 1,
         next_logits=out.logits[:, -1, :],
@@ -283,9 +285,9 @@ def _feed(model, state: DecodeState, tok: torch.Tensor) -> None:
     ones = torch.ones(tok.shape[0], 1, dtype=state.cache_mask.dtype, device=tok.device)
     state.cache_mask = torch.cat([state.cache_mask, ones], dim=1)
     out = model(input_ids=tok[:, None], attention_mask=state.cache_mask,
-                position_ids=state.next_position[:, None], past_key_values=state.past_key_values,
-                use_cache=True)
-    state.past_key_values = out.past_key_values
+                position_ids=state.next_position[:, None], use_cache=True,
+                **cache_kwargs(model, state.past_key_values))
+    state.past_key_values = output_cache(out)
     state.next_position = state.next_position + 1
     state.next_logits = out.logits[:, -1, :]
 

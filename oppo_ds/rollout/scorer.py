@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..algo import logprobs_from_logits
+from ..kv_cache import cache_kwargs, output_cache
 from .generate import position_ids_from_mask
 
 SCORER_KINDS = ("reward", "reference", "critic")
@@ -100,9 +101,9 @@ class StreamingScorer:
     def _run(self, input_ids, attention_mask, position_ids, cache, **kwargs):
         """A forward on ``cache`` (None: a fresh one); returns (outputs, cache)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, past_key_values=cache, use_cache=True,
-                         **kwargs)
-        return (out.logits if self.kind == "reference" else out.values), out.past_key_values
+                         position_ids=position_ids, use_cache=True,
+                         **cache_kwargs(self.model, cache), **kwargs)
+        return (out.logits if self.kind == "reference" else out.values), output_cache(out)
 
     @torch.no_grad()
     def begin(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
