@@ -151,9 +151,17 @@ class GenerationConfig:
     """Keep only the k most likely tokens (0 = off)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
+    eos_token_ids: Union[Literal["auto"], list[int]] = "auto"
+    """Token ids that end a response (the token is kept, and scored). `auto`: the ones Hugging
+    Face's `generate` stops at for the actor checkpoint (`eos_token_id` of its
+    `generation_config.json`, else `config.json`: chat models list their end-of-turn token
+    there) and the tokenizer's EOS; or a list of ids."""
 
     def __post_init__(self):
         _require(self.max_prompt_len >= 1, "max_prompt_len", "must be >= 1")
+        _require(self.eos_token_ids == "auto" or (len(self.eos_token_ids) > 0
+                                                  and min(self.eos_token_ids) >= 0),
+                 "eos_token_ids", "must be auto or a non-empty list of token ids (>= 0)")
         _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         _require(self.temperature >= 0, "temperature", "must be >= 0")
         _require(self.top_k >= 0, "top_k", "must be >= 0")

@@ -290,6 +290,25 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
+def checkpoint_eos_ids(path: str) -> list[int]:
+    """The token ids at which Hugging Face's ``generate`` stops for the checkpoint at ``path``:
+    ``eos_token_id`` of its ``generation_config.json`` (one id or a list), else of its
+    ``config.json``; [] for a source that is not a directory or names none. Chat models list
+    their end-of-turn token there beside the tokenizer's EOS (Llama-3-Instruct: 128001 and
+    128009 ``<|eot_id|>``; Qwen2.5-Instruct: ``<|im_end|>`` and ``<|endoftext|>``)."""
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        with open(file) as f:
+            ids = json.load(f).get("eos_token_id")
+        if ids is None:
+            continue
+        ids = [ids] if isinstance(ids, int) else ids
+        return [int(i) for i in ids if i is not None]
+    return []
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -28,7 +28,7 @@ from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
-from .models import load_tokenizer
+from .models import checkpoint_eos_ids, load_tokenizer
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
@@ -250,7 +250,7 @@ class PPOTrainer(StagePlacement, Resumable):
                 self.replica = self._stage_replica()
 
         # under the length oracle only the targets end a response: a random model's EOS is noise
-        eos = () if src.oracle else (self.tokenizer.eos_token_id,)
+        eos = () if src.oracle else self._eos_ids(src)
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
                                        pad_token_id=self.tokenizer.pad_token_id,
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
@@ -285,6 +285,31 @@ class PPOTrainer(StagePlacement, Resumable):
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _eos_ids(self, src: Sources) -> tuple[int, ...]:
+        """The ids that end a response (``generation.eos_token_ids``), checked against the
+        tokenizer and logged once."""
+        wanted = self.cfg.generation.eos_token_ids
+        if wanted == "auto":
+            found = checkpoint_eos_ids(src.actor) if os.path.isdir(src.actor) else []
+            ids = tuple(dict.fromkeys(i for i in [*found, self.tokenizer.eos_token_id]
+                                      if i is not None))
+            origin = "the actor's generation config and the tokenizer's EOS"
+        else:
+            ids, origin = tuple(dict.fromkeys(wanted)), "generation.eos_token_ids"
+            vocab = len(self.tokenizer)
+            if max(ids) >= vocab:
+                raise ConfigError("generation.eos_token_ids",
+                                  f"{max(ids)} is not a token id of this tokenizer (it has {vocab})")
+        if self.is_main:
+            if ids:
+                names = self.tokenizer.convert_ids_to_tokens(list(ids))
+                logger.info("responses end at token ids %s %s (%s)", list(ids), names, origin)
+            else:
+                logger.warning("no end-of-sequence token: neither the actor's generation config "
+                               "nor the tokenizer names one, so every response runs to "
+                               "generation.max_new_tokens; set generation.eos_token_ids")
+        return ids
 
     def _load_prompts(self, path: str):
         d, g = self.cfg.data, self.cfg.generation

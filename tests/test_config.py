@@ -247,6 +247,9 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["oppo.delta_min=5", "oppo.delta_max=2"], "oppo.delta_min", "delta_min <= delta_max"),
     (["oppo.max_defer_steps=0"], "oppo.max_defer_steps", ">= 1"),
     (["oppo.is_clip=0.5"], "oppo.is_clip", ">= 1"),
+    (["generation.eos_token_ids=[]"], "generation.eos_token_ids", "non-empty list"),
+    (["generation.eos_token_ids=[2, -1]"], "generation.eos_token_ids", ">= 0"),
+    (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list, each an integer"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

@@ -18,6 +18,7 @@ from oppo_ds.models import (
     ValueHeadModel,
     build_causal_lm,
     build_value_model,
+    checkpoint_eos_ids,
     disable_dropout,
     load_tokenizer,
     tiny_config,
@@ -341,6 +342,22 @@ def test_load_tokenizer_pad_falls_back_to_eos(tmp_path):
     loaded = load_tokenizer(str(tmp_path))
     assert loaded.pad_token_id == workload.EOS_ID
     assert loaded.padding_side == "left"
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"generation_config.json": {"eos_token_id": [128001, 128009]}, "config.json": {"eos_token_id": 128001}},
+     [128001, 128009]),  # Llama-3-Instruct: the end-of-turn token is only in the generation config
+    ({"generation_config.json": {"eos_token_id": 7}}, [7]),
+    ({"generation_config.json": {"do_sample": True}, "config.json": {"eos_token_id": [5, None]}}, [5]),
+    ({"config.json": {"eos_token_id": None}}, []),
+    ({}, []),
+], ids=["list", "one-id", "falls-back-to-config", "none", "no-files"])
+def test_checkpoint_eos_ids(tmp_path, files, expected):
+    """The ids HF generate stops at: generation_config.json's eos_token_id, else config.json's."""
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    assert checkpoint_eos_ids(str(tmp_path)) == expected
+    assert checkpoint_eos_ids(str(tmp_path / "missing")) == []
 
 
 def test_load_tokenizer_missing_dir():

@@ -546,3 +546,62 @@ def test_actor_logprobs_recomputed_under_the_inference_kernels():
     assert not actor_streams(True, HYBRID_KERNELS)
     assert actor_streams(True, HYBRID_OFF) and actor_streams(True, HYBRID_NO_KERNELS_CPU)
     assert not actor_streams(False, HYBRID_OFF)
+
+
+def _chat_style_actor(cache_dir, root) -> str:
+    """A copy of the built-in SFT actor laid out as Llama-3-Instruct's first release was: the
+    tokenizer names another token as its EOS (here <unk>) and only generation_config.json
+    lists the token the model ends its answers with (<eos>)."""
+    import glob
+    import shutil
+
+    from oppo_ds import workload as wl
+
+    (source,) = glob.glob(os.path.join(cache_dir, "*", "actor"))
+    path = os.path.join(str(root), "chat-actor")
+    shutil.copytree(source, path)
+    unk = wl.build_tokenizer().convert_tokens_to_ids("<unk>")
+    for name, key, value in (("tokenizer_config.json", "eos_token", "<unk>"),
+                             ("generation_config.json", "eos_token_id", [unk, wl.EOS_ID])):
+        file = os.path.join(path, name)
+        with open(file) as f:
+            content = json.load(f)
+        content[key] = value
+        with open(file, "w") as f:
+            json.dump(content, f)
+    return path
+
+
+def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_path, caplog):
+    """Responses end where Hugging Face's generate would end them: at every id the actor's
+    generation config lists, not only the tokenizer's EOS (before, a checkpoint laid out like
+    Llama-3-Instruct's decoded every response to max_new_tokens). The chat-style copy of the
+    actor samples exactly the built-in run (same weights, seed and prompts); the SFT actor has
+    no use for <unk>, so ending only there (generation.eos_token_ids) runs most responses to
+    the limit."""
+    import logging
+
+    _, _ = run(cache_dir, tmp_path / "base", "steps=2", "checkpoint.export_hf=false")
+    chat = _chat_style_actor(cache_dir, tmp_path)
+    with caplog.at_level(logging.INFO, logger="oppo_ds.trainer"):
+        run(cache_dir, tmp_path / "chat", "steps=2", "checkpoint.export_hf=false", f"model.actor={chat}")
+    assert "responses end at token ids [3, 2] ['<unk>', '<eos>']" in caplog.text
+    base = read_history(str(tmp_path / "base" / "metrics.jsonl"))
+    same = read_history(str(tmp_path / "chat" / "metrics.jsonl"))
+    for a, b in zip(base, same):
+        assert b["response/lengths"] == a["response/lengths"]
+        for key in ("reward/mean", "kl/mean", "loss/policy"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    assert min(min(row["response/lengths"]) for row in base) < 24  # the SFT actor ends answers
+
+    run(cache_dir, tmp_path / "unk", "steps=1", "checkpoint.export_hf=false", f"model.actor={chat}",
+        "generation.eos_token_ids=[3]")
+    (only_unk,) = read_history(str(tmp_path / "unk" / "metrics.jsonl"))
+    at_limit = sum(n == 24 for n in only_unk["response/lengths"])
+    assert at_limit > sum(n == 24 for n in base[0]["response/lengths"]) and at_limit >= 6
+
+    from oppo_ds.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"generation\.eos_token_ids: 99 is not a token id of "
+                                          r"this tokenizer \(it has \d+\)"):
+        run(cache_dir, tmp_path / "bad", "steps=1", f"model.actor={chat}", "generation.eos_token_ids=[2, 99]")
