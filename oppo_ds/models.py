@@ -309,6 +309,57 @@ def checkpoint_eos_ids(path: str) -> list[int]:
     return []
 
 
+def _embedded_ids(config: dict) -> Optional[int]:
+    """How many token ids a model's config says its embedding holds (None: not stated)."""
+    for section in (config, config.get("text_config") or {}):
+        size = section.get("vocab_size", section.get("padded_vocab_size"))
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def tokenizer_mismatch(path: str, tokenizer, *, trust_remote_code: bool = False
+                       ) -> tuple[Optional[str], Optional[str]]:
+    """(error, warning) about the checkpoint at ``path`` reading the token ids of
+    ``tokenizer`` (the actor's); (None, None) when it reads them as they are (or ``path`` is
+    not a checkpoint directory).
+
+    Every model of a run reads the actor's token ids as they are, with no re-tokenising
+    (DeepSpeed-Chat and OpenRLHF share one tokenizer the same way). An error: an embedding
+    smaller than the tokenizer (it would index past it: a device-side assert on a GPU, an
+    IndexError mid-step on the CPU), or a saved tokenizer that gives a token another id (it
+    scores other words). A warning: tokens only one of the two tokenizers has (e.g. a pad
+    token added to one of them), harmless unless the actor samples them."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None, None
+    with open(config_file) as f:
+        size = _embedded_ids(json.load(f))
+    n = len(tokenizer)
+    if size is not None and size < n:
+        return (f"its embedding holds {size} token ids, the actor's tokenizer has {n}: it was "
+                "trained with another tokenizer"), None
+    if not any(os.path.isfile(os.path.join(path, name))
+               for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        return None, None  # weights only: nothing to compare
+    try:
+        theirs = load_tokenizer(path, trust_remote_code=trust_remote_code).get_vocab()
+    except Exception as e:  # noqa: BLE001 - a tokenizer we cannot load is reported, not fatal
+        return None, (f"its tokenizer could not be loaded to compare with the actor's "
+                      f"({type(e).__name__}: {e})")
+    ours = tokenizer.get_vocab()
+    moved = sorted(t for t in ours.keys() & theirs.keys() if ours[t] != theirs[t])
+    if moved:
+        return (f"its tokenizer is not the actor's: {len(moved)} token(s) have other ids, e.g. "
+                f"{moved[0]!r} is {theirs[moved[0]]} there and {ours[moved[0]]} in the actor's"), None
+    only = sorted(ours.keys() ^ theirs.keys())
+    if only:
+        side = "the actor's" if only[0] in ours else "its"
+        return None, (f"{len(only)} token(s) are in only one of its tokenizer and the actor's, "
+                      f"e.g. {only[0]!r} (in {side})")
+    return None, None
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

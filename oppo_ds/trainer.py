@@ -28,7 +28,7 @@ from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
-from .models import checkpoint_eos_ids, load_tokenizer
+from .models import checkpoint_eos_ids, load_tokenizer, tokenizer_mismatch
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
@@ -202,6 +202,7 @@ class PPOTrainer(StagePlacement, Resumable):
 
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
+        self._check_shared_tokenizer(src)  # every rank, the scorer rank too: all stop alike
         common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       seed=cfg.seed)
         if scorer_rank:
@@ -285,6 +286,24 @@ class PPOTrainer(StagePlacement, Resumable):
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _check_shared_tokenizer(self, src: Sources) -> None:
+        """Each model checkpoint must read the actor's token ids as they are
+        (``models.tokenizer_mismatch``): checked before any engine loads."""
+        seen = {os.path.realpath(src.tokenizer)} if src.tokenizer else set()
+        for key, path in (("actor", src.actor), ("reference", src.reference),
+                          ("reward", src.reward), ("critic", src.critic)):
+            where = os.path.realpath(path)
+            if not os.path.isdir(path) or where in seen:
+                continue
+            seen.add(where)
+            error, warning = tokenizer_mismatch(path, self.tokenizer,
+                                                trust_remote_code=self.cfg.model.trust_remote_code)
+            if error:
+                raise ConfigError(f"model.{key}", f"{path}: {error}; every model must use the "
+                                                  "actor's tokenizer")
+            if warning and self.is_main:
+                logger.warning("model.%s: %s: %s", key, path, warning)
 
     def _eos_ids(self, src: Sources) -> tuple[int, ...]:
         """The ids that end a response (``generation.eos_token_ids``), checked against the

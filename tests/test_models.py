@@ -405,3 +405,55 @@ def test_disable_dropout_value_model():
     x = _tokens()
     with torch.no_grad():
         assert torch.equal(vm(x).values, vm(x).values)
+
+
+# ---------------------------------------------------------------- one tokenizer for every model
+
+def _bpe_tokenizer(size: int):
+    """A byte-level BPE tokenizer (another family than the built-in word-level one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    texts = [" ".join(workload.MOODS + workload.LETTERS)] * 10
+    core.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+
+
+def test_tokenizer_mismatch(tmp_path):
+    """A model must read the actor's token ids as they are: an embedding too small for the
+    tokenizer, or a saved tokenizer that gives tokens other ids, is an error; tokens that only
+    one side has are a warning; a directory with weights only is compared by size alone."""
+    from oppo_ds.models import tokenizer_mismatch
+
+    actor_tok = workload.build_tokenizer()
+    n = len(actor_tok)
+
+    def saved(name, vocab_size, tokenizer=None):
+        path = tmp_path / name
+        build_value_model("tiny-llama", vocab_size=vocab_size, seed=0).save_pretrained(str(path))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return str(path)
+
+    assert tokenizer_mismatch(saved("same", n, workload.build_tokenizer()), actor_tok) == (None, None)
+    assert tokenizer_mismatch(saved("weights-only", n + 8), actor_tok) == (None, None)
+    assert tokenizer_mismatch(str(tmp_path / "no-such-dir"), actor_tok) == (None, None)
+
+    error, warning = tokenizer_mismatch(saved("small", n - 1), actor_tok)
+    assert error == (f"its embedding holds {n - 1} token ids, the actor's tokenizer has {n}: it "
+                     "was trained with another tokenizer") and warning is None
+
+    bpe = _bpe_tokenizer(300)
+    error, warning = tokenizer_mismatch(saved("other", len(bpe), bpe), actor_tok)
+    assert error.startswith("its tokenizer is not the actor's: ") and "have other ids, e.g. " in error
+    assert warning is None
+
+    extended = workload.build_tokenizer()
+    extended.add_special_tokens({"additional_special_tokens": ["<sep>"]})
+    error, warning = tokenizer_mismatch(saved("extended", n + 1, extended), actor_tok)
+    assert error is None
+    assert warning == "1 token(s) are in only one of its tokenizer and the actor's, e.g. '<sep>' (in its)"

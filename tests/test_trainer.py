@@ -548,16 +548,14 @@ def test_actor_logprobs_recomputed_under_the_inference_kernels():
     assert not actor_streams(False, HYBRID_OFF)
 
 
-def _chat_style_actor(cache_dir, root) -> str:
-    """A copy of the built-in SFT actor laid out as Llama-3-Instruct's first release was: the
-    tokenizer names another token as its EOS (here <unk>) and only generation_config.json
-    lists the token the model ends its answers with (<eos>)."""
-    import glob
+def _chat_style_actor(source, root) -> str:
+    """A copy of the built-in SFT actor (at ``source``) laid out as Llama-3-Instruct's first
+    release was: the tokenizer names another token as its EOS (here <unk>) and only
+    generation_config.json lists the token the model ends its answers with (<eos>)."""
     import shutil
 
     from oppo_ds import workload as wl
 
-    (source,) = glob.glob(os.path.join(cache_dir, "*", "actor"))
     path = os.path.join(str(root), "chat-actor")
     shutil.copytree(source, path)
     unk = wl.build_tokenizer().convert_tokens_to_ids("<unk>")
@@ -581,8 +579,8 @@ def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_p
     the limit."""
     import logging
 
-    _, _ = run(cache_dir, tmp_path / "base", "steps=2", "checkpoint.export_hf=false")
-    chat = _chat_style_actor(cache_dir, tmp_path)
+    trainer, _ = run(cache_dir, tmp_path / "base", "steps=2", "checkpoint.export_hf=false")
+    chat = _chat_style_actor(trainer.sources.actor, tmp_path)
     with caplog.at_level(logging.INFO, logger="oppo_ds.trainer"):
         run(cache_dir, tmp_path / "chat", "steps=2", "checkpoint.export_hf=false", f"model.actor={chat}")
     assert "responses end at token ids [3, 2] ['<unk>', '<eos>']" in caplog.text
@@ -605,3 +603,29 @@ def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_p
     with pytest.raises(ConfigError, match=r"generation\.eos_token_ids: 99 is not a token id of "
                                           r"this tokenizer \(it has \d+\)"):
         run(cache_dir, tmp_path / "bad", "steps=1", f"model.actor={chat}", "generation.eos_token_ids=[2, 99]")
+
+
+def test_a_reward_model_of_another_tokenizer_stops_before_any_engine(tmp_path, monkeypatch):
+    """A reward checkpoint whose embedding is smaller than the actor's tokenizer stopped the
+    first step with an IndexError traceback (a device-side assert on a GPU); now the run stops
+    before any model is built, naming the key, the path and both sizes."""
+    from oppo_ds.config import ConfigError
+    from oppo_ds.engines import factory
+    from oppo_ds.models import build_value_model
+    from oppo_ds.workload import build_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer().save_pretrained(str(tok_dir))
+    n = len(build_tokenizer())
+    reward = tmp_path / "reward"
+    build_value_model("tiny-llama", vocab_size=n - 3, seed=0).save_pretrained(str(reward))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "want a b c ->"}) + "\n")
+    monkeypatch.setattr(factory, "build_models",
+                        lambda *a, **k: pytest.fail("models were built before the check"))
+    with pytest.raises(ConfigError) as err:
+        run(str(tmp_path / "unused-cache"), tmp_path / "run", "steps=1", "model.actor=tiny-llama",
+            f"model.reward={reward}", f"model.tokenizer={tok_dir}", f"data.prompts={prompts}")
+    assert str(err.value) == (f"model.reward: {reward}: its embedding holds {n - 3} token ids, the "
+                              f"actor's tokenizer has {n}: it was trained with another tokenizer; "
+                              "every model must use the actor's tokenizer")
