@@ -111,6 +111,37 @@ def test_without_the_actors_timing_the_model_keeps_the_fewest_hand_overs():
     assert ctl.chunk_size == 64 and "fewest hand-overs" in msg
 
 
+def test_a_step_that_decoded_nothing_measures_nothing():
+    """With overcommitment a step may take a batch the pool already held finished and decode
+    nothing (no scorer call): it neither calibrates nor counts as an exploration trial (before,
+    the second calibration step's zeros made the cost fit raise and killed the run)."""
+    ctl = ChunkSizeController(candidates=(4, 8, 16, 32, 64), explore_every=4)
+    assert ctl.observe(4, 1.0, *_cost(4), scorers=3, pipeline=PIPE) is None
+    assert ctl.next_chunk_size() == 64
+    assert ctl.observe(64, 0.0, 0.0, 0.0, 0.0, scorers=3, pipeline=None) is None
+    assert ctl.next_chunk_size() == 64 and ctl.chunk_size is None  # calibrates 64 again
+    assert ctl.observe(64, 1.0, *_cost(64), scorers=3, pipeline=PIPE).startswith("chunk_size=16")
+    assert ctl.observe(16, 1.0, *_cost(16)).startswith("exploring")  # step 4, the idle one counted
+    assert ctl.next_chunk_size() == 4
+    assert ctl.observe(4, 0.0, 0.0, 0.0, 0.0) is None
+    assert ctl.next_chunk_size() == 4 and ctl.trials == {}  # the trial of 4 is taken again
+    ctl.observe(4, 2.0, *_cost(4))
+    assert ctl.trials == {4: 2.0} and ctl.next_chunk_size() == 8
+
+
+def test_calibration_that_cannot_tell_the_costs_apart_keeps_the_fewest_hand_overs():
+    """Every response fit in one chunk at both calibration sizes (max_new_tokens <= 4), so
+    both steps made one call per row: the fit has nothing to separate; the largest candidate
+    is kept, with the reason, instead of an error."""
+    ctl = ChunkSizeController(candidates=(4, 8, 16, 32, 64), explore_every=0)
+    ctl.observe(4, 1.0, 48.0, 144.0, 0.05, scorers=3, pipeline=PIPE)
+    msg = ctl.observe(64, 1.0, 48.0, 144.0, 0.05, scorers=3, pipeline=PIPE)
+    assert ctl.chunk_size == 64
+    assert msg == ("chunk_size=64: the calibration steps with chunk sizes 4 and 64 made the same "
+                   "number of scorer calls per token, so the size changes nothing (the fewest "
+                   "hand-overs)")
+
+
 def test_a_calibration_saved_without_the_actors_timing_still_decides():
     # a checkpoint taken mid-calibration by a version that kept (calls, tokens, busy) only
     old = {"candidates": [4, 8, 16, 32, 64], "explore_every": 0, "chunk_size": None, "step": 1,

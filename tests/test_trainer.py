@@ -629,3 +629,24 @@ def test_a_reward_model_of_another_tokenizer_stops_before_any_engine(tmp_path, m
     assert str(err.value) == (f"model.reward: {reward}: its embedding holds {n - 3} token ids, the "
                               f"actor's tokenizer has {n}: it was trained with another tokenizer; "
                               "every model must use the actor's tokenizer")
+
+
+def test_chunk_size_auto_with_a_step_that_decodes_nothing(tmp_path, caplog):
+    """Overcommitment with `chunk_size: auto`: step 1 decodes 8 rows, every row finishes in
+    the same chunk and 4 finished rows are carried, so step 2 takes them and decodes nothing.
+    That step (the second calibration step) fed zeros to the chunk-size cost fit, which raised
+    and killed the run (found with a user's model under `oppo-bench --modes oppo`); now the
+    controller calibrates the size again at the next step that decodes."""
+    import logging
+
+    from _builders import tiny_run_overrides
+
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, 4), "oppo.streaming=true",
+                             "oppo.chunk_size=auto", "oppo.overcommit=4", "checkpoint.export_hf=false"])
+    with caplog.at_level(logging.INFO, logger="oppo_ds.trainer"):
+        assert PPOTrainer(cfg).train()["steps"] == 4
+    history = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    assert any(row.get("stream/chunks") is None for row in history)  # a step decoded nothing
+    assert "step 3: chunk_size=" in caplog.text  # decided after the step that did decode

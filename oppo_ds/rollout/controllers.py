@@ -147,8 +147,14 @@ class ChunkSizeController:
         generated token, the scorers' calls, tokens and busy seconds (summed over the
         ``scorers``), and the actor's side of it (``Pipeline``; without it an overlapped
         placement is modelled as inline). Returns a message when a decision is made (to be
-        logged), else None."""
+        logged), else None.
+
+        A step whose scorers were never called (``scorer_calls`` 0: nothing was decoded, as
+        when the rollout pool already held a whole batch of finished rows) measures no chunk
+        size; a calibration or exploration step tries the same size again at the next."""
         self.step += 1
+        if scorer_calls <= 0 and (self.chunk_size is None or self.exploring):
+            return None
         if self.chunk_size is None:
             self.calibration.append((scorer_calls, scorer_tokens, scorer_busy_s, scorers,
                                      *(pipeline.as_list() if pipeline is not None else ())))
@@ -172,7 +178,16 @@ class ChunkSizeController:
         return None
 
     def _from_model(self) -> str:
-        a, b = fit_prefill_cost([obs[:3] for obs in self.calibration])
+        try:
+            a, b = fit_prefill_cost([obs[:3] for obs in self.calibration])
+        except ValueError:
+            # both sizes cost as many calls per token (every response fit in one chunk of
+            # either, e.g. generation.max_new_tokens at most the smallest candidate): no size
+            # saves anything, so the fewest hand-overs win; exploration still measures them
+            self.chunk_size = max(self.candidates)
+            return (f"chunk_size={self.chunk_size}: the calibration steps with chunk sizes "
+                    f"{self.candidates[0]} and {self.candidates[-1]} made the same number of "
+                    "scorer calls per token, so the size changes nothing (the fewest hand-overs)")
         pipes = [Pipeline.from_list(obs[4:]) for obs in self.calibration if len(obs) > 4]
         pipe = None
         if len(pipes) == len(self.calibration):  # the calibration steps' mean
