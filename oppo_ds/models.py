@@ -131,17 +131,34 @@ def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None
                          trust_remote_code=trust_remote_code)
 
 
-def _load_checked(auto_cls, path: str, **kwargs) -> nn.Module:
+def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwargs) -> nn.Module:
     """``auto_cls.from_pretrained`` that fails when weights are missing from the checkpoint:
     transformers only logs them and leaves them randomly initialised, which for an actor or
-    a reward model means training or scoring with noise (e.g. keys under another prefix)."""
-    model, info = auto_cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
-                                           **kwargs)
+    a reward model means training or scoring with noise (e.g. keys under another prefix).
+
+    Checkpoint weights the model does not use are logged in one line, except those under a
+    prefix of ``unused_ok`` (the LM head or the scalar head of a checkpoint loaded as a body
+    only, whose head we read ourselves): transformers' own report of them is a table per load
+    that calls every such key "not ok if you expect identical arch"."""
+    import logging as std_logging
+
+    hf_logger = std_logging.getLogger("transformers.modeling_utils")
+    level = hf_logger.level
+    hf_logger.setLevel(std_logging.ERROR)  # its report; errors still raise
+    try:
+        model, info = auto_cls.from_pretrained(path, local_files_only=True,
+                                               output_loading_info=True, **kwargs)
+    finally:
+        hf_logger.setLevel(level)
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise ValueError(f"{path}: {len(missing)} weights of {type(model).__name__} are not in the "
                          f"checkpoint (e.g. {', '.join(missing[:3])}); its keys do not match the "
                          f"architecture in config.json")
+    unused = sorted(k for k in info.get("unexpected_keys") or () if not k.startswith(unused_ok))
+    if unused:
+        logger.warning("%s: %d weights in the checkpoint are not used by %s (e.g. %s)", path,
+                       len(unused), type(model).__name__, ", ".join(unused[:3]))
     return model
 
 
@@ -205,8 +222,10 @@ class ValueHeadModel(nn.Module):
         from transformers import AutoModel
 
         _check_local_dir(path)
+        # the body only: a causal LM's head and any scalar head are not its weights
+        heads = ("lm_head.", *(k.rsplit(".", 1)[0] + "." for k in _HEAD_KEYS))
         body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,
-                             trust_remote_code=trust_remote_code)
+                             trust_remote_code=trust_remote_code, unused_ok=heads)
         weight = read_value_head(path, body.config.hidden_size, require_head=require_head)
         if weight is None:
             return cls(body)

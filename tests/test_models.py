@@ -187,6 +187,37 @@ def test_value_head_under_other_keys(key, tmp_path):
     assert torch.equal(vm.value_head.weight, head)
 
 
+def test_loading_a_body_reports_only_weights_it_does_not_expect(tmp_path, capfd, caplog, request):
+    """A sequence classifier's or causal LM's head is not a body weight: loading either as a
+    reward model or critic printed transformers' load report (a table calling the head "not ok
+    if you expect identical arch") at every load. The heads are expected now; any other unused
+    weight is named in one line of ours."""
+    import logging
+
+    config = tiny_config("tiny-qwen2", VOCAB)
+    config.num_labels = 1
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "clf")
+    build_causal_lm("tiny-qwen2", vocab_size=VOCAB, seed=0).save_pretrained(tmp_path / "lm")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()  # as a library user has it (oppo-train: error)
+    request.addfinalizer(lambda: transformers.logging.set_verbosity(verbosity))
+    with caplog.at_level(logging.WARNING, logger="oppo_ds.models"):
+        build_value_model(str(tmp_path / "clf"), require_head=True)
+        build_value_model(str(tmp_path / "lm"))
+    reports = [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+    assert not reports and "LOAD REPORT" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.name == "oppo_ds.models"]
+    caplog.clear()
+
+    path = str(tmp_path / "lm" / "model.safetensors")
+    save_file({**load_file(path), "extra.adapter.weight": torch.zeros(2)}, path, metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="oppo_ds.models"):
+        build_value_model(str(tmp_path / "lm"))
+    assert "LOAD REPORT" not in capfd.readouterr().err
+    assert [r.getMessage() for r in caplog.records if r.name == "oppo_ds.models"] == [
+        f"{tmp_path / 'lm'}: 1 weights in the checkpoint are not used by Qwen2Model (e.g. extra.adapter.weight)"]
+
+
 def test_value_head_of_wrong_shape_rejected(tmp_path):
     vm = build_value_model("tiny-llama", vocab_size=VOCAB, seed=0)
     vm.save_pretrained(str(tmp_path))
