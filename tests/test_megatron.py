@@ -689,6 +689,14 @@ def test_hf_model_holds_exactly_the_given_weights():
     tied = {k: v.detach().clone() for k, v in lm.state_dict().items() if k != "lm_head.weight"}
     out = hf_model(config, tied, "lm", tied=True)
     assert out.lm_head.weight is out.model.embed_tokens.weight
+    # a critic or reward model of a tied checkpoint (Qwen2.5-0.5B/1.5B, tie_word_embeddings:
+    # true) is a body and a scalar head: nothing to tie (it died in tie_weights, at the export
+    # and, under the stage placement, at every critic hand-over)
+    value = ValueHeadModel.from_config(config, dtype=torch.float32)
+    state = {k: v.detach().clone() for k, v in value.state_dict().items()}
+    out = hf_model(config, dict(state), "value", tied=True)
+    for name, p in out.named_parameters():
+        assert torch.equal(p, state[name]), name
 
 
 def test_export_names_what_is_missing(tmp_path):

@@ -388,6 +388,7 @@ def hf_model(hf_config, state: dict, kind: str, tied: bool):
     from ..models import ValueHeadModel
 
     cls = AutoModelForCausalLM if kind == "lm" else ValueHeadModel
+    tied = tied and kind == "lm"  # a value model has no output layer to tie (only a body)
     untie = tied and "lm_head.weight" in state  # trained apart (convert.megatron_to_hf)
     if untie:
         hf_config = copy.deepcopy(hf_config)
