@@ -328,6 +328,34 @@ def checkpoint_eos_ids(path: str) -> list[int]:
     return []
 
 
+# model types whose positions are a learned table: a position past its end is an index error
+# (a device-side assert on a GPU), not just an untrained rotary angle
+LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions",
+                     "opt": "max_position_embeddings", "gpt_neo": "max_position_embeddings"}
+
+
+def position_limit(source: str, vocab_size: Optional[int] = None) -> Optional[tuple[int, str, bool]]:
+    """(positions, config key, hard) of a model source (a checkpoint directory or an
+    architecture built from config): how many positions it was built for, and whether more
+    is an error (a learned table, ``LEARNED_POSITIONS``) or only untrained (rotary); None when
+    its config does not say."""
+    if source in FROM_CONFIG_ARCHS:
+        config = (shape_config(source) if source in SHAPES else
+                  tiny_config(source, vocab_size or 1)).to_dict()
+    else:
+        config_file = os.path.join(source, "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        with open(config_file) as f:
+            config = json.load(f)
+    config = config.get("text_config") or config
+    learned = LEARNED_POSITIONS.get(config.get("model_type"))
+    for key in ([learned] if learned else ["max_position_embeddings", "n_positions"]):
+        if isinstance(config.get(key), int):
+            return config[key], key, learned is not None
+    return None
+
+
 def _embedded_ids(config: dict) -> Optional[int]:
     """How many token ids a model's config says its embedding holds (None: not stated)."""
     for section in (config, config.get("text_config") or {}):

@@ -28,7 +28,7 @@ from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
-from .models import checkpoint_eos_ids, load_tokenizer, tokenizer_mismatch
+from .models import checkpoint_eos_ids, load_tokenizer, position_limit, tokenizer_mismatch
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
@@ -203,6 +203,7 @@ class PPOTrainer(StagePlacement, Resumable):
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
         self._check_shared_tokenizer(src)  # every rank, the scorer rank too: all stop alike
+        self._check_positions(src, vocab)
         common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       seed=cfg.seed)
         if scorer_rank:
@@ -304,6 +305,33 @@ class PPOTrainer(StagePlacement, Resumable):
                                                   "actor's tokenizer")
             if warning and self.is_main:
                 logger.warning("model.%s: %s: %s", key, path, warning)
+
+    def _check_positions(self, src: Sources, vocab: int) -> None:
+        """A prompt of ``generation.max_prompt_len`` tokens and a response of
+        ``generation.max_new_tokens`` must fit every model's positions: past a learned table
+        (GPT-2, OPT) a forward fails mid-run, so that stops the run before any engine loads;
+        past a rotary model's trained length it only degrades, which is logged."""
+        g = self.cfg.generation
+        need = g.max_prompt_len + g.max_new_tokens
+        seen = set()
+        for key, source in (("actor", src.actor), ("reference", src.reference),
+                            ("reward", src.reward), ("critic", src.critic)):
+            if source in seen:
+                continue
+            seen.add(source)
+            limit = position_limit(source, vocab)
+            if limit is None or limit[0] >= need:
+                continue
+            positions, name, hard = limit
+            text = (f"max_prompt_len {g.max_prompt_len} + max_new_tokens {g.max_new_tokens} = "
+                    f"{need} positions, but model.{key} ({source}) has {positions} "
+                    f"({name} in its config)")
+            if hard:
+                raise ConfigError("generation.max_new_tokens", text + ": its positions are a "
+                                  "learned table, so a longer sequence cannot be scored; lower "
+                                  "the two")
+            if self.is_main:
+                logger.warning("generation: %s: positions past it were never trained", text)
 
     def _eos_ids(self, src: Sources) -> tuple[int, ...]:
         """The ids that end a response (``generation.eos_token_ids``), checked against the

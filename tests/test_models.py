@@ -488,3 +488,23 @@ def test_tokenizer_mismatch(tmp_path):
     error, warning = tokenizer_mismatch(saved("extended", n + 1, extended), actor_tok)
     assert error is None
     assert warning == "1 token(s) are in only one of its tokenizer and the actor's, e.g. '<sep>' (in its)"
+
+
+def test_position_limit(tmp_path):
+    """How many positions a model source has, and whether more is an error: a learned table
+    (GPT-2's n_positions, OPT's max_position_embeddings) is; a rotary model's length is not."""
+    from transformers import OPTConfig
+
+    from oppo_ds.models import position_limit
+
+    assert position_limit("tiny-gpt2", VOCAB) == (512, "n_positions", True)
+    assert position_limit("tiny-llama", VOCAB) == (512, "max_position_embeddings", False)
+    assert position_limit("qwen2.5-1.5b") == (32768, "max_position_embeddings", False)
+    build_causal_lm("tiny-qwen2", vocab_size=VOCAB, seed=0).save_pretrained(tmp_path / "qwen2")
+    assert position_limit(str(tmp_path / "qwen2")) == (512, "max_position_embeddings", False)
+    OPTConfig(max_position_embeddings=128).save_pretrained(tmp_path / "opt")
+    assert position_limit(str(tmp_path / "opt")) == (128, "max_position_embeddings", True)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text('{"model_type": "mystery"}')
+    assert position_limit(str(tmp_path / "bare")) is None
+    assert position_limit(str(tmp_path / "missing")) is None

@@ -650,3 +650,31 @@ def test_chunk_size_auto_with_a_step_that_decodes_nothing(tmp_path, caplog):
     history = read_history(str(tmp_path / "run" / "metrics.jsonl"))
     assert any(row.get("stream/chunks") is None for row in history)  # a step decoded nothing
     assert "step 3: chunk_size=" in caplog.text  # decided after the step that did decode
+
+
+def test_responses_longer_than_a_learned_position_table_stop_before_any_engine(tmp_path, monkeypatch):
+    """GPT-2's positions are a learned table of n_positions rows: a prompt plus response past
+    it failed mid-run in an IndexError traceback (a device-side assert on a GPU). Now the run
+    stops first, naming the keys, the model and its limit (the tiny-llama reward's 512 rotary
+    positions, also exceeded, are only a warning)."""
+    from oppo_ds.config import ConfigError
+    from oppo_ds.engines import factory
+    from oppo_ds.models import build_causal_lm
+    from oppo_ds.workload import build_tokenizer
+
+    tok = build_tokenizer()
+    actor = tmp_path / "gpt2"
+    build_causal_lm("tiny-gpt2", vocab_size=len(tok), seed=0).save_pretrained(str(actor))
+    tok.save_pretrained(str(actor))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "want a b c ->"}) + "\n")
+    monkeypatch.setattr(factory, "build_models",
+                        lambda *a, **k: pytest.fail("models were built before the check"))
+    with pytest.raises(ConfigError) as err:
+        run(str(tmp_path / "unused-cache"), tmp_path / "run", "steps=1", f"model.actor={actor}",
+            "model.reward=tiny-llama", f"data.prompts={prompts}", "generation.max_prompt_len=32",
+            "generation.max_new_tokens=481")
+    assert str(err.value) == (
+        f"generation.max_new_tokens: max_prompt_len 32 + max_new_tokens 481 = 513 positions, but "
+        f"model.actor ({actor}) has 512 (n_positions in its config): its positions are a learned "
+        "table, so a longer sequence cannot be scored; lower the two")
