@@ -356,6 +356,16 @@ def position_limit(source: str, vocab_size: Optional[int] = None) -> Optional[tu
     return None
 
 
+def response_end_ids(setting, actor_source: str, tokenizer) -> tuple[int, ...]:
+    """The ids a response ends at under ``generation.eos_token_ids`` = ``setting``: ``auto``
+    gives those of the actor checkpoint (:func:`checkpoint_eos_ids`), then the tokenizer's
+    EOS; a list gives itself (duplicates dropped)."""
+    if setting != "auto":
+        return tuple(dict.fromkeys(setting))
+    found = checkpoint_eos_ids(actor_source) if os.path.isdir(actor_source) else []
+    return tuple(dict.fromkeys(i for i in [*found, tokenizer.eos_token_id] if i is not None))
+
+
 def _embedded_ids(config: dict) -> Optional[int]:
     """How many token ids a model's config says its embedding holds (None: not stated)."""
     for section in (config, config.get("text_config") or {}):

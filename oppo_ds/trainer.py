@@ -28,7 +28,7 @@ from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
-from .models import checkpoint_eos_ids, load_tokenizer, position_limit, tokenizer_mismatch
+from .models import load_tokenizer, position_limit, response_end_ids, tokenizer_mismatch
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
@@ -337,14 +337,11 @@ class PPOTrainer(StagePlacement, Resumable):
         """The ids that end a response (``generation.eos_token_ids``), checked against the
         tokenizer and logged once."""
         wanted = self.cfg.generation.eos_token_ids
+        ids = response_end_ids(wanted, src.actor, self.tokenizer)
         if wanted == "auto":
-            found = checkpoint_eos_ids(src.actor) if os.path.isdir(src.actor) else []
-            ids = tuple(dict.fromkeys(i for i in [*found, self.tokenizer.eos_token_id]
-                                      if i is not None))
             origin = "the actor's generation config and the tokenizer's EOS"
         else:
-            ids, origin = tuple(dict.fromkeys(wanted)), "generation.eos_token_ids"
-            vocab = len(self.tokenizer)
+            origin, vocab = "generation.eos_token_ids", len(self.tokenizer)
             if max(ids) >= vocab:
                 raise ConfigError("generation.eos_token_ids",
                                   f"{max(ids)} is not a token id of this tokenizer (it has {vocab})")

@@ -121,3 +121,17 @@ def test_cli_without_trl_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "pip install 'oppo-ds[peer]'" in err
+
+
+def test_settings_stop_at_the_first_of_our_end_ids_and_say_so(tmp_path):
+    """TRL's PPO stops a response at one token id; ours at every id of the actor's generation
+    config and the tokenizer's EOS: the peer stops at the first, and says so when there are
+    more (TRL is not imported: the settings are plain keyword arguments)."""
+    cfg = load_config(None, [])
+    one, notes = trl_peer.trl_settings(cfg, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
+    assert one["stop_token_id"] == 2 and not [n for n in notes if "stop_token_id" in n]
+    two, notes = trl_peer.trl_settings(cfg, out_dir=str(tmp_path), eos_token_ids=(7, 2), use_cpu=True)
+    assert two["stop_token_id"] == 7
+    assert "responses end at token ids [7, 2] in oppo-ds; TRL stops at one (stop_token_id=7)" in notes
+    none, _ = trl_peer.trl_settings(cfg, out_dir=str(tmp_path), eos_token_ids=(), use_cpu=True)
+    assert none["stop_token_id"] is None

@@ -94,7 +94,7 @@ def to_sequence_classifier(value_model):
 
 # ------------------------------------------------------------------ settings
 
-def trl_settings(cfg, *, out_dir: str, eos_token_id: int, use_cpu: bool,
+def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: bool,
                  sft_model_path: str = "", reward_model_path: str = "") -> tuple[dict, list[str]]:
     """TRL ``PPOConfig`` keyword arguments for our config, and notes on what of ours TRL
     cannot express (each also logged as a warning by :func:`run_trl_peer`).
@@ -132,6 +132,10 @@ def trl_settings(cfg, *, out_dir: str, eos_token_id: int, use_cpu: bool,
         notes.append("generation.temperature=0 (greedy): TRL samples at temperature 1e-7")
     if cfg.system.dtype != "fp32":
         notes.append(f"system.dtype={cfg.system.dtype}: the peer runs in fp32")
+    stop = eos_token_ids[0] if eos_token_ids else None
+    if len(eos_token_ids) > 1:
+        notes.append(f"responses end at token ids {list(eos_token_ids)} in oppo-ds; TRL stops "
+                     f"at one (stop_token_id={stop})")
     settings = dict(
         output_dir=os.path.join(out_dir, "trl"),
         seed=cfg.seed, data_seed=cfg.seed, use_cpu=use_cpu,
@@ -142,7 +146,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_id: int, use_cpu: bool,
         local_rollout_forward_batch_size=p.batch_size,  # generate / score the batch at once
         # generation
         response_length=g.max_new_tokens, temperature=g.temperature,
-        stop_token_id=eos_token_id, missing_eos_penalty=None,
+        stop_token_id=stop, missing_eos_penalty=None,
         # PPO math
         kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, cliprange=p.clip_eps,
         cliprange_value=p.value_clip_eps, vf_coef=1.0, gamma=p.gamma, lam=p.lam,
@@ -396,7 +400,8 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     from .. import workload as wl
     from ..config import load_config, save_config
     from ..data import encode_prompts, read_prompt_rows
-    from ..models import build_causal_lm, build_value_model, disable_dropout, load_tokenizer
+    from ..models import (build_causal_lm, build_value_model, disable_dropout, load_tokenizer,
+                          response_end_ids)
     from ..trainer import resolve_sources
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
@@ -427,7 +432,8 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     reward = to_sequence_classifier(build_value_model(src.reward, require_head=True, **common))
     value = disable_dropout(to_sequence_classifier(build_value_model(src.critic, **common)))
 
-    settings, notes = trl_settings(cfg, out_dir=out_dir, eos_token_id=tokenizer.eos_token_id,
+    ends = response_end_ids(cfg.generation.eos_token_ids, src.actor, tokenizer)
+    settings, notes = trl_settings(cfg, out_dir=out_dir, eos_token_ids=ends,
                                    use_cpu=not torch.cuda.is_available(),
                                    sft_model_path=src.actor, reward_model_path=src.reward)
     for note in notes:
