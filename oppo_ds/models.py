@@ -168,6 +168,13 @@ class ValueOutput:
     past_key_values: object = None  # the body's KV cache when use_cache=True
 
 
+def head_width(config) -> int:
+    """The width of a body's last hidden state, which a scalar head reads: the hidden size,
+    except for OPT models that project it (OPT-350m, DeepSpeed-Chat's default critic: hidden
+    1024, output ``word_embed_proj_dim`` 512; HF's OPT classifier reads the same width)."""
+    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+
+
 class ValueHeadModel(nn.Module):
     """An LM body (the HF base model, no LM head) with a linear scalar head on every token.
     The critic reads per-token values; the reward model reads the value at the last token."""
@@ -176,7 +183,7 @@ class ValueHeadModel(nn.Module):
         super().__init__()
         self.body = body
         self.config = body.config
-        hidden = body.config.hidden_size
+        hidden = head_width(body.config)
         self.value_head = value_head if value_head is not None else nn.Linear(hidden, 1, bias=False)
         if value_head is None:
             # A zero head makes a fresh critic predict 0 everywhere instead of noise.
@@ -226,10 +233,10 @@ class ValueHeadModel(nn.Module):
         heads = ("lm_head.", *(k.rsplit(".", 1)[0] + "." for k in _HEAD_KEYS))
         body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,
                              trust_remote_code=trust_remote_code, unused_ok=heads)
-        weight = read_value_head(path, body.config.hidden_size, require_head=require_head)
+        weight = read_value_head(path, head_width(body.config), require_head=require_head)
         if weight is None:
             return cls(body)
-        head = nn.Linear(body.config.hidden_size, 1, bias=False)
+        head = nn.Linear(head_width(body.config), 1, bias=False)
         with torch.no_grad():
             head.weight.copy_(weight)
         return cls(body, head)

@@ -176,6 +176,25 @@ def test_value_head_from_sequence_classifier(arch, tmp_path):
     assert values.abs().sum() > 0
 
 
+def test_value_head_reads_an_opt_bodys_projected_width(tmp_path):
+    """OPT-350m (DeepSpeed-Chat's default critic) projects its hidden size (1024) to
+    word_embed_proj_dim (512) before the output: a scalar head of the hidden size failed at
+    the first forward with a shape error. Its head reads the projected width, as HF's OPT
+    classifier does, and scores what that classifier scores."""
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, word_embed_proj_dim=32,
+                                    num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                                    max_position_embeddings=64, num_labels=1)
+    torch.manual_seed(3)
+    clf = transformers.OPTForSequenceClassification(config).eval()
+    clf.save_pretrained(tmp_path / "rm")
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path / "lm")
+    assert build_value_model(str(tmp_path / "lm")).value_head.weight.shape == (1, 32)
+    vm = build_value_model(str(tmp_path / "rm"), require_head=True).eval()
+    x = torch.tensor([[2, 5, 6, 7, 9, 11]])
+    with torch.no_grad():
+        assert torch.allclose(vm(x).values[:, -1], clf(x).logits[:, 0], atol=1e-6)
+
+
 @pytest.mark.parametrize("key", ["v_head.weight", "v_head.summary.weight"])
 def test_value_head_under_other_keys(key, tmp_path):
     lm = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
