@@ -27,7 +27,7 @@ from .rollout.stage_stream import Replica
 from .rollout.stage_layout import StageLayout
 
 if TYPE_CHECKING:
-    from .trainer import Sources
+    from .sources import Sources
 
 logger = logging.getLogger("oppo_ds.trainer")  # the trainer's log lines, as before
 

@@ -10,7 +10,6 @@ import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -28,7 +27,6 @@ from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
-from .models import load_tokenizer, position_limit, response_end_ids, tokenizer_mismatch
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
@@ -39,69 +37,11 @@ from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, st
                                 stream_generate)
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
+from .sources import check_sources, end_ids, resolve_sources, run_tokenizer
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class Sources:
-    """Where each model, the tokenizer and the prompts come from, after resolving `builtin`."""
-    actor: str
-    reference: str
-    reward: str
-    critic: str
-    tokenizer: Optional[str]
-    prompts: str
-    builtin_prompts: bool
-    oracle: bool = False  # workload.kind length_oracle: models from config, random weights
-
-
-def resolve_sources(cfg: Config, rank: int) -> Sources:
-    """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
-    wait), and fill the defaults: reference = actor, critic = reward."""
-    m, d = cfg.model, cfg.data
-    if cfg.workload.kind == "length_oracle":
-        # nothing to prepare: `builtin` models are the architecture built from config
-        def arch(value: Optional[str], fallback: Optional[str]) -> str:
-            value = fallback if value is None else value
-            return m.builtin_arch if value in (None, "builtin") else value
-        return Sources(actor=arch(m.actor, "builtin"), reference=arch(m.reference, m.actor),
-                       reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
-                       tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
-    needs_builtin = "builtin" in (m.actor, m.reward, m.critic, m.reference, d.prompts)
-    prepared = None
-    if needs_builtin:
-        from .prepare import prepare_builtin
-
-        w = cfg.workload
-        kwargs = dict(arch=m.builtin_arch, seed=cfg.seed, num_prompts=w.num_prompts,
-                      sft_steps=w.sft_steps, reward_steps=w.reward_steps, median_len=w.median_len,
-                      tail_sigma=w.tail_sigma, max_new_tokens=cfg.generation.max_new_tokens)
-        if rank == 0:
-            prepared = prepare_builtin(w.cache_dir, **kwargs)
-        if dist.is_initialized():
-            dist.barrier()
-        if rank != 0:
-            prepared = prepare_builtin(w.cache_dir, **kwargs)  # now a cache hit
-
-    def pick(value: Optional[str], fallback: str, builtin_path: Optional[str] = None) -> str:
-        value = fallback if value is None else value
-        return builtin_path if value == "builtin" else value
-
-    actor = pick(m.actor, "builtin", prepared and prepared.actor)
-    reward = pick(m.reward, "builtin", prepared and prepared.reward)
-    tokenizer = m.tokenizer
-    if tokenizer is None:
-        tokenizer = actor if os.path.isdir(actor) else (prepared.tokenizer if prepared else None)
-    return Sources(actor=actor,
-                   reference=pick(m.reference, m.actor, prepared and prepared.actor),
-                   reward=reward,
-                   critic=pick(m.critic, m.reward, prepared and prepared.reward),
-                   tokenizer=tokenizer,
-                   prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
-                   builtin_prompts=d.prompts == "builtin")
-
 
 def streaming_metrics(timing) -> dict:
     """Per-step telemetry of the streaming scorers: busy time, the share of it done while the
@@ -138,14 +78,6 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     from .engines.deepspeed_engine import HYBRID_KERNELS
 
     return requested and hybrid_engine_path != HYBRID_KERNELS
-
-
-def oracle_vocab(arch: str) -> int:
-    """The vocabulary of the length oracle's models: a real shape's own, or a fixed size for
-    the tiny architectures."""
-    from .models import SHAPES
-
-    return SHAPES[arch][5] if arch in SHAPES else wl.ORACLE_TINY_VOCAB
 
 
 def gather_floats(values: list, group=None) -> list:
@@ -189,12 +121,7 @@ class PPOTrainer(StagePlacement, Resumable):
         torch.manual_seed(cfg.seed)
 
         src = self.sources = resolve_sources(cfg, self.rank)
-        if src.tokenizer:
-            self.tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-        elif src.oracle:
-            self.tokenizer = wl.build_oracle_tokenizer(oracle_vocab(cfg.model.builtin_arch))
-        else:
-            self.tokenizer = wl.build_tokenizer()
+        self.tokenizer = run_tokenizer(cfg, src)
         self.builtin_prompts = src.builtin_prompts
         if self.stage is not None and not scorer_rank:
             self._open_stage_links()  # after rank 0 prepared the workload (resolve_sources)
@@ -202,8 +129,7 @@ class PPOTrainer(StagePlacement, Resumable):
 
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
-        self._check_shared_tokenizer(src)  # every rank, the scorer rank too: all stop alike
-        self._check_positions(src, vocab)
+        check_sources(cfg, src, self.tokenizer, log=self.is_main)  # every rank: all stop alike
         common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       seed=cfg.seed)
         if scorer_rank:
@@ -252,7 +178,7 @@ class PPOTrainer(StagePlacement, Resumable):
                 self.replica = self._stage_replica()
 
         # under the length oracle only the targets end a response: a random model's EOS is noise
-        eos = () if src.oracle else self._eos_ids(src)
+        eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
                                        pad_token_id=self.tokenizer.pad_token_id,
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
@@ -287,73 +213,6 @@ class PPOTrainer(StagePlacement, Resumable):
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
-
-    def _check_shared_tokenizer(self, src: Sources) -> None:
-        """Each model checkpoint must read the actor's token ids as they are
-        (``models.tokenizer_mismatch``): checked before any engine loads."""
-        seen = {os.path.realpath(src.tokenizer)} if src.tokenizer else set()
-        for key, path in (("actor", src.actor), ("reference", src.reference),
-                          ("reward", src.reward), ("critic", src.critic)):
-            where = os.path.realpath(path)
-            if not os.path.isdir(path) or where in seen:
-                continue
-            seen.add(where)
-            error, warning = tokenizer_mismatch(path, self.tokenizer,
-                                                trust_remote_code=self.cfg.model.trust_remote_code)
-            if error:
-                raise ConfigError(f"model.{key}", f"{path}: {error}; every model must use the "
-                                                  "actor's tokenizer")
-            if warning and self.is_main:
-                logger.warning("model.%s: %s: %s", key, path, warning)
-
-    def _check_positions(self, src: Sources, vocab: int) -> None:
-        """A prompt of ``generation.max_prompt_len`` tokens and a response of
-        ``generation.max_new_tokens`` must fit every model's positions: past a learned table
-        (GPT-2, OPT) a forward fails mid-run, so that stops the run before any engine loads;
-        past a rotary model's trained length it only degrades, which is logged."""
-        g = self.cfg.generation
-        need = g.max_prompt_len + g.max_new_tokens
-        seen = set()
-        for key, source in (("actor", src.actor), ("reference", src.reference),
-                            ("reward", src.reward), ("critic", src.critic)):
-            if source in seen:
-                continue
-            seen.add(source)
-            limit = position_limit(source, vocab)
-            if limit is None or limit[0] >= need:
-                continue
-            positions, name, hard = limit
-            text = (f"max_prompt_len {g.max_prompt_len} + max_new_tokens {g.max_new_tokens} = "
-                    f"{need} positions, but model.{key} ({source}) has {positions} "
-                    f"({name} in its config)")
-            if hard:
-                raise ConfigError("generation.max_new_tokens", text + ": its positions are a "
-                                  "learned table, so a longer sequence cannot be scored; lower "
-                                  "the two")
-            if self.is_main:
-                logger.warning("generation: %s: positions past it were never trained", text)
-
-    def _eos_ids(self, src: Sources) -> tuple[int, ...]:
-        """The ids that end a response (``generation.eos_token_ids``), checked against the
-        tokenizer and logged once."""
-        wanted = self.cfg.generation.eos_token_ids
-        ids = response_end_ids(wanted, src.actor, self.tokenizer)
-        if wanted == "auto":
-            origin = "the actor's generation config and the tokenizer's EOS"
-        else:
-            origin, vocab = "generation.eos_token_ids", len(self.tokenizer)
-            if max(ids) >= vocab:
-                raise ConfigError("generation.eos_token_ids",
-                                  f"{max(ids)} is not a token id of this tokenizer (it has {vocab})")
-        if self.is_main:
-            if ids:
-                names = self.tokenizer.convert_ids_to_tokens(list(ids))
-                logger.info("responses end at token ids %s %s (%s)", list(ids), names, origin)
-            else:
-                logger.warning("no end-of-sequence token: neither the actor's generation config "
-                               "nor the tokenizer names one, so every response runs to "
-                               "generation.max_new_tokens; set generation.eos_token_ids")
-        return ids
 
     def _load_prompts(self, path: str):
         d, g = self.cfg.data, self.cfg.generation

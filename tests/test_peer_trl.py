@@ -55,7 +55,7 @@ def test_sequence_classifier_scores_like_our_reward_model(cache_dir, torch_one_t
     response token) and, per token, our value-head values, on real sequences."""
     from oppo_ds.experience import response_values, sequence_scores
     from oppo_ds.models import build_value_model, load_tokenizer
-    from oppo_ds.trainer import resolve_sources
+    from oppo_ds.sources import resolve_sources
 
     _, _, module, _ = trl_peer._import_trl()
     src = resolve_sources(load_config(None, SMALL + [f"workload.cache_dir={cache_dir}"]), rank=0)

@@ -581,7 +581,7 @@ def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_p
 
     trainer, _ = run(cache_dir, tmp_path / "base", "steps=2", "checkpoint.export_hf=false")
     chat = _chat_style_actor(trainer.sources.actor, tmp_path)
-    with caplog.at_level(logging.INFO, logger="oppo_ds.trainer"):
+    with caplog.at_level(logging.INFO, logger="oppo_ds.sources"):
         run(cache_dir, tmp_path / "chat", "steps=2", "checkpoint.export_hf=false", f"model.actor={chat}")
     assert "responses end at token ids [3, 2] ['<unk>', '<eos>']" in caplog.text
     base = read_history(str(tmp_path / "base" / "metrics.jsonl"))

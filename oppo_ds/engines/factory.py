@@ -28,7 +28,7 @@ def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
     """Actor and critic as training engines, reference and reward as frozen scorers.
 
     Args:
-        sources: ``trainer.Sources`` (resolved model directories or tiny architectures).
+        sources: ``sources.Sources`` (resolved model directories or tiny architectures).
         common: keyword arguments of ``models.build_causal_lm`` / ``build_value_model``.
         engine_args: the optimizer / schedule / batch arguments shared by actor and critic.
         on_stage: frozen models held by the scorer rank instead (``oppo.placement: stage``).

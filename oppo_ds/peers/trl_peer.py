@@ -402,7 +402,7 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     from ..data import encode_prompts, read_prompt_rows
     from ..models import (build_causal_lm, build_value_model, disable_dropout, load_tokenizer,
                           response_end_ids)
-    from ..trainer import resolve_sources
+    from ..sources import resolve_sources
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
                                     f"logging.output_dir={out_dir}"])

@@ -1,0 +1,172 @@
+"""Where a run's models, tokenizer and prompts come from (``builtin`` resolved to the prepared
+workload), and whether they fit together, checked on every rank before any engine loads:
+every model reads the actor's token ids, a prompt and a response fit every model's
+positions, and the ids that end a response.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import workload as wl
+from .config import Config, ConfigError
+from .models import load_tokenizer, position_limit, response_end_ids, tokenizer_mismatch
+
+logger = logging.getLogger(__name__)
+
+MODEL_KEYS = ("actor", "reference", "reward", "critic")
+
+
+@dataclass
+class Sources:
+    """Where each model, the tokenizer and the prompts come from, after resolving `builtin`."""
+    actor: str
+    reference: str
+    reward: str
+    critic: str
+    tokenizer: Optional[str]
+    prompts: str
+    builtin_prompts: bool
+    oracle: bool = False  # workload.kind length_oracle: models from config, random weights
+
+
+def resolve_sources(cfg: Config, rank: int) -> Sources:
+    """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
+    wait), and fill the defaults: reference = actor, critic = reward."""
+    m, d = cfg.model, cfg.data
+    if cfg.workload.kind == "length_oracle":
+        # nothing to prepare: `builtin` models are the architecture built from config
+        def arch(value: Optional[str], fallback: Optional[str]) -> str:
+            value = fallback if value is None else value
+            return m.builtin_arch if value in (None, "builtin") else value
+        return Sources(actor=arch(m.actor, "builtin"), reference=arch(m.reference, m.actor),
+                       reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
+                       tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
+    needs_builtin = "builtin" in (m.actor, m.reward, m.critic, m.reference, d.prompts)
+    prepared = None
+    if needs_builtin:
+        from .prepare import prepare_builtin
+
+        w = cfg.workload
+        kwargs = dict(arch=m.builtin_arch, seed=cfg.seed, num_prompts=w.num_prompts,
+                      sft_steps=w.sft_steps, reward_steps=w.reward_steps, median_len=w.median_len,
+                      tail_sigma=w.tail_sigma, max_new_tokens=cfg.generation.max_new_tokens)
+        if rank == 0:
+            prepared = prepare_builtin(w.cache_dir, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            prepared = prepare_builtin(w.cache_dir, **kwargs)  # now a cache hit
+
+    def pick(value: Optional[str], fallback: str, builtin_path: Optional[str] = None) -> str:
+        value = fallback if value is None else value
+        return builtin_path if value == "builtin" else value
+
+    actor = pick(m.actor, "builtin", prepared and prepared.actor)
+    reward = pick(m.reward, "builtin", prepared and prepared.reward)
+    tokenizer = m.tokenizer
+    if tokenizer is None:
+        tokenizer = actor if os.path.isdir(actor) else (prepared.tokenizer if prepared else None)
+    return Sources(actor=actor,
+                   reference=pick(m.reference, m.actor, prepared and prepared.actor),
+                   reward=reward,
+                   critic=pick(m.critic, m.reward, prepared and prepared.reward),
+                   tokenizer=tokenizer,
+                   prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
+                   builtin_prompts=d.prompts == "builtin")
+
+
+def oracle_vocab(arch: str) -> int:
+    """The vocabulary of the length oracle's models: a real shape's own, or a fixed size for
+    the tiny architectures."""
+    from .models import SHAPES
+
+    return SHAPES[arch][5] if arch in SHAPES else wl.ORACLE_TINY_VOCAB
+
+
+def run_tokenizer(cfg: Config, src: Sources):
+    """The run's tokenizer: the configured or actor directory's, the length oracle's, or the
+    built-in workload's."""
+    if src.tokenizer:
+        return load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    if src.oracle:
+        return wl.build_oracle_tokenizer(oracle_vocab(cfg.model.builtin_arch))
+    return wl.build_tokenizer()
+
+
+def check_sources(cfg: Config, src: Sources, tokenizer, *, log: bool) -> None:
+    """Raise ``ConfigError`` for models that cannot run together, before any is built:
+
+    * each model checkpoint must read the actor's token ids as they are
+      (``models.tokenizer_mismatch``; tokens only one tokenizer has are a warning);
+    * a prompt of ``generation.max_prompt_len`` tokens and a response of
+      ``generation.max_new_tokens`` must fit every model's positions: past a learned table
+      (GPT-2, OPT) a forward fails mid-run; past a rotary model's trained length it only
+      degrades, which is a warning.
+
+    ``log``: this rank logs the warnings (rank 0)."""
+    sources = dict(zip(MODEL_KEYS, (src.actor, src.reference, src.reward, src.critic)))
+    seen = {os.path.realpath(src.tokenizer)} if src.tokenizer else set()
+    for key, path in sources.items():
+        where = os.path.realpath(path)
+        if not os.path.isdir(path) or where in seen:
+            continue
+        seen.add(where)
+        error, warning = tokenizer_mismatch(path, tokenizer,
+                                            trust_remote_code=cfg.model.trust_remote_code)
+        if error:
+            raise ConfigError(f"model.{key}", f"{path}: {error}; every model must use the "
+                                              "actor's tokenizer")
+        if warning and log:
+            logger.warning("model.%s: %s: %s", key, path, warning)
+
+    g = cfg.generation
+    need = g.max_prompt_len + g.max_new_tokens
+    checked = set()
+    for key, source in sources.items():
+        if source in checked:
+            continue
+        checked.add(source)
+        limit = position_limit(source, len(tokenizer))
+        if limit is None or limit[0] >= need:
+            continue
+        positions, name, hard = limit
+        text = (f"max_prompt_len {g.max_prompt_len} + max_new_tokens {g.max_new_tokens} = "
+                f"{need} positions, but model.{key} ({source}) has {positions} "
+                f"({name} in its config)")
+        if hard:
+            raise ConfigError("generation.max_new_tokens", text + ": its positions are a "
+                              "learned table, so a longer sequence cannot be scored; lower "
+                              "the two")
+        if log:
+            logger.warning("generation: %s: positions past it were never trained", text)
+
+
+def end_ids(cfg: Config, src: Sources, tokenizer, *, log: bool) -> tuple[int, ...]:
+    """The ids that end a response (``generation.eos_token_ids``; none under the length
+    oracle, where only the target lengths end responses), checked against the tokenizer and
+    logged when ``log``."""
+    if src.oracle:
+        return ()
+    wanted = cfg.generation.eos_token_ids
+    ids = response_end_ids(wanted, src.actor, tokenizer)
+    if wanted == "auto":
+        origin = "the actor's generation config and the tokenizer's EOS"
+    else:
+        origin, vocab = "generation.eos_token_ids", len(tokenizer)
+        if max(ids) >= vocab:
+            raise ConfigError("generation.eos_token_ids",
+                              f"{max(ids)} is not a token id of this tokenizer (it has {vocab})")
+    if log:
+        if ids:
+            names = tokenizer.convert_ids_to_tokens(list(ids))
+            logger.info("responses end at token ids %s %s (%s)", list(ids), names, origin)
+        else:
+            logger.warning("no end-of-sequence token: neither the actor's generation config "
+                           "nor the tokenizer names one, so every response runs to "
+                           "generation.max_new_tokens; set generation.eos_token_ids")
+    return ids
