@@ -25,11 +25,13 @@ from .kv_cache import cache_kwargs, output_cache
 logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+# files of which a saved Hugging Face tokenizer has at least one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # tokenizer_config.json classes that mean "tokenizer.json is the whole pipeline"
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Keys under which other projects store a scalar head: ours, HF *ForSequenceClassification
 # (``score``), DeepSpeed-Chat's RewardModel (``v_head``), TRL's value head (``v_head.summary``).
-_HEAD_KEYS = ("value_head.weight", "score.weight", "v_head.weight", "v_head.summary.weight")
+HEAD_KEYS = ("value_head.weight", "score.weight", "v_head.weight", "v_head.summary.weight")
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
@@ -90,13 +92,24 @@ def _torch_dtype(dtype: str | torch.dtype | None):
     return table[dtype]
 
 
+def source_problem(source: str) -> Optional[str]:
+    """Why ``source`` is not a model source (a local checkpoint directory with a config.json,
+    or an architecture built from config), or None."""
+    if source in FROM_CONFIG_ARCHS:
+        return None
+    if not os.path.isdir(source):
+        return (f"model path {source!r} is not a local directory; oppo-ds never downloads "
+                "weights: point the config at a local Hugging Face checkpoint or use one of "
+                f"{', '.join(TINY_ARCHS)}")
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        return f"{source!r} has no config.json: not a Hugging Face checkpoint directory"
+    return None
+
+
 def _check_local_dir(path: str) -> None:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"model path {path!r} is not a local directory; oppo-ds never downloads weights: "
-            f"point the config at a local Hugging Face checkpoint or use one of {', '.join(TINY_ARCHS)}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
+    problem = source_problem(path)
+    if problem:
+        raise FileNotFoundError(problem)
 
 
 def _build_tiny(from_config, arch: str, vocab_size: Optional[int], dtype, seed: Optional[int]):
@@ -230,7 +243,7 @@ class ValueHeadModel(nn.Module):
 
         _check_local_dir(path)
         # the body only: a causal LM's head and any scalar head are not its weights
-        heads = ("lm_head.", *(k.rsplit(".", 1)[0] + "." for k in _HEAD_KEYS))
+        heads = ("lm_head.", *(k.rsplit(".", 1)[0] + "." for k in HEAD_KEYS))
         body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,
                              trust_remote_code=trust_remote_code, unused_ok=heads)
         weight = read_value_head(path, head_width(body.config), require_head=require_head)
@@ -251,13 +264,18 @@ def read_value_head(path: str, hidden_size: int, *, require_head: bool) -> Optio
         if require_head:
             raise ValueError(
                 f"{path}: no value head found (looked for {VALUE_HEAD_FILE} and keys "
-                f"{', '.join(_HEAD_KEYS)}); a reward model needs a trained scalar head")
+                f"{', '.join(HEAD_KEYS)}); a reward model needs a trained scalar head")
         logger.info("%s: no value head in checkpoint, starting from a zero head", path)
         return None
     if tuple(weight.shape) != (1, hidden_size):
         raise ValueError(f"{path}: value head has shape {tuple(weight.shape)}, expected "
                          f"(1, {hidden_size})")
     return weight
+
+
+def has_value_head(path: str) -> bool:
+    """Whether checkpoint ``path`` carries a scalar head (see :func:`read_value_head`)."""
+    return _find_head_weight(path) is not None
 
 
 def _find_head_weight(path: str) -> Optional[torch.Tensor]:
@@ -271,7 +289,7 @@ def _find_head_weight(path: str) -> Optional[torch.Tensor]:
         if not name.endswith(".safetensors"):
             continue
         with safe_open(os.path.join(path, name), "pt") as f:
-            for key in _HEAD_KEYS:
+            for key in HEAD_KEYS:
                 if key in f.keys():
                     return f.get_tensor(key)
     return None
@@ -300,6 +318,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path!r} is not a local directory")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path!r} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
     declared = None
     config_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(config_file):
@@ -403,8 +423,7 @@ def tokenizer_mismatch(path: str, tokenizer, *, trust_remote_code: bool = False
     if size is not None and size < n:
         return (f"its embedding holds {size} token ids, the actor's tokenizer has {n}: it was "
                 "trained with another tokenizer"), None
-    if not any(os.path.isfile(os.path.join(path, name))
-               for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         return None, None  # weights only: nothing to compare
     try:
         theirs = load_tokenizer(path, trust_remote_code=trust_remote_code).get_vocab()

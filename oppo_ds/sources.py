@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from . import workload as wl
 from .config import Config, ConfigError
-from .models import load_tokenizer, position_limit, response_end_ids, tokenizer_mismatch
+from .models import (FROM_CONFIG_ARCHS, HEAD_KEYS, VALUE_HEAD_FILE, has_value_head, load_tokenizer,
+                     position_limit, response_end_ids, source_problem, tokenizer_mismatch)
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,31 @@ def oracle_vocab(arch: str) -> int:
     return SHAPES[arch][5] if arch in SHAPES else wl.ORACLE_TINY_VOCAB
 
 
+def check_paths(cfg: Config, src: Sources) -> None:
+    """Each model source is a checkpoint directory or an architecture built from config, and
+    the reward checkpoint has a scalar head: ``ConfigError`` naming the key otherwise, before
+    the tokenizer is chosen (a missing actor directory would otherwise fall back to the
+    built-in tokenizer and fail on the prompts) or any model is built."""
+    for key, source in zip(MODEL_KEYS, (src.actor, src.reference, src.reward, src.critic)):
+        problem = source_problem(source)
+        if problem:
+            raise ConfigError(f"model.{key}", problem)
+    if src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):
+        raise ConfigError("model.reward", f"{src.reward}: no scalar head (looked for "
+                          f"{VALUE_HEAD_FILE} and the keys {', '.join(HEAD_KEYS)} in its "
+                          "safetensors): a reward model needs a trained one")
+
+
 def run_tokenizer(cfg: Config, src: Sources):
     """The run's tokenizer: the configured or actor directory's, the length oracle's, or the
     built-in workload's."""
     if src.tokenizer:
-        return load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.actor"
+        try:
+            return load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+        except FileNotFoundError as err:
+            hint = "" if cfg.model.tokenizer else "; set model.tokenizer to a tokenizer directory"
+            raise ConfigError(key, f"{err}{hint}") from None
     if src.oracle:
         return wl.build_oracle_tokenizer(oracle_vocab(cfg.model.builtin_arch))
     return wl.build_tokenizer()

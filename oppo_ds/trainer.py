@@ -37,7 +37,7 @@ from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, st
                                 stream_generate)
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
-from .sources import check_sources, end_ids, resolve_sources, run_tokenizer
+from .sources import check_paths, check_sources, end_ids, resolve_sources, run_tokenizer
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
@@ -121,6 +121,7 @@ class PPOTrainer(StagePlacement, Resumable):
         torch.manual_seed(cfg.seed)
 
         src = self.sources = resolve_sources(cfg, self.rank)
+        check_paths(cfg, src)
         self.tokenizer = run_tokenizer(cfg, src)
         self.builtin_prompts = src.builtin_prompts
         if self.stage is not None and not scorer_rank:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -27,6 +28,22 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_rendezvous_left_behind():
+    """TRL's trainer, run in this process, sets RANK, WORLD_SIZE, MASTER_PORT (accelerate's
+    state) and leaves them: an `oppo-train` a later test starts would inherit a rendezvous
+    without MASTER_ADDR, and DeepSpeed would fall back to MPI discovery (no mpi4py: a
+    traceback). Put the environment back as it was."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {key: os.environ.get(key) for key in keys}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _sequences(tokenizer, prompts_path: str):

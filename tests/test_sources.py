@@ -1,0 +1,65 @@
+"""Tier 1: a run's model, tokenizer and prompt sources are checked before anything is built,
+and a bad one is a ``ConfigError`` naming the key, which `oppo-train` prints as its one line
+(each of these was a traceback, or a misleading error about something else, before)."""
+import json
+
+import pytest
+
+from oppo_ds.config import ConfigError, load_config
+from oppo_ds.models import build_causal_lm, build_value_model
+from oppo_ds.workload import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A user's layout: an actor with its tokenizer, a reward model with a head, a causal LM
+    without one, a model directory without a tokenizer, and a prompt file."""
+    root = tmp_path_factory.mktemp("sources")
+    tok = build_tokenizer()
+    build_causal_lm("tiny-llama", vocab_size=len(tok), seed=0).save_pretrained(root / "actor")
+    tok.save_pretrained(root / "actor")
+    reward = build_value_model("tiny-llama", vocab_size=len(tok), seed=0)
+    reward.save_pretrained(str(root / "reward"))
+    build_causal_lm("tiny-llama", vocab_size=len(tok), seed=1).save_pretrained(root / "no-tokenizer")
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "want a b c ->"}) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.actor={root}/missing",
+     "model.actor: model path '{root}/missing' is not a local directory; oppo-ds never downloads "
+     "weights: point the config at a local Hugging Face checkpoint or use one of tiny-llama, "
+     "tiny-qwen2, tiny-gpt2"),
+    ("model.critic={root}/prompts.jsonl",
+     "model.critic: model path '{root}/prompts.jsonl' is not a local directory; oppo-ds never "
+     "downloads weights: point the config at a local Hugging Face checkpoint or use one of "
+     "tiny-llama, tiny-qwen2, tiny-gpt2"),
+    ("model.reward={root}/actor",
+     "model.reward: {root}/actor: no scalar head (looked for value_head.safetensors and the keys "
+     "value_head.weight, score.weight, v_head.weight, v_head.summary.weight in its "
+     "safetensors): a reward model needs a trained one"),
+    ("model.tokenizer={root}/no-tokenizer",
+     "model.tokenizer: '{root}/no-tokenizer' holds no tokenizer (looked for tokenizer.json, "
+     "tokenizer.model, vocab.json, tokenizer_config.json)"),
+    ("model.actor={root}/no-tokenizer",
+     "model.actor: '{root}/no-tokenizer' holds no tokenizer (looked for tokenizer.json, "
+     "tokenizer.model, vocab.json, tokenizer_config.json); set model.tokenizer to a tokenizer "
+     "directory"),
+], ids=["missing-actor", "critic-is-a-file", "reward-without-head", "tokenizer-dir-without-one",
+        "actor-without-tokenizer"])
+def test_a_bad_source_is_an_error_naming_the_key(dirs, tmp_path, monkeypatch, override, expected):
+    """Before: a missing actor directory fell back to the built-in tokenizer and failed on the
+    prompts ("a list of chat messages but no chat template" or "encodes to no tokens"), a
+    tokenizer directory without a tokenizer gave "encodes to no tokens", a reward model without
+    a head a ValueError traceback from deep in the model build."""
+    base = [f"model.actor={dirs}/actor", f"model.reward={dirs}/reward",
+            f"data.prompts={dirs}/prompts.jsonl", "steps=1", "ppo.batch_size=4",
+            "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", f"logging.output_dir={tmp_path}/run"]
+    from oppo_ds.engines import factory
+    from oppo_ds.trainer import PPOTrainer
+
+    monkeypatch.setattr(factory, "build_models",
+                        lambda *a, **k: pytest.fail("models were built before the check"))
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(load_config(None, [*base, override.format(root=dirs)]))
+    assert str(err.value) == expected.format(root=dirs)
