@@ -307,7 +307,7 @@ def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=No
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     """A tokenizer from a local directory; pad token falls back to EOS (decoder-only models
-    often ship without one) and padding is on the left, as decoding needs.
+    often ship without one), else to id 0, and padding is on the left, as decoding needs.
 
     A directory whose tokenizer_config.json names the generic class (`TokenizersBackend`,
     `PreTrainedTokenizerFast`: tokenizer.json is the whole pipeline, as our built-in
@@ -330,8 +330,12 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     else:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
                                             local_files_only=True)
-    if tok.pad_token_id is None:
+    if tok.pad_token_id is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
+    elif tok.pad_token_id is None:  # padding is masked everywhere: any token will do
+        tok.pad_token = tok.convert_ids_to_tokens(0)
+        logger.warning("%s: the tokenizer has neither a pad nor an EOS token; padding with id 0 "
+                       "(%r), which is masked wherever it pads", path, tok.pad_token)
     tok.padding_side = "left"
     return tok
 

@@ -410,6 +410,21 @@ def test_checkpoint_eos_ids(tmp_path, files, expected):
     assert checkpoint_eos_ids(str(tmp_path / "missing")) == []
 
 
+def test_load_tokenizer_without_pad_or_eos_pads_with_id_0(tmp_path, caplog):
+    """A raw tokenizer saved without special tokens pads with id 0 (masked wherever it pads),
+    with a warning; before, the first left_pad failed on a None fill value."""
+    import logging
+
+    tok = workload.build_tokenizer()
+    tok.pad_token = None
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="oppo_ds.models"):
+        loaded = load_tokenizer(str(tmp_path))
+    assert loaded.pad_token_id == 0 and loaded.eos_token_id is None
+    assert "has neither a pad nor an EOS token; padding with id 0" in caplog.text
+
+
 def test_load_tokenizer_missing_dir():
     with pytest.raises(FileNotFoundError, match="not a local directory"):
         load_tokenizer("/nonexistent/tokenizer")

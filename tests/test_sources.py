@@ -63,3 +63,35 @@ def test_a_bad_source_is_an_error_naming_the_key(dirs, tmp_path, monkeypatch, ov
     with pytest.raises(ConfigError) as err:
         PPOTrainer(load_config(None, [*base, override.format(root=dirs)]))
     assert str(err.value) == expected.format(root=dirs)
+
+
+def test_no_end_token_anywhere_runs_every_response_to_the_limit(dirs, tmp_path, caplog):
+    """A raw tokenizer (no EOS, no pad) and an actor checkpoint whose configs name no EOS:
+    the run pads with id 0, warns that every response runs to max_new_tokens, and trains
+    (before: a TypeError from the first left_pad)."""
+    import logging
+    import shutil
+
+    from oppo_ds.telemetry import read_history
+    from oppo_ds.trainer import PPOTrainer
+
+    actor = tmp_path / "actor"
+    shutil.copytree(dirs / "actor", actor)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((actor / name).read_text())
+        config["eos_token_id"] = None
+        (actor / name).write_text(json.dumps(config))
+    tok = build_tokenizer()
+    tok.pad_token = None
+    tok.eos_token = None
+    tok.save_pretrained(actor)
+    cfg = load_config(None, [
+        f"model.actor={actor}", f"model.reward={dirs}/reward", f"data.prompts={dirs}/prompts.jsonl",
+        "steps=1", "ppo.batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
+        "generation.max_new_tokens=5", "logging.progress=false", "checkpoint.export_hf=false",
+        f"logging.output_dir={tmp_path}/run"])
+    with caplog.at_level(logging.WARNING):
+        PPOTrainer(cfg).train()
+    assert "padding with id 0" in caplog.text and "no end-of-sequence token" in caplog.text
+    (row,) = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    assert row["response/lengths"] == [5, 5, 5, 5]
