@@ -32,6 +32,8 @@ GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Keys under which other projects store a scalar head: ours, HF *ForSequenceClassification
 # (``score``), DeepSpeed-Chat's RewardModel (``v_head``), TRL's value head (``v_head.summary``).
 HEAD_KEYS = ("value_head.weight", "score.weight", "v_head.weight", "v_head.summary.weight")
+NO_HEAD = (f"no value head found (looked for {VALUE_HEAD_FILE} and keys {', '.join(HEAD_KEYS)}); "
+           "a reward model needs a trained scalar head")
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
@@ -153,11 +155,9 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     prefix of ``unused_ok`` (the LM head or the scalar head of a checkpoint loaded as a body
     only, whose head we read ourselves): transformers' own report of them is a table per load
     that calls every such key "not ok if you expect identical arch"."""
-    import logging as std_logging
-
-    hf_logger = std_logging.getLogger("transformers.modeling_utils")
+    hf_logger = logging.getLogger("transformers.modeling_utils")
     level = hf_logger.level
-    hf_logger.setLevel(std_logging.ERROR)  # its report; errors still raise
+    hf_logger.setLevel(logging.ERROR)  # its report; errors still raise
     try:
         model, info = auto_cls.from_pretrained(path, local_files_only=True,
                                                output_loading_info=True, **kwargs)
@@ -262,9 +262,7 @@ def read_value_head(path: str, hidden_size: int, *, require_head: bool) -> Optio
     weight = _find_head_weight(path)
     if weight is None:
         if require_head:
-            raise ValueError(
-                f"{path}: no value head found (looked for {VALUE_HEAD_FILE} and keys "
-                f"{', '.join(HEAD_KEYS)}); a reward model needs a trained scalar head")
+            raise ValueError(f"{path}: {NO_HEAD}")
         logger.info("%s: no value head in checkpoint, starting from a zero head", path)
         return None
     if tuple(weight.shape) != (1, hidden_size):

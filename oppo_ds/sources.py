@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from . import workload as wl
 from .config import Config, ConfigError
-from .models import (FROM_CONFIG_ARCHS, HEAD_KEYS, VALUE_HEAD_FILE, has_value_head, load_tokenizer,
-                     position_limit, response_end_ids, source_problem, tokenizer_mismatch)
+from .models import (FROM_CONFIG_ARCHS, NO_HEAD, has_value_head, load_tokenizer, position_limit,
+                     response_end_ids, source_problem, tokenizer_mismatch)
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ def check_paths(cfg: Config, src: Sources) -> None:
         if problem:
             raise ConfigError(f"model.{key}", problem)
     if src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):
-        raise ConfigError("model.reward", f"{src.reward}: no scalar head (looked for "
-                          f"{VALUE_HEAD_FILE} and the keys {', '.join(HEAD_KEYS)} in its "
-                          "safetensors): a reward model needs a trained one")
+        raise ConfigError("model.reward", f"{src.reward}: {NO_HEAD}")
 
 
 def run_tokenizer(cfg: Config, src: Sources):

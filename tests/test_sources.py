@@ -35,9 +35,9 @@ def dirs(tmp_path_factory):
      "downloads weights: point the config at a local Hugging Face checkpoint or use one of "
      "tiny-llama, tiny-qwen2, tiny-gpt2"),
     ("model.reward={root}/actor",
-     "model.reward: {root}/actor: no scalar head (looked for value_head.safetensors and the keys "
-     "value_head.weight, score.weight, v_head.weight, v_head.summary.weight in its "
-     "safetensors): a reward model needs a trained one"),
+     "model.reward: {root}/actor: no value head found (looked for value_head.safetensors and "
+     "keys value_head.weight, score.weight, v_head.weight, v_head.summary.weight); a reward "
+     "model needs a trained scalar head"),
     ("model.tokenizer={root}/no-tokenizer",
      "model.tokenizer: '{root}/no-tokenizer' holds no tokenizer (looked for tokenizer.json, "
      "tokenizer.model, vocab.json, tokenizer_config.json)"),
