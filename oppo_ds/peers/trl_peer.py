@@ -94,6 +94,15 @@ def to_sequence_classifier(value_model):
 
 # ------------------------------------------------------------------ settings
 
+def _checkpointing_key() -> str:
+    """transformers 5.24 renamed TrainingArguments' ``gradient_checkpointing`` to
+    ``activation_checkpointing`` (the old name warns, and goes in v6)."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: bool,
                  sft_model_path: str = "", reward_model_path: str = "") -> tuple[dict, list[str]]:
     """TRL ``PPOConfig`` keyword arguments for our config, and notes on what of ours TRL
@@ -157,7 +166,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         max_grad_norm=p.grad_clip if p.grad_clip is not None else 0.0,  # unused by TRL's PPO loop
         lr_scheduler_type=schedule, warmup_steps=warmup,
         # precision and memory
-        bf16=False, fp16=False, gradient_checkpointing=False,
+        bf16=False, fp16=False, **{_checkpointing_key(): False},
         # nothing but training: no reports, saves, evals or sample generations
         report_to=[], save_strategy="no", eval_strategy="no", push_to_hub=False,
         num_sample_generations=0, logging_steps=1, disable_tqdm=True,
