@@ -34,6 +34,11 @@ class Sources:
     builtin_prompts: bool
     oracle: bool = False  # workload.kind length_oracle: models from config, random weights
 
+    @property
+    def models(self) -> dict[str, str]:
+        """Each model's source under its ``model.`` key, in ``MODEL_KEYS`` order."""
+        return {key: getattr(self, key) for key in MODEL_KEYS}
+
 
 def resolve_sources(cfg: Config, rank: int) -> Sources:
     """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
@@ -94,7 +99,7 @@ def check_paths(cfg: Config, src: Sources) -> None:
     the reward checkpoint has a scalar head: ``ConfigError`` naming the key otherwise, before
     the tokenizer is chosen (a missing actor directory would otherwise fall back to the
     built-in tokenizer and fail on the prompts) or any model is built."""
-    for key, source in zip(MODEL_KEYS, (src.actor, src.reference, src.reward, src.critic)):
+    for key, source in src.models.items():
         problem = source_problem(source)
         if problem:
             raise ConfigError(f"model.{key}", problem)
@@ -128,7 +133,7 @@ def check_sources(cfg: Config, src: Sources, tokenizer, *, log: bool) -> None:
       degrades, which is a warning.
 
     ``log``: this rank logs the warnings (rank 0)."""
-    sources = dict(zip(MODEL_KEYS, (src.actor, src.reference, src.reward, src.critic)))
+    sources = src.models
     seen = {os.path.realpath(src.tokenizer)} if src.tokenizer else set()
     for key, path in sources.items():
         where = os.path.realpath(path)
