@@ -24,6 +24,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt_rows
+from .finite import NonFiniteError, check_experience, check_update
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .lora import has_lora, merged_state_dict
@@ -268,10 +269,12 @@ class PPOTrainer(StagePlacement, Resumable):
             self._control_chunk_size(chunk, timer.times, timing, produced)
         with timer.phase("advantages"):
             self.compute_advantages(exp)
+            check_experience(exp, self.sources.models, self.cfg.system.dtype, group=self.dp_group)
         with timer.phase("train"):
             train_stats = self.update(exp)
         self.step_count += 1
         metrics = self.step_metrics(exp, train_stats)
+        check_update(metrics, self.cfg.system.dtype)
         metrics.update(extra)
         if self.delta_ctl is not None:
             reward = comm.all_reduce(torch.tensor([metrics["reward/mean"]], dtype=torch.float64),
@@ -555,6 +558,7 @@ class PPOTrainer(StagePlacement, Resumable):
         gas = p.mini_batch_size // p.micro_batch_size
         sums: dict[str, torch.Tensor] = {}
         total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        norms: dict[str, list[float]] = {"actor": [], "critic": []}
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
@@ -564,13 +568,20 @@ class PPOTrainer(StagePlacement, Resumable):
                 norm = token_normalizer(tokens.float(), gas, self.world_size)
                 actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
+                for name, engine in (("actor", self.actor), ("critic", self.critic)):
+                    if engine.grad_norm() is not None:
+                        norms[name].append(engine.grad_norm())
                 # token-weighted, so the logged losses do not depend on the micro-batch split
                 for mb, a, c in zip(micro, actor_stats, critic_stats):
                     weight = mb.response_mask.sum().double()
                     total_tokens += weight
                     for key, value in {**a, **c}.items():
                         sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().double()
-        return {k: (v / total_tokens).item() for k, v in sums.items()}
+        stats = {k: (v / total_tokens).item() for k, v in sums.items()}
+        # the largest of the step's updates (the same on every rank: a global norm); NaN wins
+        stats.update({f"grad_norm/{name}": next((x for x in v if x != x), max(v))
+                      for name, v in norms.items() if v})
+        return stats
 
     def _actor_loss(self, model, mb: Experience, normalizer):
         p = self.cfg.ppo
@@ -620,7 +631,8 @@ class PPOTrainer(StagePlacement, Resumable):
             metrics["gold/mean"] = sum(r[2] for r in rows) / len(rows)
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
-                 "value_clip_frac": "value/clip_frac"}
+                 "value_clip_frac": "value/clip_frac", "grad_norm/actor": "grad_norm/actor",
+                 "grad_norm/critic": "grad_norm/critic"}
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
@@ -639,7 +651,13 @@ class PPOTrainer(StagePlacement, Resumable):
         try:
             with stop:
                 while self.step_count < cfg.steps:
-                    metrics = self.step()
+                    number = self.step_count + 1
+                    try:
+                        metrics = self.step()
+                    except NonFiniteError as err:
+                        if self.remote is not None:  # the scorer rank ends too, not in a broken link
+                            self.remote.close()
+                        raise NonFiniteError(self._nonfinite_message(err, number)) from None
                     self.telemetry.log_step(self.step_count, metrics)
                     saved = bool(cfg.checkpoint.every) and self.step_count % cfg.checkpoint.every == 0
                     if saved:
@@ -668,6 +686,15 @@ class PPOTrainer(StagePlacement, Resumable):
             summary = self.telemetry.close({"wall_total_s": time.time() - t0, "world_size": self.world_size,
                                             "hybrid_engine": self.actor.hybrid_engine_path, **extra})
         return summary
+
+    def _nonfinite_message(self, err: NonFiniteError, step: int) -> str:
+        """``err`` with the step it stopped at and the checkpoints to go back to (the latest
+        holds the weights of the step before, which may be what went wrong)."""
+        tags = self.ckpt.tags()
+        where = (f"checkpoints under {self.ckpt.root}: {', '.join(tags)} (the same command resumes "
+                 "from the latest; checkpoint.resume=TAG from another)" if tags
+                 else "no checkpoint was written")
+        return f"step {step}: {err}; {where}"
 
     def export(self, out_dir: str) -> None:
         """Final actor (and critic) in Hugging Face format, DeepSpeed-Chat's layout."""

@@ -145,7 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileNotFoundError) as err:  # a checkpoint the settings cannot continue
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
-    summary = trainer.train()
+    from ..finite import NonFiniteError
+
+    try:
+        summary = trainer.train()
+    except NonFiniteError as err:  # every actor rank stops alike, before anything is saved
+        if rank == 0:
+            print(f"oppo-train: error: {err}", file=sys.stderr)
+        trainer.close()
+        _close_process_groups()
+        return 1
     trainer.close()  # the stage placement's links, then the world's groups; after a failure
     _close_process_groups()  # the traceback is printed and the launcher ends all
     if summary is not None:

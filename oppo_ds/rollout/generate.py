@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..finite import FP16_RANGE, LARGE_UPDATE, NonFiniteError
 from ..kv_cache import cache_kwargs, output_cache
 
 
@@ -65,6 +66,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
         tokens = scaled.argmax(-1)
         return tokens, _token_logprobs(scaled, tokens)
     probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+    if probs.device.type == "cpu":  # free here; on a GPU NaN log-probs reach the step's check
+        _check_distribution(probs)
     if generator is None or generator.device == probs.device:
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:
@@ -74,6 +77,17 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
         u = torch.rand(probs.shape[0], dtype=torch.float64, generator=generator)
         tokens = inverse_cdf_sample(probs, u.to(probs.device))
     return tokens, _token_logprobs(scaled, tokens)
+
+
+def _check_distribution(probs: torch.Tensor) -> None:
+    """``NonFiniteError`` for rows of ``probs`` that are not finite (``torch.multinomial``
+    would stop with "probability tensor contains either `inf`, `nan` or element < 0")."""
+    bad = int((~torch.isfinite(probs).all(-1)).sum())
+    if bad:
+        raise NonFiniteError(
+            f"the actor's next-token distribution is nan or inf for {bad} of {probs.shape[0]} "
+            f"responses while sampling: its logits are not finite: weights that hold NaN or inf, "
+            f"an overflow in fp16 ({FP16_RANGE}), or, {LARGE_UPDATE}")
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
