@@ -337,7 +337,8 @@ class DataConfig:
     """Prompt file or directory: .jsonl, .parquet, a local HF datasets directory, or
     `builtin` (the built-in long-tail workload's prompts)."""
     prompt_key: str = "prompt"
-    """Field holding the prompt (a string or a list of chat messages)."""
+    """Field holding the prompt (a string or a list of chat messages; messages ending with an
+    assistant message are continued, as TRL does: the response carries on its text)."""
     split: str = "train"
     """Split to use when the path is a saved HF DatasetDict."""
     chat_template: Literal["auto", "on", "off"] = "auto"

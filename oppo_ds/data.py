@@ -97,6 +97,8 @@ class EncodedPrompts:
     """Prompts cut to their last ``max_prompt_len`` tokens (``overlong="truncate"``)."""
     n_skipped: int = 0
     """Prompts dropped for being too long (``overlong="skip"``)."""
+    n_continued: int = 0
+    """Chat prompts ending with an assistant message, which their responses continue."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -334,7 +336,10 @@ def encode_prompts(
         chat_template: ``"auto"`` applies the tokenizer's chat template when it has one
             (``tokenizer.chat_template`` set), ``"on"`` requires one, ``"off"`` never applies
             one. With a template, a string prompt becomes one user message and the ids are
-            ``apply_chat_template(messages, add_generation_prompt=True)``; without, they are
+            ``apply_chat_template(messages, add_generation_prompt=True)``; messages ending with
+            an assistant message are continued instead, as TRL does
+            (``continue_final_message=True``: the response carries on the assistant's given
+            start, with no end of turn after it); without a template, the ids are
             ``tokenizer(text, add_special_tokens=True)["input_ids"]``. A prompt given as chat
             messages needs a template.
 
@@ -360,6 +365,7 @@ def encode_prompts(
     out = EncodedPrompts(prompts=[])
     for row in rows:
         ids = _encode_row(row, tokenizer, use_template)
+        out.n_continued += _continues(row.text_or_messages)
         if len(ids) > max_prompt_len:
             if overlong == "error":
                 raise DataError(
@@ -376,14 +382,21 @@ def encode_prompts(
     return out
 
 
+def _continues(prompt: str | list[dict[str, Any]]) -> bool:
+    """A chat prompt whose last message is the assistant's: its response continues it."""
+    return not isinstance(prompt, str) and prompt[-1]["role"] == "assistant"
+
+
 def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool) -> list[int]:
     prompt = row.text_or_messages
     if use_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        continues = _continues(prompt)
         try:
             # transformers 5 returns a BatchEncoding by default (return_dict=True); ask for ids.
             encoded = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, add_generation_prompt=not continues, continue_final_message=continues,
+                tokenize=True, return_dict=False
             )
         except Exception as e:  # Jinja templates raise their own errors (e.g. role order)
             raise DataError(f"{row.where}: chat template failed: {type(e).__name__}: {e}") from None

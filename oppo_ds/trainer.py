@@ -228,6 +228,9 @@ class PPOTrainer(StagePlacement, Resumable):
         if self.is_main and (encoded.n_truncated or encoded.n_skipped):
             logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", path,
                            encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
+        if self.is_main and encoded.n_continued:
+            logger.info("%s: %d prompts end with an assistant message; their responses continue "
+                        "it (no end of turn after it, as TRL does)", path, encoded.n_continued)
         if len(encoded.prompts) < self.world_size:
             raise DataError(f"{path}: {len(encoded.prompts)} usable prompts for {self.world_size} "
                             f"ranks; every rank needs at least one")

@@ -307,6 +307,18 @@ def test_overlong_skip_drops_and_counts(plain_tok):
     assert (enc.n_truncated, enc.n_skipped) == (0, 2)
 
 
+def test_a_prompt_ending_with_an_assistant_message_is_continued(chat_tok):
+    """As TRL's apply_chat_template does: the response carries on the assistant's given start
+    (no end-of-turn after it, no second assistant header), rather than answering it in a new
+    turn."""
+    conversation = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}]
+    enc = encode_prompts(rows_of("e", conversation), chat_tok, max_prompt_len=32)
+    assert chat_tok.convert_ids_to_tokens(enc.prompts[1].input_ids) == [
+        "<bos>", "user", ":", "a", "b", "assistant", ":", "c", "d"]
+    assert chat_tok.convert_ids_to_tokens(enc.prompts[0].input_ids)[-2:] == ["assistant", ":"]
+    assert enc.n_continued == 1
+
+
 def test_bad_option_values(plain_tok):
     rows = rows_of("a")
     with pytest.raises(ValueError, match="error, truncate, skip"):
