@@ -483,7 +483,11 @@ def _convert(key: str, value: Any, tp) -> Any:
             raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
         return [_convert(key, item, typing.get_args(tp)[0]) for item in value]
     if origin is Literal:
-        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+        allowed = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):
+            # YAML 1.1 reads an unquoted on / off (and yes / no) as true / false
+            value = "on" if value else "off"
+        if value in allowed and type(value) in {type(a) for a in allowed}:
             return value
         raise ConfigError(key, f"got {value!r}, allowed: {_describe(tp)}")
     if tp is type(None):

@@ -215,6 +215,18 @@ def test_bool_rejected_for_numbers(override):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("text, expected", [("off", "off"), ("on", "on"), ("'off'", "off"),
+                                            ("no", "off"), ("yes", "on"), ("auto", "auto")])
+def test_on_off_values_survive_yaml_reading_them_as_booleans(tmp_path, text, expected):
+    """YAML 1.1 reads an unquoted on / off as true / false: `data.chat_template: off`, the
+    documented value, was refused ("got False, allowed: one of 'auto', 'on', 'off'") in a
+    config file and on the command line alike."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data:\n  chat_template: {text}\n")
+    assert load_config(str(path), []).data.chat_template == expected
+    assert load_config(None, [f"data.chat_template={text}"]).data.chat_template == expected
+
+
 @pytest.mark.parametrize("override, allowed", [
     ("system.zero_stage=7", ["0", "1", "2", "3"]),
     ("system.zero_stage=2.0", ["0", "1", "2", "3"]),
