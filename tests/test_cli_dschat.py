@@ -116,6 +116,19 @@ def test_oppo_knobs_without_enable_oppo_warn_and_change_nothing():
     assert any("--oppo_overcommit has no effect without --enable_oppo" in n for n in notes)
 
 
+def test_data_path_prompts_are_tokenized_as_they_are(tmp_path):
+    """DeepSpeed-Chat tokenizes its prompts ("Human: ... Assistant:") as they are; an actor
+    whose tokenizer has a chat template must not wrap them in it (data.chat_template=auto
+    did), and a dotted override still wins."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Human: hi Assistant:"}) + "\n")
+    cfg, _ = resolve(["--data_path", str(data)])
+    assert cfg.data.chat_template == "off"
+    assert resolve([])[0].data.chat_template == "auto"
+    cfg, _ = resolve(["data.chat_template=on", "--data_path", str(data)])  # nargs="*" flag last
+    assert cfg.data.chat_template == "on"
+
+
 def test_data_path_rules(tmp_path):
     data = tmp_path / "train.json"
     data.write_text(json.dumps([{"prompt": "Human: hi Assistant:", "chosen": "a", "rejected": "b"},

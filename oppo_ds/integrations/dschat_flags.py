@@ -58,7 +58,8 @@ FLAGS: tuple[Flag, ...] = (
        "step-2 checkpoint, as in DeepSpeed-Chat; its RewardModel pytorch_model.bin is converted "
        "once into output_dir/dschat_converted/critic)", str),
     _f("data_path", MAPPED, "data.prompts: one local .jsonl/.parquet/saved HF dataset, or a "
-       "DeepSpeed-Chat JSON array file (converted to jsonl); nothing is downloaded", str,
+       "DeepSpeed-Chat JSON array file (converted to jsonl); nothing is downloaded. Prompts are "
+       "tokenized as they are (data.chat_template: off), as DeepSpeed-Chat does", str,
        nargs="*"),
     _f("per_device_generation_batch_size", MAPPED, "ppo.batch_size (times "
        "--generation_batches)", int),
@@ -211,6 +212,10 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     for name, key in switches.items():
         if flags.get(name):
             put(key, True)
+    if "data_path" in flags:
+        # DeepSpeed-Chat's prompts carry their own format ("\n\nHuman: ... \n\nAssistant:") and
+        # it tokenizes them as they are; a chat template would wrap them in a second one
+        put("data.chat_template", "off")
     if "max_prompt_seq_len" in flags:
         put("generation.max_prompt_len", flags["max_prompt_seq_len"])
         put("data.overlong", "skip")
