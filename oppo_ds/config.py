@@ -334,13 +334,15 @@ class SystemConfig:
 @dataclass
 class DataConfig:
     prompts: str = "builtin"
-    """Prompt file or directory: .jsonl, .parquet, a local HF datasets directory, or
-    `builtin` (the built-in long-tail workload's prompts)."""
+    """Prompt file or directory: .jsonl, .json (an array or JSON lines), .parquet, a datasets
+    save_to_disk directory, a directory of such files (a hub snapshot: data/train-*.parquet),
+    or `builtin` (the built-in long-tail workload's prompts)."""
     prompt_key: str = "prompt"
     """Field holding the prompt (a string or a list of chat messages; messages ending with an
     assistant message are continued, as TRL does: the response carries on its text)."""
     split: str = "train"
-    """Split to use when the path is a saved HF DatasetDict."""
+    """Split to read from a saved DatasetDict, or from a directory whose files or folders are
+    named by split (train-*, validation/valid/val/dev, test/eval)."""
     chat_template: Literal["auto", "on", "off"] = "auto"
     """Apply the tokenizer's chat template: auto = when it has one."""
     overlong: Literal["error", "truncate", "skip"] = "error"

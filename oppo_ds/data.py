@@ -2,9 +2,9 @@
 
 Three stages, each usable on its own:
 
-1. :func:`read_prompt_rows` reads prompts from a ``.jsonl`` file, a ``.parquet`` file, a local
-   Hugging Face dataset saved with ``save_to_disk``, or a directory of ``.jsonl``/``.parquet``
-   files. Every bad row raises :class:`DataError` naming the file and the line (or row), so a
+1. :func:`read_prompt_rows` reads prompts from a ``.jsonl``, ``.json`` or ``.parquet`` file, a
+   local Hugging Face dataset saved with ``save_to_disk``, or a directory of such files (a hub
+   snapshot's split-named shards among them). Every bad row raises :class:`DataError` naming the file and the line (or row), so a
    user can go straight to it.
 2. :func:`encode_prompts` turns rows into token ids (chat template or plain), applying the
    overlong-prompt policy.
@@ -19,12 +19,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DataError",
@@ -39,7 +43,15 @@ __all__ = [
 
 OVERLONG_POLICIES = ("error", "truncate", "skip")
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
-_FILE_SUFFIXES = (".jsonl", ".parquet")
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# files a downloaded dataset holds beside its data (a hub snapshot's card and licence)
+_DOC_FILES = re.compile(r"(?i)^(readme|license|licence|notice|citation)([-_.].*)?$|.*\.md$")
+# the split a file belongs to by its name or a folder's, as Hugging Face's hub layouts name
+# them (``data/train-00000-of-00002.parquet``, ``test.jsonl``, ``validation/0.parquet``)
+SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation",
+               "valid": "validation", "val": "validation", "dev": "validation", "test": "test",
+               "testing": "test", "eval": "test", "evaluation": "test"}
+_SPLIT_NAME = re.compile(r"^([A-Za-z]+)(?:[-_.].*)?$")
 
 
 class DataError(ValueError):
@@ -122,11 +134,17 @@ def read_prompt_rows(
 
     - a ``.jsonl`` file: one JSON object per line. Blank lines at the end are ignored; a blank
       line before the last record is an error (it usually means a broken export).
+    - a ``.json`` file: a JSON array of objects (rows counted from 0), or JSON lines.
     - a ``.parquet`` file.
     - a directory written by ``datasets.Dataset.save_to_disk`` or
       ``datasets.DatasetDict.save_to_disk`` (then ``split`` picks the split).
-    - a directory holding only ``.jsonl`` and ``.parquet`` files (hidden files and names
-      starting with ``_``, such as ``_SUCCESS``, are ignored); they are read in sorted order.
+    - a directory of such files, in folders or not, e.g. a Hugging Face hub snapshot
+      (``README.md``, ``data/train-00000-of-00001.parquet``, ``data/test-...``). Where files
+      or folders are named by split (``train``, ``validation``/``valid``/``val``/``dev``,
+      ``test``/``eval`` at the start of the name), ``split`` picks them and the others are
+      named in a log line; otherwise every file is read. Files are read in sorted order;
+      hidden files and names starting with ``_`` (``_SUCCESS``) are skipped, and so are a
+      card and a licence (``README*``, ``LICENSE*``, ``*.md``); any other file is an error.
 
     Each row's ``prompt_key`` field must be a non-blank string or a non-empty list of chat
     messages, each a mapping with string ``role`` and ``content``. Message keys whose value is
@@ -147,7 +165,7 @@ def read_prompt_rows(
             rows = _read_hf_dir(path, prompt_key, split)
         else:
             rows = []
-            for file in _list_data_files(path):
+            for file in _list_data_files(path, split):
                 rows.extend(_read_file(file, prompt_key))
     else:
         rows = _read_file(path, prompt_key)
@@ -160,33 +178,56 @@ def _is_hf_datasets_dir(path: str) -> bool:
     return "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names
 
 
-def _list_data_files(path: str) -> list[str]:
+def _list_data_files(path: str, split: str) -> list[str]:
     files, unexpected = [], []
-    for name in sorted(os.listdir(path)):
-        if name.startswith((".", "_")):
-            continue
-        full = os.path.join(path, name)
-        if os.path.isfile(full) and name.endswith(_FILE_SUFFIXES):
-            files.append(full)
-        else:
-            unexpected.append(name)
+    for folder, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        for name in sorted(names):
+            full = os.path.join(folder, name)
+            if name.startswith((".", "_")) or _DOC_FILES.match(name):
+                continue
+            (files if name.endswith(_FILE_SUFFIXES) else unexpected).append(full)
     if unexpected:
         raise DataError(
-            f"{path}: a prompt directory must hold only .jsonl and .parquet files "
-            f"(or be a datasets save_to_disk directory); found {unexpected}"
+            f"{path}: a prompt directory must hold only .jsonl, .json and .parquet files "
+            f"(or be a datasets save_to_disk directory); found "
+            f"{[os.path.relpath(f, path) for f in unexpected]}"
         )
     if not files:
-        raise DataError(f"{path}: no .jsonl or .parquet files in this directory")
-    return files
+        raise DataError(f"{path}: no .jsonl, .json or .parquet files in this directory")
+    splits = {f: _split_of(os.path.relpath(f, path)) for f in files}
+    if not any(splits.values()):
+        return sorted(files)
+    want = SPLIT_WORDS.get(split.lower(), split.lower())
+    chosen = [f for f in files if splits[f] == want]
+    if not chosen:
+        found = sorted({s for s in splits.values() if s})
+        raise DataError(f"{path}: no files of split {split!r} (data.split); its files are named "
+                        f"for the splits {found}")
+    skipped = [os.path.relpath(f, path) for f in files if f not in chosen]
+    logger.info("%s: split %r: %s; not read: %s", path, split,
+                ", ".join(os.path.relpath(f, path) for f in sorted(chosen)), ", ".join(skipped) or "none")
+    return sorted(chosen)
+
+
+def _split_of(relative: str) -> Optional[str]:
+    """The split a data file belongs to by its folders' or its own name, else None."""
+    for part in relative.split(os.sep):
+        match = _SPLIT_NAME.match(part)
+        if match and match.group(1).lower() in SPLIT_WORDS:
+            return SPLIT_WORDS[match.group(1).lower()]
+    return None
 
 
 def _read_file(path: str, prompt_key: str) -> list[PromptRow]:
     if path.endswith(".jsonl"):
         return _read_jsonl(path, prompt_key)
+    if path.endswith(".json"):
+        return _read_json(path, prompt_key)
     if path.endswith(".parquet"):
         return _read_parquet(path, prompt_key)
     raise DataError(
-        f"{path}: unsupported file type; expected .jsonl, .parquet, or a datasets "
+        f"{path}: unsupported file type; expected .jsonl, .json, .parquet, or a datasets "
         "save_to_disk directory"
     )
 
@@ -217,6 +258,27 @@ def _read_jsonl(path: str, prompt_key: str) -> list[PromptRow]:
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
             rows.append(_make_row(record, prompt_key, path, line_no, "line"))
+    return rows
+
+
+def _read_json(path: str, prompt_key: str) -> list[PromptRow]:
+    """A JSON array of objects (rows from 0), or JSON lines under a .json name."""
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8-sig", errors="replace").lstrip()
+    if not head.startswith("["):
+        return _read_jsonl(path, prompt_key)
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            records = json.load(f)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    rows = []
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataError(f"{path}: row {i}: expected a JSON object, got {_type_name(record)}")
+        rows.append(_make_row(record, prompt_key, path, i, "row"))
     return rows
 
 

@@ -134,14 +134,16 @@ def test_data_path_rules(tmp_path):
     data.write_text(json.dumps([{"prompt": "Human: hi Assistant:", "chosen": "a", "rejected": "b"},
                                 {"prompt": "Human: yo Assistant:", "chosen": "c",
                                  "rejected": "d"}]))
-    out = dschat_flags.data_source([str(data)], str(tmp_path / "out"))
-    rows = [json.loads(line) for line in open(out)]
-    assert [r["prompt"] for r in rows] == ["Human: hi Assistant:", "Human: yo Assistant:"]
+    from oppo_ds.data import read_prompt_rows
+
+    assert dschat_flags.data_source([str(data)]) == str(data)
+    rows = read_prompt_rows(str(data))  # DeepSpeed-Chat's JSON array, read as it is
+    assert [r.text_or_messages for r in rows] == ["Human: hi Assistant:", "Human: yo Assistant:"]
     for paths, text in ((["Dahoas/rm-static"], "never downloads"),
                         (["a", "b"], "one prompt source"),
                         (["local/jsonfile"], "pass that file's path")):
         with pytest.raises(ConfigError, match=text):
-            dschat_flags.data_source(paths, str(tmp_path))
+            dschat_flags.data_source(paths)
 
 
 def _save_dschat_checkpoints(root, vocab_size):

@@ -240,16 +240,63 @@ def test_path_errors(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(DataError, match=rf"^{re.escape(missing)}: no such file"):
         read_prompt_rows(missing)
-    other = tmp_path / "p.json"
-    other.write_text("{}")
+    other = tmp_path / "p.csv"
+    other.write_text("prompt\na\n")
     with pytest.raises(DataError, match="unsupported file type"):
         read_prompt_rows(str(other))
-    with pytest.raises(DataError, match=r"only .jsonl and .parquet files.*\['p.json'\]"):
+    with pytest.raises(DataError, match=r"only .jsonl, .json and .parquet files.*\['p.csv'\]"):
         read_prompt_rows(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DataError, match="no .jsonl or .parquet files"):
+    (empty / "README.md").write_text("# a card, no data")
+    with pytest.raises(DataError, match="no .jsonl, .json or .parquet files"):
         read_prompt_rows(str(empty))
+
+
+def test_json_arrays_and_json_lines(tmp_path):
+    """A .json file is a JSON array (DeepSpeed-Chat's local/jsonfile, many exports) or JSON
+    lines under that name; an array's rows are counted from 0."""
+    array = tmp_path / "a.json"
+    array.write_text("\ufeff" + json.dumps(TEXT_RECORDS, indent=2))
+    assert as_tuples(read_prompt_rows(str(array))) == [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
+    lines = write_lines(tmp_path / "l.json", [json.dumps(r) for r in TEXT_RECORDS])
+    assert as_tuples(read_prompt_rows(lines)) == [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
+    array.write_text(json.dumps([{"prompt": "a"}, ["b"]]))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(array))}: row 1: expected a JSON object, got array"):
+        read_prompt_rows(str(array))
+    array.write_text('[{"prompt": "a"},\n {"prompt": }]')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(array))}:2: invalid JSON"):
+        read_prompt_rows(str(array))
+
+
+def test_a_hub_snapshot_reads_the_split_its_files_are_named_for(tmp_path, caplog):
+    """What `huggingface-cli download --repo-type dataset` leaves: a card, and parquet shards
+    under data/ named by split. data.split picks the shards; the others are logged, not read
+    (every file was read before, test prompts with the training ones, and the card was an
+    error)."""
+    snap = tmp_path / "rm-static"
+    (snap / "data").mkdir(parents=True)
+    (snap / "README.md").write_text("---\nlicense: mit\n---\n")
+    (snap / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    write_parquet(snap / "data" / "train-00000-of-00002.parquet", TEXT_RECORDS[:2])
+    write_parquet(snap / "data" / "train-00001-of-00002.parquet", TEXT_RECORDS[2:])
+    write_parquet(snap / "data" / "test-00000-of-00001.parquet", [{"id": "z", "prompt": "h h"}])
+    with caplog.at_level("INFO", logger="oppo_ds.data"):
+        rows = read_prompt_rows(str(snap))
+    assert as_tuples(rows) == [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
+    assert "not read: data/test-00000-of-00001.parquet" in caplog.text
+    assert as_tuples(read_prompt_rows(str(snap), split="test")) == [("h h", "z")]
+    assert as_tuples(read_prompt_rows(str(snap), split="eval")) == [("h h", "z")]
+    with pytest.raises(DataError, match=r"no files of split 'validation' \(data.split\); its files "
+                                        r"are named for the splits \['test', 'train'\]"):
+        read_prompt_rows(str(snap), split="validation")
+    # split folders, and plain files beside them
+    flat = tmp_path / "flat"
+    (flat / "validation").mkdir(parents=True)
+    write_jsonl(flat / "validation" / "0.jsonl", [{"prompt": "v"}])
+    write_jsonl(flat / "train.jsonl", [{"prompt": "t"}])
+    assert [r.text_or_messages for r in read_prompt_rows(str(flat), split="dev")] == ["v"]
+    assert [r.text_or_messages for r in read_prompt_rows(str(flat))] == ["t"]
 
 
 def test_missing_split(tmp_path):

@@ -53,7 +53,7 @@ def resolve_config(args, prepare_files: bool = True):
         critic = dschat.critic_source(flags["critic_model_name_or_path"], cfg.logging.output_dir)
         extra += [f"model.critic={critic}", f"model.reward={critic}"]
     if prepare_files and "data_path" in flags:
-        prompts = dschat.data_source(flags["data_path"], cfg.logging.output_dir)
+        prompts = dschat.data_source(flags["data_path"])
         extra.append(f"data.prompts={prompts}")
     explicit = {text.split("=", 1)[0].strip() for text in args.overrides}
     if "steps" not in explicit:

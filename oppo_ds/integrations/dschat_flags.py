@@ -57,9 +57,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("critic_model_name_or_path", MAPPED, "model.critic and model.reward (both start from the "
        "step-2 checkpoint, as in DeepSpeed-Chat; its RewardModel pytorch_model.bin is converted "
        "once into output_dir/dschat_converted/critic)", str),
-    _f("data_path", MAPPED, "data.prompts: one local .jsonl/.parquet/saved HF dataset, or a "
-       "DeepSpeed-Chat JSON array file (converted to jsonl); nothing is downloaded. Prompts are "
-       "tokenized as they are (data.chat_template: off), as DeepSpeed-Chat does", str,
+    _f("data_path", MAPPED, "data.prompts: one local .jsonl/.json/.parquet file, datasets "
+       "save_to_disk directory or hub snapshot (a DeepSpeed-Chat JSON array file too); nothing is "
+       "downloaded. Prompts are tokenized as they are (data.chat_template: off), as DeepSpeed-Chat "
+       "does", str,
        nargs="*"),
     _f("per_device_generation_batch_size", MAPPED, "ppo.batch_size (times "
        "--generation_batches)", int),
@@ -300,9 +301,9 @@ def steps_from_flags(flags: dict, batch_size: int, world_size: int, num_prompts)
 
 # ---------------------------------------------------------------- DeepSpeed-Chat checkpoints
 
-def data_source(paths: list, out_dir: str) -> str:
-    """One prompt source from --data_path; a DeepSpeed-Chat JSON array file (its
-    ``local/jsonfile`` format, objects with a ``prompt``) becomes a jsonl under ``out_dir``."""
+def data_source(paths: list) -> str:
+    """One local prompt source from --data_path (a DeepSpeed-Chat JSON array file, its
+    ``local/jsonfile`` format, is read as it is: see ``oppo_ds.data.read_prompt_rows``)."""
     if len(paths) != 1:
         raise ConfigError("--data_path", f"oppo-train reads one prompt source, got {len(paths)}: "
                           f"{' '.join(paths)}")
@@ -313,21 +314,7 @@ def data_source(paths: list, out_dir: str) -> str:
     if not os.path.exists(path):
         raise ConfigError("--data_path", f"{path!r} is not a local file or directory "
                           f"(oppo-ds never downloads data sets; save it locally first)")
-    if not path.endswith(".json") or not os.path.isfile(path):
-        return path
-    with open(path) as f:
-        rows = json.load(f)
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "prompt" in r for r in rows):
-        raise ConfigError("--data_path", f"{path}: expected a JSON array of objects with a "
-                          f"'prompt' (DeepSpeed-Chat's local/jsonfile format)")
-    target = os.path.join(out_dir, "dschat_converted", "prompts.jsonl")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        for i, row in enumerate(rows):
-            f.write(json.dumps({"id": str(i), "prompt": row["prompt"]}) + "\n")
-    os.replace(tmp, target)  # atomic: several ranks may convert at once
-    return target
+    return path
 
 
 def is_dschat_reward_checkpoint(path: str) -> bool:
