@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -175,8 +174,10 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     return model
 
 
-@dataclass
-class ValueOutput:
+class ValueOutput(NamedTuple):
+    """A value model's output. A named tuple, so that DeepSpeed's ZeRO-3 module hooks find the
+    tensor in it (a dataclass made every ZeRO-3 run warn "A module has unknown inputs or
+    outputs type ... the ZeRO-3 hooks ... may not get triggered properly")."""
     values: torch.Tensor           # (B, T) one scalar per token
     past_key_values: object = None  # the body's KV cache when use_cache=True
 
