@@ -281,7 +281,8 @@ class SystemConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage for actor and critic."""
     offload: bool = False
-    """Offload optimizer states (and at stage 3 parameters) to CPU memory."""
+    """Offload optimizer states (and at stage 3 parameters) to CPU memory. Needs zero_stage
+    1, 2 or 3."""
     partition_reference: bool = False
     """Partition the frozen reference model over the data-parallel ranks with ZeRO-3 and
     gather it one layer at a time in its forward (DeepSpeed-Chat's evaluation config), for
@@ -315,6 +316,9 @@ class SystemConfig:
         _require(self.backend == "megatron" or self.megatron_layers == "auto", "megatron_layers",
                  f"needs backend: megatron, got {self.megatron_layers} with backend: "
                  f"{self.backend}")
+        _require(not self.offload or self.zero_stage >= 1 or self.backend != "deepspeed", "offload",
+                 "needs zero_stage 1, 2 or 3 (ZeRO-Offload moves the partitioned optimizer "
+                 f"states), got zero_stage: {self.zero_stage}")
         _require(not self.partition_reference or self.zero_stage == 3, "partition_reference",
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")
         _require(not self.offload_reference or self.partition_reference, "offload_reference",

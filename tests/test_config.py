@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from oppo_ds.cli.train import main as train_main
@@ -260,6 +261,8 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["oppo.max_defer_steps=0"], "oppo.max_defer_steps", ">= 1"),
     (["oppo.is_clip=0.5"], "oppo.is_clip", ">= 1"),
     (["generation.eos_token_ids=[]"], "generation.eos_token_ids", "non-empty list"),
+    # was a ValueError traceback from the engine, after the models were loaded
+    (["system.offload=true"], "system.offload", "needs zero_stage 1, 2 or 3"),
     (["generation.eos_token_ids=[2, -1]"], "generation.eos_token_ids", ">= 0"),
     (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list, each an integer"),
 ])
@@ -333,6 +336,20 @@ def test_cli_bad_key_is_one_line_exit_2(override, words):
     assert lines[0].startswith(f"oppo-train: error: {key}:")
     assert words in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 trains on a GPU; the refusal is a CPU's")
+def test_fp16_on_a_cpu_is_one_line_exit_2(tmp_path):
+    """DeepSpeed refuses fp16 on a CPU in its own sanity check ("Type fp16 is not supported on
+    your device."), a traceback after the models were loaded; now the one-line error."""
+    from _builders import tiny_run_overrides
+
+    proc = _run_cli(*tiny_run_overrides(tmp_path, steps=1), "system.dtype=fp16")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "oppo-train: error: system.dtype: fp16 needs a GPU: on a CPU DeepSpeed trains in fp32 or bf16 "
+        "(bf16 keeps fp32's range)")
+    assert "Traceback" not in proc.stderr
 
 
 def test_model_parallel_sizes_the_launch_cannot_hold(tmp_path):

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .base import TrainEngine
 
 
@@ -71,6 +71,10 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
 
     p, s = cfg.ppo, cfg.system
+    if s.dtype == "fp16" and not torch.cuda.is_available():
+        # DeepSpeed refuses it in its own sanity check, after the models are loaded
+        raise ConfigError("system.dtype", "fp16 needs a GPU: on a CPU DeepSpeed trains in fp32 or "
+                                          "bf16 (bf16 keeps fp32's range)")
     actor_model = prepare_trained(disable_dropout(build_causal_lm(src.actor, **common)), cfg, "actor")
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, **engine_args)
