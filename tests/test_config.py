@@ -432,3 +432,30 @@ def test_cli_help():
     proc = _run_cli("--help")
     assert proc.returncode == 0
     assert "--config" in proc.stdout and "--print-config" in proc.stdout
+
+
+def test_only_rank_0_shows_transformers_progress_bars():
+    """Each rank drew its own 'Loading weights' bar per model (eight ranks, four models: 32
+    bars interleaved); rank 0's stay."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from oppo_ds.cli.train import _quiet_libraries
+
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers), os.environ.get("TRANSFORMERS_VERBOSITY"), os.environ.get("HF_HUB_OFFLINE")
+    try:
+        _quiet_libraries(0)
+        assert hf_logging.is_progress_bar_enabled()
+        _quiet_libraries(1)
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        for key, value in zip(("TRANSFORMERS_VERBOSITY", "HF_HUB_OFFLINE"), saved[2:]):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -103,6 +103,10 @@ def _quiet_libraries(rank: int, scorer_rank: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    if rank != 0:  # one set of transformers' loading / writing bars, not one per rank
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
