@@ -4,8 +4,8 @@ Three stages, each usable on its own:
 
 1. :func:`read_prompt_rows` reads prompts from a ``.jsonl``, ``.json`` or ``.parquet`` file, a
    local Hugging Face dataset saved with ``save_to_disk``, or a directory of such files (a hub
-   snapshot's split-named shards among them). Every bad row raises :class:`DataError` naming the file and the line (or row), so a
-   user can go straight to it.
+   snapshot's split-named shards among them). Every bad row raises :class:`DataError` naming
+   the file and the line (or row), so a user can go straight to it.
 2. :func:`encode_prompts` turns rows into token ids (chat template or plain), applying the
    overlong-prompt policy.
 3. :class:`PromptStream` hands out prompts to one data-parallel rank in a deterministic,

@@ -24,9 +24,9 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt_rows
-from .finite import NonFiniteError, check_experience, check_update
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
+from .finite import NonFiniteError, check_experience, check_update
 from .lora import has_lora, merged_state_dict
 from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
@@ -572,8 +572,9 @@ class PPOTrainer(StagePlacement, Resumable):
                 actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
                 for name, engine in (("actor", self.actor), ("critic", self.critic)):
-                    if engine.grad_norm() is not None:
-                        norms[name].append(engine.grad_norm())
+                    value = engine.grad_norm()
+                    if value is not None:
+                        norms[name].append(value)
                 # token-weighted, so the logged losses do not depend on the micro-batch split
                 for mb, a, c in zip(micro, actor_stats, critic_stats):
                     weight = mb.response_mask.sum().double()
@@ -582,7 +583,7 @@ class PPOTrainer(StagePlacement, Resumable):
                         sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().double()
         stats = {k: (v / total_tokens).item() for k, v in sums.items()}
         # the largest of the step's updates (the same on every rank: a global norm); NaN wins
-        stats.update({f"grad_norm/{name}": next((x for x in v if x != x), max(v))
+        stats.update({f"{name}_grad_norm": next((x for x in v if x != x), max(v))
                       for name, v in norms.items() if v})
         return stats
 
@@ -634,8 +635,8 @@ class PPOTrainer(StagePlacement, Resumable):
             metrics["gold/mean"] = sum(r[2] for r in rows) / len(rows)
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
-                 "value_clip_frac": "value/clip_frac", "grad_norm/actor": "grad_norm/actor",
-                 "grad_norm/critic": "grad_norm/critic"}
+                 "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",
+                 "critic_grad_norm": "grad_norm/critic"}
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})

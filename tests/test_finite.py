@@ -180,6 +180,8 @@ def test_an_exploding_update_stops_at_the_next_step_and_names_the_checkpoints(tm
                     f"checkpoints under {ckpt}: step1 (the same command resumes from the latest; "
                     "checkpoint.resume=TAG from another)"), proc.stderr[-2000:]
     assert (ckpt / "latest").read_text() == "step1"
+    step1 = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())  # one row: step 1
+    assert step1["step"] == 1 and step1["grad_norm/actor"] > 0 and step1["grad_norm/critic"] > 0
 
 
 def test_the_stage_placement_stops_its_scorer_rank_too(tmp_path):
