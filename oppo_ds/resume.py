@@ -91,6 +91,14 @@ class Resumable:
             self.delta_ctl.load_state_dict(state["delta_ctl"])
         if self.is_main:
             logger.info("resumed from %s at step %d", tag, self.step_count)
+            keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
+                    ("actor", "weight_decay"): "ppo.weight_decay"}  # one key for both decays
+            for (name, setting), key in keys.items():
+                engine = self.actor if name == "actor" else self.critic
+                if setting in engine.resumed_changes:
+                    saved, now = engine.resumed_changes[setting]
+                    logger.info("%s: %g, not the %g checkpoint %s was written with", key, now,
+                                saved, tag)
 
     def _checkpoint_settings(self) -> dict:
         values = self.cfg.to_dict()

@@ -247,6 +247,34 @@ def test_save_then_load_restores_weights_optimizer_and_lr(stage, tmp_path):
     assert resumed.lr() == pytest.approx(original.lr())
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_resume_takes_the_configured_learning_rate_and_weight_decay(stage, tmp_path):
+    """The optimizer's and scheduler's saved state carry the peak learning rate and weight
+    decay a checkpoint was written with; they replaced the configured ones, so a run resumed
+    with a lower learning rate (what the NaN stop advises) trained on with the old one. Now the
+    configuration wins and the schedule goes on from the loaded update; the same settings
+    change nothing (resumed_changes empty)."""
+    schedule = dict(warmup_steps=1, total_steps=10, scheduler="linear", zero_stage=stage)
+    batch = fixed_batch()
+    original = make_engine(lr=1e-2, **schedule)
+    for _ in range(3):
+        original.train_step([batch], lm_loss)
+    original.save(str(tmp_path), tag="step3")
+    same = make_engine(lr=1e-2, **schedule)
+    same.load(str(tmp_path))
+    assert same.resumed_changes == {} and same.lr() == original.lr()
+
+    lower = make_engine(lr=1e-4, weight_decay=0.1, **schedule)
+    lower.load(str(tmp_path))
+    assert lower.resumed_changes == {"lr": (1e-2, 1e-4), "weight_decay": (0.0, 0.1)}
+    factor = 1 - (3 - 1) / (10 - 1)  # linear decay after one warm-up update, at update 3
+    assert lower.lr() == pytest.approx(1e-4 * factor)
+    groups = lower.ds_engine.optimizer.param_groups
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.1]  # norms and biases: none
+    lower.train_step([batch], lm_loss)
+    assert lower.lr() == pytest.approx(1e-4 * (1 - (4 - 1) / (10 - 1)))
+
+
 def test_load_missing_checkpoint_raises(tmp_path):
     engine = make_engine()
     with pytest.raises(FileNotFoundError):

@@ -708,3 +708,30 @@ def test_export_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="mp_rank_01_000.pt, mp_rank_00_001.pt"):
         from oppo_ds.megatron.export import shard_files
         shard_files(str(tmp_path))
+
+
+def test_a_resume_takes_the_configured_learning_rate(tmp_path):
+    """As with DeepSpeed (test_engines): the Megatron engine's saved optimizer and scheduler
+    state carried the checkpoint's peak learning rate and weight decay, which replaced the
+    configured ones on resume; the configuration wins now, and the log says so."""
+    from _builders import tiny_run_overrides
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    common = tiny_run_overrides(tmp_path, steps=2) + [
+        "system.backend=megatron", "checkpoint.every=1", "ppo.lr_schedule=linear"]
+
+    def run(*extra):
+        proc = subprocess.run([sys.executable, "-m", "oppo_ds.train", *common, *extra], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    run()
+    log = run("steps=4", "ppo.actor_lr=1e-05", "ppo.weight_decay=0.1")
+    assert "ppo.actor_lr: 1e-05, not the 0.0005 checkpoint step2 was written with" in log
+    assert "ppo.weight_decay: 0.1, not the 0 checkpoint step2 was written with" in log
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # the lr after update 3 of 4 (linear, no warm-up): 1e-5 x (1 - 3/4)
+    assert rows[2]["lr/actor"] == pytest.approx(1e-5 * 0.25)

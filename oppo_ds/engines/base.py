@@ -64,6 +64,29 @@ def check_schedule(*, warmup_steps: int, total_steps: int, scheduler: str) -> No
                          f"got {warmup_steps!r}")
 
 
+def reapply_hyperparameters(param_groups: list[dict], scheduler, lr: float,
+                            group_decay: list[float]) -> dict[str, tuple[float, float]]:
+    """After loading an optimizer and its LambdaLR from a checkpoint, put back the peak
+    learning rate ``lr`` and each group's weight decay this run was configured with: the
+    saved state dicts carry the values the checkpoint was written with, which would win
+    silently (a resume told to lower the learning rate kept the old one). The schedule goes
+    on from the loaded step. Returns ``{name: (saved, now)}`` for each value that differed."""
+    saved_lr = scheduler.base_lrs[0]
+    saved_decay = max(g.get("weight_decay", 0.0) for g in param_groups)
+    scheduler.base_lrs = [lr] * len(param_groups)
+    for group, decay, factor in zip(param_groups, group_decay, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["weight_decay"] = decay
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in param_groups]  # what get_last_lr() reports
+    changed = {}
+    if saved_lr != lr:
+        changed["lr"] = (saved_lr, lr)
+    if saved_decay != max(group_decay):
+        changed["weight_decay"] = (saved_decay, max(group_decay))
+    return changed
+
+
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``module`` in eval mode (dropout off) inside, its previous mode restored after."""
@@ -141,6 +164,10 @@ class TrainEngine(ABC):
     def grad_norm(self) -> float | None:
         """Global gradient norm of the last update (before clipping), if known."""
         return None
+
+    resumed_changes: dict[str, tuple[float, float]] = {}
+    """After :meth:`load`: the optimizer settings (``lr``: the peak learning rate,
+    ``weight_decay``) this run's configuration changed from the checkpoint's, as (saved, now)."""
 
     def _check_micro_batches(self, micro_batches: list) -> None:
         """The rule of :meth:`train_step`: one call is exactly one update."""

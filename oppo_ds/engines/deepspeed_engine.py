@@ -48,6 +48,7 @@ from oppo_ds.engines.base import (
     check_schedule,
     eval_mode,
     lr_multiplier,
+    reapply_hyperparameters,
 )
 # pure functions of the environment, kept importable from here
 from oppo_ds.rendezvous import expand_hostlist, slurm_rendezvous  # noqa: F401
@@ -372,6 +373,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         get_accelerator().manual_seed_all(seed)
         optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
                                      weight_decay=weight_decay, betas=betas, eps=eps)
+        self._peak_lr, self._group_decay = lr, [g["weight_decay"] for g in optimizer.param_groups]
         lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
                                            total_steps=total_steps, scheduler=scheduler)
         without_kernels = hybrid_engine and not self._want_kernels(inject_kernels)
@@ -483,6 +485,9 @@ class DeepSpeedTrainEngine(TrainEngine):
             ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir!r} (tag={tag!r})")
+        self.resumed_changes = reapply_hyperparameters(
+            self._engine.optimizer.param_groups, self._engine.lr_scheduler, self._peak_lr,
+            self._group_decay)
         return client_state or {}
 
     def lr(self) -> float:

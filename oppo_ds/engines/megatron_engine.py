@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
-from .base import LossFn, ModelCallable, TrainEngine, check_schedule, eval_mode, lr_multiplier
+from .base import (LossFn, ModelCallable, TrainEngine, check_schedule, eval_mode, lr_multiplier,
+                   reapply_hyperparameters)
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class MegatronTrainEngine(TrainEngine):
         groups_ = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups_, lr=lr, betas=betas, eps=eps)
+        self._peak_lr, self._group_decay = lr, [g["weight_decay"] for g in groups_]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
                                               total_steps=total_steps, scheduler=scheduler))
@@ -202,6 +204,8 @@ class MegatronTrainEngine(TrainEngine):
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.resumed_changes = reapply_hyperparameters(self.optimizer.param_groups, self.scheduler,
+                                                       self._peak_lr, self._group_decay)
         if self._master is not None:
             with torch.no_grad():
                 for master, saved in zip(self._master, state["master"]):
