@@ -58,8 +58,9 @@ class Resumable:
                   "with, or start afresh with checkpoint.resume=never")) from None
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
+        notes = []
         if self.chunk_ctl is not None and state.get("chunk_ctl"):
-            self.chunk_ctl.load_state_dict(state["chunk_ctl"])
+            notes.append(self.chunk_ctl.load_state_dict(state["chunk_ctl"]))
         held = len(state["pool"]["entries"]) if state.get("pool") else 0
         if self.pool is None and held:
             raise ConfigError("oppo.overcommit", (
@@ -88,9 +89,11 @@ class Resumable:
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)
         if self.delta_ctl is not None and state.get("delta_ctl"):
-            self.delta_ctl.load_state_dict(state["delta_ctl"])
+            notes.append(self.delta_ctl.load_state_dict(state["delta_ctl"]))
         if self.is_main:
             logger.info("resumed from %s at step %d", tag, self.step_count)
+            for note in filter(None, notes):
+                logger.info("%s", note)
             keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
                     ("actor", "weight_decay"): "ppo.weight_decay"}  # one key for both decays
             for (name, setting), key in keys.items():

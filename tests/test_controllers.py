@@ -173,6 +173,27 @@ def test_state_dict_round_trip_mid_exploration():
     assert head + drive(resumed, 8) == expected
 
 
+def test_a_resume_keeps_the_configured_candidates_and_exploration_period():
+    """The checkpoint's candidates and period replaced the configured ones: a resume with
+    oppo.chunk_candidates=[2,3,5] went on choosing among [4, ..., 64]. Now the chosen size is
+    decided again among the new candidates from the saved calibration (2 ms per call, 0.1 ms
+    per token, three scorers: 5 is the cheapest of them), and the new period holds."""
+    first = ChunkSizeController(candidates=(4, 8, 16, 32, 64), explore_every=50)
+    for _ in range(3):
+        c = first.next_chunk_size()
+        first.observe(c, 1.0, *_cost(c), scorers=3, pipeline=PIPE)
+    assert first.chunk_size == 16
+    resumed = ChunkSizeController(candidates=(2, 3, 5), explore_every=2)
+    note = resumed.load_state_dict(first.state_dict())
+    assert note.startswith("chunk size candidates [2, 3, 5], not the checkpoint's [4, 8, 16, 32, "
+                           "64]; chunk_size=5 from the cost model")
+    assert resumed.chunk_size == 5 and resumed.step == 3
+    c = resumed.next_chunk_size()
+    assert resumed.observe(c, 1.0, *_cost(c)).startswith("exploring chunk sizes [2, 3, 5]")  # step 4
+    same = ChunkSizeController(candidates=(4, 8, 16, 32, 64), explore_every=50)
+    assert same.load_state_dict(first.state_dict()) is None and same.chunk_size == 16
+
+
 def test_bad_candidates_are_rejected():
     with pytest.raises(ValueError, match="candidates"):
         ChunkSizeController(candidates=(0, 8))
@@ -227,3 +248,20 @@ def test_delta_state_dict_round_trip_mid_window():
     assert a.delta == b.delta == 2
     with pytest.raises(ValueError, match="delta_min <= delta_max"):
         DeltaController(delta_min=3, delta_max=2)
+
+
+def test_a_resume_keeps_delta_within_the_configured_bounds():
+    """A checkpoint's Delta of 8 stayed 8 after a resume with oppo.delta_max=2 until the next
+    window closed; now it starts within the run's bounds, and a shorter window keeps only the
+    rewards it can use."""
+    from oppo_ds.rollout.controllers import DeltaController
+
+    saved = DeltaController(delta_min=0, delta_max=8, window=10)
+    for r in range(6):
+        saved.observe(float(r))
+    lower = DeltaController(delta_min=0, delta_max=2, window=3)
+    assert lower.load_state_dict(saved.state_dict()) == "delta=2: the checkpoint's 8 is outside [0, 2]"
+    assert lower.delta == 2 and lower.rewards == [4.0, 5.0]
+    assert lower.observe(6.0).startswith("delta=2 (was 2): reward rising")  # capped at the new max
+    again = DeltaController(delta_min=0, delta_max=8, window=10)
+    assert again.load_state_dict(saved.state_dict()) is None and again.delta == 8

@@ -214,14 +214,28 @@ class ChunkSizeController:
                 "calibration": [list(x) for x in self.calibration],
                 "exploring": list(self.exploring), "trials": dict(self.trials)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.candidates = tuple(state["candidates"])
-        self.explore_every = state["explore_every"]
-        self.chunk_size = state["chunk_size"]
+    def load_state_dict(self, state: dict) -> Optional[str]:
+        """Continue from ``state``. The candidates and the exploration period stay this
+        controller's own (the run's config): a checkpoint's would override a changed
+        ``oppo.chunk_candidates`` silently. With other candidates the chosen size is decided
+        again from the saved calibration, and an exploration round keeps only sizes still
+        among them. Returns a message (to be logged) when the candidates changed."""
         self.step = state["step"]
         self.calibration = [tuple(x) for x in state["calibration"]]
-        self.exploring = list(state["exploring"])
-        self.trials = {int(k): v for k, v in state["trials"].items()}
+        self.chunk_size = state["chunk_size"]
+        self.exploring = [c for c in state["exploring"] if c in self.candidates]
+        self.trials = {int(k): v for k, v in state["trials"].items() if int(k) in self.candidates}
+        saved = tuple(state["candidates"])
+        if saved == self.candidates:
+            return None
+        text = f"chunk size candidates {list(self.candidates)}, not the checkpoint's {list(saved)}"
+        if self.chunk_size is not None and not self.exploring:
+            self.trials = {}
+            text += "; " + (self._from_model() if len(self.calibration) >= 2 else
+                            f"chunk_size={self.candidates[-1]}")
+            if len(self.calibration) < 2:
+                self.chunk_size = self.candidates[-1]
+        return text
 
 
 def slope(values: Sequence[float]) -> float:
@@ -279,6 +293,13 @@ class DeltaController:
     def state_dict(self) -> dict:
         return {"delta": self.delta, "rewards": list(self.rewards)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.delta = int(state["delta"])
-        self.rewards = list(state["rewards"])
+    def load_state_dict(self, state: dict) -> Optional[str]:
+        """Continue from ``state`` within this controller's own bounds and window (the run's
+        config: a checkpoint's Delta above a lowered ``oppo.delta_max`` would stay above it
+        until the next window closed). Returns a message (to be logged) when Delta moved."""
+        saved = int(state["delta"])
+        self.delta = min(max(saved, self.delta_min), self.delta_max)
+        self.rewards = list(state["rewards"])[-(self.window - 1):]
+        if self.delta != saved:
+            return f"delta={self.delta}: the checkpoint's {saved} is outside [{self.delta_min}, {self.delta_max}]"
+        return None
