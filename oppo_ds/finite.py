@@ -94,11 +94,14 @@ def check_experience(exp, models: dict[str, str], dtype: str, group=None) -> Non
                                             largest_magnitude(exp.old_values, mask)], dtype=torch.float64),
                               op=dist.ReduceOp.MAX, group=group).tolist()
     made = " and ".join(_count_line(*bad[name], name, "response tokens") for name in bad)
+    kl = ("; the rewards add ppo.kl_coef times the per-token KL estimate, which ppo.kl_estimator "
+          "k3 makes from exp(log-ratio) of reference and actor" if "rewards" in bad else "")
     raise NonFiniteError(
         f"{made}: every score, log-prob and value is finite, but the largest |score| is "
         f"{largest[0]:.3g} and the largest |value| {largest[1]:.3g}, beyond what fp32 holds "
-        "through GAE and whitening. Nothing of this step was trained on. A model whose outputs "
-        "are that large needs its head rescaled (ppo.reward_clip bounds the scores, not the values)")
+        f"through GAE and whitening{kl}. Nothing of this step was trained on. A model whose "
+        "outputs are that large needs its head rescaled (ppo.reward_clip bounds the scores, not "
+        "the values)")
 
 
 def check_update(metrics: dict, dtype: str) -> None:

@@ -70,6 +70,11 @@ def test_overflow_in_gae_names_the_magnitudes_that_caused_it():
     assert msg.startswith("nan advantages for 11 of 11 response tokens: every score, log-prob and "
                           "value is finite, but the largest |score| is "), msg
     assert "the largest |value| 3e+38" in msg and "ppo.reward_clip" in msg
+    assert "kl_estimator" not in msg
+    exp.rewards[1, 2] = float("inf")  # k3's exp of a large log-ratio
+    with pytest.raises(NonFiniteError, match=r"^inf rewards for 1 of 11 response tokens and nan "
+                                             r"advantages .* ppo.kl_estimator k3"):
+        check_experience(exp, MODELS, "fp32")
 
 
 def _one_rank_has_a_nan(rank, world, out):
