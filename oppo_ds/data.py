@@ -44,8 +44,10 @@ __all__ = [
 OVERLONG_POLICIES = ("error", "truncate", "skip")
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-# files a downloaded dataset holds beside its data (a hub snapshot's card and licence)
-_DOC_FILES = re.compile(r"(?i)^(readme|license|licence|notice|citation)([-_.].*)?$|.*\.md$")
+# files a downloaded dataset holds beside its data (a hub snapshot's card, licence and the
+# metadata older datasets carry)
+_DOC_FILES = re.compile(r"(?i)^(readme|license|licence|notice|citation)([-_.].*)?$|.*\.md$"
+                        r"|^dataset_infos?\.json$")
 # the split a file belongs to by its name or a folder's, as Hugging Face's hub layouts name
 # them (``data/train-00000-of-00002.parquet``, ``test.jsonl``, ``validation/0.parquet``)
 SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation",
@@ -144,7 +146,8 @@ def read_prompt_rows(
       ``test``/``eval`` at the start of the name), ``split`` picks them and the others are
       named in a log line; otherwise every file is read. Files are read in sorted order;
       hidden files and names starting with ``_`` (``_SUCCESS``) are skipped, and so are a
-      card and a licence (``README*``, ``LICENSE*``, ``*.md``); any other file is an error.
+      card, a licence and metadata (``README*``, ``LICENSE*``, ``*.md``,
+      ``dataset_infos.json``); any other file is an error.
 
     Each row's ``prompt_key`` field must be a non-blank string or a non-empty list of chat
     messages, each a mapping with string ``role`` and ``content``. Message keys whose value is

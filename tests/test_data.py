@@ -278,6 +278,7 @@ def test_a_hub_snapshot_reads_the_split_its_files_are_named_for(tmp_path, caplog
     (snap / "data").mkdir(parents=True)
     (snap / "README.md").write_text("---\nlicense: mit\n---\n")
     (snap / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    (snap / "dataset_infos.json").write_text('{"default": {"features": {}}}')  # older datasets
     write_parquet(snap / "data" / "train-00000-of-00002.parquet", TEXT_RECORDS[:2])
     write_parquet(snap / "data" / "train-00001-of-00002.parquet", TEXT_RECORDS[2:])
     write_parquet(snap / "data" / "test-00000-of-00001.parquet", [{"id": "z", "prompt": "h h"}])
