@@ -229,12 +229,13 @@ class ChunkSizeController:
         if saved == self.candidates:
             return None
         text = f"chunk size candidates {list(self.candidates)}, not the checkpoint's {list(saved)}"
-        if self.chunk_size is not None and not self.exploring:
+        if self.chunk_size is not None and not self.exploring:  # decided: decide again
             self.trials = {}
-            text += "; " + (self._from_model() if len(self.calibration) >= 2 else
-                            f"chunk_size={self.candidates[-1]}")
-            if len(self.calibration) < 2:
+            if len(self.calibration) >= 2:
+                text += "; " + self._from_model()
+            else:  # a single candidate was taken without calibrating
                 self.chunk_size = self.candidates[-1]
+                text += f"; chunk_size={self.chunk_size}"
         return text
 
 
