@@ -71,6 +71,20 @@ def prompt_file(root, n: int = 16) -> str:
     return path
 
 
+# a launcher's rendezvous variables that earlier tests of this process may have left behind:
+# a single `oppo-train` must not take them for its own (DeepSpeed then tries MPI discovery)
+LAUNCHER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                           "LOCAL_WORLD_SIZE"})
+
+
+def single_process_env() -> dict:
+    """This process's environment for an ``oppo-train`` subprocess of its own: no launcher
+    variables, one OpenMP thread."""
+    import os
+
+    return {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, "OMP_NUM_THREADS": "1"}
+
+
 def tiny_run_overrides(root, steps: int) -> list[str]:
     """Config overrides of a seconds-long PPO run on tiny models (no workload preparation)."""
     return [f"steps={steps}", "model.actor=tiny-llama", "model.reward=" + tiny_reward_dir(root),

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from _builders import single_process_env
 from oppo_ds.cli.train import build_parser, main, resolve_config
 from oppo_ds.config import ConfigError
 from oppo_ds.integrations import dschat_flags
@@ -211,10 +212,7 @@ def test_oppo_train_runs_a_dschat_command_line(tmp_path):
            "--enable_test_mode", "--test_stop_step", "2", "--output_dir", str(out),
            "--enable_oppo", "--oppo_chunk_size", "4", "--oppo_overcommit", "1",
            "logging.progress=false", "logging.tensorboard=false", "system.torch_threads=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=single_process_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--data_split has no effect" in proc.stderr
     summary = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])

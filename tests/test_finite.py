@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _builders import spawn_gloo, tiny_reward_dir, tiny_run_overrides
+from _builders import single_process_env, spawn_gloo, tiny_reward_dir, tiny_run_overrides
 from oppo_ds.engines.deepspeed_engine import find_free_port
 from oppo_ds.experience import Experience
 from oppo_ds.finite import NonFiniteError, check_experience, check_update
@@ -136,11 +136,8 @@ def test_the_gpu_sampling_path_carries_nan_to_the_steps_check():
 # --------------------------------------------------------------------- through oppo-train
 
 def _train(args, launcher: list[str] | None = None):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
     cmd = (launcher or [sys.executable, "-m"]) + ["oppo_ds.train", *args]
-    return subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=600)
+    return subprocess.run(cmd, env=single_process_env(), text=True, capture_output=True, timeout=600)
 
 
 def _nan_reward(root) -> str:

@@ -714,10 +714,9 @@ def test_a_resume_takes_the_configured_learning_rate(tmp_path):
     """As with DeepSpeed (test_engines): the Megatron engine's saved optimizer and scheduler
     state carried the checkpoint's peak learning rate and weight decay, which replaced the
     configured ones on resume; the configuration wins now, and the log says so."""
-    from _builders import tiny_run_overrides
+    from _builders import single_process_env, tiny_run_overrides
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = single_process_env()
     common = tiny_run_overrides(tmp_path, steps=2) + [
         "system.backend=megatron", "checkpoint.every=1", "ppo.lr_schedule=linear"]
 

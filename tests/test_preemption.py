@@ -14,21 +14,14 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _builders import tiny_run_overrides
+from _builders import single_process_env, tiny_run_overrides
 from oppo_ds.engines.deepspeed_engine import find_free_port
 from oppo_ds.preemption import PREEMPTED_EXIT, StopOnSignal
 from oppo_ds.telemetry import read_history
 
 
-# a launcher's rendezvous variables that earlier tests of this process may have left behind:
-# a single `oppo-train` must not take them for its own (DeepSpeed then tries MPI discovery)
-LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
-
-
 def _train(args, **kw):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen([sys.executable, "-m", "oppo_ds.train", *args], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "oppo_ds.train", *args], env=single_process_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
 
 
