@@ -81,6 +81,23 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     return requested and hybrid_engine_path != HYBRID_KERNELS
 
 
+def write_end_ids(path: str, ids: tuple[int, ...]) -> None:
+    """Set the ids this run's responses ended at as ``eos_token_id`` of the generation config
+    saved in ``path``, so that ``generate`` (or a server reading it) ends the exported actor's
+    responses where training ended them: the tokenizer's EOS, which the run also ends at, is
+    not always in a checkpoint's generation config, and ``generation.eos_token_ids`` may set
+    others. The config's other fields stay as the checkpoint had them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(path)
+    except OSError:  # the model wrote none
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    config.eos_token_id = ids[0] if len(ids) == 1 else list(ids)
+    config._from_model_config = False  # its own: no generate may rebuild it from config.json
+    config.save_pretrained(path)
+
+
 def gather_floats(values: list, group=None) -> list:
     """Concatenate a per-rank list (of floats, or of rows of floats) over the ranks of
     ``group`` (default: the world); small: per-sequence stats."""
@@ -714,5 +731,7 @@ class PPOTrainer(StagePlacement, Resumable):
                     model.save_pretrained(path, state_dict=state)
                 if self.is_main:
                     self.tokenizer.save_pretrained(path)
+                if self.is_main and name == "actor" and self.sampling.eos_token_ids:
+                    write_end_ids(path, self.sampling.eos_token_ids)
         if dist.is_initialized():
             dist.barrier()

@@ -605,6 +605,23 @@ def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_p
         run(cache_dir, tmp_path / "bad", "steps=1", f"model.actor={chat}", "generation.eos_token_ids=[2, 99]")
 
 
+def test_the_exported_actor_ends_responses_where_training_did(cache_dir, tmp_path):
+    """The exported actor's generation config names the ids the run's responses ended at, so
+    that Hugging Face's generate ends them there too: before, it kept the checkpoint's, which
+    a run's generation.eos_token_ids (or the tokenizer's EOS, when the checkpoint's generation
+    config leaves it out) differs from."""
+    from transformers import AutoModelForCausalLM
+
+    trainer, _ = run(cache_dir, tmp_path / "base", "steps=1", "checkpoint.export_hf=false")
+    chat = _chat_style_actor(trainer.sources.actor, tmp_path)  # its generation config: [3, 2]
+    run(cache_dir, tmp_path / "unk", "steps=1", f"model.actor={chat}", "generation.eos_token_ids=[3]")
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "unk" / "actor"))
+    assert exported.generation_config.eos_token_id == 3
+    with open(tmp_path / "unk" / "actor" / "generation_config.json") as f:
+        saved = json.load(f)
+    assert saved["bos_token_id"] == 1 and saved["pad_token_id"] == 0  # the rest as it was
+
+
 def test_a_reward_model_of_another_tokenizer_stops_before_any_engine(tmp_path, monkeypatch):
     """A reward checkpoint whose embedding is smaller than the actor's tokenizer stopped the
     first step with an IndexError traceback (a device-side assert on a GPU); now the run stops
