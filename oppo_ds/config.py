@@ -337,10 +337,11 @@ class SystemConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "builtin"
-    """Prompt file or directory: .jsonl, .json (an array or JSON lines), .parquet, a datasets
-    save_to_disk directory, a directory of such files (a hub snapshot: data/train-*.parquet),
-    or `builtin` (the built-in long-tail workload's prompts)."""
+    prompts: Union[str, list[str]] = "builtin"
+    """Prompt file or directory: .jsonl, .json (an array or JSON lines; either may be
+    compressed: .gz, .bz2, .xz), .parquet, a datasets save_to_disk directory, a directory of
+    such files (a hub snapshot: data/train-*.parquet), or `builtin` (the built-in long-tail
+    workload's prompts). A list of them: their prompts together, each once per epoch."""
     prompt_key: str = "prompt"
     """Field holding the prompt (a string or a list of chat messages; messages ending with an
     assistant message are continued, as TRL does: the response carries on its text)."""
@@ -354,6 +355,26 @@ class DataConfig:
     tokens, or drop them (truncated and dropped prompts are counted and logged)."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded)."""
+    phase_split: Optional[list[float]] = None
+    """Weights of the SFT, reward-model and PPO parts of each prompt source, as
+    DeepSpeed-Chat's --data_split (e.g. [2, 4, 4]): each source is cut, in a permutation
+    seeded by phase_split_seed, into three parts of these shares, and only the third, the PPO
+    part, is read (the same prompts as DeepSpeed-Chat's step 3). Null: every prompt."""
+    phase_split_seed: Optional[int] = None
+    """Seed of phase_split's permutation (DeepSpeed-Chat's --seed); null: `seed`."""
+
+    def __post_init__(self):
+        sources = [self.prompts] if isinstance(self.prompts, str) else self.prompts
+        _require(len(sources) > 0, "prompts", "an empty list: name a prompt file or directory")
+        _require(isinstance(self.prompts, str) or "builtin" not in sources, "prompts",
+                 "builtin is the built-in workload's prompts alone; it cannot be listed with files")
+        _require(all(s.strip() for s in sources), "prompts", f"an empty path in {self.prompts!r}")
+        if self.phase_split is not None:
+            _require(len(self.phase_split) == 3 and min(self.phase_split) >= 0, "phase_split",
+                     f"three weights >= 0 (SFT, reward model, PPO), got {self.phase_split}")
+            _require(self.phase_split[2] > 0, "phase_split",
+                     f"the third weight is the PPO part's share and must be > 0, got "
+                     f"{self.phase_split}")
 
 
 @dataclass
@@ -467,7 +488,9 @@ def _describe(tp) -> str:
     if tp is type(None):
         return "null"
     if origin is list:
-        return f"a list, each {_describe(typing.get_args(tp)[0])}"
+        item = typing.get_args(tp)[0]
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+        return f"a list of {plural[item]}" if item in plural else f"a list, each {_describe(item)}"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 

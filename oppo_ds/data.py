@@ -16,13 +16,17 @@ The built-in synthetic workload lives in its own module.
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
+import gzip
 import hashlib
 import json
 import logging
+import lzma
 import os
 import random
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -38,12 +42,17 @@ __all__ = [
     "PromptStream",
     "encode_prompts",
     "left_pad",
+    "phase_part",
     "read_prompt_rows",
 ]
 
 OVERLONG_POLICIES = ("error", "truncate", "skip")
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# JSON files may come compressed (Anthropic/hh-rlhf ships .jsonl.gz), as `datasets` reads them
+_COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet") + tuple(
+    f".{kind}{zipped}" for kind in ("jsonl", "json") for zipped in _COMPRESSED)
+_DECOMPRESS_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 # files a downloaded dataset holds beside its data (a hub snapshot's card, licence and the
 # metadata older datasets carry)
 _DOC_FILES = re.compile(r"(?i)^(readme|license|licence|notice|citation)([-_.].*)?$|.*\.md$"
@@ -79,6 +88,8 @@ class PromptRow:
     """The row's ``"id"`` field when present, else ``"<basename>:<line>"``; unique per read."""
     unit: str = "line"
     """``"line"`` (jsonl) or ``"row"`` (parquet, HF datasets): how ``line`` is reported."""
+    default_id: bool = False
+    """The row had no ``"id"``: ``id`` was made from its file's name and its line."""
 
     @property
     def where(self) -> str:
@@ -128,15 +139,19 @@ def _where(source: str, line: int, unit: str) -> str:
 
 
 def read_prompt_rows(
-    path: str, prompt_key: str = "prompt", split: str = "train"
+    path: str | os.PathLike | Sequence[str | os.PathLike], prompt_key: str = "prompt",
+    split: str = "train", phase_split: Optional[Sequence[float]] = None, phase_seed: int = 0,
 ) -> list[PromptRow]:
-    """Read prompts from ``path``.
+    """Read prompts from ``path``, or from several paths one after another (their rows
+    concatenated in the order given).
 
-    ``path`` may be:
+    Each path may be:
 
     - a ``.jsonl`` file: one JSON object per line. Blank lines at the end are ignored; a blank
       line before the last record is an error (it usually means a broken export).
     - a ``.json`` file: a JSON array of objects (rows counted from 0), or JSON lines.
+    - either of them compressed: ``.jsonl.gz``, ``.json.gz``, ``.bz2``, ``.xz`` (lines are
+      counted in the decompressed text).
     - a ``.parquet`` file.
     - a directory written by ``datasets.Dataset.save_to_disk`` or
       ``datasets.DatasetDict.save_to_disk`` (then ``split`` picks the split).
@@ -155,12 +170,65 @@ def read_prompt_rows(
     templates would see them as set.
 
     The row id is the row's ``"id"`` field (a string or an integer) when present and not null,
-    else ``"<basename>:<line>"``. Ids must be unique across everything read.
+    else ``"<basename>:<line>"``; where two files read share a basename
+    (``en/train.jsonl``, ``de/train.jsonl``), their rows' ids name the path from the folder
+    the two have in common instead (``en/train.jsonl:3``). Ids must be unique across
+    everything read.
+
+    ``phase_split`` (three weights, as DeepSpeed-Chat's ``--data_split``): of each path's rows,
+    only the PPO part (:func:`phase_part`, seeded by ``phase_seed``) is returned, in file
+    order. Every row is checked all the same.
 
     Raises:
         DataError: naming the file and line (or row) of the first bad row, or the missing path.
     """
-    path = os.fspath(path)  # a pathlib.Path works too
+    paths = [os.fspath(path)] if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
+    if not paths:
+        raise DataError("no prompt source given")
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise DataError(f"{twice[0]}: named twice among the prompt sources {paths}")
+    rows = []
+    for source in paths:
+        read = _read_source(source, prompt_key, split)
+        if phase_split is not None:
+            kept = phase_part(len(read), phase_split, phase_seed)
+            logger.info("%s: %d of %d prompts, the PPO part of data.phase_split %s (seed %d)",
+                        source, len(kept), len(read), list(phase_split), phase_seed)
+            read = [read[i] for i in sorted(kept)]
+        rows.extend(read)
+    _name_default_ids(rows)
+    _check_unique_ids(rows)
+    return rows
+
+
+def phase_part(n: int, weights: Sequence[float], seed: int, part: int = 2) -> list[int]:
+    """Indices of ``part`` (0: SFT, 1: reward model, 2: PPO) of ``n`` rows cut as
+    DeepSpeed-Chat cuts a data set by ``--data_split`` (``dschat/utils/data/data_utils.py``,
+    ``get_raw_dataset_split_index``), so that its step 3 and oppo-ds read the same prompts:
+
+    - part ``i`` ends at ``sum_{j <= i} round(n * w_j / sum(w))`` (Python's round), and
+      whatever that overshoots ``n`` by is taken off every end, so the first part absorbs the
+      rounding (``n=5``, weights 1,1,1: sizes 1, 2, 2);
+    - the rows are permuted by numpy's ``RandomState(seed).shuffle`` of ``arange(n)``
+      (``uint32``) and part ``i`` is that permutation's slice between its bounds.
+
+    The indices come in the permutation's order.
+    """
+    import numpy as np  # deferred: only the split needs it
+
+    total = float(sum(weights))
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / total * float(n))))
+    excess = bounds[-1] - n
+    bounds = [0] + [b - excess for b in bounds[1:]]
+    order = np.arange(n, dtype=np.uint32 if n < np.iinfo(np.uint32).max - 1 else np.int64)
+    np.random.RandomState(seed=seed).shuffle(order)
+    return [int(i) for i in order[bounds[part]:bounds[part + 1]]]
+
+
+def _read_source(path: str, prompt_key: str, split: str) -> list[PromptRow]:
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file or directory")
     if os.path.isdir(path):
@@ -172,8 +240,25 @@ def read_prompt_rows(
                 rows.extend(_read_file(file, prompt_key))
     else:
         rows = _read_file(path, prompt_key)
-    _check_unique_ids(rows)
     return rows
+
+
+def _name_default_ids(rows: list[PromptRow]) -> None:
+    """Rows of files sharing a basename take ids naming the path below the files' common
+    folder (``"<basename>:<line>"`` would give two rows one id)."""
+    by_name: dict[str, set[str]] = {}
+    for row in rows:
+        if row.default_id:
+            by_name.setdefault(_label(row.source), set()).add(os.path.normpath(row.source))
+    rename = {}
+    for sources in by_name.values():
+        if len(sources) > 1:
+            common = os.path.commonpath([os.path.abspath(s) for s in sources])
+            rename.update({s: os.path.relpath(os.path.abspath(s), common) for s in sources})
+    for row in rows:
+        source = os.path.normpath(row.source)
+        if row.default_id and source in rename:
+            row.id = f"{rename[source]}:{row.line}"
 
 
 def _is_hf_datasets_dir(path: str) -> bool:
@@ -192,8 +277,9 @@ def _list_data_files(path: str, split: str) -> list[str]:
             (files if name.endswith(_FILE_SUFFIXES) else unexpected).append(full)
     if unexpected:
         raise DataError(
-            f"{path}: a prompt directory must hold only .jsonl, .json and .parquet files "
-            f"(or be a datasets save_to_disk directory); found "
+            f"{path}: a prompt directory must hold only .jsonl, .json (either may be "
+            f"compressed: .gz, .bz2, .xz) and .parquet files (or be a datasets save_to_disk "
+            f"directory); found "
             f"{[os.path.relpath(f, path) for f in unexpected]}"
         )
     if not files:
@@ -223,56 +309,84 @@ def _split_of(relative: str) -> Optional[str]:
 
 
 def _read_file(path: str, prompt_key: str) -> list[PromptRow]:
-    if path.endswith(".jsonl"):
+    kind = _uncompressed_name(path)
+    if kind.endswith(".jsonl"):
         return _read_jsonl(path, prompt_key)
-    if path.endswith(".json"):
+    if kind.endswith(".json"):
         return _read_json(path, prompt_key)
     if path.endswith(".parquet"):
         return _read_parquet(path, prompt_key)
     raise DataError(
-        f"{path}: unsupported file type; expected .jsonl, .json, .parquet, or a datasets "
-        "save_to_disk directory"
+        f"{path}: unsupported file type; expected .jsonl, .json (either may be compressed: "
+        ".gz, .bz2, .xz), .parquet, or a datasets save_to_disk directory"
     )
+
+
+def _uncompressed_name(path: str) -> str:
+    """``path`` without a compression suffix (``a.jsonl.gz`` -> ``a.jsonl``)."""
+    stem, suffix = os.path.splitext(path)
+    return stem if suffix in _COMPRESSED else path
+
+
+def _open_bytes(path: str):
+    """``path`` opened for reading bytes, decompressed on the fly where its name says so."""
+    opener = _COMPRESSED.get(os.path.splitext(path)[1], open)
+    return opener(path, "rb")
+
+
+def _lines(path: str):
+    """``(line_no, bytes)`` of ``path``'s (decompressed) lines, from 1; a file that does not
+    decompress is a DataError naming the last line read."""
+    line_no = 0
+    with _open_bytes(path) as f:
+        try:
+            for line_no, raw in enumerate(f, start=1):
+                yield line_no, raw
+        except _DECOMPRESS_ERRORS as e:
+            raise DataError(f"{path}: cannot decompress after line {line_no}: "
+                            f"{type(e).__name__}: {e}") from None
 
 
 def _read_jsonl(path: str, prompt_key: str) -> list[PromptRow]:
     rows: list[PromptRow] = []
     blank_line = None  # first blank line not yet followed by a record
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                reason = f"{e.reason} at byte {e.start}"
-                raise DataError(f"{where}: not valid UTF-8 ({reason})") from None
-            if not text.strip():
-                blank_line = blank_line or line_no
-                continue
-            if blank_line is not None:
-                raise DataError(
-                    f"{path}:{blank_line}: blank line before the end of the file "
-                    f"(next record at line {line_no})"
-                )
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
-            rows.append(_make_row(record, prompt_key, path, line_no, "line"))
+    for line_no, raw in _lines(path):
+        where = f"{path}:{line_no}"
+        try:
+            text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            reason = f"{e.reason} at byte {e.start}"
+            raise DataError(f"{where}: not valid UTF-8 ({reason})") from None
+        if not text.strip():
+            blank_line = blank_line or line_no
+            continue
+        if blank_line is not None:
+            raise DataError(
+                f"{path}:{blank_line}: blank line before the end of the file "
+                f"(next record at line {line_no})"
+            )
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
+        rows.append(_make_row(record, prompt_key, path, line_no, "line"))
     return rows
 
 
 def _read_json(path: str, prompt_key: str) -> list[PromptRow]:
     """A JSON array of objects (rows from 0), or JSON lines under a .json name."""
-    with open(path, "rb") as f:
-        head = f.read(4096).decode("utf-8-sig", errors="replace").lstrip()
-    if not head.startswith("["):
-        return _read_jsonl(path, prompt_key)
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            records = json.load(f)
+        with _open_bytes(path) as f:
+            data = f.read(4096)
+            if not data.decode("utf-8-sig", errors="replace").lstrip().startswith("["):
+                return _read_jsonl(path, prompt_key)
+            data += f.read()
+    except _DECOMPRESS_ERRORS as e:
+        raise DataError(f"{path}: cannot decompress: {type(e).__name__}: {e}") from None
+    try:
+        records = json.loads(data.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -325,12 +439,16 @@ def _make_row(
         )
     row_id = record.get("id")
     if row_id is None:
-        row_id = f"{os.path.basename(os.path.normpath(source))}:{line}"
-    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True)
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         raise DataError(f"{where}: 'id' must be a string or an integer, got {_type_name(row_id)}")
-    elif isinstance(row_id, str) and not row_id.strip():
+    if isinstance(row_id, str) and not row_id.strip():
         raise DataError(f"{where}: 'id' is empty")
     return PromptRow(value, source, line, str(row_id), unit)
+
+
+def _label(source: str) -> str:
+    return os.path.basename(os.path.normpath(source))
 
 
 def _check_messages(messages: list[Any], where: str, prompt_key: str) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ class Sources:
     reward: str
     critic: str
     tokenizer: Optional[str]
-    prompts: str
+    prompts: str | list[str]
     builtin_prompts: bool
     oracle: bool = False  # workload.kind length_oracle: models from config, random weights
 
@@ -84,6 +84,21 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
                    tokenizer=tokenizer,
                    prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
                    builtin_prompts=d.prompts == "builtin")
+
+
+def read_rows(cfg: Config, prompts: str | list[str]):
+    """The prompt rows of ``prompts`` (a path or several) as ``cfg.data`` says to read them."""
+    from .data import read_prompt_rows
+
+    d = cfg.data
+    return read_prompt_rows(prompts, prompt_key=d.prompt_key, split=d.split,
+                            phase_split=d.phase_split,
+                            phase_seed=cfg.seed if d.phase_split_seed is None else d.phase_split_seed)
+
+
+def prompts_label(prompts: str | list[str]) -> str:
+    """A prompt source or several, for a message."""
+    return prompts if isinstance(prompts, str) else " + ".join(prompts)
 
 
 def oracle_vocab(arch: str) -> int:

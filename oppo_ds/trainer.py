@@ -23,7 +23,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    truncated_is_weights)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
-from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt_rows
+from .data import DataError, PromptStream, encode_prompts, left_pad
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .finite import NonFiniteError, check_experience, check_update
@@ -38,7 +38,8 @@ from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, st
                                 stream_generate)
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
-from .sources import check_paths, check_sources, end_ids, resolve_sources, run_tokenizer
+from .sources import (check_paths, check_sources, end_ids, prompts_label, read_rows, resolve_sources,
+                      run_tokenizer)
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
@@ -233,13 +234,14 @@ class PPOTrainer(StagePlacement, Resumable):
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _load_prompts(self, path: str):
+    def _load_prompts(self, prompts: str | list[str]):
         d, g = self.cfg.data, self.cfg.generation
-        if self.sources.oracle and path == "builtin":
+        if self.sources.oracle and prompts == "builtin":
             w = self.cfg.workload
             return wl.oracle_prompts(w.num_prompts, len(self.tokenizer), self.cfg.seed, w.median_len,
                                      w.tail_sigma, g.max_new_tokens)
-        rows = read_prompt_rows(path, prompt_key=d.prompt_key, split=d.split)
+        rows = read_rows(self.cfg, prompts)
+        path = prompts_label(prompts)
         encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
                                  chat_template=d.chat_template)
         if self.is_main and (encoded.n_truncated or encoded.n_skipped):

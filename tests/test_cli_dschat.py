@@ -4,6 +4,7 @@ The flag mapping, its errors and warnings, the conversion of DeepSpeed-Chat's st
 critic checkpoint and JSON data, and one real short run from DeepSpeed-Chat flags on tiny
 models whose outputs land where DeepSpeed-Chat puts them (output_dir/actor, /critic).
 """
+import gzip
 import json
 import os
 import subprocess
@@ -135,16 +136,79 @@ def test_data_path_rules(tmp_path):
     data.write_text(json.dumps([{"prompt": "Human: hi Assistant:", "chosen": "a", "rejected": "b"},
                                 {"prompt": "Human: yo Assistant:", "chosen": "c",
                                  "rejected": "d"}]))
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"prompt": "Human: hey Assistant:"}) + "\n")
     from oppo_ds.data import read_prompt_rows
 
     assert dschat_flags.data_source([str(data)]) == str(data)
+    assert dschat_flags.data_source([str(data), str(more)]) == [str(data), str(more)]
     rows = read_prompt_rows(str(data))  # DeepSpeed-Chat's JSON array, read as it is
     assert [r.text_or_messages for r in rows] == ["Human: hi Assistant:", "Human: yo Assistant:"]
     for paths, text in ((["Dahoas/rm-static"], "never downloads"),
-                        (["a", "b"], "one prompt source"),
-                        (["local/jsonfile"], "pass that file's path")):
+                        ([str(data), "b.jsonl"], "'b.jsonl' is not a local file"),
+                        ([str(data), "ppo.kl_coef=0.1"], "put overrides before it"),
+                        (["local/jsonfile"], "pass that file's path"),
+                        ([], "no path given")):
         with pytest.raises(ConfigError, match=text):
             dschat_flags.data_source(paths)
+
+
+def test_data_split_reads_step_3s_part_of_each_data_path(tmp_path):
+    """DeepSpeed-Chat's step 3 reads the third part of each --data_path (--data_split, 2,4,4
+    by default) and blends them; oppo-train read every prompt (a warning said so), so a run
+    trained on the reward model's own prompts and --num_train_epochs counted 2.5x the steps."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.json"
+    first.write_text("".join(json.dumps({"prompt": f"a {i}"}) + "\n" for i in range(20)))
+    second.write_text(json.dumps([{"prompt": f"b {i}"} for i in range(10)]))
+    base = ["--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
+            "--num_train_epochs", "1"]
+    cfg, notes = resolve(base + ["--data_path", str(first), str(second)], prepare=True)
+    assert cfg.data.prompts == [str(first), str(second)]
+    assert cfg.data.phase_split == [2.0, 4.0, 4.0]  # DeepSpeed-Chat's default
+    assert cfg.data.phase_split_seed is None  # the run's seed (--seed), as DeepSpeed-Chat
+    assert cfg.steps == (8 + 4) // 2  # one pass over the 40% of each source, 2 per step
+    assert not [n for n in notes if "data_split" in n]
+    cfg, _ = resolve(base + ["--data_split", "6,2,2", "--data_path", str(first)], prepare=True)
+    assert (cfg.data.phase_split, cfg.steps) == ([6.0, 2.0, 2.0], 2)
+    cfg, _ = resolve(base + ["data.phase_split=null", "--data_path", str(first)], prepare=True)
+    assert (cfg.data.phase_split, cfg.steps) == (None, 10)  # a dotted override wins
+    for text, message in (("2,4", "three comma-separated weights"),
+                          ("2,4,x", "three comma-separated weights"),
+                          ("1,-1,4", "three comma-separated weights"),
+                          ("5,5,0", "leaves step 3 no prompts")):
+        with pytest.raises(ConfigError, match=message):
+            resolve(["--data_split", text, "--data_path", str(first)])
+    _, notes = resolve(["--data_split", "2,4,4"])
+    assert "--data_split has no effect without --data_path" in "\n".join(notes)
+
+
+def test_the_split_is_deepspeed_chats_own(tmp_path):
+    """phase_part against DeepSpeed-Chat's get_raw_dataset_split_index itself, from a
+    DeepSpeedExamples tree at 3d83278 named by OPPO_DSCHAT_ROOT."""
+    root = os.environ.get("OPPO_DSCHAT_ROOT")
+    app = os.path.join(root or "", "applications", "DeepSpeed-Chat")
+    if not root or not os.path.isfile(os.path.join(app, "dschat", "utils", "data",
+                                                   "data_utils.py")):
+        pytest.skip("OPPO_DSCHAT_ROOT does not point at a DeepSpeedExamples tree (CI has no "
+                    "network to fetch one; the local check is recorded in docs/deepspeed-chat.md)")
+    sys.path.insert(0, app)
+    try:
+        from dschat.utils.data.data_utils import get_raw_dataset_split_index
+    finally:
+        sys.path.remove(app)
+    from oppo_ds.data import phase_part
+
+    checked = 0
+    for n in (1, 5, 8, 10, 33, 1001):
+        for split in ("2,4,4", "1,1,1", "6,2,2", "0,0,1", "1,0,9", "0.5,0.25,0.25"):
+            for seed in (0, 1234):
+                weights = dschat_flags.phase_weights(split)
+                for part in range(3):
+                    theirs = get_raw_dataset_split_index(0, str(tmp_path), "x", seed, "train",
+                                                         split, part, n, rebuild=part == 0)
+                    assert phase_part(n, weights, seed, part) == theirs, (n, split, seed, part)
+                    checked += 1
+    assert checked == 6 * 6 * 2 * 3
 
 
 def _save_dschat_checkpoints(root, vocab_size):
@@ -198,23 +262,28 @@ def test_oppo_train_runs_a_dschat_command_line(tmp_path):
     from oppo_ds.workload import VOCAB
 
     _save_dschat_checkpoints(tmp_path, len(VOCAB))
-    data = tmp_path / "train.json"
+    data = tmp_path / "train.json"  # DeepSpeed-Chat's local/jsonfile format
     data.write_text(json.dumps([{"prompt": f"want a b {x} ->", "chosen": "x", "rejected": "y"}
-                                for x in "abcdefgh"]))
+                                for x in "abcdefghij"]))
+    more = tmp_path / "more.jsonl.gz"  # a second source, compressed
+    more.write_bytes(gzip.compress("".join(json.dumps({"prompt": f"want b a {x} ->"}) + "\n"
+                                           for x in "abcde").encode()))
     out = tmp_path / "step3"
     cmd = [sys.executable, "-m", "oppo_ds.train",
            "--actor_model_name_or_path", str(tmp_path / "actor"),
            "--critic_model_name_or_path", str(tmp_path / "critic"),
-           "--data_path", str(data), "--data_split", "2,4,4", "--num_padding_at_beginning", "0",
+           "--data_split", "2,4,4", "--num_padding_at_beginning", "0",
            "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
            "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
            "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--seed", "1",
            "--enable_test_mode", "--test_stop_step", "2", "--output_dir", str(out),
            "--enable_oppo", "--oppo_chunk_size", "4", "--oppo_overcommit", "1",
-           "logging.progress=false", "logging.tensorboard=false", "system.torch_threads=1"]
+           "logging.progress=false", "logging.tensorboard=false", "system.torch_threads=1",
+           "--data_path", str(data), str(more)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=single_process_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--data_split has no effect" in proc.stderr
+    assert f"{data}: 4 of 10 prompts, the PPO part of data.phase_split" in proc.stderr
+    assert f"{more}: 2 of 5 prompts" in proc.stderr
     summary = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
     assert summary["steps"] == 2
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

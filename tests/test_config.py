@@ -264,7 +264,14 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     # was a ValueError traceback from the engine, after the models were loaded
     (["system.offload=true"], "system.offload", "needs zero_stage 1, 2 or 3"),
     (["generation.eos_token_ids=[2, -1]"], "generation.eos_token_ids", ">= 0"),
-    (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list, each an integer"),
+    (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list of integers"),
+    (["data.prompts=[]"], "data.prompts", "an empty list"),
+    (["data.prompts=[builtin, a.jsonl]"], "data.prompts", "cannot be listed with files"),
+    (["data.prompts=[a.jsonl, ' ']"], "data.prompts", "an empty path"),
+    (["data.prompts=[a.jsonl, 3]"], "data.prompts", "a string or a list of strings"),
+    (["data.phase_split=[2, 4]"], "data.phase_split", "three weights >= 0"),
+    (["data.phase_split=[2, -4, 4]"], "data.phase_split", "three weights >= 0"),
+    (["data.phase_split=[5, 5, 0]"], "data.phase_split", "the PPO part's share and must be > 0"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

@@ -14,6 +14,7 @@ from oppo_ds.data import (
     PromptStream,
     encode_prompts,
     left_pad,
+    phase_part,
     read_prompt_rows,
 )
 
@@ -244,7 +245,7 @@ def test_path_errors(tmp_path):
     other.write_text("prompt\na\n")
     with pytest.raises(DataError, match="unsupported file type"):
         read_prompt_rows(str(other))
-    with pytest.raises(DataError, match=r"only .jsonl, .json and .parquet files.*\['p.csv'\]"):
+    with pytest.raises(DataError, match=r"only .jsonl, .json .*and .parquet files.*\['p.csv'\]"):
         read_prompt_rows(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -307,6 +308,135 @@ def test_missing_split(tmp_path):
     datasets.DatasetDict(train=ds).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match=r"no split 'validation'; the dataset has \['train'\]"):
         read_prompt_rows(str(tmp_path / "dd"), split="validation")
+
+
+@pytest.mark.parametrize("suffix, opener", [(".gz", "gzip"), (".bz2", "bz2"), (".xz", "lzma")])
+def test_compressed_json_files_read_as_the_plain_ones(tmp_path, suffix, opener):
+    """Anthropic/hh-rlhf ships train.jsonl.gz (datasets reads it); .jsonl.gz was refused.
+    Errors count the decompressed text's lines."""
+    import importlib
+
+    module = importlib.import_module(opener)
+    expected = [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
+    lines = "".join(json.dumps(r) + "\n" for r in TEXT_RECORDS).encode()
+    jsonl = tmp_path / f"p.jsonl{suffix}"
+    jsonl.write_bytes(module.compress(lines))
+    array = tmp_path / f"a.json{suffix}"
+    array.write_bytes(module.compress(json.dumps(TEXT_RECORDS).encode()))
+    assert as_tuples(read_prompt_rows(str(jsonl))) == expected
+    assert as_tuples(read_prompt_rows(str(array))) == expected
+    jsonl.write_bytes(module.compress(lines + b'{"prompt": }\n'))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(jsonl))}:{len(TEXT_RECORDS) + 1}: "
+                                        "invalid JSON"):
+        read_prompt_rows(str(jsonl))
+
+
+def test_a_compressed_file_that_does_not_decompress_is_named(tmp_path):
+    import gzip
+
+    plain = tmp_path / "plain.jsonl.gz"  # not compressed at all
+    plain.write_text('{"prompt": "a"}\n')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(plain))}: cannot decompress after "
+                                        r"line 0: BadGzipFile"):
+        read_prompt_rows(str(plain))
+    whole = gzip.compress(b"".join(b'{"prompt": "a b c d e f g"}\n' for _ in range(2000)))
+    cut = tmp_path / "cut.jsonl.gz"  # a download that stopped short
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=rf"^{re.escape(str(cut))}: cannot decompress after line "
+                                        r"\d+: EOFError"):
+        read_prompt_rows(str(cut))
+    array = tmp_path / "a.json.gz"
+    array.write_bytes(gzip.compress(b'[{"prompt": "a"}]')[:-6])
+    with pytest.raises(DataError, match=rf"^{re.escape(str(array))}: cannot decompress"):
+        read_prompt_rows(str(array))
+
+
+def test_files_sharing_a_name_in_different_folders_get_distinct_ids(tmp_path):
+    """hh-rlhf's layout: helpful-base/train.jsonl.gz, harmless-base/train.jsonl.gz, ...: the
+    default ids (``train.jsonl.gz:1`` twice) were a duplicate-id error. Files whose names
+    collide take the path from their common folder; the others keep their basename."""
+    import gzip
+
+    snap = tmp_path / "hh-rlhf"
+    for folder in ("helpful-base", "harmless-base"):
+        (snap / folder).mkdir(parents=True)
+        for split in ("train", "test"):
+            text = "".join(json.dumps({"prompt": f"{folder} {split} {i}"}) + "\n" for i in range(2))
+            (snap / folder / f"{split}.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    write_jsonl(snap / "train-extra.jsonl", [{"prompt": "extra"}])
+    rows = read_prompt_rows(str(snap))
+    assert [(r.id, r.text_or_messages) for r in rows] == [
+        ("harmless-base/train.jsonl.gz:1", "harmless-base train 0"),
+        ("harmless-base/train.jsonl.gz:2", "harmless-base train 1"),
+        ("helpful-base/train.jsonl.gz:1", "helpful-base train 0"),
+        ("helpful-base/train.jsonl.gz:2", "helpful-base train 1"),
+        ("train-extra.jsonl:1", "extra")]
+    # explicit ids that collide are still an error, naming both rows
+    write_jsonl(snap / "train-ids.jsonl", [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}])
+    with pytest.raises(DataError, match="duplicate id 'x'"):
+        read_prompt_rows(str(snap))
+
+
+def test_several_sources_read_one_after_another(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_jsonl(tmp_path / "a" / "train.jsonl", [{"prompt": "a1"}, {"prompt": "a2"}])
+    second = write_jsonl(tmp_path / "b" / "train.jsonl", [{"prompt": "b1"}])
+    third = write_parquet(tmp_path / "c.parquet", [{"id": "c", "prompt": "c1"}])
+    rows = read_prompt_rows([second, first, third])
+    assert [(r.id, r.text_or_messages, r.source) for r in rows] == [
+        ("b/train.jsonl:1", "b1", second), ("a/train.jsonl:1", "a1", first),
+        ("a/train.jsonl:2", "a2", first), ("c", "c1", third)]
+    assert as_tuples(read_prompt_rows([third])) == [("c1", "c")]
+    with pytest.raises(DataError, match=rf"^{re.escape(first)}: named twice"):
+        read_prompt_rows([first, third, first])
+    with pytest.raises(DataError, match="no prompt source given"):
+        read_prompt_rows([])
+    clash = write_jsonl(tmp_path / "d.jsonl", [{"id": "c", "prompt": "d1"}])
+    with pytest.raises(DataError, match=rf"{re.escape(clash)}:1: duplicate id 'c' \(first at "
+                                        rf"{re.escape(third)}: row 0\)"):
+        read_prompt_rows([third, clash])
+
+
+def test_phase_part_cuts_as_deepspeed_chat_does():
+    """DeepSpeed-Chat's --data_split: part bounds from rounded shares, the overshoot taken off
+    every end (so the first part absorbs it), then slices of numpy's RandomState(seed)
+    permutation of arange(n)."""
+    import numpy as np
+
+    # n=10, 2,4,4: bounds 0, 2, 6, 10
+    perm = np.arange(10, dtype=np.uint32)
+    np.random.RandomState(seed=1234).shuffle(perm)
+    parts = [phase_part(10, [2, 4, 4], 1234, part) for part in range(3)]
+    assert parts == [perm[0:2].tolist(), perm[2:6].tolist(), perm[6:10].tolist()]
+    assert phase_part(10, [2.0, 4.0, 4.0], 1234) == parts[2]  # part 2, PPO's, by default
+    # n=5, 1,1,1: round(5/3) = 2 three times is 6, one too many: sizes 1, 2, 2
+    assert [len(phase_part(5, [1, 1, 1], 0, part)) for part in range(3)] == [1, 2, 2]
+    # n=8, 2,4,4: round(1.6) = 2, round(3.2) = 3 twice: 2, 3, 3
+    assert [len(phase_part(8, [2, 4, 4], 0, part)) for part in range(3)] == [2, 3, 3]
+    for n, weights in ((1, [1, 1, 1]), (7, [0, 0, 1]), (100, [6, 2, 2]), (33, [1, 0, 9])):
+        cut = [phase_part(n, weights, 5, part) for part in range(3)]
+        assert sorted(i for part in cut for i in part) == list(range(n)), (n, weights)
+    assert phase_part(7, [0, 0, 1], 5) != list(range(7))  # permuted, all of it
+    assert phase_part(100, [2, 4, 4], 1) != phase_part(100, [2, 4, 4], 2)
+
+
+def test_phase_split_reads_the_ppo_part_of_each_source(tmp_path, caplog):
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}"} for i in range(10)])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}"} for i in range(5)])
+    with caplog.at_level("INFO", logger="oppo_ds.data"):
+        rows = read_prompt_rows([first, second], phase_split=[2, 4, 4], phase_seed=7)
+    expected = ([f"a{i}" for i in sorted(phase_part(10, [2, 4, 4], 7))]
+                + [f"b{i}" for i in sorted(phase_part(5, [2, 4, 4], 7))])
+    assert [r.text_or_messages for r in rows] == expected  # in file order
+    assert len(rows) == 4 + 2
+    assert f"{first}: 4 of 10 prompts, the PPO part of data.phase_split [2, 4, 4] (seed 7)" \
+        in caplog.text
+    # every row is checked, inside the part or not
+    write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": f"c{i}"}) for i in range(9)]
+                + ['{"text": "no prompt"}'])
+    with pytest.raises(DataError, match=r"bad.jsonl:10: no 'prompt' field"):
+        read_prompt_rows(str(tmp_path / "bad.jsonl"), phase_split=[2, 4, 4])
 
 
 # --------------------------------------------------------------------------------------------

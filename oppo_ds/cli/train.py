@@ -53,18 +53,17 @@ def resolve_config(args, prepare_files: bool = True):
         critic = dschat.critic_source(flags["critic_model_name_or_path"], cfg.logging.output_dir)
         extra += [f"model.critic={critic}", f"model.reward={critic}"]
     if prepare_files and "data_path" in flags:
-        prompts = dschat.data_source(flags["data_path"])
-        extra.append(f"data.prompts={prompts}")
+        # JSON, which YAML reads back as it is: a path may hold ':' or '#'
+        extra.append(f"data.prompts={json.dumps(dschat.data_source(flags['data_path']))}")
     explicit = {text.split("=", 1)[0].strip() for text in args.overrides}
     if "steps" not in explicit:
         def num_prompts() -> int:
-            from ..data import read_prompt_rows
+            from ..sources import read_rows
 
-            source = next((e.split("=", 1)[1] for e in extra if e.startswith("data.prompts=")),
-                          cfg.data.prompts)
-            if source == "builtin":
-                return cfg.workload.num_prompts
-            return len(read_prompt_rows(source, cfg.data.prompt_key, cfg.data.split))
+            current = load_config(args.config, mapped + extra + list(args.overrides))
+            if current.data.prompts == "builtin":
+                return current.workload.num_prompts
+            return len(read_rows(current, current.data.prompts))
         steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts)
         if steps is not None:
             extra.append(f"steps={steps}")

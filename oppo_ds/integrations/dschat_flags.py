@@ -57,11 +57,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("critic_model_name_or_path", MAPPED, "model.critic and model.reward (both start from the "
        "step-2 checkpoint, as in DeepSpeed-Chat; its RewardModel pytorch_model.bin is converted "
        "once into output_dir/dschat_converted/critic)", str),
-    _f("data_path", MAPPED, "data.prompts: one local .jsonl/.json/.parquet file, datasets "
-       "save_to_disk directory or hub snapshot (a DeepSpeed-Chat JSON array file too); nothing is "
-       "downloaded. Prompts are tokenized as they are (data.chat_template: off), as DeepSpeed-Chat "
-       "does", str,
+    _f("data_path", MAPPED, "data.prompts: local .jsonl/.json/.parquet files, datasets "
+       "save_to_disk directories or hub snapshots (DeepSpeed-Chat's JSON array files too), one or "
+       "several (their prompts together); nothing is downloaded. Prompts are tokenized as they "
+       "are (data.chat_template: off), as DeepSpeed-Chat does", str,
        nargs="*"),
+    _f("data_split", MAPPED, "data.phase_split, with --data_path (DeepSpeed-Chat's default 2,4,4 "
+       "when not given): of each source only the third part, step 3's, is read, cut as "
+       "DeepSpeed-Chat cuts it, so the same --seed gives the same prompts", str),
     _f("per_device_generation_batch_size", MAPPED, "ppo.batch_size (times "
        "--generation_batches)", int),
     _f("per_device_training_batch_size", MAPPED, "ppo.micro_batch_size; ppo.mini_batch_size is "
@@ -118,7 +121,6 @@ FLAGS: tuple[Flag, ...] = (
        "with --enable_oppo", str, choices=("auto", "inline", "colocated")),
     _f("deepspeed", IGNORED, "oppo-train always runs on DeepSpeed"),
     _f("tensorboard_path", IGNORED, "TensorBoard events go to output_dir/tensorboard", str),
-    _f("data_split", IGNORED, "every prompt of --data_path is used for PPO", str),
     _f("data_output_path", IGNORED, "oppo-train keeps no data index files", str),
     _f("preprocessing_num_workers", IGNORED, "prompts are tokenized in-process", int),
     _f("num_padding_at_beginning", IGNORED, "the reward is read at the last response token, "
@@ -217,6 +219,10 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
         # DeepSpeed-Chat's prompts carry their own format ("\n\nHuman: ... \n\nAssistant:") and
         # it tokenizes them as they are; a chat template would wrap them in a second one
         put("data.chat_template", "off")
+        put("data.phase_split", phase_weights(flags.get("data_split", DSCHAT_DATA_SPLIT)))
+    elif "data_split" in flags:
+        warnings.append("--data_split has no effect without --data_path: the built-in "
+                        "workload's prompts are all read")
     if "max_prompt_seq_len" in flags:
         put("generation.max_prompt_len", flags["max_prompt_seq_len"])
         put("data.overlong", "skip")
@@ -241,6 +247,24 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     _batches(flags, put)
     _schedule(flags, put)
     return [f"{k}={json.dumps(v)}" for k, v in out.items()], warnings
+
+
+DSCHAT_DATA_SPLIT = "2,4,4"  # step 3's default --data_split
+
+
+def phase_weights(text: str) -> list[float]:
+    """--data_split ``"2,4,4"`` -> [2.0, 4.0, 4.0]: three weights >= 0, the third > 0."""
+    try:
+        weights = [float(part) for part in text.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or min(weights) < 0 or not all(map(math.isfinite, weights)):
+        raise ConfigError("--data_split", f"{text!r}: three comma-separated weights >= 0 for "
+                          "steps 1, 2 and 3, e.g. 2,4,4")
+    if weights[2] == 0:
+        raise ConfigError("--data_split", f"{text!r} leaves step 3 no prompts (its weight, the "
+                          "third, is 0)")
+    return weights
 
 
 def _oppo(flags: dict, put, warnings: list) -> None:
@@ -301,20 +325,24 @@ def steps_from_flags(flags: dict, batch_size: int, world_size: int, num_prompts)
 
 # ---------------------------------------------------------------- DeepSpeed-Chat checkpoints
 
-def data_source(paths: list) -> str:
-    """One local prompt source from --data_path (a DeepSpeed-Chat JSON array file, its
-    ``local/jsonfile`` format, is read as it is: see ``oppo_ds.data.read_prompt_rows``)."""
-    if len(paths) != 1:
-        raise ConfigError("--data_path", f"oppo-train reads one prompt source, got {len(paths)}: "
-                          f"{' '.join(paths)}")
-    path = paths[0]
-    if path == "local/jsonfile":
-        raise ConfigError("--data_path", "local/jsonfile names DeepSpeed-Chat's own "
-                          "data/train.json: pass that file's path instead")
-    if not os.path.exists(path):
-        raise ConfigError("--data_path", f"{path!r} is not a local file or directory "
-                          f"(oppo-ds never downloads data sets; save it locally first)")
-    return path
+def data_source(paths: list) -> Union[str, list[str]]:
+    """The local prompt sources of --data_path: one path, or a list of several (a DeepSpeed-Chat
+    JSON array file, its ``local/jsonfile`` format, is read as it is: see
+    ``oppo_ds.data.read_prompt_rows``)."""
+    if not paths:
+        raise ConfigError("--data_path", "no path given")
+    for path in paths:
+        if path == "local/jsonfile":
+            raise ConfigError("--data_path", "local/jsonfile names DeepSpeed-Chat's own "
+                              "data/train.json: pass that file's path instead")
+        if "=" in path and not os.path.exists(path):
+            raise ConfigError("--data_path", f"{path!r} is not a local file or directory; a "
+                              f"KEY=VALUE override after --data_path is read as one more path "
+                              f"(it takes several): put overrides before it")
+        if not os.path.exists(path):
+            raise ConfigError("--data_path", f"{path!r} is not a local file or directory "
+                              f"(oppo-ds never downloads data sets; save it locally first)")
+    return paths[0] if len(paths) == 1 else list(paths)
 
 
 def is_dschat_reward_checkpoint(path: str) -> bool:

@@ -408,10 +408,10 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
 
     from .. import workload as wl
     from ..config import load_config, save_config
-    from ..data import encode_prompts, read_prompt_rows
+    from ..data import encode_prompts
     from ..models import (build_causal_lm, build_value_model, disable_dropout, load_tokenizer,
                           response_end_ids)
-    from ..sources import resolve_sources
+    from ..sources import read_rows, resolve_sources
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
                                     f"logging.output_dir={out_dir}"])
@@ -429,7 +429,7 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
         if src.tokenizer else wl.build_tokenizer()
     tokenizer.padding_side = "left"  # TRL's collator pads the queries; PPO needs them left-padded
     d, g = cfg.data, cfg.generation
-    rows = read_prompt_rows(src.prompts, prompt_key=d.prompt_key, split=d.split)
+    rows = read_rows(cfg, src.prompts)
     prompts = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
                              chat_template=d.chat_template).prompts
     dataset = Dataset.from_dict({"input_ids": _ordered_prompt_ids(prompts, cfg)})
