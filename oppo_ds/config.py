@@ -410,10 +410,28 @@ class LoggingConfig:
     """Show a progress bar (rank 0)."""
     log_every: int = 10
     """Print a metrics line every N steps (0 = never)."""
+    samples: int = 2
+    """Responses written to output_dir/samples.jsonl (and TensorBoard's text tab) every
+    samples_every steps: the first N of rank 0's batch, each with its prompt, reward, gold
+    score (built-in task), length and whether it ended at an end id (0 = none)."""
+    samples_every: int = 0
+    """Steps between written samples (0 = with each metrics line, every log_every steps)."""
+    print_samples: bool = False
+    """Print the written samples too, under the metrics line (DeepSpeed-Chat's
+    --print_answers)."""
     trace_every: int = 0
     """Write a Chrome/Perfetto trace of every N-th step's timeline (phases; with streaming
     also decode chunks and scorer prefills) to output_dir/traces/ (0 = never). Open it in
     https://ui.perfetto.dev or chrome://tracing."""
+
+    def __post_init__(self):
+        for key in ("log_every", "samples", "samples_every", "trace_every"):
+            _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+
+    @property
+    def sample_period(self) -> int:
+        """Steps between written samples; 0: never."""
+        return (self.samples_every or self.log_every) if self.samples else 0
 
 
 @dataclass

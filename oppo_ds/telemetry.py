@@ -1,8 +1,9 @@
-"""Telemetry: phase timers, TensorBoard scalars, a metrics log, a progress bar, summary.json.
+"""Telemetry: phase timers, TensorBoard scalars, a metrics log, sample responses, a progress
+bar, summary.json.
 
 Only rank 0 writes. ``metrics.jsonl`` holds one line per step and is the run's history: a
-resumed run truncates it to the checkpoint's step and appends, so summary.json always
-describes the whole run as if it had never stopped.
+resumed run truncates it (and ``samples.jsonl``) to the checkpoint's step and appends, so
+summary.json always describes the whole run as if it had never stopped.
 """
 from __future__ import annotations
 
@@ -57,12 +58,15 @@ class Telemetry:
         self.output_dir = output_dir
         self.log_every = log_every
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
         self.writer = None
         self.bar = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
         _truncate_history(self.metrics_path, start_step)
+        if os.path.isfile(self.samples_path):
+            _truncate_history(self.samples_path, start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -95,6 +99,25 @@ class Telemetry:
             text = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
             (self.bar.write if self.bar is not None else print)(f"step {step}: {text}")
 
+    def log_samples(self, step: int, samples: list[dict], show: bool) -> None:
+        """Append ``samples`` (each with ``prompt``, ``response``, ``reward``, ...) to
+        samples.jsonl, put them in TensorBoard's text tab, and print them when ``show``."""
+        if not self.enabled or not samples:
+            return
+        with open(self.samples_path, "a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
+        if self.writer is not None:
+            self.writer.add_text("samples", "\n\n".join(
+                f"**{_sample_head(x)}**\n\nprompt:\n\n    {_indent(x['prompt'])}\n\n"
+                f"response:\n\n    {_indent(x['response'])}" for x in samples), step)
+        if show:
+            write = self.bar.write if self.bar is not None else print
+            for i, x in enumerate(samples):
+                write(f"step {step} sample {i}: {_sample_head(x)}\n"
+                      f"  prompt:   {_indent(x['prompt'], 12)}\n"
+                      f"  response: {_indent(x['response'], 12)}")
+
     def close(self, summary_extra: Optional[dict] = None) -> Optional[dict]:
         if not self.enabled:
             return None
@@ -107,6 +130,18 @@ class Telemetry:
         with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
+
+
+def _sample_head(sample: dict) -> str:
+    gold = f" gold={sample['gold']:.4g}" if sample.get("gold") is not None else ""
+    end = "" if sample["ended"] else ", cut at max_new_tokens"
+    tokens = f"{sample['length']} token" + ("s" if sample["length"] != 1 else "")
+    return f"reward={sample['reward']:.4g}{gold} ({tokens}{end}; {sample['prompt_id']})"
+
+
+def _indent(text: str, width: int = 4) -> str:
+    """A multi-line text under a label ``width`` columns wide (a markdown code block when 4)."""
+    return text.replace("\n", "\n" + " " * width)
 
 
 def read_history(path: str) -> list[dict]:

@@ -310,7 +310,29 @@ class PPOTrainer(StagePlacement, Resumable):
         metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
         metrics["time/step_s"] = time.perf_counter() - start
         metrics["samples"] = len(exp) * self.world_size
+        period = self.cfg.logging.sample_period
+        self.step_samples = (self.sample_records(exp) if period and self.step_count % period == 0
+                             and self.telemetry.enabled else [])
         return metrics
+
+    def sample_records(self, exp: Experience) -> list[dict]:
+        """The first ``logging.samples`` rows of ``exp`` as text, with their scores."""
+        lengths = exp.response_mask.sum(1).long().tolist()
+        limit, ends = self.sampling.max_new_tokens, set(self.sampling.eos_token_ids)
+        out = []
+        for i in range(min(self.cfg.logging.samples, len(exp))):
+            prompt = exp.prompt_ids[i][exp.prompt_mask[i].bool()].tolist()
+            response = exp.response_ids[i, :lengths[i]].tolist()
+            out.append({
+                "prompt_id": exp.prompt_keys[i],
+                "prompt": self.tokenizer.decode(prompt, skip_special_tokens=True),
+                "response": self.tokenizer.decode(response, skip_special_tokens=True),
+                "reward": float(exp.scores[i]),
+                "gold": None if exp.gold is None or exp.gold[i].isnan() else float(exp.gold[i]),
+                "length": lengths[i],
+                "ended": lengths[i] < limit or (bool(response) and response[-1] in ends),
+            })
+        return out
 
     def rollout_pool(self, chunk: Optional[int]):
         """One step of the rollout pool: top it up to B + Delta, decode every unfinished
@@ -682,6 +704,8 @@ class PPOTrainer(StagePlacement, Resumable):
                             self.remote.close()
                         raise NonFiniteError(self._nonfinite_message(err, number)) from None
                     self.telemetry.log_step(self.step_count, metrics)
+                    self.telemetry.log_samples(self.step_count, self.step_samples,
+                                               cfg.logging.print_samples)
                     saved = bool(cfg.checkpoint.every) and self.step_count % cfg.checkpoint.every == 0
                     if saved:
                         self.save_checkpoint()

@@ -131,6 +131,16 @@ def test_data_path_prompts_are_tokenized_as_they_are(tmp_path):
     assert cfg.data.chat_template == "on"
 
 
+def test_print_answers_prints_samples():
+    cfg, notes = resolve(["--print_answers", "--print_answers_interval", "5"])
+    assert (cfg.logging.print_samples, cfg.logging.samples_every, cfg.logging.samples) == (True, 5, 2)
+    cfg, _ = resolve(["--print_answers"])
+    assert (cfg.logging.print_samples, cfg.logging.sample_period) == (True, 1)  # every step
+    cfg, notes = resolve(["--print_answers_interval", "5"])
+    assert not cfg.logging.print_samples
+    assert "--print_answers_interval has no effect without --print_answers" in notes
+
+
 def test_data_path_rules(tmp_path):
     data = tmp_path / "train.json"
     data.write_text(json.dumps([{"prompt": "Human: hi Assistant:", "chosen": "a", "rejected": "b"},

@@ -265,6 +265,8 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["system.offload=true"], "system.offload", "needs zero_stage 1, 2 or 3"),
     (["generation.eos_token_ids=[2, -1]"], "generation.eos_token_ids", ">= 0"),
     (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list of integers"),
+    (["logging.samples=-1"], "logging.samples", ">= 0"),
+    (["logging.log_every=-5"], "logging.log_every", ">= 0"),
     (["data.prompts=[]"], "data.prompts", "an empty list"),
     (["data.prompts=[builtin, a.jsonl]"], "data.prompts", "cannot be listed with files"),
     (["data.prompts=[a.jsonl, ' ']"], "data.prompts", "an empty path"),

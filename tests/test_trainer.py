@@ -44,7 +44,8 @@ def run(cache_dir, out_dir, *overrides, crash_after=None):
 
 def test_run_writes_real_outputs(cache_dir, tmp_path):
     out = tmp_path / "run"
-    trainer, summary = run(cache_dir, out, "steps=4", "checkpoint.every=2")
+    trainer, summary = run(cache_dir, out, "steps=4", "checkpoint.every=2",
+                           "logging.samples=3", "logging.samples_every=2")
     for key in ("steps", "wall_s", "reward_first10", "reward_last10", "gold_first10", "gold_last10"):
         assert key in summary and summary[key] is not None and summary[key] == summary[key]
     assert summary["steps"] == 4
@@ -71,6 +72,21 @@ def test_run_writes_real_outputs(cache_dir, tmp_path):
     assert len(lengths) == 4 * 8
     assert summary["response_len_p50"] == lengths[16] and summary["response_len_p99"] == lengths[-1]
 
+    # sample responses as text, with their prompts as the data file has them
+    from oppo_ds.data import read_prompt_rows
+
+    texts = {r.id: r.text_or_messages for r in read_prompt_rows(trainer.sources.prompts)}
+    samples = read_history(str(out / "samples.jsonl"))
+    assert [x["step"] for x in samples] == [2, 2, 2, 4, 4, 4]
+    for x in samples:
+        assert x["prompt"] == texts[x["prompt_id"]]
+        assert 1 <= x["length"] <= 24 and (x["ended"] or x["length"] == 24)
+        assert len(x["response"].split()) <= x["length"]  # the end id is not shown
+        assert -1.0 <= x["gold"] <= 1.0 and x["reward"] == x["reward"]
+    assert "samples/text_summary" in acc.Tags()["tensors"]
+    shown = acc.Tensors("samples/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert samples[-1]["prompt"] in shown and f"reward={samples[-1]['reward']:.4g}" in shown
+
     # the exported actor is a loadable HF checkpoint equal to the trained weights
     from oppo_ds.models import build_causal_lm, load_tokenizer
 
@@ -93,6 +109,34 @@ def test_builtin_workload_on_the_other_architectures(arch, tmp_path):
     for row in read_history(str(tmp_path / "run" / "metrics.jsonl")):
         assert -1.0 <= row["gold/mean"] <= 1.0, row["gold/mean"]
     assert -1.0 <= summary["gold_last10"] <= 1.0
+
+
+def test_printed_samples(tmp_path, capsys):
+    """logging.print_samples (DeepSpeed-Chat's --print_answers): each sample's scores, then
+    its prompt and response, multi-line texts kept under their labels."""
+    from oppo_ds.telemetry import Telemetry
+
+    tel = Telemetry(str(tmp_path), enabled=True, tensorboard=False, progress=False, total_steps=9,
+                    start_step=0, log_every=0)
+    samples = [{"prompt_id": "p:1", "prompt": "Human: hi\nthere", "response": "hello",
+                "reward": 1.23456, "gold": None, "length": 1, "ended": True},
+               {"prompt_id": "p:2", "prompt": "q", "response": "a b", "reward": -2.0,
+                "gold": 0.5, "length": 8, "ended": False}]
+    tel.log_samples(3, samples, show=True)
+    assert capsys.readouterr().out == (
+        "step 3 sample 0: reward=1.235 (1 token; p:1)\n"
+        "  prompt:   Human: hi\n"
+        "            there\n"
+        "  response: hello\n"
+        "step 3 sample 1: reward=-2 gold=0.5 (8 tokens, cut at max_new_tokens; p:2)\n"
+        "  prompt:   q\n"
+        "  response: a b\n")
+    tel.log_samples(4, samples[:1], show=False)
+    assert capsys.readouterr().out == ""
+    assert [x["step"] for x in read_history(str(tmp_path / "samples.jsonl"))] == [3, 3, 4]
+    Telemetry(str(tmp_path), enabled=True, tensorboard=False, progress=False, total_steps=9,
+              start_step=3, log_every=0)  # a resume from step 3
+    assert [x["step"] for x in read_history(str(tmp_path / "samples.jsonl"))] == [3, 3]
 
 
 def test_summary_of_a_diverged_run_is_still_written():
@@ -121,12 +165,20 @@ def test_crash_then_resume_continues_exactly(cache_dir, tmp_path):
     """A run killed after its step-3 checkpoint and resumed gives the same later metrics as
     an uninterrupted run. Tolerance 1e-6 absolute: same ops on CPU, fp32, fixed seeds; only
     the checkpoint round trip is in between, which is exact."""
-    _, full = run(cache_dir, tmp_path / "full", "steps=6", "checkpoint.every=3")
+    every = ("steps=6", "checkpoint.every=3", "logging.samples_every=2")
+    _, full = run(cache_dir, tmp_path / "full", *every)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(cache_dir, tmp_path / "cut", "steps=6", "checkpoint.every=3", crash_after=4)
+        run(cache_dir, tmp_path / "cut", *every, crash_after=4)
     # the crash left step 3 as the latest complete checkpoint, and it loads
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step3"
-    trainer, resumed = run(cache_dir, tmp_path / "cut", "steps=6", "checkpoint.every=3")
+    assert [x["step"] for x in read_history(str(tmp_path / "cut" / "samples.jsonl"))] == [2, 2, 4, 4]
+    trainer, resumed = run(cache_dir, tmp_path / "cut", *every)
+    # the step-4 samples of the crashed run are dropped with its metrics, and written again
+    a, b = (read_history(str(tmp_path / run_dir / "samples.jsonl")) for run_dir in ("full", "cut"))
+    assert [x["step"] for x in b] == [2, 2, 4, 4, 6, 6]
+    for x, y in zip(a, b):
+        assert {**x, "reward": None} == {**y, "reward": None}
+        assert x["reward"] == pytest.approx(y["reward"], abs=1e-6)
     a, b = _metrics_by_step(tmp_path / "full" / "metrics.jsonl"), _metrics_by_step(tmp_path / "cut" / "metrics.jsonl")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]  # step 4 of the crashed run was not logged twice
     for step in (4, 5, 6):

@@ -94,7 +94,7 @@ def launch_rank(env: dict[str, str]) -> tuple[int, int]:
     return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
 
 
-def _quiet_libraries(rank: int, scorer_rank: bool = False) -> None:
+def _quiet_libraries(rank: int, scorer_rank: bool = False, bars: bool = True) -> None:
     # rank 0 reports the run; the stage placement's scorer rank reports its own few lines
     level = logging.INFO if rank == 0 or scorer_rank else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -102,7 +102,8 @@ def _quiet_libraries(rank: int, scorer_rank: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
-    if rank != 0:  # one set of transformers' loading / writing bars, not one per rank
+    if rank != 0 or not bars:  # one set of transformers' loading / writing bars, not one per
+        # rank, and none under logging.progress: false
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    _quiet_libraries(rank, cfg.oppo.placement == "stage" and rank == world - 1 > 0)
+    _quiet_libraries(rank, cfg.oppo.placement == "stage" and rank == world - 1 > 0,
+                     bars=cfg.logging.progress)
     from ..trainer import PPOTrainer
 
     try:

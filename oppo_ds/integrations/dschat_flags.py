@@ -62,6 +62,11 @@ FLAGS: tuple[Flag, ...] = (
        "several (their prompts together); nothing is downloaded. Prompts are tokenized as they "
        "are (data.chat_template: off), as DeepSpeed-Chat does", str,
        nargs="*"),
+    _f("print_answers", MAPPED, "logging.print_samples: true, every --print_answers_interval "
+       "steps (logging.samples_every, 1 when not given, as in DeepSpeed-Chat): logging.samples "
+       "(2) responses of rank 0's batch with their prompts and rewards, where DeepSpeed-Chat "
+       "prints every rank's whole batch; output_dir/samples.jsonl has them too"),
+    _f("print_answers_interval", MAPPED, "logging.samples_every, with --print_answers", int),
     _f("data_split", MAPPED, "data.phase_split, with --data_path (DeepSpeed-Chat's default 2,4,4 "
        "when not given): of each source only the third part, step 3's, is read, cut as "
        "DeepSpeed-Chat cuts it, so the same --seed gives the same prompts", str),
@@ -127,8 +132,6 @@ FLAGS: tuple[Flag, ...] = (
        "not found by counting pads", int),
     _f("end_of_conversation_token", IGNORED, "responses end at the tokenizer's EOS", str),
     _f("add_eot_token", IGNORED, "the tokenizer is used as saved"),
-    _f("print_answers", IGNORED, "see the metrics lines and TensorBoard instead"),
-    _f("print_answers_interval", IGNORED, "see --print_answers", int),
     _f("actor_dropout", IGNORED, "oppo-train switches dropout off in every model (PPO ratios "
        "compare two forwards of the same weights)", float),
     _f("critic_dropout", IGNORED, "see --actor_dropout", float),
@@ -223,6 +226,11 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     elif "data_split" in flags:
         warnings.append("--data_split has no effect without --data_path: the built-in "
                         "workload's prompts are all read")
+    if flags.get("print_answers"):
+        put("logging.print_samples", True)
+        put("logging.samples_every", flags.get("print_answers_interval", 1))
+    elif "print_answers_interval" in flags:
+        warnings.append("--print_answers_interval has no effect without --print_answers")
     if "max_prompt_seq_len" in flags:
         put("generation.max_prompt_len", flags["max_prompt_seq_len"])
         put("data.overlong", "skip")
