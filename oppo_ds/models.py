@@ -11,6 +11,7 @@ Nothing is ever fetched from a hub: every load passes ``local_files_only=True``.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -213,19 +214,35 @@ class ValueHeadModel(nn.Module):
         return ValueOutput(values=values, past_key_values=output_cache(out) if use_cache else None)
 
     def save_pretrained(self, path: str, state_dict: Optional[dict] = None) -> None:
-        """The body as an HF checkpoint plus the head in its own file; ``state_dict`` (this
-        module's keys, e.g. with LoRA merged) replaces the module's own weights."""
+        """An HF ``*ForSequenceClassification`` checkpoint with one label, the head as its
+        ``score.weight``: what TRL takes as a value or reward model, and what
+        ``AutoModelForSequenceClassification`` loads and scores with (at the last token that
+        is not the pad token). An architecture without such a class is saved as its base
+        model plus ``value_head.safetensors``. ``state_dict`` (this module's keys, e.g. with
+        LoRA merged) replaces the module's own weights."""
         from safetensors.torch import save_file
+        from transformers import AutoModelForSequenceClassification
 
         os.makedirs(path, exist_ok=True)
-        if state_dict is None:
-            self.body.save_pretrained(path, safe_serialization=True)
-            head = self.value_head.weight
-        else:
-            body = {k[len("body."):]: v for k, v in state_dict.items() if k.startswith("body.")}
+        own = self.state_dict() if state_dict is None else state_dict
+        body = {k[len("body."):]: v for k, v in own.items() if k.startswith("body.")}
+        head = own["value_head.weight"].detach().contiguous()
+        stale = os.path.join(path, VALUE_HEAD_FILE)  # an earlier export's head would be read first
+        if os.path.isfile(stale):
+            os.remove(stale)
+        config = copy.deepcopy(self.body.config)
+        config.num_labels = 1
+        try:
+            with torch.device("meta"):  # its config and save logic; the weights are ours
+                classifier = AutoModelForSequenceClassification.from_config(config)
+        except ValueError:  # no sequence classifier for this architecture
             self.body.save_pretrained(path, state_dict=body, safe_serialization=True)
-            head = state_dict["value_head.weight"]
-        save_file({"weight": head.detach().contiguous().cpu()}, os.path.join(path, VALUE_HEAD_FILE))
+            save_file({"weight": head.cpu()}, stale)
+            return
+        prefix = classifier.base_model_prefix
+        weights = {f"{prefix}.{k}": v for k, v in body.items()}
+        weights["score.weight"] = head
+        classifier.save_pretrained(path, state_dict=weights, safe_serialization=True)
 
     @classmethod
     def from_config(cls, config, dtype=None) -> "ValueHeadModel":

@@ -119,12 +119,48 @@ def test_value_model_shape_and_round_trip(arch, tmp_path):
         values = vm(x).values
     assert values.shape == (3, 7)
     assert values.abs().sum() > 0
+    (tmp_path / VALUE_HEAD_FILE).write_bytes(b"an earlier export's head")  # must not be read
     vm.save_pretrained(str(tmp_path))
-    assert os.path.isfile(tmp_path / VALUE_HEAD_FILE)
+    assert not os.path.isfile(tmp_path / VALUE_HEAD_FILE)
     reloaded = build_value_model(str(tmp_path), require_head=True).eval()
     _same_state(vm, reloaded)
     with torch.no_grad():
         assert torch.equal(reloaded(x).values, values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_saved_value_model_is_an_hf_sequence_classifier(arch, tmp_path):
+    """What TRL takes as a value or reward model: AutoModelForSequenceClassification loads
+    every weight (none missing, none left over) and scores the last token as we do, within
+    1e-5 (fp32: the same ops, in another module)."""
+    from transformers import AutoModelForSequenceClassification
+
+    vm = _random_head(build_value_model(arch, vocab_size=VOCAB, seed=0)).eval()
+    vm.save_pretrained(str(tmp_path))
+    hf, info = AutoModelForSequenceClassification.from_pretrained(str(tmp_path),
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert hf.config.num_labels == 1
+    assert hf.config.architectures[0].endswith("ForSequenceClassification")
+    x = _tokens(batch=1, length=7)  # one row: no padding for HF to look for
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(x).logits[:, 0], vm(x).values[:, -1],
+                                   rtol=0, atol=1e-5)
+
+
+def test_an_architecture_without_a_sequence_classifier_keeps_its_own_head_file(tmp_path,
+                                                                              monkeypatch):
+    """The fallback for an architecture transformers has no *ForSequenceClassification for
+    (none of the tiny ones: AutoModelForSequenceClassification is made to refuse here)."""
+    from transformers import AutoModelForSequenceClassification
+
+    def refuse(config, **kwargs):
+        raise ValueError(f"Unrecognized configuration class {type(config)}")
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_config", refuse)
+    vm = _random_head(build_value_model("tiny-llama", vocab_size=VOCAB, seed=0)).eval()
+    vm.save_pretrained(str(tmp_path))
+    assert os.path.isfile(tmp_path / VALUE_HEAD_FILE)
+    _same_state(vm, build_value_model(str(tmp_path), require_head=True))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -252,10 +288,9 @@ def test_body_under_unknown_prefix_fails_instead_of_random_body(tmp_path):
     vm = _random_head(build_value_model("tiny-llama", vocab_size=VOCAB, seed=0))
     vm.save_pretrained(str(tmp_path))
     path = str(tmp_path / "model.safetensors")
-    renamed = {f"rwtransformer.{k}": v for k, v in load_file(path).items()}
+    renamed = {f"rwtransformer.{k}": v.contiguous() for k, v in vm.body.state_dict().items()}
     save_file({**renamed, "v_head.weight": vm.value_head.weight.detach()}, path,
               metadata={"format": "pt"})
-    os.remove(tmp_path / VALUE_HEAD_FILE)
     with pytest.raises(ValueError, match="not in the checkpoint"):
         build_value_model(str(tmp_path), require_head=True)
 

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.out}: {'causal LM' if kind == 'lm' else 'value model (oppo_ds.models.ValueHeadModel)'}")
+    print(f"{args.out}: {'causal LM' if kind == 'lm' else 'value model (a sequence classifier with one label)'}")
     return 0
 
 

@@ -11,10 +11,11 @@ rank's shard twice (the converted state and the ``GPTModel`` it is copied into) 
 block being converted.
 
 A checkpoint is a directory with ``config.json`` and either ``model.safetensors.index.json``
-(sharded) or ``*.safetensors`` files. A causal LM's decoder keys start with ``model.``; a
-value model saved by oppo-ds (``models.ValueHeadModel.save_pretrained``) is an HF base model
-(keys without ``model.``) plus ``value_head.safetensors``; an HF ``*ForSequenceClassification``
-keeps its head as ``score.weight``. The head is found as the HF path finds it
+(sharded) or ``*.safetensors`` files. A causal LM's decoder keys start with ``model.``; so do
+an HF ``*ForSequenceClassification``'s, which keeps its head as ``score.weight`` (what
+oppo-ds saves a value model as, ``models.ValueHeadModel.save_pretrained``); a value model
+oppo-ds saved before is an HF base model (keys without ``model.``) plus
+``value_head.safetensors``. The head is found as the HF path finds it
 (``models.read_value_head``) and refused the same way when a reward model has none.
 """
 from __future__ import annotations
