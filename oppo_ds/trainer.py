@@ -6,6 +6,7 @@ step keeps), so every speedup is measured against this code.
 from __future__ import annotations
 
 import logging
+import json
 import os
 import random
 import time
@@ -97,6 +98,18 @@ def write_end_ids(path: str, ids: tuple[int, ...]) -> None:
     config.eos_token_id = ids[0] if len(ids) == 1 else list(ids)
     config._from_model_config = False  # its own: no generate may rebuild it from config.json
     config.save_pretrained(path)
+
+
+def write_pad_id(path: str, pad_id: Optional[int]) -> None:
+    """Name the tokenizer's pad id in the config saved in ``path`` when the checkpoint left it
+    out (Llama 3's): HF's sequence classifier finds each row's last token by it and refuses a
+    batch of more than one row without it."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    if config.get("pad_token_id") is None and pad_id is not None:
+        config["pad_token_id"] = int(pad_id)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
 
 
 def gather_floats(values: list, group=None) -> list:
@@ -759,5 +772,7 @@ class PPOTrainer(StagePlacement, Resumable):
                     self.tokenizer.save_pretrained(path)
                 if self.is_main and name == "actor" and self.sampling.eos_token_ids:
                     write_end_ids(path, self.sampling.eos_token_ids)
+                if self.is_main and name == "critic":
+                    write_pad_id(path, self.tokenizer.pad_token_id)
         if dist.is_initialized():
             dist.barrier()

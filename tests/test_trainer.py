@@ -674,6 +674,33 @@ def test_the_exported_actor_ends_responses_where_training_did(cache_dir, tmp_pat
     assert saved["bos_token_id"] == 1 and saved["pad_token_id"] == 0  # the rest as it was
 
 
+def test_the_exported_critic_scores_batches_under_hf(cache_dir, tmp_path):
+    """The exported critic is a sequence classifier HF runs on a batch: a checkpoint without
+    a pad id in its config (Llama 3's) gets the tokenizer's, without which
+    AutoModelForSequenceClassification refuses more than one row. Its scores equal the
+    trained critic's last-token values within 1e-5 (fp32)."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    trainer, _ = run(cache_dir, tmp_path / "base", "steps=1", "checkpoint.export_hf=false")
+    reward = tmp_path / "reward-no-pad"
+    shutil.copytree(trainer.sources.reward, reward)
+    config = json.loads((reward / "config.json").read_text())
+    config["pad_token_id"] = None
+    (reward / "config.json").write_text(json.dumps(config))
+    trainer, _ = run(cache_dir, tmp_path / "run", "steps=1", f"model.reward={reward}")
+    critic = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "run" / "critic"))
+    pad = trainer.tokenizer.pad_token_id
+    assert critic.config.pad_token_id == pad
+    rows = [[5, 6, 7, 8, 9], [5, 6, 7, pad, pad]]  # right-padded: HF reads the last non-pad token
+    with torch.no_grad():
+        scores = critic.eval()(torch.tensor(rows)).logits[:, 0]
+        model = trainer.critic.module.eval()
+        ours = [model(torch.tensor([r[:n]])).values[0, -1] for r, n in zip(rows, (5, 3))]
+    torch.testing.assert_close(scores, torch.stack(ours), rtol=0, atol=1e-5)
+
+
 def test_a_reward_model_of_another_tokenizer_stops_before_any_engine(tmp_path, monkeypatch):
     """A reward checkpoint whose embedding is smaller than the actor's tokenizer stopped the
     first step with an IndexError traceback (a device-side assert on a GPU); now the run stops
