@@ -223,6 +223,8 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
         # it tokenizes them as they are; a chat template would wrap them in a second one
         put("data.chat_template", "off")
         put("data.phase_split", phase_weights(flags.get("data_split", DSCHAT_DATA_SPLIT)))
+        warnings += [own_format_warning(path, name) for path in flags["data_path"]
+                     for name in DSCHAT_OWN_FORMATS if name in path]
     elif "data_split" in flags:
         warnings.append("--data_split has no effect without --data_path: the built-in "
                         "workload's prompts are all read")
@@ -258,6 +260,23 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
 
 
 DSCHAT_DATA_SPLIT = "2,4,4"  # step 3's default --data_split
+# Data sets DeepSpeed-Chat knows by name (dschat/utils/data/data_utils.py get_raw_dataset,
+# matched as a substring of the path, as it does) whose step-3 prompts it builds its own way
+# rather than reading the `prompt` field as it is (Dahoas/rm-static and Dahoas/full-hh-rlhf
+# read it as it is, from the train split, as oppo-train does).
+DSCHAT_OWN_FORMATS = (
+    "Dahoas/synthetic-instruct-gptj-pairwise", "yitingxie/rlhf-reward-datasets",
+    "openai/webgpt_comparisons", "stanfordnlp/SHP", "pvduy/sharegpt_alpaca_oa_vicuna_format",
+    "wangrui6/Zhihu-KOL", "Cohere/miracl-zh-queries-22-12", "Hello-SimpleAI/HC3-Chinese",
+    "mkqa-Chinese", "mkqa-Japanese", "Cohere/miracl-ja-queries-22-12", "lmqg/qg_jaquad",
+    "lmqg/qag_jaquad")
+
+
+def own_format_warning(path: str, name: str) -> str:
+    return (f"--data_path {path}: DeepSpeed-Chat builds {name}'s prompts its own way (e.g. "
+            f"' Human: ' + prompt + ' Assistant:', fields other than 'prompt', a held-out "
+            f"tenth of train); oppo-train reads data.prompt_key ('prompt') as it is: write the "
+            f"prompts as DeepSpeed-Chat's step 3 sees them to a .jsonl file for the same run")
 
 
 def phase_weights(text: str) -> list[float]:
