@@ -284,6 +284,12 @@ def _list_data_files(path: str, split: str) -> list[str]:
         )
     if not files:
         raise DataError(f"{path}: no .jsonl, .json or .parquet files in this directory")
+    plain = set(files)
+    twice = [f for f in files if f != _uncompressed_name(f) and _uncompressed_name(f) in plain]
+    if twice:
+        raise DataError(f"{path}: holds {os.path.relpath(_uncompressed_name(twice[0]), path)} "
+                        f"and its compressed copy {os.path.relpath(twice[0], path)}; both would "
+                        f"be read, every prompt twice: keep one")
     splits = {f: _split_of(os.path.relpath(f, path)) for f in files}
     if not any(splits.values()):
         return sorted(files)

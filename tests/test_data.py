@@ -351,6 +351,16 @@ def test_a_compressed_file_that_does_not_decompress_is_named(tmp_path):
         read_prompt_rows(str(array))
 
 
+def test_a_file_beside_its_compressed_copy_is_refused(tmp_path):
+    import gzip
+
+    write_jsonl(tmp_path / "train.jsonl", TEXT_RECORDS)
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress((tmp_path / "train.jsonl").read_bytes()))
+    with pytest.raises(DataError, match=r"holds train.jsonl and its compressed copy "
+                                        r"train.jsonl.gz; both would be read"):
+        read_prompt_rows(str(tmp_path))
+
+
 def test_files_sharing_a_name_in_different_folders_get_distinct_ids(tmp_path):
     """hh-rlhf's layout: helpful-base/train.jsonl.gz, harmless-base/train.jsonl.gz, ...: the
     default ids (``train.jsonl.gz:1`` twice) were a duplicate-id error. Files whose names
