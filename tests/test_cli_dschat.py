@@ -178,6 +178,9 @@ def test_data_split_reads_step_3s_part_of_each_data_path(tmp_path):
     assert cfg.data.phase_split_seed is None  # the run's seed (--seed), as DeepSpeed-Chat
     assert cfg.steps == (8 + 4) // 2  # one pass over the 40% of each source, 2 per step
     assert not [n for n in notes if "data_split" in n]
+    # --print-config (no files prepared) shows the same prompts: it showed builtin
+    assert resolve(["--data_path", str(first), str(second)])[0].data.prompts == [str(first),
+                                                                                str(second)]
     cfg, _ = resolve(base + ["--data_split", "6,2,2", "--data_path", str(first)], prepare=True)
     assert (cfg.data.phase_split, cfg.steps) == ([6.0, 2.0, 2.0], 2)
     cfg, _ = resolve(base + ["data.phase_split=null", "--data_path", str(first)], prepare=True)

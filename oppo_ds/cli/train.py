@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_config(args, prepare_files: bool = True):
     """The config from --config, DeepSpeed-Chat's flags (mapped onto keys) and the dotted
     overrides, in that order (a later one wins). ``prepare_files``: convert DeepSpeed-Chat's
-    step-2 checkpoint and JSON data into forms oppo-ds reads (under output_dir). Returns
-    (config, warnings)."""
+    step-2 checkpoint into the form oppo-ds reads (under output_dir; --print-config does
+    not). Returns (config, warnings)."""
     flags = dschat.given_flags(args)
     if not flags:
         return load_config(args.config, args.overrides), []
@@ -52,7 +52,7 @@ def resolve_config(args, prepare_files: bool = True):
     if prepare_files and "critic_model_name_or_path" in flags:
         critic = dschat.critic_source(flags["critic_model_name_or_path"], cfg.logging.output_dir)
         extra += [f"model.critic={critic}", f"model.reward={critic}"]
-    if prepare_files and "data_path" in flags:
+    if "data_path" in flags:
         # JSON, which YAML reads back as it is: a path may hold ':' or '#'
         extra.append(f"data.prompts={json.dumps(dschat.data_source(flags['data_path']))}")
     explicit = {text.split("=", 1)[0].strip() for text in args.overrides}
