@@ -8,7 +8,8 @@ Each flag is one of
   * accepted with no effect: a warning names the flag and says why;
   * refused: an error names the flag and says why (a feature oppo-ds does not have).
 Flags not given change nothing: oppo-ds's own defaults hold (e.g. ``system.dtype: fp32``,
-where DeepSpeed-Chat's default is fp16). Conflicts our single keys cannot express (actor and
+where DeepSpeed-Chat's default is fp16); the exception is ``--data_split``, whose default
+2,4,4 applies with ``--data_path`` because it decides which prompts DeepSpeed-Chat reads. Conflicts our single keys cannot express (actor and
 critic ZeRO stages, weight decays or LoRA scopes that differ) are errors naming both flags.
 """
 from __future__ import annotations
