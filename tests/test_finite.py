@@ -144,8 +144,10 @@ def _nan_reward(root) -> str:
     """The tests' tiny reward model with a NaN head."""
     path = os.path.join(str(root), "nan-reward")
     shutil.copytree(tiny_reward_dir(root), path)
-    head = os.path.join(path, "value_head.safetensors")
-    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(head).items()}, head)
+    weights = os.path.join(path, "model.safetensors")  # a sequence classifier: score.weight
+    state = load_file(weights)
+    state["score.weight"] = torch.full_like(state["score.weight"], float("nan"))
+    save_file(state, weights, metadata={"format": "pt"})
     return path
 
 
