@@ -46,7 +46,9 @@ PEER_PACKAGES = {"trl": "trl"}
 PLANNED_MODES: tuple[str, ...] = ()
 
 # Every child run starts fresh and writes nothing the benchmark does not read.
-BASE_OVERRIDES = ("checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false")
+# evaluation is not one of the compared phases (and is refused beside a scorer rank)
+BASE_OVERRIDES = ("checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false",
+                  "eval.prompts=null")
 
 
 class BenchError(Exception):

@@ -42,6 +42,16 @@ def all_reduce_ints(values: Sequence[int], *, op=None, group=None) -> list[int]:
     return all_reduce(torch.tensor(list(values), dtype=torch.long), op=op, group=group).tolist()
 
 
+def gather_lists(values: list, group=None) -> list:
+    """A per-rank list (of floats, rows of floats, small records) concatenated over the ranks
+    of ``group`` (default: the world), in rank order, on every rank: per-sequence stats."""
+    if not active(group):
+        return list(values)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, list(values), group=group)
+    return [v for part in out for v in part]
+
+
 def set_local_cuda_device() -> torch.device:
     """Make this process's GPU the current CUDA device and return it (the CPU without CUDA):
     the launcher's LOCAL_RANK, modulo the GPUs this process sees (under Slurm's

@@ -435,6 +435,51 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation: the actor answers a fixed set of prompts it does not train on,
+    and the reward model (and, for the built-in task, the gold rule) scores the answers."""
+    prompts: Optional[Union[str, list[str]]] = None
+    """Prompts to evaluate on: a file, directory or list of them as in data.prompts,
+    `builtin` (num_prompts prompts of the built-in task drawn apart from its training
+    prompts), or null: no evaluation."""
+    split: str = "test"
+    """Split read from a saved DatasetDict or a directory of split-named files (as
+    data.split); a file named by itself is read whole."""
+    num_prompts: int = 64
+    """Prompts evaluated: the first N read (0 = all); the size of the `builtin` set."""
+    every: int = 0
+    """Evaluate after every N-th step (0 = only before the first step and after the last)."""
+    at_start: bool = True
+    """Evaluate the starting actor before the first step (not when resuming)."""
+    temperature: Optional[float] = None
+    """Null = generation.temperature (the policy as it trains, so evaluation and training
+    rewards compare), with generation.top_k and top_p, from a generator of its own that
+    starts from the same seed at every evaluation: two evaluations differ by the policy, not
+    by the draw. 0 = greedy decoding (a small model may then repeat a token to the length
+    limit: the built-in task's SFT actor does)."""
+
+    def __post_init__(self):
+        for key in ("num_prompts", "every"):
+            _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        _require(self.temperature is None or self.temperature >= 0, "temperature",
+                 f"must be >= 0 or null, got {self.temperature}")
+        if self.prompts is not None:
+            sources = [self.prompts] if isinstance(self.prompts, str) else self.prompts
+            _require(len(sources) > 0, "prompts", "an empty list: name a prompt file or directory, "
+                     "or null for no evaluation")
+            _require(isinstance(self.prompts, str) or "builtin" not in sources, "prompts",
+                     "builtin is the built-in task's held-out prompts alone; it cannot be listed "
+                     "with files")
+            _require(all(s.strip() for s in sources), "prompts", f"an empty path in {self.prompts!r}")
+            _require(self.prompts != "builtin" or self.num_prompts > 0, "num_prompts",
+                     "the size of the built-in evaluation set: must be >= 1 with eval.prompts: builtin")
+
+    @property
+    def enabled(self) -> bool:
+        return self.prompts is not None
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
@@ -477,6 +522,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
@@ -489,6 +535,15 @@ class Config:
                       and self.oppo.streaming), "system.partition_reference",
                  "a partitioned reference cannot stream (each forward is collective over the "
                  "ranks); remove reference from oppo.stream_to")
+        if self.eval.enabled:
+            # the actor ranks hold no reward model under stage placement
+            _require(self.oppo.placement != "stage", "eval.prompts",
+                     "evaluation scores with the reward model on the actor ranks, and under "
+                     "oppo.placement: stage it lives on the scorer rank; use placement inline or "
+                     "colocated, or eval.prompts: null")
+            _require(self.workload.kind != "length_oracle", "eval.prompts",
+                     "the length oracle's models have random weights and its responses end at "
+                     "drawn lengths: there is nothing to evaluate; set eval.prompts: null")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -51,6 +51,9 @@ class PhaseTimer:
             self.events.append(("phases", name, start - self.origin, end - self.origin))
 
 
+EVAL_TEXT_ROWS = 4  # responses of an evaluation shown in TensorBoard's text tab
+
+
 class Telemetry:
     def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, progress: bool,
                  total_steps: int, start_step: int, log_every: int):
@@ -59,6 +62,8 @@ class Telemetry:
         self.log_every = log_every
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.eval_path = os.path.join(output_dir, "eval.jsonl")
+        self.eval_samples_path = os.path.join(output_dir, "eval_samples.jsonl")
         self.writer = None
         self.bar = None
         if not enabled:
@@ -67,6 +72,9 @@ class Telemetry:
         _truncate_history(self.metrics_path, start_step)
         if os.path.isfile(self.samples_path):
             _truncate_history(self.samples_path, start_step)
+        for path in (self.eval_path, self.eval_samples_path):
+            if os.path.isfile(path):  # a fresh start drops the old run's step-0 evaluation too
+                _truncate_history(path, start_step if start_step else -1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -118,6 +126,31 @@ class Telemetry:
                       f"  prompt:   {_indent(x['prompt'], 12)}\n"
                       f"  response: {_indent(x['response'], 12)}")
 
+    def log_eval(self, step: int, metrics: dict, records: list[dict]) -> None:
+        """An evaluation after ``step`` (0: before training): its figures to eval.jsonl and
+        TensorBoard (``eval/...``), every response to eval_samples.jsonl, a line printed."""
+        if not self.enabled:
+            return
+        with open(self.eval_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        with open(self.eval_samples_path, "a") as f:
+            for record in records:
+                f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.add_text("eval", "\n\n".join(
+                f"**{_sample_head(x)}**\n\nprompt:\n\n    {_indent(x['prompt'])}\n\n"
+                f"response:\n\n    {_indent(x['response'])}" for x in records[:EVAL_TEXT_ROWS]), step)
+            self.writer.flush()
+        if self.log_every:
+            names = (("eval/reward_mean", "reward"), ("eval/gold_mean", "gold"),
+                     ("eval/response_len_mean", "len"), ("eval/ended_frac", "ended"))
+            text = " ".join(f"{name}={metrics[k]:.4g}" for k, name in names if k in metrics)
+            (self.bar.write if self.bar is not None else print)(
+                f"eval after step {step}: {text} ({metrics['eval/prompts']} prompts, "
+                f"{metrics['eval/time_s']:.1f}s)")
+
     def close(self, summary_extra: Optional[dict] = None) -> Optional[dict]:
         if not self.enabled:
             return None
@@ -126,6 +159,9 @@ class Telemetry:
         if self.writer is not None:
             self.writer.close()
         summary = summarize(read_history(self.metrics_path))
+        evaluations = read_history(self.eval_path)
+        if evaluations:
+            summary["eval"] = eval_summary(evaluations)
         summary.update(summary_extra or {})
         with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -200,6 +236,17 @@ def summarize(history: list[dict]) -> dict:
     deferrals = deferral_summary(history)
     if deferrals:
         out["deferrals"] = deferrals
+    return out
+
+
+def eval_summary(evaluations: list[dict]) -> dict:
+    """The first and last held-out evaluations of a run (eval.jsonl rows)."""
+    first, last = evaluations[0], evaluations[-1]
+    out = {"evaluations": len(evaluations), "first_step": first["step"], "last_step": last["step"]}
+    for key, name in (("eval/reward_mean", "reward"), ("eval/gold_mean", "gold"),
+                      ("eval/response_len_mean", "response_len")):
+        if key in first:
+            out[f"{name}_first"], out[f"{name}_last"] = first[key], last[key]
     return out
 
 

@@ -27,9 +27,11 @@ from .config import Config, ConfigError, save_config
 from .data import DataError, PromptStream, encode_prompts, left_pad
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
+from .evaluation import Evaluating, text_records
 from .finite import NonFiniteError, check_experience, check_update
 from .lora import has_lora, merged_state_dict
-from .rollout.generate import SamplingParams, decode_steps, generate, start_decode, target_lengths
+from .rollout.generate import (Generation, SamplingParams, decode_steps, generate, start_decode,
+                               target_lengths)
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
                            staleness_metrics, staleness_rows)
@@ -112,17 +114,7 @@ def write_pad_id(path: str, pad_id: Optional[int]) -> None:
             json.dump(config, f, indent=2, sort_keys=True)
 
 
-def gather_floats(values: list, group=None) -> list:
-    """Concatenate a per-rank list (of floats, or of rows of floats) over the ranks of
-    ``group`` (default: the world); small: per-sequence stats."""
-    if not comm.active(group):
-        return list(values)
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, list(values), group=group)
-    return [v for part in out for v in part]
-
-
-class PPOTrainer(StagePlacement, Resumable):
+class PPOTrainer(StagePlacement, Resumable, Evaluating):
     def __init__(self, cfg: Config):
         from .engines import init_distributed_if_needed
         from .engines.factory import build_models
@@ -159,6 +151,8 @@ class PPOTrainer(StagePlacement, Resumable):
         if self.stage is not None and not scorer_rank:
             self._open_stage_links()  # after rank 0 prepared the workload (resolve_sources)
         self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
+        # read before any engine loads, so that a bad evaluation set stops the run at once
+        self.eval_prompts = self._load_eval_prompts() if cfg.eval.enabled and not scorer_rank else []
 
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
@@ -330,22 +324,12 @@ class PPOTrainer(StagePlacement, Resumable):
 
     def sample_records(self, exp: Experience) -> list[dict]:
         """The first ``logging.samples`` rows of ``exp`` as text, with their scores."""
-        lengths = exp.response_mask.sum(1).long().tolist()
-        limit, ends = self.sampling.max_new_tokens, set(self.sampling.eos_token_ids)
-        out = []
-        for i in range(min(self.cfg.logging.samples, len(exp))):
-            prompt = exp.prompt_ids[i][exp.prompt_mask[i].bool()].tolist()
-            response = exp.response_ids[i, :lengths[i]].tolist()
-            out.append({
-                "prompt_id": exp.prompt_keys[i],
-                "prompt": self.tokenizer.decode(prompt, skip_special_tokens=True),
-                "response": self.tokenizer.decode(response, skip_special_tokens=True),
-                "reward": float(exp.scores[i]),
-                "gold": None if exp.gold is None or exp.gold[i].isnan() else float(exp.gold[i]),
-                "length": lengths[i],
-                "ended": lengths[i] < limit or (bool(response) and response[-1] in ends),
-            })
-        return out
+        gen = Generation(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
+                         response_ids=exp.response_ids, response_mask=exp.response_mask,
+                         logprobs=exp.behaviour_logprobs, lengths=exp.response_mask.sum(1).long())
+        return text_records(self.tokenizer, exp.prompt_keys, gen, exp.scores, exp.gold,
+                            self.sampling.eos_token_ids, self.sampling.max_new_tokens,
+                            limit=self.cfg.logging.samples)
 
     def rollout_pool(self, chunk: Optional[int]):
         """One step of the rollout pool: top it up to B + Delta, decode every unfinished
@@ -392,9 +376,9 @@ class PPOTrainer(StagePlacement, Resumable):
         pool.check()
         gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
-        metrics = staleness_metrics(gather_floats(staleness_rows(taken, self.step_count),
+        metrics = staleness_metrics(comm.gather_lists(staleness_rows(taken, self.step_count),
                                                   self.dp_group))
-        calls = gather_floats([stop.calls], self.dp_group)
+        calls = comm.gather_lists([stop.calls], self.dp_group)
         if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
             raise RuntimeError(f"ranks stopped decoding after different numbers of stop "
                                f"checks: {calls}")
@@ -670,7 +654,7 @@ class PPOTrainer(StagePlacement, Resumable):
         """The step's metrics over all ranks: one gather of per-sequence values and one
         all-reduce of the scalar means (not one collective per metric)."""
         columns = [exp.response_mask.sum(1), exp.scores] + ([exp.gold] if exp.gold is not None else [])
-        rows = gather_floats(torch.stack([c.float() for c in columns], 1).tolist(), self.dp_group)
+        rows = comm.gather_lists(torch.stack([c.float() for c in columns], 1).tolist(), self.dp_group)
         lengths, scores = [r[0] for r in rows], [r[1] for r in rows]
         metrics = {
             "reward/mean": sum(scores) / len(scores),
@@ -708,6 +692,9 @@ class PPOTrainer(StagePlacement, Resumable):
         stop = StopOnSignal(cfg.checkpoint.on_signals)
         try:
             with stop:
+                start = self.step_count
+                if start == 0 and self._eval_due():  # the starting actor: the figures' baseline
+                    self._evaluate_and_log()
                 while self.step_count < cfg.steps:
                     number = self.step_count + 1
                     try:
@@ -719,6 +706,8 @@ class PPOTrainer(StagePlacement, Resumable):
                     self.telemetry.log_step(self.step_count, metrics)
                     self.telemetry.log_samples(self.step_count, self.step_samples,
                                                cfg.logging.print_samples)
+                    if self._eval_due():  # before the checkpoint: a resume does not repeat it
+                        self._evaluate_and_log()
                     saved = bool(cfg.checkpoint.every) and self.step_count % cfg.checkpoint.every == 0
                     if saved:
                         self.save_checkpoint()
@@ -734,6 +723,9 @@ class PPOTrainer(StagePlacement, Resumable):
                                        self.step_count)
                         break
                 else:
+                    # (not when a finished run is started again: it evaluated then)
+                    if self.step_count > start and self._eval_due(after_last=True):
+                        self._evaluate_and_log()
                     if not cfg.checkpoint.every or self.step_count % cfg.checkpoint.every:
                         self.save_checkpoint()
                     if cfg.checkpoint.export_hf:

@@ -115,6 +115,18 @@ def make_prompts(n: int, seed: int) -> list[dict]:
     return [{"id": f"builtin-{i}", "prompt": sample_task(rng).prompt} for i in range(n)]
 
 
+def held_out_prompts(n: int, seed: int, exclude: set[str]) -> list[dict]:
+    """``n`` distinct prompts of the task, none of them in ``exclude`` (the training prompts'
+    texts), drawn with their own seed: the built-in evaluation set."""
+    rng, seen, out = random.Random(seed), set(exclude), []
+    while len(out) < n:
+        text = sample_task(rng).prompt
+        if text not in seen:
+            seen.add(text)
+            out.append({"id": f"builtin-eval-{len(out)}", "prompt": text})
+    return out
+
+
 # ---- the length-oracle workload (speed benchmarks of models with random weights) -------
 
 ORACLE_TINY_VOCAB = 4096  # vocabulary of a tiny architecture under the oracle

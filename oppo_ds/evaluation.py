@@ -1,0 +1,157 @@
+"""Held-out evaluation (``eval:``): the actor answers a fixed set of prompts it does not train
+on, sampled as training samples (or greedily) from a generator that repeats its draws at
+every evaluation, and the reward model scores the answers (the built-in task's gold
+rule too). Before the first step, every ``eval.every`` steps and after the last, so that a
+reward that rises on the training batches can be checked against prompts the policy has not
+been optimised on, with figures whose change from one evaluation to the next comes from the
+policy rather than from the draw.
+
+Evaluation uses none of training's random state (it has its own generator), so a run with
+it trains exactly as one without.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from . import comm
+from . import workload as wl
+from .data import DataError, Prompt, PromptRow, encode_prompts, left_pad, read_prompt_rows
+from .experience import sequence_scores
+from .rollout.generate import Generation, generate
+from .sources import prompts_label
+
+logger = logging.getLogger(__name__)
+
+# the built-in training prompts are drawn with seed + 1 (prepare.py); the held-out set apart
+BUILTIN_EVAL_SEED_OFFSET = 2
+# the evaluation's generator: seed * 1000 + this + data rank (training's use + 0 and + 500)
+EVAL_SEED_OFFSET = 700
+
+
+def text_records(tokenizer, keys: list[str], gen: Generation, scores: torch.Tensor,
+                 gold: Optional[torch.Tensor], end_ids, max_new_tokens: int,
+                 limit: Optional[int] = None) -> list[dict]:
+    """Rows of a generation as text with their scores (the first ``limit``; None: all):
+    prompt id, prompt, response, reward, gold score (None where there is none), length in
+    tokens and whether the response ended at an end id or before the length limit."""
+    lengths = gen.lengths.tolist()
+    ends = set(end_ids)
+    out = []
+    for i in range(len(keys) if limit is None else min(limit, len(keys))):
+        prompt = gen.prompt_ids[i][gen.prompt_mask[i].bool()].tolist()
+        response = gen.response_ids[i, :lengths[i]].tolist()
+        out.append({
+            "prompt_id": keys[i],
+            "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+            "response": tokenizer.decode(response, skip_special_tokens=True),
+            "reward": float(scores[i]),
+            "gold": None if gold is None or gold[i].isnan() else float(gold[i]),
+            "length": lengths[i],
+            "ended": lengths[i] < max_new_tokens or (bool(response) and response[-1] in ends),
+        })
+    return out
+
+
+def eval_metrics(records: list[dict], seconds: float) -> dict:
+    """An evaluation's figures from every rank's records."""
+    rewards = [r["reward"] for r in records]
+    gold = [r["gold"] for r in records if r["gold"] is not None]
+    out = {"eval/prompts": len(records),
+           "eval/reward_mean": statistics.fmean(rewards),
+           "eval/reward_std": statistics.pstdev(rewards),
+           "eval/response_len_mean": statistics.fmean(r["length"] for r in records),
+           "eval/ended_frac": sum(r["ended"] for r in records) / len(records),
+           "eval/time_s": seconds}
+    if gold:
+        out["eval/gold_mean"] = statistics.fmean(gold)
+    return out
+
+
+class Evaluating:
+    """The held-out prompts (``_load_eval_prompts``) and ``evaluate`` of ``PPOTrainer``."""
+
+    def _load_eval_prompts(self) -> list[Prompt]:
+        """The evaluation set, encoded as the training prompts are; every rank reads it whole
+        and evaluates its share. Warns about prompts that are training prompts too."""
+        e, d, g = self.cfg.eval, self.cfg.data, self.cfg.generation
+        if e.prompts == "builtin":
+            # apart from the prepared training prompts, whichever prompts this run trains on
+            exclude = set()
+            if self.builtin_prompts:
+                exclude = {r.text_or_messages for r in read_prompt_rows(self.sources.prompts)}
+            rows = [PromptRow(text_or_messages=x["prompt"], source="builtin-eval", line=i + 1,
+                              id=x["id"]) for i, x in enumerate(
+                        wl.held_out_prompts(e.num_prompts, self.cfg.seed + BUILTIN_EVAL_SEED_OFFSET,
+                                            exclude))]
+            label = "eval.prompts: builtin"
+        else:
+            rows = read_prompt_rows(e.prompts, prompt_key=d.prompt_key, split=e.split)
+            label = prompts_label(e.prompts)
+        if e.num_prompts:
+            rows = rows[:e.num_prompts]
+        encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
+                                 chat_template=d.chat_template)
+        if not encoded.prompts:
+            raise DataError(f"{label}: no usable prompt (all over generation.max_prompt_len "
+                                   f"= {g.max_prompt_len} tokens, data.overlong: skip)")
+        if self.is_main:
+            train = {tuple(p.input_ids) for p in self.prompts}
+            shared = sum(tuple(p.input_ids) in train for p in encoded.prompts)
+            if shared:
+                logger.warning("%s: %d of %d evaluation prompts are training prompts too: their "
+                               "figures are not held out", label, shared, len(encoded.prompts))
+            if encoded.n_truncated or encoded.n_skipped:
+                logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", label,
+                               encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
+        return encoded.prompts
+
+    def _eval_due(self, after_last: bool = False) -> bool:
+        """Whether to evaluate now, at ``self.step_count``: before the first step (at_start),
+        every ``eval.every`` steps, and after the last step once."""
+        e = self.cfg.eval
+        if not e.enabled:
+            return False
+        step = self.step_count
+        if step == 0:
+            return e.at_start
+        periodic = bool(e.every) and step % e.every == 0
+        return periodic if not after_last else not periodic
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[dict, list[dict]]:
+        """Generate for this rank's share of the evaluation prompts and score the responses;
+        returns every rank's figures and records (the same on every rank). The actor is
+        gathered once for all of it (under ZeRO-3 entering generation is collective, and the
+        ranks' shares may need a different number of batches)."""
+        e = self.cfg.eval
+        t0 = time.perf_counter()
+        data_rank = self.actor.rank
+        mine = self.eval_prompts[data_rank::self.world_size]
+        params = self.sampling if e.temperature is None else \
+            dataclasses.replace(self.sampling, temperature=e.temperature)
+        # the same draws at every evaluation, none of training's
+        rng = torch.Generator().manual_seed(self.cfg.seed * 1000 + EVAL_SEED_OFFSET + data_rank)
+        batch = self.cfg.ppo.batch_size
+        records = []
+        with self.actor.generation_context() as model:
+            for i in range(0, len(mine), batch):
+                prompts = mine[i:i + batch]
+                ids, mask = left_pad([p.input_ids for p in prompts], self.tokenizer.pad_token_id)
+                gen = generate(model, ids.to(self.device), mask.to(self.device), params, rng)
+                args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+                scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+                gold = torch.tensor(self._gold(gen)) if e.prompts == "builtin" else None
+                records += text_records(self.tokenizer, [p.id for p in prompts], gen, scores, gold,
+                                        params.eos_token_ids, params.max_new_tokens)
+        records = comm.gather_lists(records, self.dp_group)
+        return eval_metrics(records, time.perf_counter() - t0), records
+
+    def _evaluate_and_log(self) -> None:
+        metrics, records = self.evaluate()
+        self.telemetry.log_eval(self.step_count, metrics, records)

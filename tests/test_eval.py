@@ -1,0 +1,213 @@
+"""Held-out evaluation (``eval:``): the configuration's refusals, the built-in held-out set,
+the figures, and whole runs in this process and over two gloo ranks: evaluation changes
+nothing of training, a resumed run evaluates as an uninterrupted one, and two ranks
+evaluate the same prompts as one."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from oppo_ds import workload as wl
+from oppo_ds.config import ConfigError, load_config
+from oppo_ds.data import DataError
+from oppo_ds.evaluation import eval_metrics
+from oppo_ds.telemetry import eval_summary, read_history
+from test_trainer import SMALL, run  # the tiny settings of the in-process runs, crash_after
+
+EVAL = ["eval.prompts=builtin", "eval.num_prompts=6", "eval.every=2"]
+TRAINING = ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "loss/value",
+            "response/len_mean", "policy/clip_frac", "value/mean")
+
+
+# ------------------------------------------------------------------ configuration
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["eval.prompts=builtin", "oppo.streaming=true", "oppo.placement=stage"], "eval.prompts",
+     "scorer rank"),
+    (["eval.prompts=builtin", "workload.kind=length_oracle"], "eval.prompts", "random weights"),
+    (["eval.prompts=builtin", "eval.num_prompts=0"], "eval.num_prompts", ">= 1"),
+    (["eval.every=-1"], "eval.every", ">= 0"),
+    (["eval.temperature=-0.5"], "eval.temperature", ">= 0 or null"),
+    (["eval.prompts=[builtin, a.jsonl]"], "eval.prompts", "cannot be listed"),
+    (["eval.prompts=[]"], "eval.prompts", "null for no evaluation"),
+])
+def test_config_refusals_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(key) and words in str(err.value)
+
+
+def test_evaluation_is_off_by_default_and_takes_a_list_of_files():
+    assert not load_config(None, []).eval.enabled
+    cfg = load_config(None, ["eval.prompts=[a.jsonl, b.parquet]", "eval.temperature=0"])
+    assert cfg.eval.prompts == ["a.jsonl", "b.parquet"] and cfg.eval.temperature == 0.0
+
+
+# ------------------------------------------------------------------ pure parts
+
+def test_held_out_builtin_prompts_are_distinct_and_apart_from_training():
+    train = {x["prompt"] for x in wl.make_prompts(2048, 1)}
+    held = wl.held_out_prompts(500, 2, train)
+    texts = [x["prompt"] for x in held]
+    assert len(set(texts)) == 500 and not set(texts) & train
+    assert [x["id"] for x in held[:2]] == ["builtin-eval-0", "builtin-eval-1"]
+    assert held == wl.held_out_prompts(500, 2, train)  # seeded: the same set every run
+    assert all(wl.parse_prompt(t.split()) is not None for t in texts)  # the gold rule reads them
+
+
+def test_eval_metrics_by_hand():
+    rows = [{"reward": 1.0, "gold": 0.5, "length": 4, "ended": True},
+            {"reward": 3.0, "gold": None, "length": 8, "ended": False}]
+    m = eval_metrics(rows, seconds=2.5)
+    assert m == {"eval/prompts": 2, "eval/reward_mean": 2.0, "eval/reward_std": 1.0,
+                 "eval/response_len_mean": 6.0, "eval/ended_frac": 0.5, "eval/time_s": 2.5,
+                 "eval/gold_mean": 0.5}  # gold over the rows that have one
+    assert "eval/gold_mean" not in eval_metrics([{**rows[1]}], 1.0)
+    s = eval_summary([{"step": 0, "eval/reward_mean": 1.0}, {"step": 4, "eval/reward_mean": 2.0}])
+    assert s == {"evaluations": 2, "first_step": 0, "last_step": 4, "reward_first": 1.0,
+                 "reward_last": 2.0}
+
+
+# ------------------------------------------------------------------ whole runs
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+def _trainer(cache_dir, out_dir, *overrides, base=SMALL):
+    from oppo_ds.trainer import PPOTrainer
+
+    return PPOTrainer(load_config(None, [*base, f"workload.cache_dir={cache_dir}",
+                                         f"logging.output_dir={out_dir}", *overrides]))
+
+
+def _by_step(path):
+    return {r["step"]: r for r in read_history(str(path))}
+
+
+def test_a_run_evaluates_before_every_nth_and_after_the_last_step(cache_dir, tmp_path):
+    out = tmp_path / "eval"
+    trainer, summary = run(cache_dir, out, "steps=3", *EVAL)
+    evals = read_history(str(out / "eval.jsonl"))
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    for r in evals:
+        assert r["eval/prompts"] == 6
+        assert -1.0 <= r["eval/gold_mean"] <= 1.0 and math.isfinite(r["eval/reward_mean"])
+        assert 1 <= r["eval/response_len_mean"] <= 24 and 0.0 <= r["eval/ended_frac"] <= 1.0
+    answers = read_history(str(out / "eval_samples.jsonl"))
+    assert len(answers) == 3 * 6
+    assert {a["prompt_id"] for a in answers} == {f"builtin-eval-{i}" for i in range(6)}
+    train_texts = {json.loads(line)["prompt"] for line in open(trainer.sources.prompts)}
+    assert not {a["prompt"] for a in answers} & train_texts  # held out
+    # each evaluation's figures are its answers' own
+    at2 = [a for a in answers if a["step"] == 2]
+    assert evals[1]["eval/reward_mean"] == pytest.approx(sum(a["reward"] for a in at2) / 6, abs=1e-9)
+    assert summary["eval"]["evaluations"] == 3 and summary["eval"]["last_step"] == 3
+    assert summary["eval"]["gold_last"] == evals[-1]["eval/gold_mean"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/reward_mean")] == [0, 2, 3]
+    assert [e.step for e in acc.Scalars("eval/gold_mean")] == [0, 2, 3]
+
+    # evaluation draws none of training's random numbers: the run without it trains alike
+    # (exact: the same ops in the same order)
+    run(cache_dir, tmp_path / "plain", "steps=3")
+    a, b = _by_step(out / "metrics.jsonl"), _by_step(tmp_path / "plain" / "metrics.jsonl")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        for key in TRAINING:
+            assert a[step][key] == b[step][key], (step, key)
+    assert not (tmp_path / "plain" / "eval.jsonl").exists()
+
+
+def test_every_evaluation_repeats_its_draws(cache_dir, tmp_path):
+    """Two evaluations of the same weights give the same answers: the figures move only when
+    the policy does (the generator starts from the same seed each time)."""
+    trainer = _trainer(cache_dir, tmp_path / "twice", *EVAL, "eval.num_prompts=5")
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert first[1] == second[1]
+    assert {k: v for k, v in first[0].items() if k != "eval/time_s"} == \
+        {k: v for k, v in second[0].items() if k != "eval/time_s"}
+    # and greedy, as asked
+    greedy = _trainer(cache_dir, tmp_path / "greedy", *EVAL, "eval.temperature=0").evaluate()[1]
+    assert [a["response"] for a in greedy] != [a["response"] for a in first[1][:len(greedy)]]
+
+
+def test_a_resumed_run_evaluates_as_an_uninterrupted_one(cache_dir, tmp_path):
+    """Killed during step 3 (after the step-2 evaluation and checkpoint) and resumed: the
+    evaluations are those of the uninterrupted run, none repeated or missing (1e-6: the
+    checkpoint round trip is exact, the rest is the same CPU ops)."""
+    every = ("steps=4", "checkpoint.every=2", *EVAL)
+    run(cache_dir, tmp_path / "full", *every)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cache_dir, tmp_path / "cut", *every, crash_after=2)
+    assert [r["step"] for r in read_history(str(tmp_path / "cut" / "eval.jsonl"))] == [0, 2]
+    run(cache_dir, tmp_path / "cut", *every)
+    a = read_history(str(tmp_path / "full" / "eval.jsonl"))
+    b = read_history(str(tmp_path / "cut" / "eval.jsonl"))
+    assert [r["step"] for r in b] == [0, 2, 4]
+    for x, y in zip(a, b):
+        for key in ("eval/reward_mean", "eval/gold_mean", "eval/response_len_mean"):
+            assert y[key] == pytest.approx(x[key], abs=1e-6), (x["step"], key)
+    answers = read_history(str(tmp_path / "cut" / "eval_samples.jsonl"))
+    assert [a["step"] for a in answers] == [0] * 6 + [2] * 6 + [4] * 6
+
+    # a finished run started again trains nothing and evaluates nothing more
+    run(cache_dir, tmp_path / "cut", *every)
+    assert [r["step"] for r in read_history(str(tmp_path / "cut" / "eval.jsonl"))] == [0, 2, 4]
+    # a fresh start in the same directory drops the old evaluations, step 0 included
+    run(cache_dir, tmp_path / "cut", "steps=1", "checkpoint.resume=never", *EVAL)
+    assert [r["step"] for r in read_history(str(tmp_path / "cut" / "eval.jsonl"))] == [0, 1]
+
+
+def test_evaluation_prompts_from_a_file(cache_dir, tmp_path, caplog):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"warm {c} b ->"}) + "\n" for c in "cdefghij"))
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"id": f"h{i}", "prompt": p}) + "\n" for i, p in
+                            enumerate(["warm c b ->", "cool q r ->", "bold x ->", "calm a a a ->"])))
+    with caplog.at_level(logging.WARNING, logger="oppo_ds.evaluation"):
+        trainer = _trainer(cache_dir, tmp_path / "file", f"data.prompts={train}", f"eval.prompts={held}",
+                           "eval.num_prompts=0", "eval.temperature=0")
+    assert [p.id for p in trainer.eval_prompts] == ["h0", "h1", "h2", "h3"]
+    assert "1 of 4 evaluation prompts are training prompts too" in caplog.text
+    metrics, answers = trainer.evaluate()
+    assert metrics["eval/prompts"] == 4 and [a["prompt_id"] for a in answers] == ["h0", "h1", "h2", "h3"]
+    # the gold rule is the built-in set's: a file's prompts have none
+    assert "eval/gold_mean" not in metrics and all(a["gold"] is None for a in answers)
+
+    # a broken evaluation row stops the run at start, naming the file and line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "warm a ->"}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2"):
+        _trainer(cache_dir, tmp_path / "bad", f"data.prompts={train}", f"eval.prompts={bad}")
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
+    """Over two gloo ranks each rank answers its share and rank 0 writes all of them: greedy,
+    the untrained actor's answers (step 0) are those of a one-process run of the same models
+    (texts equal; rewards within 1e-4: the batches are padded differently)."""
+    from test_distributed import SMALL as DIST_SMALL
+    from test_distributed import launch
+
+    cache = tmp_path / "cache"
+    greedy = ["eval.prompts=builtin", "eval.num_prompts=7", "eval.temperature=0"]
+    launch(tmp_path / "two", cache, "steps=1", *greedy)
+    two = [a for a in read_history(str(tmp_path / "two" / "eval_samples.jsonl")) if a["step"] == 0]
+    assert sorted(a["prompt_id"] for a in two) == sorted(f"builtin-eval-{i}" for i in range(7))
+    assert [r["step"] for r in read_history(str(tmp_path / "two" / "eval.jsonl"))] == [0, 1]
+
+    one = _trainer(str(cache), tmp_path / "one", *greedy, base=DIST_SMALL).evaluate()[1]
+    by_id = {a["prompt_id"]: a for a in one}
+    for a in two:
+        b = by_id[a["prompt_id"]]
+        assert a["response"] == b["response"], a["prompt_id"]
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-4)
