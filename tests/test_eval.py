@@ -192,17 +192,18 @@ def test_evaluation_prompts_from_a_file(cache_dir, tmp_path, caplog):
 
 
 def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
-    """Over two gloo ranks each rank answers its share and rank 0 writes all of them: greedy,
-    the untrained actor's answers (step 0) are those of a one-process run of the same models
-    (texts equal; rewards within 1e-4: the batches are padded differently)."""
+    """Over two gloo ranks under ZeRO-3 each rank answers its share (5 prompts in two batches
+    of 4 and 4 in one: the ranks generate a different number of times) and rank 0 writes all
+    of them: greedy, the untrained actor's answers (step 0) are those of a one-process run of
+    the same models (texts equal; rewards within 1e-4: the batches are padded differently)."""
     from test_distributed import SMALL as DIST_SMALL
     from test_distributed import launch
 
     cache = tmp_path / "cache"
-    greedy = ["eval.prompts=builtin", "eval.num_prompts=7", "eval.temperature=0"]
+    greedy = ["eval.prompts=builtin", "eval.num_prompts=9", "eval.temperature=0", "system.zero_stage=3"]
     launch(tmp_path / "two", cache, "steps=1", *greedy)
     two = [a for a in read_history(str(tmp_path / "two" / "eval_samples.jsonl")) if a["step"] == 0]
-    assert sorted(a["prompt_id"] for a in two) == sorted(f"builtin-eval-{i}" for i in range(7))
+    assert sorted(a["prompt_id"] for a in two) == sorted(f"builtin-eval-{i}" for i in range(9))
     assert [r["step"] for r in read_history(str(tmp_path / "two" / "eval.jsonl"))] == [0, 1]
 
     one = _trainer(str(cache), tmp_path / "one", *greedy, base=DIST_SMALL).evaluate()[1]

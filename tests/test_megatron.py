@@ -30,6 +30,7 @@ from oppo_ds.megatron.convert import (fuse_norm_names, hf_to_megatron, megatron_
                                       shape_of, unfuse_norm_names)
 from oppo_ds.megatron.model import transformer_engine_usable  # noqa: E402
 from oppo_ds.models import build_causal_lm, build_value_model, tiny_config  # noqa: E402
+from oppo_ds.telemetry import read_history  # noqa: E402
 
 VOCAB = 101  # not a multiple of tp: the vocabulary padding is exercised
 ARCHS = ["tiny-llama", "tiny-qwen2"]
@@ -462,10 +463,15 @@ def _train(out_dir, cache_dir, ranks, *overrides):
     return rows, json.loads(open(os.path.join(out_dir, "summary.json")).read())
 
 
+# a held-out evaluation of 5 prompts before the first step and after the last, greedy: a model
+# replica split over ranks must answer as the whole model does
+GREEDY_EVAL = ("eval.prompts=builtin", "eval.num_prompts=5", "eval.temperature=0")
+
+
 @pytest.fixture(scope="module")
 def one_rank_run(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("megatron-1")
-    return _train(str(out), cache_dir, 1) + (out,)
+    return _train(str(out), cache_dir, 1, *GREEDY_EVAL) + (out,)
 
 
 @pytest.mark.parametrize("parallel", ["system.tensor_parallel=2", "system.pipeline_parallel=2"])
@@ -477,7 +483,7 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     stream = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference]"] \
         if "tensor" in parallel else []
     got, summary = _train(str(tmp_path / "run"), cache_dir, 2, parallel, *stream,
-                          "checkpoint.export_hf=true")
+                          "checkpoint.export_hf=true", *GREEDY_EVAL)
     assert summary["world_size"] == 1 and summary["samples"] == 2 * 4  # one replica
     assert [r["step"] for r in got] == [1, 2]
     for a, b in zip(want, got):
@@ -485,6 +491,13 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
         for key in SAME:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
         assert b["train/ratio_mean"] == pytest.approx(1.0, abs=1e-2)
+    want_answers, got_answers = (read_history(str(d / "eval_samples.jsonl"))
+                                 for d in (one_dir, tmp_path / "run"))
+    assert [(a["step"], a["prompt_id"]) for a in got_answers] == \
+        [(s, f"builtin-eval-{i}") for s in (0, 2) for i in range(5)]
+    for a, b in zip(want_answers, got_answers):
+        assert a["response"] == b["response"], (a["step"], a["prompt_id"])
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-4, rel=1e-4)
     # each (tensor, pipeline) rank saved its own shard of each trained model
     shards = sorted(os.listdir(tmp_path / "run" / "checkpoints" / "actor" / "step2"))
     assert shards == ["config.json"] + (["mp_rank_00_000.pt", "mp_rank_01_000.pt"]
