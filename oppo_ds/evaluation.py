@@ -99,7 +99,7 @@ class Evaluating:
                                  chat_template=d.chat_template)
         if not encoded.prompts:
             raise DataError(f"{label}: no usable prompt (all over generation.max_prompt_len "
-                                   f"= {g.max_prompt_len} tokens, data.overlong: skip)")
+                            f"= {g.max_prompt_len} tokens, data.overlong: skip)")
         if self.is_main:
             train = {tuple(p.input_ids) for p in self.prompts}
             shared = sum(tuple(p.input_ids) in train for p in encoded.prompts)

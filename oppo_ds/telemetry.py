@@ -116,9 +116,7 @@ class Telemetry:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
         if self.writer is not None:
-            self.writer.add_text("samples", "\n\n".join(
-                f"**{_sample_head(x)}**\n\nprompt:\n\n    {_indent(x['prompt'])}\n\n"
-                f"response:\n\n    {_indent(x['response'])}" for x in samples), step)
+            self.writer.add_text("samples", _markdown(samples), step)
         if show:
             write = self.bar.write if self.bar is not None else print
             for i, x in enumerate(samples):
@@ -139,16 +137,15 @@ class Telemetry:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
-            self.writer.add_text("eval", "\n\n".join(
-                f"**{_sample_head(x)}**\n\nprompt:\n\n    {_indent(x['prompt'])}\n\n"
-                f"response:\n\n    {_indent(x['response'])}" for x in records[:EVAL_TEXT_ROWS]), step)
+            self.writer.add_text("eval", _markdown(records[:EVAL_TEXT_ROWS]), step)
             self.writer.flush()
         if self.log_every:
             names = (("eval/reward_mean", "reward"), ("eval/gold_mean", "gold"),
                      ("eval/response_len_mean", "len"), ("eval/ended_frac", "ended"))
             text = " ".join(f"{name}={metrics[k]:.4g}" for k, name in names if k in metrics)
+            when = f"after step {step}" if step else "before step 1"
             (self.bar.write if self.bar is not None else print)(
-                f"eval after step {step}: {text} ({metrics['eval/prompts']} prompts, "
+                f"eval {when}: {text} ({metrics['eval/prompts']} prompts, "
                 f"{metrics['eval/time_s']:.1f}s)")
 
     def close(self, summary_extra: Optional[dict] = None) -> Optional[dict]:
@@ -166,6 +163,12 @@ class Telemetry:
         with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
+
+
+def _markdown(samples: list[dict]) -> str:
+    """Responses with their prompts for TensorBoard's text tab (markdown)."""
+    return "\n\n".join(f"**{_sample_head(x)}**\n\nprompt:\n\n    {_indent(x['prompt'])}\n\n"
+                       f"response:\n\n    {_indent(x['response'])}" for x in samples)
 
 
 def _sample_head(sample: dict) -> str:

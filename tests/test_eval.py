@@ -127,11 +127,14 @@ def test_a_run_evaluates_before_every_nth_and_after_the_last_step(cache_dir, tmp
     assert not (tmp_path / "plain" / "eval.jsonl").exists()
 
 
-def test_every_evaluation_repeats_its_draws(cache_dir, tmp_path):
+def test_every_evaluation_repeats_its_draws(cache_dir, tmp_path, capsys):
     """Two evaluations of the same weights give the same answers: the figures move only when
     the policy does (the generator starts from the same seed each time)."""
     trainer = _trainer(cache_dir, tmp_path / "twice", *EVAL, "eval.num_prompts=5")
     first, second = trainer.evaluate(), trainer.evaluate()
+    trainer.telemetry.log_every = 1
+    trainer._evaluate_and_log()
+    assert "eval before step 1: reward=" in capsys.readouterr().out
     assert first[1] == second[1]
     assert {k: v for k, v in first[0].items() if k != "eval/time_s"} == \
         {k: v for k, v in second[0].items() if k != "eval/time_s"}
@@ -189,6 +192,12 @@ def test_evaluation_prompts_from_a_file(cache_dir, tmp_path, caplog):
     with pytest.raises(DataError, match=r"bad\.jsonl:2"):
         _trainer(cache_dir, tmp_path / "bad", f"data.prompts={train}", f"eval.prompts={bad}")
     assert not (tmp_path / "bad" / "checkpoints").exists()
+    # evaluation prompts all over the prompt length, skipped: nothing left to evaluate
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "warm " + "a " * 40 + "->"}) + "\n")
+    with pytest.raises(DataError, match="no usable prompt"):
+        _trainer(cache_dir, tmp_path / "long", f"data.prompts={train}", f"eval.prompts={long}",
+                 "data.overlong=skip", "generation.max_prompt_len=16")
 
 
 def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
