@@ -362,6 +362,15 @@ class DataConfig:
     part, is read (the same prompts as DeepSpeed-Chat's step 3). Null: every prompt."""
     phase_split_seed: Optional[int] = None
     """Seed of phase_split's permutation (DeepSpeed-Chat's --seed); null: `seed`."""
+    deepspeed_chat_formats: bool = False
+    """Read each source as DeepSpeed-Chat's step 3 reads its --data_path (oppo-train's
+    --data_path sets it): a path naming one of its data sets (Dahoas/rm-static,
+    Dahoas/synthetic-instruct-gptj-pairwise, openai/webgpt_comparisons, stanfordnlp/SHP, ...;
+    matched as it matches them) gets that set's prompts as it builds them (e.g. ' Human: ' +
+    a field + ' Assistant:'; the first nine tenths of a seeded cut of train where the set has
+    no test split, cut again by phase_split; rows without a prompt dropped), a .json file
+    its local/jsonfile format (a space before `prompt`); other sources are read by
+    prompt_key."""
 
     def __post_init__(self):
         sources = [self.prompts] if isinstance(self.prompts, str) else self.prompts

@@ -27,7 +27,7 @@ import os
 import random
 import re
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -40,6 +40,7 @@ __all__ = [
     "Prompt",
     "PromptRow",
     "PromptStream",
+    "SourceFormat",
     "encode_prompts",
     "left_pad",
     "phase_part",
@@ -97,6 +98,24 @@ class PromptRow:
         return _where(self.source, self.line, self.unit)
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceFormat:
+    """How to read a source whose prompts are built from its rows' fields rather than held in
+    one (DeepSpeed-Chat's data sets: ``oppo_ds.integrations.dschat_data``)."""
+
+    name: str
+    """Named in messages (the data set)."""
+    prompt: Callable[[Mapping[str, Any]], Optional[str]]
+    """A row's prompt text; None where the row has none (dropped after the cuts, counted).
+    A missing field raises ``KeyError`` (or ``IndexError``, ``TypeError``): a ``DataError``
+    naming the row."""
+    split: str = "train"
+    """The split read."""
+    pre_cut: Optional[tuple[tuple[float, ...], int]] = None
+    """(weights, part): only that part of a seeded cut (``phase_part``, seeded as
+    ``phase_split``) is read, before ``phase_split`` cuts it again."""
+
+
 @dataclasses.dataclass
 class Prompt:
     """A tokenised prompt, ready for decoding."""
@@ -141,6 +160,7 @@ def _where(source: str, line: int, unit: str) -> str:
 def read_prompt_rows(
     path: str | os.PathLike | Sequence[str | os.PathLike], prompt_key: str = "prompt",
     split: str = "train", phase_split: Optional[Sequence[float]] = None, phase_seed: int = 0,
+    source_format: Optional[Callable[[str], Optional[SourceFormat]]] = None,
 ) -> list[PromptRow]:
     """Read prompts from ``path``, or from several paths one after another (their rows
     concatenated in the order given).
@@ -179,6 +199,10 @@ def read_prompt_rows(
     only the PPO part (:func:`phase_part`, seeded by ``phase_seed``) is returned, in file
     order. Every row is checked all the same.
 
+    ``source_format(path)``: a :class:`SourceFormat` for a path whose prompts are built from
+    other fields (its split read instead of ``split``, its cut before ``phase_split``, rows
+    without a prompt dropped after the cuts), or None to read it as above.
+
     Raises:
         DataError: naming the file and line (or row) of the first bad row, or the missing path.
     """
@@ -190,12 +214,26 @@ def read_prompt_rows(
         raise DataError(f"{twice[0]}: named twice among the prompt sources {paths}")
     rows = []
     for source in paths:
-        read = _read_source(source, prompt_key, split)
+        fmt = source_format(source) if source_format is not None else None
+        read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split)
+        # the cuts pick positions in what the cut before kept, in its (permuted) order, as
+        # DeepSpeed-Chat's Subset of a Subset does
+        kept = list(range(len(read)))
+        if fmt is not None and fmt.pre_cut is not None:
+            weights, part = fmt.pre_cut
+            kept = [kept[i] for i in phase_part(len(kept), weights, phase_seed, part)]
         if phase_split is not None:
-            kept = phase_part(len(read), phase_split, phase_seed)
+            n = len(kept)
+            kept = [kept[i] for i in phase_part(n, phase_split, phase_seed)]
             logger.info("%s: %d of %d prompts, the PPO part of data.phase_split %s (seed %d)",
-                        source, len(kept), len(read), list(phase_split), phase_seed)
-            read = [read[i] for i in sorted(kept)]
+                        source, len(kept), n, list(phase_split), phase_seed)
+        read = [read[i] for i in sorted(kept)]
+        if fmt is not None:
+            with_prompt = [r for r in read if r.text_or_messages is not None]
+            logger.info("%s: read as DeepSpeed-Chat reads %s: %d prompts%s", source, fmt.name,
+                        len(with_prompt), f" ({len(read) - len(with_prompt)} rows without one "
+                        "dropped)" if len(with_prompt) < len(read) else "")
+            read = with_prompt
         rows.extend(read)
     _name_default_ids(rows)
     _check_unique_ids(rows)
@@ -228,7 +266,7 @@ def phase_part(n: int, weights: Sequence[float], seed: int, part: int = 2) -> li
     return [int(i) for i in order[bounds[part]:bounds[part + 1]]]
 
 
-def _read_source(path: str, prompt_key: str, split: str) -> list[PromptRow]:
+def _read_source(path: str, prompt_key: "str | SourceFormat", split: str) -> list[PromptRow]:
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file or directory")
     if os.path.isdir(path):
@@ -314,7 +352,7 @@ def _split_of(relative: str) -> Optional[str]:
     return None
 
 
-def _read_file(path: str, prompt_key: str) -> list[PromptRow]:
+def _read_file(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     kind = _uncompressed_name(path)
     if kind.endswith(".jsonl"):
         return _read_jsonl(path, prompt_key)
@@ -353,7 +391,7 @@ def _lines(path: str):
                             f"{type(e).__name__}: {e}") from None
 
 
-def _read_jsonl(path: str, prompt_key: str) -> list[PromptRow]:
+def _read_jsonl(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     rows: list[PromptRow] = []
     blank_line = None  # first blank line not yet followed by a record
     for line_no, raw in _lines(path):
@@ -381,7 +419,7 @@ def _read_jsonl(path: str, prompt_key: str) -> list[PromptRow]:
     return rows
 
 
-def _read_json(path: str, prompt_key: str) -> list[PromptRow]:
+def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     """A JSON array of objects (rows from 0), or JSON lines under a .json name."""
     try:
         with _open_bytes(path) as f:
@@ -405,7 +443,7 @@ def _read_json(path: str, prompt_key: str) -> list[PromptRow]:
     return rows
 
 
-def _read_parquet(path: str, prompt_key: str) -> list[PromptRow]:
+def _read_parquet(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     import pyarrow.parquet as pq  # deferred: only parquet users pay for the import
 
     try:
@@ -415,7 +453,7 @@ def _read_parquet(path: str, prompt_key: str) -> list[PromptRow]:
     return [_make_row(r, prompt_key, path, i, "row") for i, r in enumerate(records)]
 
 
-def _read_hf_dir(path: str, prompt_key: str, split: str) -> list[PromptRow]:
+def _read_hf_dir(path: str, prompt_key: "str | SourceFormat", split: str) -> list[PromptRow]:
     import datasets  # deferred: slow import, and only needed for this format
 
     loaded = datasets.load_from_disk(path)
@@ -427,9 +465,11 @@ def _read_hf_dir(path: str, prompt_key: str, split: str) -> list[PromptRow]:
 
 
 def _make_row(
-    record: Mapping[str, Any], prompt_key: str, source: str, line: int, unit: str
+    record: Mapping[str, Any], prompt_key: "str | SourceFormat", source: str, line: int, unit: str
 ) -> PromptRow:
     where = _where(source, line, unit)
+    if isinstance(prompt_key, SourceFormat):
+        return _built_row(record, prompt_key, source, line, unit)
     if prompt_key not in record:
         raise DataError(f"{where}: no {prompt_key!r} field; the row has keys {sorted(record)}")
     value = record[prompt_key]
@@ -451,6 +491,20 @@ def _make_row(
     if isinstance(row_id, str) and not row_id.strip():
         raise DataError(f"{where}: 'id' is empty")
     return PromptRow(value, source, line, str(row_id), unit)
+
+
+def _built_row(record: Mapping[str, Any], fmt: SourceFormat, source: str, line: int,
+               unit: str) -> PromptRow:
+    """A row whose prompt ``fmt`` builds from its fields (None: the row has none)."""
+    where = _where(source, line, unit)
+    try:
+        value = fmt.prompt(record)
+    except (KeyError, IndexError, TypeError) as err:
+        raise DataError(f"{where}: not a row of {fmt.name} as DeepSpeed-Chat reads it ({type(err).__name__}: "
+                        f"{err}); the row has keys {sorted(record)}") from None
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: {fmt.name}'s prompt is not text: {_type_name(value)}")
+    return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True)
 
 
 def _label(source: str) -> str:

@@ -91,9 +91,13 @@ def read_rows(cfg: Config, prompts: str | list[str]):
     from .data import read_prompt_rows
 
     d = cfg.data
+    source_format = None
+    if d.deepspeed_chat_formats:
+        from .integrations.dschat_data import dschat_format as source_format
     return read_prompt_rows(prompts, prompt_key=d.prompt_key, split=d.split,
                             phase_split=d.phase_split,
-                            phase_seed=cfg.seed if d.phase_split_seed is None else d.phase_split_seed)
+                            phase_seed=cfg.seed if d.phase_split_seed is None else d.phase_split_seed,
+                            source_format=source_format)
 
 
 def prompts_label(prompts: str | list[str]) -> str:

@@ -195,18 +195,6 @@ def test_data_split_reads_step_3s_part_of_each_data_path(tmp_path):
     assert "--data_split has no effect without --data_path" in "\n".join(notes)
 
 
-def test_a_dschat_data_set_whose_prompts_dschat_builds_is_named(tmp_path):
-    """DeepSpeed-Chat takes a local save_to_disk copy of a data set it knows by name and
-    builds some sets' prompts its own way; oppo-train reads the prompt field as it is."""
-    known = tmp_path / "Dahoas" / "synthetic-instruct-gptj-pairwise"
-    plain = tmp_path / "Dahoas" / "rm-static"
-    for path in (known, plain):
-        path.mkdir(parents=True)
-    _, notes = resolve(["--data_path", str(known), str(plain)])
-    named = [n for n in notes if "builds" in n]
-    assert len(named) == 1 and str(known) in named[0] and "' Human: ' + prompt" in named[0]
-
-
 def test_the_split_is_deepspeed_chats_own(tmp_path):
     """phase_part against DeepSpeed-Chat's get_raw_dataset_split_index itself, from a
     DeepSpeedExamples tree at 3d83278 named by OPPO_DSCHAT_ROOT."""

@@ -60,8 +60,10 @@ FLAGS: tuple[Flag, ...] = (
        "once into output_dir/dschat_converted/critic)", str),
     _f("data_path", MAPPED, "data.prompts: local .jsonl/.json/.parquet files, datasets "
        "save_to_disk directories or hub snapshots (DeepSpeed-Chat's JSON array files too), one or "
-       "several (their prompts together); nothing is downloaded. Prompts are tokenized as they "
-       "are (data.chat_template: off), as DeepSpeed-Chat does", str,
+       "several (their prompts together); nothing is downloaded. A path naming a data set "
+       "DeepSpeed-Chat knows gets that set's prompts as its step 3 builds them, a .json file "
+       "its local/jsonfile prompts (data.deepspeed_chat_formats: true). Prompts are tokenized "
+       "as they are (data.chat_template: off), as DeepSpeed-Chat does", str,
        nargs="*"),
     _f("print_answers", MAPPED, "logging.print_samples: true, every --print_answers_interval "
        "steps (logging.samples_every, 1 when not given, as in DeepSpeed-Chat): logging.samples "
@@ -224,8 +226,8 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
         # it tokenizes them as they are; a chat template would wrap them in a second one
         put("data.chat_template", "off")
         put("data.phase_split", phase_weights(flags.get("data_split", DSCHAT_DATA_SPLIT)))
-        warnings += [own_format_warning(path, name) for path in flags["data_path"]
-                     for name in DSCHAT_OWN_FORMATS if name in path]
+        # its data sets' prompts as it builds them (' Human: ' + field + ' Assistant:', ...)
+        put("data.deepspeed_chat_formats", True)
     elif "data_split" in flags:
         warnings.append("--data_split has no effect without --data_path: the built-in "
                         "workload's prompts are all read")
@@ -261,23 +263,6 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
 
 
 DSCHAT_DATA_SPLIT = "2,4,4"  # step 3's default --data_split
-# Data sets DeepSpeed-Chat knows by name (dschat/utils/data/data_utils.py get_raw_dataset,
-# matched as a substring of the path, as it does) whose step-3 prompts it builds its own way
-# rather than reading the `prompt` field as it is (Dahoas/rm-static and Dahoas/full-hh-rlhf
-# read it as it is, from the train split, as oppo-train does).
-DSCHAT_OWN_FORMATS = (
-    "Dahoas/synthetic-instruct-gptj-pairwise", "yitingxie/rlhf-reward-datasets",
-    "openai/webgpt_comparisons", "stanfordnlp/SHP", "pvduy/sharegpt_alpaca_oa_vicuna_format",
-    "wangrui6/Zhihu-KOL", "Cohere/miracl-zh-queries-22-12", "Hello-SimpleAI/HC3-Chinese",
-    "mkqa-Chinese", "mkqa-Japanese", "Cohere/miracl-ja-queries-22-12", "lmqg/qg_jaquad",
-    "lmqg/qag_jaquad")
-
-
-def own_format_warning(path: str, name: str) -> str:
-    return (f"--data_path {path}: DeepSpeed-Chat builds {name}'s prompts its own way (e.g. "
-            f"' Human: ' + prompt + ' Assistant:', fields other than 'prompt', a held-out "
-            f"tenth of train); oppo-train reads data.prompt_key ('prompt') as it is: write the "
-            f"prompts as DeepSpeed-Chat's step 3 sees them to a .jsonl file for the same run")
 
 
 def phase_weights(text: str) -> list[float]:
