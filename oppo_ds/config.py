@@ -112,6 +112,11 @@ class PPOConfig:
     """Per-token KL estimator used in the reward shaping."""
     reward_clip: Optional[float] = 5.0
     """Clip the sequence reward to [-reward_clip, reward_clip] (null = off)."""
+    missing_eos_penalty: Optional[float] = None
+    """Subtracted from the reward of a response that reached generation.max_new_tokens
+    without an end id (TRL's missing_eos_penalty), after reward_clip, so that truncated
+    responses do not earn the reward of finished ones; null = off. The share of such
+    responses is logged as response/truncated_frac either way."""
     gamma: float = 1.0
     """Discount factor of GAE."""
     lam: float = 0.95
@@ -137,6 +142,8 @@ class PPOConfig:
         for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _require(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+                 "missing_eos_penalty", f"must be >= 0 or null, got {self.missing_eos_penalty}")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from . import comm
 from . import workload as wl
 from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits, gae_advantages,
                    kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
-                   truncated_is_weights)
+                   truncated_is_weights, truncated_rows)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import DataError, PromptStream, encode_prompts, left_pad
@@ -580,9 +580,12 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
     def compute_advantages(self, exp: Experience) -> None:
         p = self.cfg.ppo
         mask = exp.response_mask
+        penalty = None
+        if p.missing_eos_penalty:
+            penalty = self._truncated(exp).float() * p.missing_eos_penalty
         exp.rewards, self._kl_stats = kl_shaped_rewards(
             exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=p.kl_coef,
-            estimator=p.kl_estimator, reward_clip=p.reward_clip)
+            estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty)
         advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
             # statistics over every rank's batch, so the update does not depend on the split
@@ -593,6 +596,11 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
             var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
             advantages = masked_whiten(advantages, mask, mean=mean.float(), var=var.float())
         exp.advantages = advantages
+
+    def _truncated(self, exp: Experience) -> torch.Tensor:
+        """(B,) bool: responses that reached the length limit without an end id."""
+        return truncated_rows(exp.response_ids, exp.response_mask, self.sampling.eos_token_ids,
+                              self.sampling.max_new_tokens)
 
     def update(self, exp: Experience) -> dict:
         p = self.cfg.ppo
@@ -653,11 +661,13 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
     def step_metrics(self, exp: Experience, train_stats: dict) -> dict:
         """The step's metrics over all ranks: one gather of per-sequence values and one
         all-reduce of the scalar means (not one collective per metric)."""
-        columns = [exp.response_mask.sum(1), exp.scores] + ([exp.gold] if exp.gold is not None else [])
+        columns = [exp.response_mask.sum(1), exp.scores, self._truncated(exp)] + \
+            ([exp.gold] if exp.gold is not None else [])
         rows = comm.gather_lists(torch.stack([c.float() for c in columns], 1).tolist(), self.dp_group)
         lengths, scores = [r[0] for r in rows], [r[1] for r in rows]
         metrics = {
             "reward/mean": sum(scores) / len(scores),
+            "response/truncated_frac": sum(r[2] for r in rows) / len(rows),
             "response/len_mean": sum(lengths) / len(lengths),
             "response/len_max": max(lengths),
             "response/len_p50": sorted(lengths)[len(lengths) // 2],
@@ -670,7 +680,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
             "lr/critic": self.critic.lr(),
         }
         if exp.gold is not None:
-            metrics["gold/mean"] = sum(r[2] for r in rows) / len(rows)
+            metrics["gold/mean"] = sum(r[3] for r in rows) / len(rows)
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",

@@ -24,6 +24,7 @@ from oppo_ds.algo import (
     masked_whiten,
     token_normalizer,
     truncated_is_weights,
+    truncated_rows,
 )
 
 F64 = torch.float64
@@ -133,6 +134,23 @@ def test_kl_shaped_rewards_clips_scores():
     torch.testing.assert_close(stats["score"], torch.tensor(0.5))  # the raw mean
     with pytest.raises(ValueError, match="reward_clip"):
         kl_shaped_rewards(scores, zeros, zeros, mask, 0.1, reward_clip=0.0)
+
+
+def test_missing_eos_penalty_after_the_clip():
+    """Rows 0 and 2 reached the limit (3) without an end id (2); row 1 ended at it there, row 3
+    ended short of it. The penalty (0.5) lands after the clip (1.0): row 0's 5.0 -> 1.0 - 0.5."""
+    ids = torch.tensor([[7, 8, 9], [7, 8, 2], [4, 4, 4], [5, 0, 0]])
+    mask = t([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]])
+    truncated = truncated_rows(ids, mask, end_ids=(2, 3), max_new_tokens=3)
+    assert truncated.tolist() == [True, False, True, False]
+    # a row that ended before the limit without an end id (the length oracle's targets) is not
+    assert truncated_rows(ids, mask, end_ids=(2,), max_new_tokens=4).tolist() == [False] * 4
+    zeros = torch.zeros(4, 3, dtype=F64)
+    rewards, stats = kl_shaped_rewards(t([5.0, 0.2, -0.4, 0.3]), zeros, zeros, mask, 0.1,
+                                       reward_clip=1.0, penalty=truncated.double() * 0.5)
+    torch.testing.assert_close(rewards[:, -1], t([0.5, 0.2, -0.9, 0.0]))
+    torch.testing.assert_close(rewards[3, 0], torch.tensor(0.3, dtype=F64))
+    torch.testing.assert_close(stats["score_clip_frac"], torch.tensor(0.25))  # the clip's alone
 
 
 # ---- GAE ------------------------------------------------------------------------------

@@ -274,6 +274,7 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["data.phase_split=[2, 4]"], "data.phase_split", "three weights >= 0"),
     (["data.phase_split=[2, -4, 4]"], "data.phase_split", "three weights >= 0"),
     (["data.phase_split=[5, 5, 0]"], "data.phase_split", "the PPO part's share and must be > 0"),
+    (["ppo.missing_eos_penalty=-1"], "ppo.missing_eos_penalty", ">= 0 or null"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

@@ -505,6 +505,25 @@ def test_truncated_importance_sampling_option(cache_dir, tmp_path):
     assert history[0]["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # step 1: all fresh
 
 
+def test_missing_eos_penalty_lowers_only_truncated_responses(cache_dir, tmp_path):
+    """ppo.missing_eos_penalty: the same responses and reward-model scores (the penalty is
+    not in reward/mean), a different update where responses hit the 24-token limit without
+    <eos>; the share of those is logged either way."""
+    trainer, _ = run(cache_dir, tmp_path / "plain", "steps=1", "checkpoint.export_hf=false",
+                     "logging.samples=8", "logging.samples_every=1")
+    run(cache_dir, tmp_path / "penalty", "steps=1", "checkpoint.export_hf=false",
+        "ppo.missing_eos_penalty=2.0")
+    plain, penalty = (read_history(str(tmp_path / d / "metrics.jsonl"))[0] for d in ("plain", "penalty"))
+    samples = read_history(str(tmp_path / "plain" / "samples.jsonl"))
+    truncated = [not s["ended"] for s in samples]
+    assert plain["response/truncated_frac"] == pytest.approx(sum(truncated) / len(truncated))
+    assert 0 < plain["response/truncated_frac"] < 1  # the tail reaches the limit here
+    assert penalty["response/lengths"] == plain["response/lengths"]
+    assert penalty["reward/mean"] == plain["reward/mean"]
+    assert penalty["response/truncated_frac"] == plain["response/truncated_frac"]
+    assert penalty["loss/value"] != pytest.approx(plain["loss/value"], rel=1e-3)
+
+
 @pytest.mark.parametrize("placement", ["inline", "colocated"])
 def test_streaming_pool_gives_the_pool_run(cache_dir, tmp_path, placement):
     """Full OPPO (streaming + overcommitment) computes what overcommitment alone does: the

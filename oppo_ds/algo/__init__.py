@@ -17,7 +17,7 @@ from oppo_ds.algo.losses import (
     truncated_is_weights,
 )
 from oppo_ds.algo.masked import masked_mean, masked_var, masked_whiten
-from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index
+from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index, truncated_rows
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -40,4 +40,5 @@ __all__ = [
     "masked_whiten",
     "token_normalizer",
     "truncated_is_weights",
+    "truncated_rows",
 ]

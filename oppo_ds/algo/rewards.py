@@ -19,6 +19,23 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), positions, -1).amax(dim=-1)
 
 
+def truncated_rows(response_ids: torch.Tensor, mask: torch.Tensor, end_ids,
+                   max_new_tokens: int) -> torch.Tensor:
+    """Which responses reached the length limit without an end id (TRL's "missing EOS"):
+    (B,) bool.
+
+    Args:
+        response_ids: (B, T) response tokens, right-padded.
+        mask: (B, T) 1.0 for response tokens (the end id included), 0.0 for padding.
+        end_ids: the ids that end a response.
+        max_new_tokens: the response length limit.
+    """
+    lengths = mask.sum(-1).long()
+    last = response_ids.gather(1, last_valid_index(mask).clamp_min(0).unsqueeze(1)).squeeze(1)
+    ends = torch.as_tensor(list(end_ids), dtype=response_ids.dtype, device=response_ids.device)
+    return (lengths >= max_new_tokens) & ~torch.isin(last, ends)
+
+
 def kl_shaped_rewards(
     scores: torch.Tensor,
     logprobs: torch.Tensor,
@@ -27,6 +44,7 @@ def kl_shaped_rewards(
     kl_coef: float,
     estimator: str = "k1",
     reward_clip: float | None = None,
+    penalty: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token rewards ``-kl_coef * kl_t``, plus the sequence score at the last token.
 
@@ -39,6 +57,8 @@ def kl_shaped_rewards(
         estimator: KL estimator name, see ``KL_ESTIMATORS``.
         reward_clip: if set, scores are clipped to ``[-reward_clip, reward_clip]``
             before being added.
+        penalty: (B,) subtracted from each score after the clipping, so that a penalty
+            (``missing_eos_penalty``) still bites on a score at the clip bound.
 
     Returns:
         rewards: (B, T), zero at padding. The (clipped) score is added at the
@@ -61,6 +81,9 @@ def kl_shaped_rewards(
         if reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0 or None, got {reward_clip}")
         clipped = clipped.clamp(-reward_clip, reward_clip)
+    score_clip_frac = (clipped != scores.to(clipped.dtype)).float().mean().detach()
+    if penalty is not None:
+        clipped = clipped - penalty.to(clipped.dtype)
     last = last_valid_index(mask)
     has_tokens = last >= 0
     score_at_end = torch.where(has_tokens, clipped, 0.0)
@@ -69,6 +92,6 @@ def kl_shaped_rewards(
     stats = {
         "kl": kl.sum(dim=-1).mean().detach(),
         "score": scores.float().mean().detach(),
-        "score_clip_frac": (clipped != scores.to(clipped.dtype)).float().mean().detach(),
+        "score_clip_frac": score_clip_frac,
     }
     return rewards, stats

@@ -155,7 +155,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         local_rollout_forward_batch_size=p.batch_size,  # generate / score the batch at once
         # generation
         response_length=g.max_new_tokens, temperature=g.temperature,
-        stop_token_id=stop, missing_eos_penalty=None,
+        stop_token_id=stop, missing_eos_penalty=p.missing_eos_penalty,
         # PPO math
         kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, cliprange=p.clip_eps,
         cliprange_value=p.value_clip_eps, vf_coef=1.0, gamma=p.gamma, lam=p.lam,
