@@ -112,6 +112,10 @@ class PPOConfig:
     """Per-token KL estimator used in the reward shaping."""
     reward_clip: Optional[float] = 5.0
     """Clip the sequence reward to [-reward_clip, reward_clip] (null = off)."""
+    ptx_coef: float = 0.0
+    """Weight of the pretraining language-modelling loss on data.ptx added to the actor's
+    PPO loss (PPO-ptx; DeepSpeed-Chat's --unsup_coef, OpenRLHF's --ptx_coef); 0 = off. The
+    loss is the mean negative log-likelihood per token, so the scale is the policy loss's."""
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the reward of a response that reached generation.max_new_tokens
     without an end id (TRL's missing_eos_penalty), after reward_clip, so that truncated
@@ -142,6 +146,7 @@ class PPOConfig:
         for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _require(self.ptx_coef >= 0, "ptx_coef", f"must be >= 0, got {self.ptx_coef}")
         _require(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
                  "missing_eos_penalty", f"must be >= 0 or null, got {self.missing_eos_penalty}")
 
@@ -369,6 +374,16 @@ class DataConfig:
     part, is read (the same prompts as DeepSpeed-Chat's step 3). Null: every prompt."""
     phase_split_seed: Optional[int] = None
     """Seed of phase_split's permutation (DeepSpeed-Chat's --seed); null: `seed`."""
+    ptx: Optional[Union[str, list[str]]] = None
+    """Pretraining text for PPO-ptx (with ppo.ptx_coef > 0): files or directories as
+    `prompts` takes them (the `split` split), whose `ptx_key` field is a string; the texts are
+    tokenized, concatenated and cut into blocks of ptx_block_len tokens (the remainder
+    dropped), as DeepSpeed-Chat groups its unsupervised data. Null: none."""
+    ptx_key: str = "text"
+    """Field holding the pretraining text."""
+    ptx_block_len: Optional[int] = None
+    """Tokens per pretraining block; null = generation.max_prompt_len + max_new_tokens (as
+    DeepSpeed-Chat's max_prompt_seq_len + max_answer_seq_len)."""
     deepspeed_chat_formats: bool = False
     """Read each source as DeepSpeed-Chat's step 3 reads its --data_path (oppo-train's
     --data_path sets it): a path naming one of its data sets (Dahoas/rm-static,
@@ -385,6 +400,12 @@ class DataConfig:
         _require(isinstance(self.prompts, str) or "builtin" not in sources, "prompts",
                  "builtin is the built-in workload's prompts alone; it cannot be listed with files")
         _require(all(s.strip() for s in sources), "prompts", f"an empty path in {self.prompts!r}")
+        _require(self.ptx_block_len is None or self.ptx_block_len >= 2, "ptx_block_len",
+                 f"must be >= 2 (a block predicts its tokens after the first), got {self.ptx_block_len}")
+        if self.ptx is not None:
+            ptx = [self.ptx] if isinstance(self.ptx, str) else self.ptx
+            _require(len(ptx) > 0 and all(x.strip() for x in ptx) and "builtin" not in ptx, "ptx",
+                     f"{self.ptx!r}: name pretraining text files or directories, or null")
         if self.phase_split is not None:
             _require(len(self.phase_split) == 3 and min(self.phase_split) >= 0, "phase_split",
                      f"three weights >= 0 (SFT, reward model, PPO), got {self.phase_split}")
@@ -551,6 +572,10 @@ class Config:
                       and self.oppo.streaming), "system.partition_reference",
                  "a partitioned reference cannot stream (each forward is collective over the "
                  "ranks); remove reference from oppo.stream_to")
+        _require((self.ppo.ptx_coef > 0) == (self.data.ptx is not None),
+                 "ppo.ptx_coef" if self.data.ptx is None else "data.ptx",
+                 "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
+                 f"got ppo.ptx_coef={self.ppo.ptx_coef}, data.ptx={self.data.ptx!r}")
         if self.eval.enabled:
             # the actor ranks hold no reward model under stage placement
             _require(self.oppo.placement != "stage", "eval.prompts",

@@ -1,8 +1,8 @@
 """The trainer's checkpoints, what they hold and what a resume may change (a mixin of
 ``PPOTrainer``; the files themselves are ``CheckpointManager``'s).
 
-A trainer state holds, per rank, the step, the prompt stream's cursor, the sampling and
-shuffling generators, the chunk-size and Delta controllers, the rollout pool with its ledger,
+A trainer state holds, per rank, the step, the prompt stream's cursor (and PPO-ptx's), the
+sampling and shuffling generators, the chunk-size and Delta controllers, the rollout pool with its ledger,
 the frozen streaming scorers' caches of the deferred rows, and the settings that decide what
 the engines hold. A resume refuses, in one line naming what differs and before any engine
 loads where it can, what it could not continue exactly or without losing or inventing a
@@ -56,6 +56,20 @@ class Resumable:
                     _STREAM_SETTING[k].format(now) for k, (_, now) in err.changed.items())
                 + ": the prompt order follows them; resume with the settings it was written "
                   "with, or start afresh with checkpoint.resume=never")) from None
+        if self.ptx_stream is not None:
+            if state.get("ptx_stream"):
+                try:
+                    self.ptx_stream.load_state_dict(state["ptx_stream"])
+                except StreamMismatch as err:
+                    raise ConfigError("data.ptx", (
+                        f"checkpoint {tag} was written with pretraining text of other blocks or "
+                        f"ranks ({', '.join(f'{k}: {saved} then, {now} now' for k, (saved, now) in err.changed.items())}): "
+                        "its position in them means nothing here; resume with the data.ptx and "
+                        "data.ptx_block_len it was written with, or start afresh with "
+                        "checkpoint.resume=never")) from None
+            else:
+                logger.info("checkpoint %s has no PPO-ptx data position (written without "
+                            "data.ptx): pretraining blocks start from the first", tag)
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         notes = []
@@ -131,6 +145,7 @@ class Resumable:
                  "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
                  "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
                  "pool": self.pool.state_dict() if self.pool is not None else None,
+                 "ptx_stream": self.ptx_stream.state_dict() if self.ptx_stream is not None else None,
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
                  "settings": self._checkpoint_settings()}

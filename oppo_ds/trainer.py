@@ -24,7 +24,7 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    truncated_is_weights, truncated_rows)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
-from .data import DataError, PromptStream, encode_prompts, left_pad
+from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .evaluation import Evaluating, text_records
@@ -39,6 +39,7 @@ from .rollout.stage import RemoteScorers
 from .rollout.stage_stream import stage_stream_continue, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
+from .ptx import lm_loss, ptx_block_len, ptx_blocks
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .sources import (check_paths, check_sources, end_ids, prompts_label, read_rows, resolve_sources,
@@ -153,6 +154,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
         # read before any engine loads, so that a bad evaluation set stops the run at once
         self.eval_prompts = self._load_eval_prompts() if cfg.eval.enabled and not scorer_rank else []
+        self.ptx_blocks = self._load_ptx() if cfg.data.ptx is not None and not scorer_rank else None
 
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
@@ -215,6 +217,9 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + data_rank)
         self.stream = PromptStream(self.prompts, p.batch_size, cfg.seed, data_rank,
                                    self.world_size, shuffle=cfg.data.shuffle)
+        # PPO-ptx: blocks of pretraining text, a micro-batch of them beside each of experience
+        self.ptx_stream = None if self.ptx_blocks is None else PromptStream(
+            self.ptx_blocks, p.micro_batch_size, cfg.seed + 1, data_rank, self.world_size, shuffle=True)
         o = cfg.oppo
         self.chunk_ctl = ChunkSizeController(
             candidates=tuple(o.chunk_candidates), explore_every=o.chunk_explore_every,
@@ -261,6 +266,18 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
             raise DataError(f"{path}: {len(encoded.prompts)} usable prompts for {self.world_size} "
                             f"ranks; every rank needs at least one")
         return encoded.prompts
+
+    def _load_ptx(self):
+        d = self.cfg.data
+        rows = read_prompt_rows(d.ptx, prompt_key=d.ptx_key, split=d.split)
+        blocks = ptx_blocks(rows, self.tokenizer, ptx_block_len(self.cfg), prompts_label(d.ptx))
+        if len(blocks) < self.world_size:
+            raise DataError(f"{prompts_label(d.ptx)}: {len(blocks)} pretraining blocks for "
+                            f"{self.world_size} ranks; every rank needs at least one")
+        if self.is_main:
+            logger.info("PPO-ptx: %d blocks of %d tokens from %s, weight %g", len(blocks),
+                        len(blocks[0].input_ids), prompts_label(d.ptx), self.cfg.ppo.ptx_coef)
+        return blocks
 
     # ------------------------------------------------------------------ the PPO step
 
@@ -608,6 +625,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         sums: dict[str, torch.Tensor] = {}
         total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
+        ptx_losses: list[float] = []
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
@@ -615,7 +633,19 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
                 tokens = comm.all_reduce(sum(m.response_mask.sum() for m in micro).double(),
                                          group=self.dp_group)
                 norm = token_normalizer(tokens.float(), gas, self.world_size)
-                actor_stats = self.actor.train_step(micro, partial(self._actor_loss, normalizer=norm))
+                loss_fn = partial(self._actor_loss, normalizer=norm)
+                actor_batches = micro
+                if self.ptx_stream is not None:
+                    # full blocks: every rank predicts the same number of tokens
+                    ptx = [self._ptx_batch(len(m)) for m in micro]
+                    ptx_tokens = p.mini_batch_size * (ptx[0].shape[1] - 1) * self.world_size
+                    loss_fn = partial(self._actor_ptx_loss, normalizer=norm,
+                                      ptx_normalizer=token_normalizer(float(ptx_tokens), gas, self.world_size))
+                    actor_batches = list(zip(micro, ptx))
+                actor_stats = self.actor.train_step(actor_batches, loss_fn)
+                for a in actor_stats:  # a mean over full blocks: every micro-batch counts alike
+                    if "ptx_loss" in a:
+                        ptx_losses.append(float(a.pop("ptx_loss")))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
                 for name, engine in (("actor", self.actor), ("critic", self.critic)):
                     value = engine.grad_norm()
@@ -628,6 +658,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
                     for key, value in {**a, **c}.items():
                         sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().double()
         stats = {k: (v / total_tokens).item() for k, v in sums.items()}
+        if ptx_losses:
+            stats["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
         # the largest of the step's updates (the same on every rank: a global norm); NaN wins
         stats.update({f"{name}_grad_norm": next((x for x in v if x != x), max(v))
                       for name, v in norms.items() if v})
@@ -652,6 +684,19 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         if weights is not None:
             stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
         return loss, stats
+
+    def _ptx_batch(self, n: int) -> torch.Tensor:
+        return torch.tensor([b.input_ids for b in self.ptx_stream.take(n)], dtype=torch.long,
+                            device=self.device)
+
+    def _actor_ptx_loss(self, model, batch, normalizer, ptx_normalizer):
+        """The policy loss of an experience micro-batch plus ppo.ptx_coef times the
+        language-modelling loss of its pretraining blocks, in one backward."""
+        mb, ptx_ids = batch
+        loss, stats = self._actor_loss(model, mb, normalizer)
+        ptx_loss, ptx_mean = lm_loss(model, ptx_ids, ptx_normalizer)
+        stats["ptx_loss"] = ptx_mean
+        return loss + self.cfg.ppo.ptx_coef * ptx_loss, stats
 
     def _critic_loss(self, model, mb: Experience, normalizer):
         values = response_values(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
@@ -684,7 +729,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",
-                 "critic_grad_norm": "grad_norm/critic"}
+                 "critic_grad_norm": "grad_norm/critic", "ptx_loss": "loss/ptx"}
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})

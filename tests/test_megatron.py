@@ -508,6 +508,22 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     _check_export(tmp_path / "run", tmp_path / "offline")
 
 
+def test_ptx_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
+    """PPO-ptx on the Megatron engine: the pretraining loss of a replica split over two tensor
+    ranks is the one-rank replica's, and so are the updates it joins (1e-4: tensor-parallel
+    sums in another order)."""
+    text = tmp_path / "ptx.jsonl"
+    text.write_text("".join(json.dumps({"text": " ".join("abcdefghijklmnopqrstuvwx"[i:] * 2)}) + "\n"
+                            for i in range(12)))
+    ptx = ("ppo.ptx_coef=0.5", "data.ptx_block_len=16", f"data.ptx={text}")
+    one, _ = _train(str(tmp_path / "one"), cache_dir, 1, *ptx)
+    two, _ = _train(str(tmp_path / "two"), cache_dir, 2, "system.tensor_parallel=2", *ptx)
+    for a, b in zip(one, two):
+        assert 0 < a["loss/ptx"] < 5
+        for key in ("loss/ptx", *SAME):
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+
+
 def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path):
     """``oppo.placement: stage`` on the Megatron backend: actor and critic tensor parallel over
     ranks 0-1, the reward and reference models and an HF copy of the critic on rank 2 (the

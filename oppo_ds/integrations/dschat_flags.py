@@ -65,6 +65,16 @@ FLAGS: tuple[Flag, ...] = (
        "its local/jsonfile prompts (data.deepspeed_chat_formats: true). Prompts are tokenized "
        "as they are (data.chat_template: off), as DeepSpeed-Chat does", str,
        nargs="*"),
+    _f("unsupervised_dataset_name", MAPPED, "data.ptx (PPO-ptx, with "
+       "--unsupervised_dataset_config_name): a local copy of the pretraining text (its train "
+       "split's text field), cut into blocks of --max_prompt_seq_len "
+       "+ --max_answer_seq_len tokens as DeepSpeed-Chat cuts it; its loss joins the actor's PPO "
+       "update, where DeepSpeed-Chat takes an optimizer step of its own on it", str),
+    _f("unsup_coef", MAPPED, "ppo.ptx_coef, with --unsupervised_dataset_name (DeepSpeed-Chat's "
+       "default 27.8 when not given)", float),
+    _f("unsupervised_dataset_config_name", MAPPED, "with --unsupervised_dataset_name, switches "
+       "PPO-ptx on, as DeepSpeed-Chat trains on the data set only when both are given (the value "
+       "picks a configuration of a hub data set; a local copy is one already)", str),
     _f("print_answers", MAPPED, "logging.print_samples: true, every --print_answers_interval "
        "steps (logging.samples_every, 1 when not given, as in DeepSpeed-Chat): logging.samples "
        "(2) responses of rank 0's batch with their prompts and rewards, where DeepSpeed-Chat "
@@ -148,10 +158,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("tp_gather_partition_size", IGNORED, "a hybrid-engine knob oppo-ds does not expose", int),
     _f("enable_ema", REFUSED, "oppo-train keeps no EMA copy of the actor"),
     _f("enable_mixed_precision_lora", REFUSED, "ZeRO++ quantized LoRA weights are not supported"),
-    _f("unsupervised_dataset_name", REFUSED, "PPO-ptx (an unsupervised loss) is not supported",
-       str),
-    _f("unsupervised_dataset_config_name", REFUSED, "see --unsupervised_dataset_name", str),
-    _f("unsup_coef", IGNORED, "PPO-ptx is not supported", float),
     _f("deepspeed_config", REFUSED, "the DeepSpeed config is built from the oppo-ds config "
        "(system.* keys)", str),
 )
@@ -231,6 +237,24 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     elif "data_split" in flags:
         warnings.append("--data_split has no effect without --data_path: the built-in "
                         "workload's prompts are all read")
+    ptx_flags = ("unsupervised_dataset_name", "unsupervised_dataset_config_name")
+    if flags.get(ptx_flags[0]) and not flags.get(ptx_flags[1]):
+        warnings.append("--unsupervised_dataset_name has no effect without "
+                        "--unsupervised_dataset_config_name: DeepSpeed-Chat trains on it only "
+                        "with both, and so does oppo-train")
+    elif flags.get(ptx_flags[1]) and not flags.get(ptx_flags[0]):
+        warnings.append("--unsupervised_dataset_config_name has no effect without "
+                        "--unsupervised_dataset_name")
+    elif flags.get(ptx_flags[0]):
+        path = flags["unsupervised_dataset_name"]
+        if not os.path.exists(path):
+            raise ConfigError("--unsupervised_dataset_name", f"{path!r} is not a local file or "
+                              "directory (oppo-ds never downloads data sets; save it locally first)")
+        put("data.ptx", path)
+        put("ppo.ptx_coef", flags.get("unsup_coef", DSCHAT_UNSUP_COEF))
+    if "unsup_coef" in flags and "data.ptx" not in out:
+        warnings.append("--unsup_coef has no effect without --unsupervised_dataset_name and "
+                        "--unsupervised_dataset_config_name")
     if flags.get("print_answers"):
         put("logging.print_samples", True)
         put("logging.samples_every", flags.get("print_answers_interval", 1))
@@ -263,6 +287,7 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
 
 
 DSCHAT_DATA_SPLIT = "2,4,4"  # step 3's default --data_split
+DSCHAT_UNSUP_COEF = 27.8  # step 3's default --unsup_coef
 
 
 def phase_weights(text: str) -> list[float]:
