@@ -501,7 +501,8 @@ def _built_row(record: Mapping[str, Any], fmt: SourceFormat, source: str, line: 
         value = fmt.prompt(record)
     except (KeyError, IndexError, TypeError) as err:
         raise DataError(f"{where}: not a row of {fmt.name} as DeepSpeed-Chat reads it ({type(err).__name__}: "
-                        f"{err}); the row has keys {sorted(record)}") from None
+                        f"{err}); the row has keys {sorted(record)} (data.deepspeed_chat_formats="
+                        f"false reads the source by data.prompt_key instead)") from None
     if value is not None and not isinstance(value, str):
         raise DataError(f"{where}: {fmt.name}'s prompt is not text: {_type_name(value)}")
     return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True)

@@ -141,7 +141,8 @@ def test_a_row_without_the_sets_field_is_named(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "p"}])}).save_to_disk(path)
     with pytest.raises(DataError, match=r"webgpt_comparisons: row 0: not a row of "
                                         r"openai/webgpt_comparisons as DeepSpeed-Chat reads it "
-                                        r"\(KeyError: 'question'\); the row has keys \['prompt'\]"):
+                                        r"\(KeyError: 'question'\); the row has keys \['prompt'\] "
+                                        r"\(data.deepspeed_chat_formats=false reads"):
         read_prompt_rows(path, source_format=dschat_format)
 
 
