@@ -91,7 +91,9 @@ def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
     (["--actor_zero_stage", "3", "--critic_zero_stage", "2"], "--actor_zero_stage"),
     (["--actor_weight_decay", "0.1", "--critic_weight_decay", "0"], "--actor_weight_decay"),
     (["--enable_ema"], "--enable_ema"),
-    (["--unsupervised_dataset_name", "wikitext"], "--unsupervised_dataset_name"),
+    # a hub name, not a local copy: nothing is downloaded
+    (["--unsupervised_dataset_name", "wikitext", "--unsupervised_dataset_config_name",
+      "wikitext-2-raw-v1"], "--unsupervised_dataset_name"),
     (["--offload_reference_model"], "--offload_reference_model"),
     (["--lr_scheduler_type", "polynomial"], "--lr_scheduler_type"),
     (["--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "3"],

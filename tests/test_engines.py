@@ -453,3 +453,24 @@ def test_partitioned_reference_scores_like_a_full_copy(offload):
         got = part(**batch).logits
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert all(p.numel() == 0 for p in part.parameters())  # released after the forward
+
+
+@pytest.mark.parametrize("preset, want", [(None, "cpu"), ("cuda", "cuda")])
+def test_deepspeed_is_told_to_use_the_cpu_without_cuda(preset, want):
+    """Without CUDA, DeepSpeed would pick Apple's MPS backend on a Mac (it cannot exist here,
+    so the choice is what is checked): importing our engine asks for its CPU accelerator,
+    unless DS_ACCELERATOR was set, which is left as it was (cuda: DeepSpeed names the
+    device without needing one)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    if preset:
+        env["DS_ACCELERATOR"] = preset
+    code = ("import os, torch; assert not torch.cuda.is_available(); "
+            "import oppo_ds.engines.deepspeed_engine as e; "
+            "print(os.environ['DS_ACCELERATOR'], e.get_accelerator().device_name())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == [want, want]

@@ -35,9 +35,17 @@ import os
 import socket
 from typing import Any, Callable, Iterator
 
-import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
+
+# Without CUDA, DeepSpeed picks Apple's MPS backend where torch has one (a Mac laptop, where
+# users try the demo first), and would put the trained models there while the frozen ones,
+# the host-side statistics (float64, which MPS lacks) and the gloo collectives are on the CPU:
+# ask for its CPU accelerator unless the user chose one. Before anything imports deepspeed.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from oppo_ds.comm import set_local_cuda_device
