@@ -74,8 +74,17 @@ class ModelConfig:
     only_optimize_lora: bool = False
     """Freeze every weight except the LoRA matrices (and the critic's value head), so the
     optimizer states are those of the LoRA weights only. Needs a LoRA dim > 0."""
+    actor_ema: bool = False
+    """Keep an exponential moving average of the actor's weights, updated after every PPO
+    step from the starting weights, checkpointed, and exported to output_dir/actor_ema
+    (DeepSpeed-Chat's and OpenRLHF's --enable_ema). Costs an fp32 copy of what each rank holds
+    of the actor, on its device."""
+    actor_ema_beta: float = 0.992
+    """The average's decay: ema = beta * ema + (1 - beta) * weights (DeepSpeed-Chat's 0.992)."""
 
     def __post_init__(self):
+        _require(0.0 <= self.actor_ema_beta <= 1.0, "actor_ema_beta",
+                 f"must be in [0, 1], got {self.actor_ema_beta}")
         for key in ("actor_lora_dim", "critic_lora_dim"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         _require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha", "must be > 0 or null")

@@ -2,7 +2,7 @@
 ``PPOTrainer``; the files themselves are ``CheckpointManager``'s).
 
 A trainer state holds, per rank, the step, the prompt stream's cursor (and PPO-ptx's), the
-sampling and shuffling generators, the chunk-size and Delta controllers, the rollout pool with its ledger,
+average of the actor's weights (model.actor_ema), the sampling and shuffling generators, the chunk-size and Delta controllers, the rollout pool with its ledger,
 the frozen streaming scorers' caches of the deferred rows, and the settings that decide what
 the engines hold. A resume refuses, in one line naming what differs and before any engine
 loads where it can, what it could not continue exactly or without losing or inventing a
@@ -17,6 +17,7 @@ from functools import partial
 
 from .config import ConfigError
 from .data import StreamMismatch
+from .ema import ActorEMA
 from .rollout.scorer import FROZEN_KINDS
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,17 @@ class Resumable:
                     _STREAM_SETTING[k].format(now) for k, (_, now) in err.changed.items())
                 + ": the prompt order follows them; resume with the settings it was written "
                   "with, or start afresh with checkpoint.resume=never")) from None
+        if self.ema is not None:
+            if state.get("actor_ema") is not None:
+                try:
+                    self.ema.load_state_dict(state["actor_ema"])
+                except ValueError as err:
+                    raise ConfigError("model.actor_ema", f"checkpoint {tag}: {err}; start "
+                                      "afresh with checkpoint.resume=never") from None
+            else:
+                logger.info("checkpoint %s holds no average of the actor (written without "
+                            "model.actor_ema): it starts from the resumed weights", tag)
+                self.ema = ActorEMA(self.actor.module, self.cfg.model.actor_ema_beta)
         if self.ptx_stream is not None:
             if state.get("ptx_stream"):
                 try:
@@ -146,6 +158,7 @@ class Resumable:
                  "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,
                  "pool": self.pool.state_dict() if self.pool is not None else None,
                  "ptx_stream": self.ptx_stream.state_dict() if self.ptx_stream is not None else None,
+                 "actor_ema": self.ema.state_dict() if self.ema is not None else None,
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
                  "settings": self._checkpoint_settings()}

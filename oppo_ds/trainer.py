@@ -27,6 +27,7 @@ from .config import Config, ConfigError, save_config
 from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
+from .ema import ActorEMA
 from .evaluation import Evaluating, text_records
 from .finite import NonFiniteError, check_experience, check_update
 from .lora import has_lora, merged_state_dict
@@ -176,6 +177,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         self.actor, self.critic = models.actor, models.critic
         self.reference, self.reward = models.reference, models.reward
         self.device = self.actor.device
+        self.ema = ActorEMA(self.actor.module, cfg.model.actor_ema_beta) if cfg.model.actor_ema else None
         self.actor_streams = actor_streams(cfg.oppo.streams_actor, self.actor.hybrid_engine_path)
         if cfg.oppo.streams_actor and not self.actor_streams and self.is_main:
             logger.info("oppo.stream_to holds actor, but the hybrid engine decodes with DeepSpeed's "
@@ -318,6 +320,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
             check_experience(exp, self.sources.models, self.cfg.system.dtype, group=self.dp_group)
         with timer.phase("train"):
             train_stats = self.update(exp)
+            if self.ema is not None:
+                self.ema.update(self.actor.module)
         self.step_count += 1
         metrics = self.step_metrics(exp, train_stats)
         check_update(metrics, self.cfg.system.dtype)
@@ -804,8 +808,17 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
         return f"step {step}: {err}; {where}"
 
     def export(self, out_dir: str) -> None:
-        """Final actor (and critic) in Hugging Face format, DeepSpeed-Chat's layout."""
-        for name, engine in (("actor", self.actor), ("critic", self.critic)):
+        """Final actor (and critic; the actor's average with model.actor_ema) in Hugging Face
+        format, DeepSpeed-Chat's layout."""
+        self._export_models(out_dir, (("actor", self.actor), ("critic", self.critic)))
+        if self.ema is not None:
+            with self.ema.swapped_in(self.actor.module):
+                self._export_models(out_dir, (("actor_ema", self.actor),))
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _export_models(self, out_dir: str, named_engines) -> None:
+        for name, engine in named_engines:
             with engine.generation_context() as model:
                 path = os.path.join(out_dir, name)
                 if getattr(model, "collective_save", False):
@@ -817,9 +830,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating):
                     model.save_pretrained(path, state_dict=state)
                 if self.is_main:
                     self.tokenizer.save_pretrained(path)
-                if self.is_main and name == "actor" and self.sampling.eos_token_ids:
+                if self.is_main and name != "critic" and self.sampling.eos_token_ids:
                     write_end_ids(path, self.sampling.eos_token_ids)
                 if self.is_main and name == "critic":
                     write_pad_id(path, self.tokenizer.pad_token_id)
-        if dist.is_initialized():
-            dist.barrier()
+

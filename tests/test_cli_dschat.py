@@ -90,7 +90,7 @@ def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
 @pytest.mark.parametrize("argv, flag", [
     (["--actor_zero_stage", "3", "--critic_zero_stage", "2"], "--actor_zero_stage"),
     (["--actor_weight_decay", "0.1", "--critic_weight_decay", "0"], "--actor_weight_decay"),
-    (["--enable_ema"], "--enable_ema"),
+    (["--enable_mixed_precision_lora"], "--enable_mixed_precision_lora"),
     # a hub name, not a local copy: nothing is downloaded
     (["--unsupervised_dataset_name", "wikitext", "--unsupervised_dataset_config_name",
       "wikitext-2-raw-v1"], "--unsupervised_dataset_name"),

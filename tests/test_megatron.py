@@ -524,6 +524,24 @@ def test_ptx_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
 
 
+def test_actor_average_of_tensor_parallel_shards(cache_dir, tmp_path):
+    """model.actor_ema on the Megatron engine: each rank averages its shard; beta 1 keeps the
+    starting weights, so the exported average (shards swapped in, collected by the export) is
+    the prepared SFT actor exactly."""
+    from safetensors.torch import load_file
+
+    _train(str(tmp_path / "run"), cache_dir, 2, "system.tensor_parallel=2", "checkpoint.export_hf=true",
+           "model.actor_ema=true", "model.actor_ema_beta=1.0")
+    sft_dir = [d for d in os.scandir(cache_dir) if d.is_dir() and not d.name.startswith(".")][0].path
+    sft = load_file(os.path.join(sft_dir, "actor", "model.safetensors"))
+    ema = load_file(str(tmp_path / "run" / "actor_ema" / "model.safetensors"))
+    actor = load_file(str(tmp_path / "run" / "actor" / "model.safetensors"))
+    assert ema.keys() == sft.keys()
+    for name in sft:
+        torch.testing.assert_close(ema[name], sft[name], atol=0, rtol=0, msg=name)
+    assert any(not torch.equal(actor[n], sft[n]) for n in sft)
+
+
 def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path):
     """``oppo.placement: stage`` on the Megatron backend: actor and critic tensor parallel over
     ranks 0-1, the reward and reference models and an HF copy of the critic on rank 2 (the

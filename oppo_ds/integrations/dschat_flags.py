@@ -65,6 +65,8 @@ FLAGS: tuple[Flag, ...] = (
        "its local/jsonfile prompts (data.deepspeed_chat_formats: true). Prompts are tokenized "
        "as they are (data.chat_template: off), as DeepSpeed-Chat does", str,
        nargs="*"),
+    _f("enable_ema", MAPPED, "model.actor_ema: true, an average of the actor's weights (decay "
+       "0.992, as DeepSpeed-Chat's) exported to output_dir/actor_ema"),
     _f("unsupervised_dataset_name", MAPPED, "data.ptx (PPO-ptx, with "
        "--unsupervised_dataset_config_name): a local copy of the pretraining text (its train "
        "split's text field), cut into blocks of --max_prompt_seq_len "
@@ -156,7 +158,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("unpin_actor_parameters", IGNORED, "a hybrid-engine memory knob oppo-ds does not expose"),
     _f("release_inference_cache", IGNORED, "a hybrid-engine memory knob oppo-ds does not expose"),
     _f("tp_gather_partition_size", IGNORED, "a hybrid-engine knob oppo-ds does not expose", int),
-    _f("enable_ema", REFUSED, "oppo-train keeps no EMA copy of the actor"),
     _f("enable_mixed_precision_lora", REFUSED, "ZeRO++ quantized LoRA weights are not supported"),
     _f("deepspeed_config", REFUSED, "the DeepSpeed config is built from the oppo-ds config "
        "(system.* keys)", str),
@@ -222,6 +223,7 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
         if name in flags:
             put(key, flags[name])
     switches = {"enable_hybrid_engine": "system.hybrid_engine", "offload": "system.offload",
+                "enable_ema": "model.actor_ema",
                 "only_optimize_lora": "model.only_optimize_lora",
                 "enable_tensorboard": "logging.tensorboard"}
     for name, key in switches.items():
