@@ -135,6 +135,15 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
                      f"optimizer at ppo.actor_lr={p.actor_lr}")
     if p.entropy_coef:
         notes.append(f"ppo.entropy_coef={p.entropy_coef}: TRL's PPO has no entropy bonus")
+    if p.ptx_coef:
+        notes.append(f"ppo.ptx_coef={p.ptx_coef}: TRL's PPO has no pretraining loss; the peer "
+                     f"trains without data.ptx")
+    if cfg.model.actor_ema:
+        notes.append("model.actor_ema=true: TRL's PPO keeps no average of the actor's weights")
+    if cfg.eval.enabled:
+        notes.append("eval.prompts: the peer runs no held-out evaluation")
+    if p.missing_eos_penalty and p.reward_clip is not None:
+        notes.append("ppo.missing_eos_penalty: TRL takes it off the unclipped score")
     if g.top_k or g.top_p < 1.0:
         notes.append(f"generation.top_k={g.top_k}, top_p={g.top_p}: TRL samples with top_k=0, top_p=1")
     if g.temperature == 0:
