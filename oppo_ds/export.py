@@ -1,0 +1,76 @@
+"""The run's final models in Hugging Face format, DeepSpeed-Chat's layout (a mixin of
+``PPOTrainer``): ``output_dir/actor`` (a causal LM whose generation config ends responses
+where training did), ``output_dir/critic`` (a sequence classifier naming its pad id) and, with
+``model.actor_ema``, ``output_dir/actor_ema``. LoRA is folded into the weights; Megatron's
+shards are collected by every rank and written by rank 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch.distributed as dist
+
+from .lora import has_lora, merged_state_dict
+
+
+def write_end_ids(path: str, ids: tuple[int, ...]) -> None:
+    """Set the ids this run's responses ended at as ``eos_token_id`` of the generation config
+    saved in ``path``, so that ``generate`` (or a server reading it) ends the exported actor's
+    responses where training ended them: the tokenizer's EOS, which the run also ends at, is
+    not always in a checkpoint's generation config, and ``generation.eos_token_ids`` may set
+    others. The config's other fields stay as the checkpoint had them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(path)
+    except OSError:  # the model wrote none
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    config.eos_token_id = ids[0] if len(ids) == 1 else list(ids)
+    config._from_model_config = False  # its own: no generate may rebuild it from config.json
+    config.save_pretrained(path)
+
+
+def write_pad_id(path: str, pad_id: Optional[int]) -> None:
+    """Name the tokenizer's pad id in the config saved in ``path`` when the checkpoint left it
+    out (Llama 3's): HF's sequence classifier finds each row's last token by it and refuses a
+    batch of more than one row without it."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    if config.get("pad_token_id") is None and pad_id is not None:
+        config["pad_token_id"] = int(pad_id)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+
+class Exporting:
+    """``export`` of ``PPOTrainer``."""
+
+    def export(self, out_dir: str) -> None:
+        """Final actor (and critic; the actor's average with model.actor_ema) in Hugging Face
+        format, DeepSpeed-Chat's layout."""
+        self._export_models(out_dir, (("actor", self.actor), ("critic", self.critic)))
+        if self.ema is not None:
+            with self.ema.swapped_in(self.actor.module):
+                self._export_models(out_dir, (("actor_ema", self.actor),))
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _export_models(self, out_dir: str, named_engines) -> None:
+        for name, engine in named_engines:
+            with engine.generation_context() as model:
+                path = os.path.join(out_dir, name)
+                if getattr(model, "collective_save", False):
+                    # Megatron shards: every rank sends its part, rank 0 writes
+                    model.save_pretrained(path)
+                elif self.is_main:
+                    # LoRA folded into the weights: a plain checkpoint of the base architecture
+                    state = merged_state_dict(model) if has_lora(model) else None
+                    model.save_pretrained(path, state_dict=state)
+                if self.is_main:
+                    self.tokenizer.save_pretrained(path)
+                if self.is_main and name != "critic" and self.sampling.eos_token_ids:
+                    write_end_ids(path, self.sampling.eos_token_ids)
+                if self.is_main and name == "critic":
+                    write_pad_id(path, self.tokenizer.pad_token_id)
