@@ -474,3 +474,28 @@ def test_deepspeed_is_told_to_use_the_cpu_without_cuda(preset, want):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == [want, want]
+
+
+def test_a_left_over_build_lock_is_named_after_the_wait(tmp_path, monkeypatch, capsys):
+    """torch waits forever on the lock file of an op build that Ctrl-C interrupted (measured:
+    every later start of the CI hung in DeepSpeed's init_distributed, FileBaton.wait); past
+    the delay, the lock is named. Nothing is said when the call ends first, or without a lock."""
+    import time
+
+    from oppo_ds.engines import deepspeed_engine as dse
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with dse._warn_if_a_build_lock_holds(delay=0.1):
+        time.sleep(0.4)
+    assert capsys.readouterr().err == ""  # no lock
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text("")
+    with dse._warn_if_a_build_lock_holds(delay=5.0):
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""  # done before the delay
+    with dse._warn_if_a_build_lock_holds(delay=0.1):
+        time.sleep(0.5)
+    err = capsys.readouterr().err
+    assert f"still waiting after 0 s while {lock} exist(s)" in err
+    assert "remove the file and start again" in err

@@ -33,7 +33,9 @@ import functools
 import logging
 import os
 import socket
-from typing import Any, Callable, Iterator
+import sys
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -84,6 +86,50 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+# DeepSpeed builds its ops (the CPU all-reduce's shared-memory op at the first init of an
+# environment, CPU Adam) under torch's lock files, and a build interrupted by Ctrl-C leaves its
+# lock behind: every later start then waits on it forever, printing nothing. Past this many
+# seconds of such a wait, say which file it is.
+BUILD_LOCK_WARN_S = 180.0
+
+
+def _extension_locks() -> list[str]:
+    """The lock files in torch's extension build directory (TORCH_EXTENSIONS_DIR or its
+    default), one per op being built, or left by a build that was interrupted."""
+    import glob
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        root = os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    except Exception:  # a torch without the helper: nothing to say
+        return []
+    return sorted(glob.glob(os.path.join(root, "*", "lock")))
+
+
+@contextlib.contextmanager
+def _warn_if_a_build_lock_holds(delay: Optional[float] = None) -> Iterator[None]:
+    """Around a DeepSpeed call that may build an op: if it is still going after ``delay``
+    seconds (default BUILD_LOCK_WARN_S) while a build lock exists, warn naming the lock."""
+    def check():
+        locks = _extension_locks()
+        if locks:
+            message = (f"still waiting after {delay:.0f} s while {', '.join(locks)} exist(s): the "
+                       f"lock of a DeepSpeed op's build. Another process of this run may be building "
+                       f"it (a first start in an environment takes about a minute); if none is, a "
+                       f"build interrupted earlier left it: remove the file and start again")
+            logger.warning(message)
+            print(f"oppo-train: warning: {message}", file=sys.stderr, flush=True)
+    delay = BUILD_LOCK_WARN_S if delay is None else delay
+    timer = threading.Timer(delay, check)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def init_distributed_if_needed() -> None:
     """Initialise ``deepspeed.comm`` (and torch.distributed) once per process.
 
@@ -117,7 +163,8 @@ def init_distributed_if_needed() -> None:
     set_local_cuda_device()
     # If torch.distributed is already up, deepspeed.comm wraps the existing group.
     shm_name = _shm_buffer_name()
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    with _warn_if_a_build_lock_holds():  # its CPU all-reduce builds an op on first use
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     set_local_cuda_device()  # again: under mpirun DeepSpeed's MPI discovery sets LOCAL_RANK
     if shm_name is not None:
         _unlink_shm_buffer(shm_name)
@@ -379,8 +426,9 @@ class DeepSpeedTrainEngine(TrainEngine):
 
         torch.manual_seed(seed)
         get_accelerator().manual_seed_all(seed)
-        optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
-                                     weight_decay=weight_decay, betas=betas, eps=eps)
+        with _warn_if_a_build_lock_holds():  # CPU Adam builds an op on first use
+            optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
+                                         weight_decay=weight_decay, betas=betas, eps=eps)
         self._peak_lr, self._group_decay = lr, [g["weight_decay"] for g in optimizer.param_groups]
         lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
                                            total_steps=total_steps, scheduler=scheduler)
