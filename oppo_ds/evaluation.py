@@ -21,6 +21,7 @@ import torch
 
 from . import comm
 from . import workload as wl
+from .algo import truncated_rows
 from .data import DataError, Prompt, PromptRow, encode_prompts, left_pad, read_prompt_rows
 from .experience import sequence_scores
 from .rollout.generate import Generation, generate
@@ -39,9 +40,10 @@ def text_records(tokenizer, keys: list[str], gen: Generation, scores: torch.Tens
                  limit: Optional[int] = None) -> list[dict]:
     """Rows of a generation as text with their scores (the first ``limit``; None: all):
     prompt id, prompt, response, reward, gold score (None where there is none), length in
-    tokens and whether the response ended at an end id or before the length limit."""
+    tokens and whether the response ended (at an end id, or before the length limit: not
+    ``truncated_rows``, the penalty's and response/truncated_frac's test)."""
     lengths = gen.lengths.tolist()
-    ends = set(end_ids)
+    truncated = truncated_rows(gen.response_ids, gen.response_mask, end_ids, max_new_tokens).tolist()
     out = []
     for i in range(len(keys) if limit is None else min(limit, len(keys))):
         prompt = gen.prompt_ids[i][gen.prompt_mask[i].bool()].tolist()
@@ -53,7 +55,7 @@ def text_records(tokenizer, keys: list[str], gen: Generation, scores: torch.Tens
             "reward": float(scores[i]),
             "gold": None if gold is None or gold[i].isnan() else float(gold[i]),
             "length": lengths[i],
-            "ended": lengths[i] < max_new_tokens or (bool(response) and response[-1] in ends),
+            "ended": not truncated[i],
         })
     return out
 

@@ -2,8 +2,9 @@
 ``PPOTrainer``; the files themselves are ``CheckpointManager``'s).
 
 A trainer state holds, per rank, the step, the prompt stream's cursor (and PPO-ptx's), the
-average of the actor's weights (model.actor_ema), the sampling and shuffling generators, the chunk-size and Delta controllers, the rollout pool with its ledger,
-the frozen streaming scorers' caches of the deferred rows, and the settings that decide what
+average of the actor's weights (model.actor_ema), the sampling and shuffling generators, the
+chunk-size and Delta controllers, the rollout pool with its ledger, the frozen streaming
+scorers' caches of the deferred rows, and the settings that decide what
 the engines hold. A resume refuses, in one line naming what differs and before any engine
 loads where it can, what it could not continue exactly or without losing or inventing a
 deferred row (docs/architecture.md, "Checkpoints"); the placement, streaming and chunk size
