@@ -22,7 +22,8 @@ import torch
 from . import comm
 from . import workload as wl
 from .algo import truncated_rows
-from .data import DataError, Prompt, PromptRow, encode_prompts, left_pad, read_prompt_rows
+from .data import Prompt, encode_prompts, left_pad
+from .datafiles import DataError, PromptRow, read_prompt_rows
 from .experience import sequence_scores
 from .rollout.generate import Generation, generate
 from .sources import prompts_label

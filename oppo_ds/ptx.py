@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .algo import logprobs_from_logits
-from .data import DataError, Prompt, PromptRow
+from .data import Prompt
+from .datafiles import DataError, PromptRow
 from .rollout.generate import position_ids_from_mask
 
 

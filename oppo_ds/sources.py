@@ -88,7 +88,7 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
 
 def read_rows(cfg: Config, prompts: str | list[str]):
     """The prompt rows of ``prompts`` (a path or several) as ``cfg.data`` says to read them."""
-    from .data import read_prompt_rows
+    from .datafiles import read_prompt_rows
 
     d = cfg.data
     source_format = None

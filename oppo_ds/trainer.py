@@ -23,7 +23,8 @@ from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    truncated_is_weights, truncated_rows)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
-from .data import DataError, PromptStream, encode_prompts, left_pad, read_prompt_rows
+from .data import PromptStream, encode_prompts, left_pad
+from .datafiles import DataError, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
 from .ema import ActorEMA

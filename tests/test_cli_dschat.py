@@ -150,7 +150,7 @@ def test_data_path_rules(tmp_path):
                                  "rejected": "d"}]))
     more = tmp_path / "more.jsonl"
     more.write_text(json.dumps({"prompt": "Human: hey Assistant:"}) + "\n")
-    from oppo_ds.data import read_prompt_rows
+    from oppo_ds.datafiles import read_prompt_rows
 
     assert dschat_flags.data_source([str(data)]) == str(data)
     assert dschat_flags.data_source([str(data), str(more)]) == [str(data), str(more)]
@@ -211,7 +211,7 @@ def test_the_split_is_deepspeed_chats_own(tmp_path):
         from dschat.utils.data.data_utils import get_raw_dataset_split_index
     finally:
         sys.path.remove(app)
-    from oppo_ds.data import phase_part
+    from oppo_ds.datafiles import phase_part
 
     checked = 0
     for n in (1, 5, 8, 10, 33, 1001):

@@ -1,4 +1,5 @@
-"""Tests for oppo_ds.data: reading, tokenising, streaming and padding prompts (CPU, no hub)."""
+"""Tests for oppo_ds.datafiles and oppo_ds.data: reading, tokenising, streaming and padding
+prompts (CPU, no hub)."""
 
 import json
 import random
@@ -7,16 +8,8 @@ import re
 import pytest
 import torch
 
-from oppo_ds.data import (
-    DataError,
-    Prompt,
-    PromptRow,
-    PromptStream,
-    encode_prompts,
-    left_pad,
-    phase_part,
-    read_prompt_rows,
-)
+from oppo_ds.data import Prompt, PromptStream, encode_prompts, left_pad
+from oppo_ds.datafiles import DataError, PromptRow, phase_part, read_prompt_rows
 
 WORDS = "<pad> <bos> <eos> <unk> user assistant system : a b c d e f g h".split()
 TEMPLATE = (
@@ -283,7 +276,7 @@ def test_a_hub_snapshot_reads_the_split_its_files_are_named_for(tmp_path, caplog
     write_parquet(snap / "data" / "train-00000-of-00002.parquet", TEXT_RECORDS[:2])
     write_parquet(snap / "data" / "train-00001-of-00002.parquet", TEXT_RECORDS[2:])
     write_parquet(snap / "data" / "test-00000-of-00001.parquet", [{"id": "z", "prompt": "h h"}])
-    with caplog.at_level("INFO", logger="oppo_ds.data"):
+    with caplog.at_level("INFO", logger="oppo_ds.datafiles"):
         rows = read_prompt_rows(str(snap))
     assert as_tuples(rows) == [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
     assert "not read: data/test-00000-of-00001.parquet" in caplog.text
@@ -434,7 +427,7 @@ def test_phase_part_cuts_as_deepspeed_chat_does():
 def test_phase_split_reads_the_ppo_part_of_each_source(tmp_path, caplog):
     first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}"} for i in range(10)])
     second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}"} for i in range(5)])
-    with caplog.at_level("INFO", logger="oppo_ds.data"):
+    with caplog.at_level("INFO", logger="oppo_ds.datafiles"):
         rows = read_prompt_rows([first, second], phase_split=[2, 4, 4], phase_seed=7)
     expected = ([f"a{i}" for i in sorted(phase_part(10, [2, 4, 4], 7))]
                 + [f"b{i}" for i in sorted(phase_part(5, [2, 4, 4], 7))])

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from oppo_ds.data import DataError, read_prompt_rows
+from oppo_ds.datafiles import DataError, read_prompt_rows
 from oppo_ds.integrations.dschat_data import FORMATS, LOCAL_JSON, dschat_format
 
 SEED = 1234

@@ -12,7 +12,7 @@ import pytest
 
 from oppo_ds import workload as wl
 from oppo_ds.config import ConfigError, load_config
-from oppo_ds.data import DataError
+from oppo_ds.datafiles import DataError
 from oppo_ds.evaluation import eval_metrics
 from oppo_ds.telemetry import eval_summary, read_history
 from test_trainer import SMALL, run  # the tiny settings of the in-process runs, crash_after

@@ -50,7 +50,8 @@ def _sequences(tokenizer, prompts_path: str):
     """Four real prompts of the built-in task (left-padded) with responses of letters of
     different lengths (right-padded): three end at EOS, the longest fills the width without."""
     from oppo_ds import workload as wl
-    from oppo_ds.data import encode_prompts, left_pad, read_prompt_rows
+    from oppo_ds.data import encode_prompts, left_pad
+    from oppo_ds.datafiles import read_prompt_rows
 
     prompts = encode_prompts(read_prompt_rows(prompts_path)[:4], tokenizer, 32).prompts
     prompt_ids, prompt_mask = left_pad([p.input_ids for p in prompts], tokenizer.pad_token_id)

@@ -10,7 +10,7 @@ import torch
 
 from oppo_ds import workload as wl
 from oppo_ds.config import ConfigError, load_config
-from oppo_ds.data import DataError, PromptRow
+from oppo_ds.datafiles import DataError, PromptRow
 from oppo_ds.ptx import lm_loss, ptx_blocks
 from oppo_ds.telemetry import read_history
 from test_trainer import run

@@ -73,7 +73,7 @@ def test_run_writes_real_outputs(cache_dir, tmp_path):
     assert summary["response_len_p50"] == lengths[16] and summary["response_len_p99"] == lengths[-1]
 
     # sample responses as text, with their prompts as the data file has them
-    from oppo_ds.data import read_prompt_rows
+    from oppo_ds.datafiles import read_prompt_rows
 
     texts = {r.id: r.text_or_messages for r in read_prompt_rows(trainer.sources.prompts)}
     samples = read_history(str(out / "samples.jsonl"))

@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from ..config import ConfigError, load_config
-from ..data import DataError
+from ..datafiles import DataError
 from ..integrations import dschat_flags as dschat
 
 

@@ -9,7 +9,7 @@ is its evaluation data), which ``--data_split`` then cuts again. A row whose pro
 null is skipped after both cuts. Its own JSON files (``local/jsonfile``: ``data/train.json``)
 get a space in front of their ``prompt``.
 
-Here each is a :class:`oppo_ds.data.SourceFormat`, so ``--data_path`` pointing at a local copy
+Here each is a :class:`oppo_ds.datafiles.SourceFormat`, so ``--data_path`` pointing at a local copy
 of one of them (a ``save_to_disk`` directory or a hub snapshot whose path names it, as
 DeepSpeed-Chat requires) gives the run DeepSpeed-Chat's step-3 prompts. The list and the order
 of matching are DeepSpeed-Chat's; the functions are written from its documented row formats.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from ..data import SourceFormat
+from ..datafiles import SourceFormat
 
 # the evaluation tenth DeepSpeed-Chat cuts off data sets that have no test split
 TRAIN_OF_TRAIN_EVAL = ((9.0, 1.0), 0)

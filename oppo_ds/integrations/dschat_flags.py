@@ -368,7 +368,7 @@ def steps_from_flags(flags: dict, batch_size: int, world_size: int, num_prompts)
 def data_source(paths: list) -> Union[str, list[str]]:
     """The local prompt sources of --data_path: one path, or a list of several (a DeepSpeed-Chat
     JSON array file, its ``local/jsonfile`` format, is read as it is: see
-    ``oppo_ds.data.read_prompt_rows``)."""
+    ``oppo_ds.datafiles.read_prompt_rows``)."""
     if not paths:
         raise ConfigError("--data_path", "no path given")
     for path in paths:

@@ -512,7 +512,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5's renamed arguments
     from ..config import ConfigError
-    from ..data import DataError
+    from ..datafiles import DataError
 
     try:
         _import_trl()
