@@ -1,21 +1,18 @@
 """Configuration: dataclasses are the single source of truth.
 
-Each field has a docstring under it (read by ``field_docs`` for ``docs/config.md``); defaults
-live only here. YAML files and dotted command-line overrides (``ppo.kl_coef=0.05``) are checked
-against these classes: an unknown key or a value of the wrong type or outside the allowed set
-raises ``ConfigError`` naming the key and what is allowed.
+Each field has a docstring under it (``oppo_ds.config_docs`` makes ``docs/config.md`` of them);
+defaults live only here. YAML files and dotted command-line overrides (``ppo.kl_coef=0.05``)
+are checked against these classes: an unknown key or a value of the wrong type or outside the
+allowed set raises ``ConfigError`` naming the key and what is allowed.
 
 Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory settings
 (``oppo``, ``system``, micro-batch size): changing the latter must not change the math.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import inspect
 import re
-import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -603,19 +600,20 @@ class Config:
 
 # ---------------------------------------------------------------- building from dicts
 
-def _describe(tp) -> str:
+def describe_type(tp) -> str:
+    """A type annotation in words, as error messages and docs/config.md give it."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) if isinstance(a, str) else str(a)
                                      for a in typing.get_args(tp))
     if origin is Union:
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
     if origin is list:
         item = typing.get_args(tp)[0]
         plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
-        return f"a list of {plural[item]}" if item in plural else f"a list, each {_describe(item)}"
+        return f"a list of {plural[item]}" if item in plural else f"a list, each {describe_type(item)}"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
@@ -631,10 +629,10 @@ def _convert(key: str, value: Any, tp) -> Any:
                 return _convert(key, value, arg)
             except ConfigError:
                 continue
-        raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+        raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+            raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
         return [_convert(key, item, typing.get_args(tp)[0]) for item in value]
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -643,7 +641,7 @@ def _convert(key: str, value: Any, tp) -> Any:
             value = "on" if value else "off"
         if value in allowed and type(value) in {type(a) for a in allowed}:
             return value
-        raise ConfigError(key, f"got {value!r}, allowed: {_describe(tp)}")
+        raise ConfigError(key, f"got {value!r}, allowed: {describe_type(tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -661,7 +659,7 @@ def _convert(key: str, value: Any, tp) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(key, f"got {value!r}, expected {_describe(tp)}")
+    raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
 
 
 def _build(cls, data: dict, prefix: str):
@@ -730,72 +728,3 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
 def save_config(config: Config, path: str) -> None:
     with open(path, "w") as f:
         yaml.safe_dump(config.to_dict(), f, sort_keys=False)
-
-
-# ---------------------------------------------------------------- documentation
-
-def field_docs(cls) -> dict[str, str]:
-    """Docstrings written under each field of a dataclass (read from its source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:] + [None]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
-                and isinstance(getattr(nxt, "value", None), ast.Constant) \
-                and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def iter_keys(cls=Config, prefix: str = ""):
-    """(dotted key, type description, default, doc) for every leaf key."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    default = cls()
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from iter_keys(tp, key + ".")
-        else:
-            yield key, _describe(tp), getattr(default, f.name), docs.get(f.name, "")
-
-
-def _class_doc(cls) -> str:
-    """A section's own docstring, or "" for the one dataclasses generate (``Name(...)``)."""
-    doc = cls.__doc__ or ""
-    return "" if doc.startswith(cls.__name__ + "(") else " ".join(doc.split())
-
-
-def config_markdown() -> str:
-    """The body of docs/config.md, generated from the dataclasses."""
-    lines = ["# Configuration reference", "",
-             "Generated from `oppo_ds/config.py` by `python -m oppo_ds.config --markdown`;",
-             "a test fails when this page and the dataclasses disagree.", "",
-             "Set keys in a YAML file (`oppo-train --config FILE`) or on the command line",
-             "(`oppo-train ppo.kl_coef=0.05`). An unknown key or a bad value stops with exit",
-             "code 2 and a message naming the key and what it allows.", ""]
-    section = None
-    for key, tp, default, doc in iter_keys():
-        head = key.split(".")[0] if "." in key else None
-        if head != section or not lines[-1].startswith("|"):
-            section = head
-            if lines[-1]:
-                lines.append("")
-            lines += [f"## `{head}`" if head else "## Top level", ""]
-            cls_doc = _class_doc(typing.get_type_hints(Config)[head]) if head else ""
-            if cls_doc:
-                lines += [cls_doc, ""]
-            lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
-        lines.append(f"| `{key}` | {tp} | `{shown}` | {doc} |")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] == ["--markdown"]:
-        sys.stdout.write(config_markdown())
-    else:
-        sys.exit("usage: python -m oppo_ds.config --markdown")

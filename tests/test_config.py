@@ -17,10 +17,9 @@ from oppo_ds.config import (
     ConfigError,
     ModelConfig,
     PPOConfig,
-    config_markdown,
-    iter_keys,
     load_config,
 )
+from oppo_ds.config_docs import config_markdown, iter_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
@@ -87,7 +86,7 @@ def test_llama3_example_spot_values():
 # ---------------------------------------------------------------- generated docs page
 
 def test_docs_page_matches_dataclasses():
-    """docs/config.md is generated (`python -m oppo_ds.config --markdown`); it must not drift."""
+    """docs/config.md is generated (`python -m oppo_ds.config_docs`); it must not drift."""
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         assert f.read() == config_markdown()
 
