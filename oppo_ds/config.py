@@ -116,6 +116,15 @@ class PPOConfig:
     """Coefficient of the per-token KL penalty against the reference model (beta)."""
     kl_estimator: Literal["k1", "k3", "abs", "mse"] = "k1"
     """Per-token KL estimator used in the reward shaping."""
+    kl_target: Optional[float] = None
+    """Adaptive KL coefficient (Ziegler et al. 2019, section 2.2; OpenRLHF's --kl_target, the
+    adap_kl_ctrl of TRL's former PPOTrainer): after every step the coefficient is multiplied
+    by 1 + e * n / kl_horizon, where e is the step's KL (kl/mean: summed over a response's
+    tokens, averaged over its responses) divided by this target, minus 1, clipped to
+    [-0.2, 0.2], and n the responses the step trained on, all ranks together. ppo.kl_coef is
+    where it starts; kl/coef logs it. null = the coefficient stays ppo.kl_coef."""
+    kl_horizon: int = 10000
+    """Responses over which the adaptive KL coefficient closes its gap to ppo.kl_target."""
     reward_clip: Optional[float] = 5.0
     """Clip the sequence reward to [-reward_clip, reward_clip] (null = off)."""
     ptx_coef: float = 0.0
@@ -152,6 +161,12 @@ class PPOConfig:
         for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _require(self.kl_target is None or self.kl_target > 0, "kl_target",
+                 f"must be > 0 or null, got {self.kl_target}")
+        _require(self.kl_horizon >= 1, "kl_horizon", f"must be >= 1, got {self.kl_horizon}")
+        _require(self.kl_target is None or self.kl_coef > 0, "kl_coef", (
+            "must be > 0 with ppo.kl_target set: the adaptive coefficient is multiplied from it, "
+            "and from 0 it would stay 0"))
         _require(self.ptx_coef >= 0, "ptx_coef", f"must be >= 0, got {self.ptx_coef}")
         _require(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
                  "missing_eos_penalty", f"must be >= 0 or null, got {self.missing_eos_penalty}")

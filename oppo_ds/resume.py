@@ -3,7 +3,7 @@
 
 A trainer state holds, per rank, the step, the prompt stream's cursor (and PPO-ptx's), the
 average of the actor's weights (model.actor_ema), the sampling and shuffling generators, the
-chunk-size and Delta controllers, the rollout pool with its ledger, the frozen streaming
+chunk-size and Delta controllers, the adaptive KL coefficient, the rollout pool with its ledger, the frozen streaming
 scorers' caches of the deferred rows, and the settings that decide what
 the engines hold. A resume refuses, in one line naming what differs and before any engine
 loads where it can, what it could not continue exactly or without losing or inventing a
@@ -115,6 +115,12 @@ class Resumable:
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)
+        if self.cfg.ppo.kl_target is not None:
+            if state.get("kl_coef") is not None:
+                self.kl_coef = state["kl_coef"]
+            else:
+                logger.info("checkpoint %s holds no adaptive KL coefficient (written without "
+                            "ppo.kl_target): it starts from ppo.kl_coef=%g", tag, self.kl_coef)
         if self.delta_ctl is not None and state.get("delta_ctl"):
             notes.append(self.delta_ctl.load_state_dict(state["delta_ctl"]))
         if self.is_main:
@@ -161,6 +167,7 @@ class Resumable:
                  "ptx_stream": self.ptx_stream.state_dict() if self.ptx_stream is not None else None,
                  "actor_ema": self.ema.state_dict() if self.ema is not None else None,
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
+                 "kl_coef": self.kl_coef if self.cfg.ppo.kl_target is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
                  "settings": self._checkpoint_settings()}
         self.ckpt.save(f"step{self.step_count}", state, engines=engines)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .algo import (clipped_policy_loss, clipped_value_loss, entropy_from_logits, gae_advantages,
-                   kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
+from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
+                   gae_advantages, kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights, truncated_rows)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
@@ -94,6 +94,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
 
         self.cfg = cfg
         self.preempted: Optional[str] = None  # the signal that stopped training early
+        self.kl_coef = cfg.ppo.kl_coef  # adapted after every step with ppo.kl_target
         if cfg.system.torch_threads:
             torch.set_num_threads(cfg.system.torch_threads)
         # oppo.placement=stage: the last process scores, outside torch.distributed's world;
@@ -297,6 +298,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         metrics = self.step_metrics(exp, train_stats)
         check_update(metrics, self.cfg.system.dtype)
         metrics.update(extra)
+        metrics["samples"] = len(exp) * self.world_size
+        self._adapt_kl_coef(metrics)
         if self.delta_ctl is not None:
             reward = comm.all_reduce(torch.tensor([metrics["reward/mean"]], dtype=torch.float64),
                                      group=self.actor_group) / self.actor_ranks
@@ -308,11 +311,23 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
             self._write_trace(timer, timing)
         metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
         metrics["time/step_s"] = time.perf_counter() - start
-        metrics["samples"] = len(exp) * self.world_size
         period = self.cfg.logging.sample_period
         self.step_samples = (self.sample_records(exp) if period and self.step_count % period == 0
                              and self.telemetry.enabled else [])
         return metrics
+
+    def _adapt_kl_coef(self, metrics: dict) -> None:
+        """Log the KL coefficient this step used (kl/coef) and, with ppo.kl_target, move it
+        for the next step by the step's KL, averaged over all actor ranks so that every rank
+        holds the same coefficient (the tensor-parallel ranks of a Megatron replica too)."""
+        p = self.cfg.ppo
+        metrics["kl/coef"] = self.kl_coef
+        if p.kl_target is None:
+            return
+        kl = comm.all_reduce(torch.tensor([metrics["kl/mean"]], dtype=torch.float64),
+                             group=self.actor_group) / self.actor_ranks
+        self.kl_coef = adaptive_kl_coef(self.kl_coef, kl.item(), p.kl_target,
+                                        metrics["samples"], p.kl_horizon)
 
     def sample_records(self, exp: Experience) -> list[dict]:
         """The first ``logging.samples`` rows of ``exp`` as text, with their scores."""
@@ -576,7 +591,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         if p.missing_eos_penalty:
             penalty = self._truncated(exp).float() * p.missing_eos_penalty
         exp.rewards, self._kl_stats = kl_shaped_rewards(
-            exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=p.kl_coef,
+            exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=self.kl_coef,
             estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty)
         advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, p.lam)
         if p.whiten_advantages:

@@ -6,7 +6,15 @@ Shape conventions: B = batch, T = response length (right-padded), V = vocabulary
 """
 
 from oppo_ds.algo.advantages import gae_advantages
-from oppo_ds.algo.kl import KL_ESTIMATORS, kl_abs, kl_k1, kl_k3, kl_mse, kl_penalty
+from oppo_ds.algo.kl import (
+    KL_ESTIMATORS,
+    adaptive_kl_coef,
+    kl_abs,
+    kl_k1,
+    kl_k3,
+    kl_mse,
+    kl_penalty,
+)
 from oppo_ds.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from oppo_ds.algo.losses import (
     aggregate_token_loss,
@@ -21,6 +29,7 @@ from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index, truncated_
 
 __all__ = [
     "KL_ESTIMATORS",
+    "adaptive_kl_coef",
     "aggregate_token_loss",
     "clipped_policy_loss",
     "clipped_value_loss",

@@ -78,3 +78,28 @@ def kl_penalty(
             f"unknown KL estimator {estimator!r}; allowed: {sorted(KL_ESTIMATORS)}"
         ) from None
     return fn(logprobs, ref_logprobs)
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, samples: int, horizon: int,
+                     max_error: float = 0.2) -> float:
+    """The KL coefficient after one step of the proportional controller of Ziegler et al.,
+    "Fine-Tuning Language Models from Human Preferences" (2019), section 2.2.
+
+    ``coef * (1 + e * samples / horizon)`` with ``e = clip(kl / target - 1, -max_error,
+    max_error)``: the coefficient grows while the measured KL is above the target and shrinks
+    while it is below, by at most ``max_error * samples / horizon`` of itself per step, so that
+    over ``horizon`` samples the gap closes at a bounded rate whatever one noisy step measured.
+
+    Args:
+        coef: the coefficient this step used (> 0; a coefficient of 0 stays 0).
+        kl: the step's KL, in the units of ``target`` (oppo-ds: per response, summed over
+            its tokens, averaged over the step's responses).
+        target: the KL aimed at (> 0).
+        samples: responses the step trained on, on all ranks.
+        horizon: responses over which the controller corrects (> 0).
+        max_error: the bound on the relative error e.
+    """
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"need target > 0 and horizon > 0, got target={target}, horizon={horizon}")
+    error = min(max(kl / target - 1.0, -max_error), max_error)
+    return coef * (1.0 + error * samples / horizon)
