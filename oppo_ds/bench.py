@@ -46,7 +46,7 @@ PEER_PACKAGES = {"trl": "trl"}
 PLANNED_MODES: tuple[str, ...] = ()
 
 # Every child run starts fresh and writes nothing the benchmark does not read.
-# evaluation is not one of the compared phases (and is refused beside a scorer rank)
+# evaluation runs between the steps the modes are compared on: off, no run spends time on it
 BASE_OVERRIDES = ("checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false",
                   "eval.prompts=null")
 

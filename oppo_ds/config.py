@@ -600,11 +600,6 @@ class Config:
                  "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
                  f"got ppo.ptx_coef={self.ppo.ptx_coef}, data.ptx={self.data.ptx!r}")
         if self.eval.enabled:
-            # the actor ranks hold no reward model under stage placement
-            _require(self.oppo.placement != "stage", "eval.prompts",
-                     "evaluation scores with the reward model on the actor ranks, and under "
-                     "oppo.placement: stage it lives on the scorer rank; use placement inline or "
-                     "colocated, or eval.prompts: null")
             _require(self.workload.kind != "length_oracle", "eval.prompts",
                      "the length oracle's models have random weights and its responses end at "
                      "drawn lengths: there is nothing to evaluate; set eval.prompts: null")

@@ -7,7 +7,8 @@ been optimised on, with figures whose change from one evaluation to the next com
 policy rather than from the draw.
 
 Evaluation uses none of training's random state (it has its own generator), so a run with
-it trains exactly as one without.
+it trains exactly as one without. Under ``oppo.placement: stage`` the reward model is on the
+scorer rank: the answers stream to it as a training rollout's do (``_stage_scores``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .data import Prompt, encode_prompts, left_pad
 from .datafiles import DataError, PromptRow, read_prompt_rows
 from .experience import sequence_scores
 from .rollout.generate import Generation, generate
+from .rollout.stage_stream import stage_stream_generate
 from .sources import prompts_label
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,14 @@ class Evaluating:
         t0 = time.perf_counter()
         data_rank = self.actor.rank
         mine = self.eval_prompts[data_rank::self.world_size]
+        answered = len(mine)
+        if self.stage is not None:
+            # the scorer rank serves every actor rank's rollouts in rounds, one each: every
+            # rank answers as many batches (a shorter share repeats its first prompt, whose
+            # record is left out), and the critic's copy there is brought up to date first
+            share = -(-len(self.eval_prompts) // self.world_size)
+            mine = mine + [self.eval_prompts[data_rank % len(self.eval_prompts)]] * (share - answered)
+            self._send_critic_to_stage()
         params = self.sampling if e.temperature is None else \
             dataclasses.replace(self.sampling, temperature=e.temperature)
         # the same draws at every evaluation, none of training's
@@ -146,14 +156,32 @@ class Evaluating:
             for i in range(0, len(mine), batch):
                 prompts = mine[i:i + batch]
                 ids, mask = left_pad([p.input_ids for p in prompts], self.tokenizer.pad_token_id)
-                gen = generate(model, ids.to(self.device), mask.to(self.device), params, rng)
-                args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
-                scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+                if self.stage is not None:
+                    gen, scores = self._stage_scores(model, ids.to(self.device),
+                                                     mask.to(self.device), params, rng)
+                else:
+                    gen = generate(model, ids.to(self.device), mask.to(self.device), params, rng)
+                    args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+                    scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
                 gold = torch.tensor(self._gold(gen)) if e.prompts == "builtin" else None
                 records += text_records(self.tokenizer, [p.id for p in prompts], gen, scores, gold,
                                         params.eos_token_ids, params.max_new_tokens)
-        records = comm.gather_lists(records, self.dp_group)
+        records = comm.gather_lists(records[:answered], self.dp_group)
         return eval_metrics(records, time.perf_counter() - t0), records
+
+    def _stage_scores(self, actor, ids: torch.Tensor, mask: torch.Tensor, params, rng):
+        """Answers to one batch and their rewards from the scorer rank: streamed to it as a
+        rollout (the same scores as scoring the whole answers, as training's are), in chunks of
+        the size training uses now. Their row ids follow every row a carrying stage holds for
+        the rollout pool, so it takes them as new and drops its carried rows, which the next
+        training rollout then sends again with their responses so far."""
+        o = self.cfg.oppo
+        chunk = o.chunk_size if self.chunk_ctl is None else self.chunk_ctl.next_chunk_size()
+        first = 1 + max(self.remote.held, default=-1) if self.remote is not None else 0
+        gen, streamed, _ = stage_stream_generate(
+            actor, self.remote, ids, mask, params, rng, chunk, replica=self.replica,
+            row_ids=range(first, first + ids.shape[0]))
+        return gen, streamed["reward"].float()
 
     def _evaluate_and_log(self) -> None:
         metrics, records = self.evaluate()

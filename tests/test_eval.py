@@ -25,8 +25,6 @@ TRAINING = ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "loss/value",
 # ------------------------------------------------------------------ configuration
 
 @pytest.mark.parametrize("overrides, key, words", [
-    (["eval.prompts=builtin", "oppo.streaming=true", "oppo.placement=stage"], "eval.prompts",
-     "scorer rank"),
     (["eval.prompts=builtin", "workload.kind=length_oracle"], "eval.prompts", "random weights"),
     (["eval.prompts=builtin", "eval.num_prompts=0"], "eval.num_prompts", ">= 1"),
     (["eval.every=-1"], "eval.every", ">= 0"),

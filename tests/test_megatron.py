@@ -550,18 +550,22 @@ def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path)
     the copy. The two actor ranks of the replica decode the same tokens; only rank 0 streams
     them, and rank 1 receives the scores from it. The run must repeat the one-rank run's
     responses and metrics (its critic values included: step 2's come from weights step 1
-    trained, sent over)."""
-    want, _, _ = one_rank_run
+    trained, sent over), and its held-out answers and their rewards, which stream to the
+    scorer rank as a rollout's do."""
+    want, _, one_dir = one_rank_run
     got, summary = _train(str(tmp_path / "run"), cache_dir, 3, "system.tensor_parallel=2",
                           "oppo.streaming=true", "oppo.placement=stage", "oppo.chunk_size=3",
-                          "oppo.stream_to=[reference,critic]")
+                          "oppo.stream_to=[reference,critic]", *GREEDY_EVAL)
     log = (tmp_path / "run" / "launcher.log").read_text()
     assert "rank 2 scores (reward, reference, critic) for actor ranks [0, 1] (streamed by " \
         "ranks [0], one per model replica); the critic's weights go to it from rank 0 after " \
         "every update (gathered from its replica's shards in HF layout first)" in log
-    assert all(r["stream/critic_weights_s"] > 0 for r in got)
-    # one rollout per step, not one per rank of the replica
-    assert "scorer rank 2: served 2 rollouts from actor ranks [0]" in log
+    # sent before every rollout that follows an update: step 1's went with the evaluation
+    # before it, step 2's in its own rollout
+    assert [r["stream/critic_weights_s"] > 0 for r in got] == [False, True]
+    # one rollout per step, not one per rank of the replica, and two per evaluation (5 prompts
+    # in batches of 4)
+    assert "scorer rank 2: served 6 rollouts from actor ranks [0]" in log
     assert "tensor_parallel=2 pipeline_parallel=1 data_parallel=1" in log
     assert summary["world_size"] == 1 and summary["samples"] == 2 * 4
     assert [r["step"] for r in got] == [1, 2]
@@ -570,6 +574,12 @@ def test_stage_placement_with_tensor_parallel(one_rank_run, cache_dir, tmp_path)
         for key in SAME:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
         assert b["stream/scoring_hidden_frac"] > 0
+    want_answers, got_answers = (read_history(str(d / "eval_samples.jsonl"))
+                                 for d in (one_dir, tmp_path / "run"))
+    assert len(got_answers) == len(want_answers) == 10
+    for a, b in zip(want_answers, got_answers):
+        assert (a["step"], a["prompt_id"], a["response"]) == (b["step"], b["prompt_id"], b["response"])
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-4, rel=1e-4)
 
 
 def test_stage_placement_with_two_replicas_shares_one_critic_copy(cache_dir, tmp_path):

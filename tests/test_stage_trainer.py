@@ -216,13 +216,25 @@ def test_a_signal_to_the_scorer_rank_stops_the_run_with_a_checkpoint(cache_dir, 
     assert sorted(_by_step(metrics)) == list(range(1, done + 2))
 
 
+# greedy: a shorter share answers one prompt more under the stage (see below), which would
+# change a sampled batch's draws
+EVAL = ("eval.prompts=builtin", "eval.num_prompts=5", "eval.every=1", "eval.temperature=0")
+
+
 def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tmp_path):
     """The pool's lock-step stop (one all-reduce per token) among the actor ranks only: the
-    scorer process is in no world. Same metrics as 2 ranks inline."""
+    scorer process is in no world. Same metrics as 2 ranks inline.
+
+    With a held-out evaluation before the first step and after every step: the answers stream
+    to the scorer rank and get the inline run's rewards (1e-5 before training, 1e-4 after, as
+    training's figures). The shares of 5 prompts are 3 and 2: the second rank answers its first
+    prompt again so that the scorer rank serves both ranks one rollout each, and that record is
+    left out. The evaluation's rollouts make the stage drop the pool's carried rows, which the
+    next step sends again: training's figures stay the inline run's."""
     launch(tmp_path / "inline", cache_dir, "steps=3", "checkpoint.export_hf=false", *POOL,
-           placement="inline")
+           *EVAL, placement="inline")
     launch(tmp_path / "stage", cache_dir, "steps=3", "checkpoint.export_hf=false", *POOL,
-           ranks=3)
+           *EVAL, ranks=3)
     a = _by_step(tmp_path / "inline" / "metrics.jsonl")
     b = _by_step(tmp_path / "stage" / "metrics.jsonl")
     for step in (1, 2, 3):
@@ -230,6 +242,16 @@ def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tm
         assert b[step]["pool/sync_calls"] == a[step]["pool/sync_calls"] > 0
         for key in DETERMINISTIC + POOL_KEYS:
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+    assert any(b[step]["pool/carried"] > 0 for step in (2, 3))  # rows the evaluations dropped
+
+    def answers(run):
+        return [json.loads(line) for line in (tmp_path / run / "eval_samples.jsonl").open()]
+    inline, stage = answers("inline"), answers("stage")
+    assert [r["step"] for r in stage] == [s for s in range(4) for _ in range(5)]
+    assert len({r["prompt_id"] for r in stage}) == 5
+    for x, y in zip(inline, stage):
+        assert (y["step"], y["prompt_id"], y["response"]) == (x["step"], x["prompt_id"], x["response"])
+        assert y["reward"] == pytest.approx(x["reward"], abs=1e-5 if x["step"] == 0 else 1e-4)
 
 
 ZERO3_HYBRID = ["system.zero_stage=3", "system.hybrid_engine=true"]

@@ -5,6 +5,7 @@ the one streaming rank's scores with the rest of its replica.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +42,8 @@ def stage_stream_generate(actor, remote: Optional[RemoteScorers], prompt_ids: to
                           prompt_mask: torch.Tensor, params: SamplingParams,
                           generator: Optional[torch.Generator], chunk_size: int,
                           targets: Optional[torch.Tensor] = None,
-                          replica: Optional[Replica] = None):
+                          replica: Optional[Replica] = None,
+                          row_ids: Optional[Sequence[int]] = None):
     """``stream_generate`` with the scorers on the scorer stage behind ``remote``.
 
     Returns (Generation, results, StreamTiming) as ``stream_generate`` does: the same
@@ -55,6 +57,8 @@ def stage_stream_generate(actor, remote: Optional[RemoteScorers], prompt_ids: to
     With ``replica`` (a model-parallel actor), every rank of it calls this with the same
     prompts: the sender (``remote`` given) streams, the others (``remote`` None) decode the
     same tokens without sending, and all return the sender's results and timing.
+    ``row_ids`` name the rows to the stage (default 0..B-1): with a carrying stage they must
+    be none of the rows it holds (``remote.held``), which it then drops.
     """
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, targets=targets)
 
@@ -63,7 +67,7 @@ def stage_stream_generate(actor, remote: Optional[RemoteScorers], prompt_ids: to
         return gen, {kind: _assemble(kind, per_row, gen) for kind, per_row in finished.items()}
 
     return _on_replica(actor, remote, inputs, params, generator, chunk_size, replica,
-                       package=package)
+                       package=package, row_ids=row_ids)
 
 
 def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: dict,
