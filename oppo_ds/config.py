@@ -144,6 +144,10 @@ class PPOConfig:
     """Ratio clipping of the policy loss (epsilon)."""
     value_clip_eps: float = 0.2
     """Clipping of the value loss around the old values."""
+    whiten_rewards: bool = False
+    """Rescale the per-token rewards (KL penalty and score) to unit variance over the step's
+    batch, all ranks together, keeping their mean, before GAE (TRL's whiten_rewards): the
+    critic then learns returns of one scale whatever the reward model's."""
     whiten_advantages: bool = True
     """Normalise advantages to mean 0, variance 1 over the step's batch (all ranks)."""
     entropy_coef: float = 0.0

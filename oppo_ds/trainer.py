@@ -593,16 +593,23 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         exp.rewards, self._kl_stats = kl_shaped_rewards(
             exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=self.kl_coef,
             estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty)
+        if p.whiten_rewards:
+            exp.rewards = masked_whiten(exp.rewards, mask, shift_mean=False,
+                                        **self._batch_moments(exp.rewards, mask))
         advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            # statistics over every rank's batch, so the update does not depend on the split
-            n, s, sq = comm.all_reduce(torch.stack([mask.sum(), (advantages * mask).sum(),
-                                                    (advantages.pow(2) * mask).sum()]).double(),
-                                       group=self.dp_group)
-            mean = s / n
-            var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
-            advantages = masked_whiten(advantages, mask, mean=mean.float(), var=var.float())
+            advantages = masked_whiten(advantages, mask, **self._batch_moments(advantages, mask))
         exp.advantages = advantages
+
+    def _batch_moments(self, x: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The mean and unbiased variance of ``x``'s valid entries over every rank's batch, so
+        that whitening does not depend on how the batch is split over ranks."""
+        n, s, sq = comm.all_reduce(torch.stack([mask.sum(), (x * mask).sum(),
+                                                (x.pow(2) * mask).sum()]).double(),
+                                   group=self.dp_group)
+        mean = s / n
+        var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
+        return {"mean": mean.float(), "var": var.float()}
 
     def _truncated(self, exp: Experience) -> torch.Tensor:
         """(B,) bool: responses that reached the length limit without an end id."""

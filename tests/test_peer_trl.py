@@ -171,4 +171,8 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
         assert words in text
     plain, notes = trl_peer.trl_settings(load_config(None, []), out_dir=str(tmp_path),
                                          eos_token_ids=(2,), use_cpu=True)
+    assert plain["whiten_rewards"] is False and settings["whiten_rewards"] is False
+    whiten, _ = trl_peer.trl_settings(load_config(None, ["ppo.whiten_rewards=true"]),
+                                      out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
+    assert whiten["whiten_rewards"] is True  # the same option in both
     assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n]

@@ -524,6 +524,37 @@ def test_missing_eos_penalty_lowers_only_truncated_responses(cache_dir, tmp_path
     assert penalty["loss/value"] != pytest.approx(plain["loss/value"], rel=1e-3)
 
 
+def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
+    """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
+    batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""
+    import oppo_ds.trainer as trainer_module
+
+    shaped, seen = [], []
+    real_shaped, real_gae = trainer_module.kl_shaped_rewards, trainer_module.gae_advantages
+
+    def shaping(*args, **kwargs):
+        rewards, stats = real_shaped(*args, **kwargs)
+        shaped.append((rewards.clone(), args[3].clone()))
+        return rewards, stats
+
+    def gae(rewards, *args):
+        seen.append(rewards.clone())
+        return real_gae(rewards, *args)
+    monkeypatch.setattr(trainer_module, "kl_shaped_rewards", shaping)
+    monkeypatch.setattr(trainer_module, "gae_advantages", gae)
+    run(cache_dir, tmp_path / "run", "steps=2", "checkpoint.export_hf=false", "ppo.whiten_rewards=true")
+    assert len(shaped) == len(seen) == 2
+    for (raw, mask), got in zip(shaped, seen):
+        valid = mask.bool()
+        values = raw[valid].double()
+        mean, var = values.mean(), values.var()  # unbiased, as the trainer's
+        want = (raw.double() - mean) / torch.sqrt(var + 1e-8) + mean
+        torch.testing.assert_close(got[valid].double(), want[valid], atol=1e-5, rtol=1e-5)
+        assert got[~valid].abs().max().item() == 0.0
+        assert got[valid].double().mean().item() == pytest.approx(mean.item(), abs=1e-5)
+        assert got[valid].double().std().item() == pytest.approx(1.0, abs=1e-4)
+
+
 @pytest.mark.parametrize("placement", ["inline", "colocated"])
 def test_streaming_pool_gives_the_pool_run(cache_dir, tmp_path, placement):
     """Full OPPO (streaming + overcommitment) computes what overcommitment alone does: the

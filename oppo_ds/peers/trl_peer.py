@@ -171,7 +171,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         # PPO math
         kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, cliprange=p.clip_eps,
         cliprange_value=p.value_clip_eps, vf_coef=1.0, gamma=p.gamma, lam=p.lam,
-        whiten_rewards=False,
+        whiten_rewards=p.whiten_rewards,
         # optimizer: torch AdamW with our engine's betas / eps
         learning_rate=p.actor_lr, weight_decay=p.weight_decay, optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
