@@ -387,6 +387,11 @@ class DataConfig:
     named by split (train-*, validation/valid/val/dev, test/eval)."""
     chat_template: Literal["auto", "on", "off"] = "auto"
     """Apply the tokenizer's chat template: auto = when it has one."""
+    input_template: Optional[str] = None
+    """Without a chat template in use, text put around every string prompt before tokenising,
+    the prompt going where it holds `{}` (OpenRLHF's --input_template, e.g.
+    "User: {}\nAssistant: "); with a tokenizer that has a chat template, set chat_template:
+    off to use it. Null: the prompt as it is."""
     overlong: Literal["error", "truncate", "skip"] = "error"
     """Prompts over generation.max_prompt_len: stop with file and line, keep their last
     tokens, or drop them (truncated and dropped prompts are counted and logged)."""
@@ -439,6 +444,9 @@ class DataConfig:
             _require(self.phase_split[2] > 0, "phase_split",
                      f"the third weight is the PPO part's share and must be > 0, got "
                      f"{self.phase_split}")
+        _require(self.input_template is None or self.input_template.count("{}") == 1,
+                 "input_template", "must hold {} once, where the prompt goes (e.g. "
+                 f"'User: {{}}\\nAssistant: '), got {self.input_template!r}")
 
 
 @dataclass

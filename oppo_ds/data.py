@@ -81,6 +81,7 @@ def encode_prompts(
     max_prompt_len: int,
     overlong: str = "error",
     chat_template: str = "auto",
+    input_template: Optional[str] = None,
 ) -> EncodedPrompts:
     """Tokenise prompts.
 
@@ -103,9 +104,13 @@ def encode_prompts(
             start, with no end of turn after it); without a template, the ids are
             ``tokenizer(text, add_special_tokens=True)["input_ids"]``. A prompt given as chat
             messages needs a template.
+        input_template: without a chat template in use, a string prompt is put into this
+            text at its one ``{}`` before tokenising (OpenRLHF's ``--input_template``, e.g.
+            ``"User: {}\nAssistant: "``); None: the prompt as it is.
 
     Raises:
-        ValueError: bad ``overlong``, ``chat_template`` or ``max_prompt_len``, or
+        ValueError: bad ``overlong``, ``chat_template``, ``max_prompt_len`` or
+            ``input_template`` (not one ``{}``, or given while a chat template is in use), or
             ``chat_template="on"`` with a tokenizer that has no template.
         DataError: a row that cannot be encoded, encodes to nothing, or is too long under
             ``overlong="error"``.
@@ -122,10 +127,17 @@ def encode_prompts(
     if chat_template == "on" and not has_template:
         raise ValueError("chat_template='on' but the tokenizer has no chat template")
     use_template = has_template and chat_template != "off"
+    if input_template is not None:
+        if input_template.count("{}") != 1:
+            raise ValueError(f"input_template must hold {{}} once, where the prompt goes; got "
+                             f"{input_template!r}")
+        if use_template:
+            raise ValueError("input_template is for tokenizers without a chat template, but the "
+                             "tokenizer's is in use (chat_template='off' uses the input template)")
 
     out = EncodedPrompts(prompts=[])
     for row in rows:
-        ids = _encode_row(row, tokenizer, use_template)
+        ids = _encode_row(row, tokenizer, use_template, input_template)
         out.n_continued += _continues(row.text_or_messages)
         if len(ids) > max_prompt_len:
             if overlong == "error":
@@ -148,7 +160,8 @@ def _continues(prompt: str | list[dict[str, Any]]) -> bool:
     return not isinstance(prompt, str) and prompt[-1]["role"] == "assistant"
 
 
-def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool) -> list[int]:
+def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool,
+                input_template: Optional[str] = None) -> list[int]:
     prompt = row.text_or_messages
     if use_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -164,6 +177,8 @@ def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool) -> list[int]
         if isinstance(encoded, Mapping):  # older or custom tokenizers may ignore return_dict
             encoded = encoded["input_ids"]
     elif isinstance(prompt, str):
+        if input_template is not None:
+            prompt = input_template.replace("{}", prompt, 1)
         encoded = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         raise DataError(

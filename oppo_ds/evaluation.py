@@ -101,7 +101,7 @@ class Evaluating:
         if e.num_prompts:
             rows = rows[:e.num_prompts]
         encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
-                                 chat_template=d.chat_template)
+                                 chat_template=d.chat_template, input_template=d.input_template)
         if not encoded.prompts:
             raise DataError(f"{label}: no usable prompt (all over generation.max_prompt_len "
                             f"= {g.max_prompt_len} tokens, data.overlong: skip)")

@@ -141,6 +141,24 @@ def run_tokenizer(cfg: Config, src: Sources):
     return wl.build_tokenizer()
 
 
+def check_prompt_format(cfg: Config, src: Sources, tokenizer) -> None:
+    """``ConfigError`` for prompt settings the run's tokenizer cannot follow, before any prompt
+    is encoded: ``data.chat_template: on`` without a chat template, ``data.input_template``
+    while the tokenizer's chat template is in use."""
+    d = cfg.data
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    where = src.tokenizer or "the built-in workload's tokenizer"
+    if d.chat_template == "on" and not has_template:
+        raise ConfigError("data.chat_template", (
+            f"on, but {where} has no chat template; set data.chat_template: auto (prompts as "
+            "they are), or model.tokenizer to a tokenizer directory that has one"))
+    if d.input_template is not None and has_template and d.chat_template != "off":
+        raise ConfigError("data.input_template", (
+            f"{d.input_template!r} is for tokenizers without a chat template, but {where} has "
+            "one and data.chat_template is auto or on; set data.chat_template: off to put the "
+            "prompts into the input template instead, or data.input_template: null"))
+
+
 def check_sources(cfg: Config, src: Sources, tokenizer, *, log: bool) -> None:
     """Raise ``ConfigError`` for models that cannot run together, before any is built:
 

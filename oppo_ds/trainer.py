@@ -43,8 +43,8 @@ from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, st
 from .ptx import lm_loss, ptx_block_len, ptx_blocks
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
-from .sources import (check_paths, check_sources, end_ids, prompts_label, read_rows, resolve_sources,
-                      run_tokenizer)
+from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
+                      read_rows, resolve_sources, run_tokenizer)
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
@@ -121,6 +121,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         src = self.sources = resolve_sources(cfg, self.rank)
         check_paths(cfg, src)
         self.tokenizer = run_tokenizer(cfg, src)
+        check_prompt_format(cfg, src, self.tokenizer)
         self.builtin_prompts = src.builtin_prompts
         if self.stage is not None and not scorer_rank:
             self._open_stage_links()  # after rank 0 prepared the workload (resolve_sources)
@@ -229,7 +230,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         rows = read_rows(self.cfg, prompts)
         path = prompts_label(prompts)
         encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
-                                 chat_template=d.chat_template)
+                                 chat_template=d.chat_template, input_template=d.input_template)
         if self.is_main and (encoded.n_truncated or encoded.n_skipped):
             logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", path,
                            encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)

@@ -543,6 +543,50 @@ def test_no_template_available(plain_tok):
         encode_prompts(rows, plain_tok, max_prompt_len=32)
 
 
+def test_input_template_wraps_text_prompts(plain_tok, chat_tok):
+    """data.input_template (OpenRLHF's --input_template): a string prompt goes into the
+    template at its {} before tokenising; braces elsewhere are text. Chat messages still need
+    a chat template, and a tokenizer whose template is in use refuses it."""
+    rows = rows_of("a b", [{"role": "user", "content": "c"}])
+    enc = encode_prompts(rows[:1], plain_tok, max_prompt_len=32, input_template="user : {} assistant :")
+    tokens = plain_tok.convert_ids_to_tokens(enc.prompts[0].input_ids)
+    assert tokens == ["<bos>", "user", ":", "a", "b", "assistant", ":"]
+    braces = encode_prompts(rows[:1], plain_tok, max_prompt_len=32, input_template="c {} {d}")
+    assert braces.prompts[0].input_ids == plain_tok("c a b {d}")["input_ids"]
+    with pytest.raises(DataError, match=r"^x.jsonl:2: prompt is a list of chat messages"):
+        encode_prompts(rows, plain_tok, max_prompt_len=32, input_template="user : {}")
+    for bad in ("user :", "{} {}"):
+        with pytest.raises(ValueError, match="must hold {} once"):
+            encode_prompts(rows[:1], plain_tok, max_prompt_len=32, input_template=bad)
+    with pytest.raises(ValueError, match="the tokenizer's is in use"):
+        encode_prompts(rows[:1], chat_tok, max_prompt_len=32, input_template="user : {}")
+    off = encode_prompts(rows[:1], chat_tok, max_prompt_len=32, chat_template="off",
+                         input_template="user : {} assistant :")
+    assert off.prompts[0].input_ids == enc.prompts[0].input_ids
+
+
+def test_a_run_refuses_prompt_settings_its_tokenizer_cannot_follow(plain_tok, chat_tok):
+    """Checked before any prompt is encoded, as a ConfigError naming the key (oppo-train: one
+    line, exit 2), not a traceback from the encoder."""
+    from types import SimpleNamespace
+
+    from oppo_ds.config import ConfigError, load_config
+    from oppo_ds.sources import check_prompt_format
+
+    src = SimpleNamespace(tokenizer="/models/tok")
+    with pytest.raises(ConfigError, match=r"^data\.chat_template: on, but /models/tok has no chat"):
+        check_prompt_format(load_config(None, ["data.chat_template=on"]), src, plain_tok)
+    with_template = load_config(None, ["data.input_template='user : {}'"])
+    with pytest.raises(ConfigError, match=r"^data\.input_template: 'user : {}' is for tokenizers"):
+        check_prompt_format(with_template, src, chat_tok)
+    check_prompt_format(with_template, src, plain_tok)
+    check_prompt_format(load_config(None, ["data.input_template='user : {}'", "data.chat_template=off"]),
+                        src, chat_tok)
+    check_prompt_format(load_config(None, ["data.chat_template=on"]), src, chat_tok)
+    with pytest.raises(ConfigError, match=r"^data\.input_template: must hold {} once"):
+        load_config(None, ["data.input_template=user"])
+
+
 def test_template_errors_name_the_row(chat_tok):
     rows = rows_of("a", [{"role": "tool", "content": "b"}])
     with pytest.raises(DataError, match=r"^x.jsonl:2: chat template failed.*unknown role tool"):

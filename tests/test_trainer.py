@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -245,19 +246,24 @@ def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path):
 
 def test_user_prompts_file_and_tiny_random_models(tmp_path):
     """Models built from config (no checkpoint) and a user's jsonl prompts with a tokenizer
-    directory: the path a user with their own data takes; no gold score without the rule."""
+    directory: the path a user with their own data takes; no gold score without the rule.
+    The prompts go into data.input_template (its text before and after each prompt)."""
     from oppo_ds.workload import build_tokenizer
 
     tok_dir = tmp_path / "tok"
     build_tokenizer().save_pretrained(str(tok_dir))
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"want a b c -> {x}"}) + "\n" for x in "abcdefgh"))
+    prompts.write_text("".join(json.dumps({"prompt": f"a b c -> {x}"}) + "\n" for x in "abcdefgh"))
     _, summary = run(str(tmp_path / "unused-cache"), tmp_path / "run", "steps=2",
                      "model.actor=tiny-qwen2", "model.reward=tiny-qwen2",
                      f"model.tokenizer={tok_dir}", f"data.prompts={prompts}",
-                     "checkpoint.export_hf=false")
+                     "checkpoint.export_hf=false", "data.input_template='warm {} cool'",
+                     "logging.samples=8", "logging.samples_every=1")
     assert summary["steps"] == 2
     assert "gold_first10" not in summary
+    samples = read_history(str(tmp_path / "run" / "samples.jsonl"))
+    assert len(samples) == 16
+    assert all(re.fullmatch(r"warm a b c -> [a-h] cool", s["prompt"]) for s in samples), samples[0]
     assert not os.path.exists(tmp_path / "unused-cache")  # nothing was prepared
 
 

@@ -423,7 +423,7 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     from ..data import encode_prompts
     from ..models import (build_causal_lm, build_value_model, disable_dropout, load_tokenizer,
                           response_end_ids)
-    from ..sources import read_rows, resolve_sources
+    from ..sources import check_prompt_format, read_rows, resolve_sources
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
                                     f"logging.output_dir={out_dir}"])
@@ -440,10 +440,11 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code) \
         if src.tokenizer else wl.build_tokenizer()
     tokenizer.padding_side = "left"  # TRL's collator pads the queries; PPO needs them left-padded
+    check_prompt_format(cfg, src, tokenizer)
     d, g = cfg.data, cfg.generation
     rows = read_rows(cfg, src.prompts)
     prompts = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
-                             chat_template=d.chat_template).prompts
+                             chat_template=d.chat_template, input_template=d.input_template).prompts
     dataset = Dataset.from_dict({"input_ids": _ordered_prompt_ids(prompts, cfg)})
 
     common = dict(vocab_size=len(tokenizer), dtype="fp32",
