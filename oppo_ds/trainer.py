@@ -133,6 +133,9 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         p, s, g = cfg.ppo, cfg.system, cfg.generation
         vocab = len(self.tokenizer)
         check_sources(cfg, src, self.tokenizer, log=self.is_main)  # every rank: all stop alike
+        # before any engine, so that a bad id stops the run at once; under the length oracle
+        # only the targets end a response: a random model's EOS is noise
+        eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
         common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       seed=cfg.seed)
         if scorer_rank:
@@ -181,8 +184,6 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
             if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
                 self.replica = self._stage_replica()
 
-        # under the length oracle only the targets end a response: a random model's EOS is noise
-        eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
                                        pad_token_id=self.tokenizer.pad_token_id,
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)

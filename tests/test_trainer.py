@@ -678,7 +678,7 @@ def _chat_style_actor(source, root) -> str:
     return path
 
 
-def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_path, caplog):
+def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_path, caplog, monkeypatch):
     """Responses end where Hugging Face's generate would end them: at every id the actor's
     generation config lists, not only the tokenizer's EOS (before, a checkpoint laid out like
     Llama-3-Instruct's decoded every response to max_new_tokens). The chat-style copy of the
@@ -707,10 +707,16 @@ def test_responses_end_at_every_eos_id_of_the_generation_config(cache_dir, tmp_p
     assert at_limit > sum(n == 24 for n in base[0]["response/lengths"]) and at_limit >= 6
 
     from oppo_ds.config import ConfigError
+    from oppo_ds.engines import factory
 
-    with pytest.raises(ConfigError, match=r"generation\.eos_token_ids: 99 is not a token id of "
-                                          r"this tokenizer \(it has \d+\)"):
-        run(cache_dir, tmp_path / "bad", "steps=1", f"model.actor={chat}", "generation.eos_token_ids=[2, 99]")
+    # before any model is built: at 70B that is minutes
+    with monkeypatch.context() as patch:
+        patch.setattr(factory, "build_models",
+                      lambda *a, **k: pytest.fail("models were built before the check"))
+        with pytest.raises(ConfigError, match=r"generation\.eos_token_ids: 99 is not a token id of "
+                                              r"this tokenizer \(it has \d+\)"):
+            run(cache_dir, tmp_path / "bad", "steps=1", f"model.actor={chat}",
+                "generation.eos_token_ids=[2, 99]")
 
 
 def test_the_exported_actor_ends_responses_where_training_did(cache_dir, tmp_path):
