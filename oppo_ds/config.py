@@ -100,6 +100,11 @@ class PPOConfig:
     gradient (token-level loss aggregation)."""
     ppo_epochs: int = 1
     """Passes over one step's experience."""
+    freeze_actor_steps: int = 0
+    """Steps at the start in which only the critic trains (OpenRLHF's --freezing_actor_steps):
+    a critic started from the reward model first learns the values of the starting policy, so
+    the actor's first updates follow advantages of a fitted critic. The actor, its PPO-ptx
+    loss and its learning-rate schedule wait; those steps log no policy loss."""
     actor_lr: float = 5e-4
     """Actor learning rate."""
     critic_lr: float = 1e-3
@@ -156,6 +161,8 @@ class PPOConfig:
     def __post_init__(self):
         for key in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.freeze_actor_steps >= 0, "freeze_actor_steps",
+                 f"must be >= 0, got {self.freeze_actor_steps}")
         _require(self.batch_size % self.mini_batch_size == 0, "mini_batch_size",
                  f"must divide batch_size ({self.batch_size}), got {self.mini_batch_size}")
         _require(self.mini_batch_size % self.micro_batch_size == 0, "micro_batch_size",

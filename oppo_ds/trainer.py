@@ -364,7 +364,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
                     state = start_decode(model, params=self.sampling, **inputs)
                     decode_steps(model, state, self.sampling, self.sample_gen, stop=stop)
             stop.wait(state)
-            pool.absorb(running, state, version=self.step_count, step=self.step_count)
+            pool.absorb(running, state, version=self.policy_version, step=self.step_count)
             if self.actor_streams:
                 # the current weights' log-probs of a row that finished now: its carried tokens
                 # from the prefill that rebuilt its cache, the rest as sampled
@@ -385,7 +385,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         pool.check()
         gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
-        metrics = staleness_metrics(comm.gather_lists(staleness_rows(taken, self.step_count),
+        metrics = staleness_metrics(comm.gather_lists(staleness_rows(taken, self.policy_version),
                                                   self.dp_group))
         calls = comm.gather_lists([stop.calls], self.dp_group)
         if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
@@ -625,6 +625,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
         ptx_losses: list[float] = []
+        actor_trains = self.actor_trains
+        trained = ([("actor", self.actor)] if actor_trains else []) + [("critic", self.critic)]
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
@@ -634,19 +636,20 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
                 norm = token_normalizer(tokens.float(), gas, self.world_size)
                 loss_fn = partial(self._actor_loss, normalizer=norm)
                 actor_batches = micro
-                if self.ptx_stream is not None:
+                if self.ptx_stream is not None and actor_trains:
                     # full blocks: every rank predicts the same number of tokens
                     ptx = [self._ptx_batch(len(m)) for m in micro]
                     ptx_tokens = p.mini_batch_size * (ptx[0].shape[1] - 1) * self.world_size
                     loss_fn = partial(self._actor_ptx_loss, normalizer=norm,
                                       ptx_normalizer=token_normalizer(float(ptx_tokens), gas, self.world_size))
                     actor_batches = list(zip(micro, ptx))
-                actor_stats = self.actor.train_step(actor_batches, loss_fn)
+                actor_stats = self.actor.train_step(actor_batches, loss_fn) if actor_trains \
+                    else [{} for _ in micro]
                 for a in actor_stats:  # a mean over full blocks: every micro-batch counts alike
                     if "ptx_loss" in a:
                         ptx_losses.append(float(a.pop("ptx_loss")))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
-                for name, engine in (("actor", self.actor), ("critic", self.critic)):
+                for name, engine in trained:
                     value = engine.grad_norm()
                     if value is not None:
                         norms[name].append(value)
@@ -683,6 +686,17 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         if weights is not None:
             stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
         return loss, stats
+
+    @property
+    def actor_trains(self) -> bool:
+        """Whether this step's update trains the actor (not in ppo.freeze_actor_steps)."""
+        return self.step_count >= self.cfg.ppo.freeze_actor_steps
+
+    @property
+    def policy_version(self) -> int:
+        """The actor's updates so far: the version of the policy sampling now (the steps of
+        ppo.freeze_actor_steps changed nothing, so their tokens are not stale)."""
+        return max(0, self.step_count - self.cfg.ppo.freeze_actor_steps)
 
     def _ptx_batch(self, n: int) -> torch.Tensor:
         return torch.tensor([b.input_ids for b in self.ptx_stream.take(n)], dtype=torch.long,

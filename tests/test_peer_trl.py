@@ -156,10 +156,12 @@ def test_settings_stop_at_the_first_of_our_end_ids_and_say_so(tmp_path):
 
 
 def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
-    """PPO-ptx, the weight average, the held-out evaluation and the adaptive KL coefficient
-    have none in TRL's PPO: each is a note; the missing-EOS penalty is passed on."""
+    """PPO-ptx, the weight average, the held-out evaluation, the adaptive KL coefficient and
+    the critic's warm-up have none in TRL's PPO: each is a note; the missing-EOS penalty is
+    passed on."""
     cfg = load_config(None, ["data.ptx=t.jsonl", "ppo.ptx_coef=0.5", "model.actor_ema=true",
-                             "eval.prompts=builtin", "ppo.missing_eos_penalty=1.5", "ppo.kl_target=6"])
+                             "eval.prompts=builtin", "ppo.missing_eos_penalty=1.5", "ppo.kl_target=6",
+                             "ppo.freeze_actor_steps=5"])
     settings, notes = trl_peer.trl_settings(cfg, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert settings["missing_eos_penalty"] == 1.5
     text = "\n".join(notes)
@@ -167,7 +169,8 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
                   "model.actor_ema=true: TRL's PPO keeps no average",
                   "eval.prompts: the peer runs no held-out evaluation",
                   "ppo.missing_eos_penalty: TRL takes it off the unclipped score",
-                  "ppo.kl_target=6.0: TRL 1.12's PPO keeps its KL coefficient fixed"):
+                  "ppo.kl_target=6.0: TRL 1.12's PPO keeps its KL coefficient fixed",
+                  "ppo.freeze_actor_steps=5: TRL's PPO trains the policy from the first step"):
         assert words in text
     plain, notes = trl_peer.trl_settings(load_config(None, []), out_dir=str(tmp_path),
                                          eos_token_ids=(2,), use_cpu=True)
@@ -175,4 +178,5 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     whiten, _ = trl_peer.trl_settings(load_config(None, ["ppo.whiten_rewards=true"]),
                                       out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert whiten["whiten_rewards"] is True  # the same option in both
-    assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n]
+    assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n
+                                          or "freeze" in n]

@@ -530,6 +530,49 @@ def test_missing_eos_penalty_lowers_only_truncated_responses(cache_dir, tmp_path
     assert penalty["loss/value"] != pytest.approx(plain["loss/value"], rel=1e-3)
 
 
+def test_freeze_actor_steps_trains_only_the_critic_first(cache_dir, tmp_path):
+    """ppo.freeze_actor_steps=2: the actor's weights are the starting ones, exactly, after
+    steps 1 and 2 and change in step 3; the critic trains from step 1; the frozen steps log no
+    policy loss. With the rollout pool, tokens sampled while the actor was frozen are not
+    stale: the unfrozen pool run of the same seed counts some."""
+    from oppo_ds.config import load_config
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}", f"logging.output_dir={tmp_path / 'run'}",
+                                     "steps=3", "ppo.freeze_actor_steps=2", "checkpoint.export_hf=false"])
+    trainer = PPOTrainer(cfg)
+
+    def weights(engine):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    seen = [(weights(trainer.actor), weights(trainer.critic))]
+    real_update = trainer.update
+
+    def update(exp):
+        stats = real_update(exp)
+        seen.append((weights(trainer.actor), weights(trainer.critic)))
+        return stats
+    trainer.update = update
+    trainer.train()
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+    (actor0, critic0), (actor1, critic1), (actor2, _), (actor3, _) = seen
+    assert same(actor0, actor1) and same(actor0, actor2) and not same(actor0, actor3)
+    assert not same(critic0, critic1)
+    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    assert ["loss/policy" in r for r in rows] == [False, False, True]
+    assert all("loss/value" in r and "grad_norm/critic" in r for r in rows)
+    assert ["grad_norm/actor" in r for r in rows] == [False, False, True]
+
+    pool = ("steps=3", "oppo.overcommit=4", "checkpoint.export_hf=false")
+    run(cache_dir, tmp_path / "frozen", *pool, "ppo.freeze_actor_steps=3")
+    run(cache_dir, tmp_path / "trained", *pool)
+    frozen, trained = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("frozen", "trained"))
+    assert any(r["pool/carried"] > 0 for r in frozen)
+    assert all(r["pool/stale_token_frac"] == 0 for r in frozen)
+    assert any(r["pool/stale_token_frac"] > 0 for r in trained)
+
+
 def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
     """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
     batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""

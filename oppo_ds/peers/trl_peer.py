@@ -133,6 +133,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.critic_lr != p.actor_lr:
         notes.append(f"ppo.critic_lr={p.critic_lr}: TRL trains policy and value model with one "
                      f"optimizer at ppo.actor_lr={p.actor_lr}")
+    if p.freeze_actor_steps:
+        notes.append(f"ppo.freeze_actor_steps={p.freeze_actor_steps}: TRL's PPO trains the policy "
+                     f"from the first step")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")
