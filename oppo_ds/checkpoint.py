@@ -106,5 +106,5 @@ class CheckpointManager:
         for tag in self.tags()[:-self.keep_last]:
             if tag == keep:
                 continue
-            for name in engine_names + ["trainer"]:
+            for name in engine_names + ["trainer", "hf"]:  # hf: checkpoint.save_hf's exports
                 shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)

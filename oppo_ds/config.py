@@ -572,7 +572,13 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints to keep (older ones are removed)."""
     export_hf: bool = True
-    """Export the final actor in Hugging Face format (safetensors) to output_dir/actor."""
+    """Export the final models in Hugging Face format (safetensors) to output_dir/actor and
+    output_dir/critic (and actor_ema with model.actor_ema)."""
+    save_hf: bool = False
+    """With every checkpoint, its models in Hugging Face format too, as the final export
+    writes them, in checkpoints/hf/<tag>/ (OpenRLHF's --save_hf_ckpt): an intermediate policy
+    loads in transformers, vLLM or an evaluation harness without converting DeepSpeed's or
+    Megatron's files. Removed with their checkpoint (keep_last)."""
     on_signals: list[Literal["USR1", "USR2", "TERM", "INT"]] = field(
         default_factory=lambda: ["USR1", "TERM"])
     """Signals that stop training after the current step with a checkpoint (every rank

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from functools import partial
 
 from .config import ConfigError
@@ -170,4 +171,20 @@ class Resumable:
                  "kl_coef": self.kl_coef if self.cfg.ppo.kl_target is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
                  "settings": self._checkpoint_settings()}
-        self.ckpt.save(f"step{self.step_count}", state, engines=engines)
+        tag = f"step{self.step_count}"
+        self.ckpt.save(tag, state, engines=engines)
+        if self.cfg.checkpoint.save_hf:
+            self._save_hf(tag)
+
+    def _save_hf(self, tag: str) -> None:
+        """checkpoint.save_hf: the models of ``tag`` in HF format under checkpoints/hf/<tag>,
+        written to a temporary folder first, so that a crash mid-export leaves none that looks
+        whole."""
+        root = os.path.join(self.ckpt.root, "hf")
+        final, tmp = os.path.join(root, tag), os.path.join(root, f".{tag}.tmp")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.export(tmp)  # ends with a barrier
+        if self.is_main:
+            shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step written again
+            os.replace(tmp, final)

@@ -573,6 +573,33 @@ def test_freeze_actor_steps_trains_only_the_critic_first(cache_dir, tmp_path):
     assert any(r["pool/stale_token_frac"] > 0 for r in trained)
 
 
+def test_checkpoints_in_hf_format_are_kept_with_their_checkpoints(cache_dir, tmp_path):
+    """checkpoint.save_hf: each checkpoint's models in HF format under checkpoints/hf/<tag>,
+    loadable by transformers; the last one is the final export's weights exactly, an earlier
+    one is another policy, and they go when keep_last removes their checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    every = ("checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.save_hf=true")
+    run(cache_dir, out, "steps=4", *every)
+    hf = out / "checkpoints" / "hf"
+    assert sorted(os.listdir(hf)) == ["step2", "step4"]  # no temporary folder left
+
+    def actor(path):
+        return load_file(str(path / "actor" / "model.safetensors"))
+    final, step2, step4 = actor(out), actor(hf / "step2"), actor(hf / "step4")
+    assert all(torch.equal(final[k], step4[k]) for k in final)
+    assert any(not torch.equal(step2[k], step4[k]) for k in final)
+    assert sorted(os.listdir(hf / "step4")) == ["actor", "critic"]
+    model = AutoModelForCausalLM.from_pretrained(str(hf / "step2" / "actor"))
+    assert model.generation_config.eos_token_id is not None
+
+    run(cache_dir, out, "steps=6", *every)  # resumed: step 6's checkpoint pushes step 2's out
+    assert sorted(os.listdir(hf)) == ["step4", "step6"]
+    assert sorted(os.listdir(out / "checkpoints" / "trainer")) == ["step4", "step6"]
+
+
 def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
     """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
     batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""
