@@ -13,7 +13,9 @@ The built-in synthetic workload lives in its own module.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import functools
 import hashlib
 import random
 from collections.abc import Mapping, Sequence
@@ -253,6 +255,16 @@ class PromptStream:
         self._position = 0  # index into this rank's share of the current epoch
         self._order: list[int] | None = None  # this rank's share of the current epoch
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of the prompts (ids, tokens, length targets) in their given order: a saved
+        state names the prompts it was taken from, not only how many there were."""
+        digest = hashlib.sha256()
+        for p in self.prompts:
+            digest.update(f"{p.id}\0{p.target_len}\0".encode())
+            digest.update(array.array("q", p.input_ids).tobytes())
+        return digest.hexdigest()[:16]
+
     @property
     def epoch(self) -> int:
         """The epoch the next prompt comes from (0-based)."""
@@ -292,17 +304,19 @@ class PromptStream:
             "world_size": self.world_size,
             "num_prompts": len(self.prompts),
             "shuffle": self.shuffle,
+            "prompts": self.fingerprint,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; the stream then yields exactly what the saved one would.
 
         Raises ``StreamMismatch`` (a ``ValueError``) if the state was saved with a different
-        seed, world size, shuffle setting or number of prompts (when those keys are present),
-        since the order would differ.
+        seed, world size, shuffle setting, number of prompts or prompts (``fingerprint``; when
+        those keys are present), since the order, or what it hands out, would differ.
         """
         mine = self.state_dict()
-        changed = {k: (state[k], mine[k]) for k in ("seed", "world_size", "num_prompts", "shuffle")
+        changed = {k: (state[k], mine[k])
+                   for k in ("seed", "world_size", "num_prompts", "shuffle", "prompts")
                    if k in state and state[k] != mine[k]}
         if changed:
             raise StreamMismatch(changed)

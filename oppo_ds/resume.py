@@ -33,7 +33,8 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
 
 # a saved prompt stream's settings, as a user sets them
 _STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
-                   "world_size": "{} data-parallel ranks"}
+                   "world_size": "{} data-parallel ranks",
+                   "prompts": "prompts of fingerprint {}"}
 
 
 class Resumable:
@@ -57,8 +58,9 @@ class Resumable:
                     _STREAM_SETTING[k].format(saved) for k, (saved, _) in err.changed.items())
                 + ", this run has " + ", ".join(
                     _STREAM_SETTING[k].format(now) for k, (_, now) in err.changed.items())
-                + ": the prompt order follows them; resume with the settings it was written "
-                  "with, or start afresh with checkpoint.resume=never")) from None
+                + ": the prompts handed out, and their order, follow them; resume with the "
+                  "prompts and settings it was written with, or start afresh with "
+                  "checkpoint.resume=never")) from None
         if self.ema is not None:
             if state.get("actor_ema") is not None:
                 try:

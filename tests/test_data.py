@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from oppo_ds.data import Prompt, PromptStream, encode_prompts, left_pad
+from oppo_ds.data import Prompt, PromptStream, StreamMismatch, encode_prompts, left_pad
 from oppo_ds.datafiles import DataError, PromptRow, phase_part, read_prompt_rows
 
 WORDS = "<pad> <bos> <eos> <unk> user assistant system : a b c d e f g h".split()
@@ -687,6 +687,17 @@ def test_load_state_dict_rejects_a_different_stream():
     with pytest.raises(ValueError, match="out of range"):
         stream = PromptStream(make_prompts(10), batch_size=2, seed=1)
         stream.load_state_dict({"epoch": 0, "position": 10})
+    # as many prompts, one of them other tokens (or another id): other prompts, refused
+    for changed in (Prompt("p3", [3, 3], "mem", 3), Prompt("q3", [3], "mem", 3)):
+        other = make_prompts(10)
+        other[3] = changed
+        with pytest.raises(StreamMismatch) as err:
+            PromptStream(other, batch_size=2, seed=1).load_state_dict(state)
+        assert list(err.value.changed) == ["prompts"]
+    moved = [Prompt(p.id, p.input_ids, "elsewhere", p.line) for p in make_prompts(10)]
+    PromptStream(moved, batch_size=2, seed=1).load_state_dict(state)  # the same prompts
+    older = {k: v for k, v in state.items() if k != "prompts"}  # saved before the fingerprint
+    PromptStream(make_prompts(10), batch_size=2, seed=1).load_state_dict(older)
 
 
 def test_batches_straddle_the_epoch_boundary():

@@ -421,13 +421,47 @@ def test_resume_refuses_a_checkpoint_written_with_another_prompt_order(cache_dir
 
     out = tmp_path / "run"
     run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
+    # (the built-in workload draws its prompts with the seed: they differ too)
     with pytest.raises(ConfigError, match=r"checkpoint.resume: checkpoint step2 was written with "
-                                          r"seed=0, data.shuffle=True, this run has seed=3, "
-                                          r"data.shuffle=False: the prompt order follows them"):
+                                          r"seed=0, data.shuffle=True, prompts of fingerprint "
+                                          r"[0-9a-f]{16}, this run has seed=3, data.shuffle=False, "
+                                          r"prompts of fingerprint [0-9a-f]{16}: the prompts "
+                                          r"handed out, and their order, follow them"):
         run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "seed=3", "data.shuffle=false")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
     run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")  # as written: continues
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_resume_refuses_other_prompts_of_the_same_number(tmp_path):
+    """A prompt file edited between a run and its resume (as many prompts, one of them
+    changed) would hand out other prompts at the saved cursor: refused, naming the prompts'
+    fingerprints; the same file moved elsewhere resumes."""
+    from oppo_ds.config import ConfigError
+    from oppo_ds.workload import build_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer().save_pretrained(str(tok_dir))
+    lines = [json.dumps({"prompt": f"a b c -> {x}"}) + "\n" for x in "abcdefgh"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(lines))
+    models = ("model.actor=tiny-qwen2", "model.reward=tiny-qwen2", f"model.tokenizer={tok_dir}",
+              "checkpoint.export_hf=false", "checkpoint.every=1")
+    out = tmp_path / "run"
+    run(str(tmp_path / "unused"), out, "steps=1", *models, f"data.prompts={prompts}")
+    lines[5] = json.dumps({"prompt": "a b -> c"}) + "\n"
+    edited = tmp_path / "edited" / "prompts.jsonl"  # the same name: the same default ids
+    edited.parent.mkdir()
+    edited.write_text("".join(lines))
+    with pytest.raises(ConfigError, match=r"checkpoint step1 was written with prompts of "
+                                          r"fingerprint [0-9a-f]{16}, this run has prompts of "
+                                          r"fingerprint [0-9a-f]{16}: the prompts handed out"):
+        run(str(tmp_path / "unused"), out, "steps=2", *models, f"data.prompts={edited}")
+    moved = tmp_path / "moved" / "prompts.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(prompts.read_bytes())
+    run(str(tmp_path / "unused"), out, "steps=2", *models, f"data.prompts={moved}")
+    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2]
 
 
 def test_resume_refuses_a_checkpoint_of_other_models(cache_dir, tmp_path):
