@@ -3,12 +3,12 @@
 
 A trainer state holds, per rank, the step, the prompt stream's cursor (and PPO-ptx's), the
 average of the actor's weights (model.actor_ema), the sampling and shuffling generators, the
-chunk-size and Delta controllers, the adaptive KL coefficient, the rollout pool with its ledger, the frozen streaming
-scorers' caches of the deferred rows, and the settings that decide what
-the engines hold. A resume refuses, in one line naming what differs and before any engine
-loads where it can, what it could not continue exactly or without losing or inventing a
-deferred row (docs/architecture.md, "Checkpoints"); the placement, streaming and chunk size
-may change.
+chunk-size and Delta controllers, the adaptive KL coefficient, the rollout pool with its
+ledger, the frozen streaming scorers' caches of the deferred rows, and the settings that
+decide what the engines hold. A resume refuses, in one line naming what differs and before
+any engine loads where it can, what it could not continue exactly or without losing or
+inventing a deferred row (docs/architecture.md, "Checkpoints"); the placement, streaming and
+chunk size may change. With checkpoint.save_hf a checkpoint's models follow in HF format.
 """
 from __future__ import annotations
 
