@@ -147,6 +147,15 @@ class PPOConfig:
     """lambda of GAE."""
     clip_eps: float = 0.2
     """Ratio clipping of the policy loss (epsilon)."""
+    clip_eps_high: Optional[float] = None
+    """The upper clip range: the ratio of a token with a positive advantage is clipped at
+    1 + this (DAPO's clip-higher, e.g. 0.28 beside clip_eps 0.2; OpenRLHF's
+    --eps_clip_low_high), so that unlikely tokens can gain more per update; null = clip_eps."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (Ye et al. 2020; OpenRLHF's --dual_clip): the loss of a token with a
+    negative advantage A is capped at dual_clip x |A|, so a ratio far above 1 (a token
+    sampled by an older policy, a stale deferred row) cannot dominate the update; > 1,
+    null = off. policy/dual_clip_frac logs the share it capped."""
     value_clip_eps: float = 0.2
     """Clipping of the value loss around the old values."""
     whiten_rewards: bool = False
@@ -171,6 +180,10 @@ class PPOConfig:
             _require(0.0 <= getattr(self, key) <= 1.0, key, "must be in [0, 1]")
         for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):
             _require(getattr(self, key) > 0, key, "must be > 0")
+        _require(self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high",
+                 f"must be > 0 or null, got {self.clip_eps_high}")
+        _require(self.dual_clip is None or self.dual_clip > 1, "dual_clip",
+                 f"must be > 1 or null (the bound is dual_clip x |advantage|), got {self.dual_clip}")
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         _require(self.kl_target is None or self.kl_target > 0, "kl_target",
                  f"must be > 0 or null, got {self.kl_target}")

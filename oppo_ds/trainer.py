@@ -682,7 +682,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
                                            self.cfg.oppo.is_clip)
         loss, stats = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                           p.clip_eps, normalizer, entropy=entropy,
-                                          entropy_coef=p.entropy_coef, is_weights=weights)
+                                          entropy_coef=p.entropy_coef, is_weights=weights,
+                                          clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip)
         if weights is not None:
             stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
         return loss, stats
@@ -742,7 +743,8 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",
-                 "critic_grad_norm": "grad_norm/critic", "ptx_loss": "loss/ptx"}
+                 "critic_grad_norm": "grad_norm/critic", "ptx_loss": "loss/ptx",
+                 "dual_clip_frac": "policy/dual_clip_frac"}
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})

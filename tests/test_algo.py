@@ -280,6 +280,44 @@ def test_clipped_policy_loss_one_token(ratio, advantage, loss, grad, clipped):
     assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
 
 
+@pytest.mark.parametrize(
+    "ratio, advantage, high, dual, loss, grad, capped",
+    [
+        # clip-higher: ratio 1.5, A = +1, upper bound 1.3: max(-1.5, -1.3) = -1.3, no grad.
+        (1.5, 1.0, 0.3, None, -1.3, 0.0, None),
+        # the lower bound stays 1 - clip_eps: ratio 0.7, A = -1: max(0.7, 0.8) = 0.8, no grad.
+        (0.7, -1.0, 0.3, None, 0.8, 0.0, None),
+        # under the raised bound: ratio 1.25, A = +1: max(-1.25, -1.25), the unclipped grad.
+        (1.25, 1.0, 0.3, None, -1.25, -1.25, None),
+        # dual clip c = 3: ratio 5, A = -1: min(max(5, 1.2), 3) = 3, capped, no grad.
+        (5.0, -1.0, None, 3.0, 3.0, 0.0, 1.0),
+        # ratio 2, A = -2: max(4, 2.4) = 4 < 3 * 2 = 6: not capped, grad -A * ratio = 4.
+        (2.0, -2.0, None, 3.0, 4.0, 4.0, 0.0),
+        # a positive advantage is never capped: ratio 5, A = +1: max(-5, -1.2) = -1.2.
+        (5.0, 1.0, None, 3.0, -1.2, 0.0, 0.0),
+    ],
+)
+def test_clip_higher_and_dual_clip_one_token(ratio, advantage, high, dual, loss, grad, capped):
+    logp = t([[math.log(ratio)]]).requires_grad_()
+    out, stats = clipped_policy_loss(logp, t([[0.0]]), t([[advantage]]), t([[1.0]]), 0.2, 1.0,
+                                     clip_eps_high=high, dual_clip=dual)
+    out.backward()
+    torch.testing.assert_close(out, torch.tensor(loss, dtype=F64))
+    torch.testing.assert_close(logp.grad, t([[grad]]))
+    assert ("dual_clip_frac" in stats) == (dual is not None)
+    if dual is not None:
+        assert stats["dual_clip_frac"].item() == capped
+
+
+def test_dual_clip_needs_a_bound_above_one_and_ignores_padding():
+    logp, old, adv = t([[math.log(5.0), 9.0]]), t([[0.0, 0.0]]), t([[-1.0, -1.0]])
+    loss, stats = clipped_policy_loss(logp, old, adv, t([[1.0, 0.0]]), 0.2, 1.0, dual_clip=3.0)
+    torch.testing.assert_close(loss, torch.tensor(3.0, dtype=F64))  # the padded token adds 0
+    assert stats["dual_clip_frac"].item() == 1.0
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        clipped_policy_loss(logp, old, adv, t([[1.0, 1.0]]), 0.2, 1.0, dual_clip=1.0)
+
+
 def test_policy_loss_entropy_bonus_and_normalizer():
     logp, old = t([[math.log(1.5), 0.0]]), t([[0.0, 0.0]])
     adv, mask, entropy = t([[-1.0, 2.0]]), t([[1.0, 1.0]]), t([[0.7, 0.3]])

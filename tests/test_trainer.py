@@ -634,6 +634,23 @@ def test_checkpoints_in_hf_format_are_kept_with_their_checkpoints(cache_dir, tmp
     assert sorted(os.listdir(out / "checkpoints" / "trainer")) == ["step4", "step6"]
 
 
+def test_clip_higher_and_dual_clip_reach_the_policy_loss(cache_dir, tmp_path):
+    """ppo.clip_eps_high and ppo.dual_clip go to the policy loss (its hand values are in
+    test_algo): the same responses as without them, another update; the dual clip's share is
+    logged. A clip-higher bound equal to clip_eps is the default exactly."""
+    base = ("steps=2", "checkpoint.export_hf=false", "ppo.ppo_epochs=4", "ppo.mini_batch_size=4",
+            "ppo.actor_lr=5e-3")
+    run(cache_dir, tmp_path / "plain", *base)
+    run(cache_dir, tmp_path / "same", *base, "ppo.clip_eps_high=0.2")
+    run(cache_dir, tmp_path / "both", *base, "ppo.clip_eps_high=0.28", "ppo.dual_clip=1.5")
+    plain, same, both = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("plain", "same", "both"))
+    assert [r["loss/policy"] for r in same] == [r["loss/policy"] for r in plain]
+    assert both[0]["response/lengths"] == plain[0]["response/lengths"]
+    assert both[1]["loss/policy"] != pytest.approx(plain[1]["loss/policy"], rel=1e-6)
+    assert all(0.0 <= r["policy/dual_clip_frac"] <= 1.0 for r in both)
+    assert "policy/dual_clip_frac" not in plain[0]
+
+
 def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
     """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
     batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""

@@ -76,14 +76,19 @@ def clipped_policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, optionally with an entropy bonus.
 
     Per token, with ``ratio = exp(logprobs - old_logprobs)``::
 
-        loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - clip_eps, 1 + clip_eps))
+        loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))
 
-    aggregated by ``aggregate_token_loss``; minus ``entropy_coef`` times the
+    and with ``dual_clip`` (c > 1; Ye et al., "Mastering Complex Control in MOBA Games
+    with Deep Reinforcement Learning", 2020), where A_t < 0, ``min(loss_t, -c * A_t)``: a
+    ratio far above 1 on a token with a negative advantage adds at most c |A_t|, without
+    gradient. Aggregated by ``aggregate_token_loss``; minus ``entropy_coef`` times the
     equally aggregated entropy when ``entropy`` is given.
 
     Args:
@@ -100,6 +105,8 @@ def clipped_policy_loss(
             (``truncated_is_weights``) multiplying each token's surrogate, for
             tokens sampled by an older policy than the one ``old_logprobs``
             come from.
+        clip_eps_high: the upper clip range (DAPO's clip-higher); None = ``clip_eps``.
+        dual_clip: the dual-clip bound c (> 1) on negative-advantage tokens; None = off.
 
     Returns:
         loss: 0-dim tensor.
@@ -107,10 +114,14 @@ def clipped_policy_loss(
             surrogate), ``clip_frac`` (fraction of tokens where the clipped
             term is the larger, i.e. whose gradient clipping removed),
             ``approx_kl`` (k3 estimate of KL(pi_old || pi_theta), token mean),
-            ``ratio_mean``, ``ratio_max``, and ``entropy`` if given.
+            ``ratio_mean``, ``ratio_max``, ``entropy`` if given, and with ``dual_clip``
+            ``dual_clip_frac`` (fraction of tokens its bound capped).
     """
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef is nonzero but no entropy was given")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     valid = mask.bool()
     # Zero the log-ratio at padding before exp(): where() alone would still
     # backpropagate 0 * inf = NaN from an overflowing padded ratio.
@@ -118,8 +129,11 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)
     advantages = torch.where(valid, advantages, 0.0)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + high)
     token_loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        capped = (advantages < 0) & (token_loss > -dual_clip * advantages)
+        token_loss = torch.where(capped, -dual_clip * advantages, token_loss)
     if is_weights is not None:
         token_loss = token_loss * is_weights.detach()
     loss = aggregate_token_loss(token_loss, mask, normalizer)
@@ -139,6 +153,8 @@ def clipped_policy_loss(
         }
         if entropy is not None:
             stats["entropy"] = masked_mean(entropy, mask)
+        if dual_clip is not None:
+            stats["dual_clip_frac"] = masked_mean(capped.to(ratio.dtype), mask)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

@@ -133,6 +133,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.critic_lr != p.actor_lr:
         notes.append(f"ppo.critic_lr={p.critic_lr}: TRL trains policy and value model with one "
                      f"optimizer at ppo.actor_lr={p.actor_lr}")
+    if p.clip_eps_high is not None or p.dual_clip is not None:
+        notes.append(f"ppo.clip_eps_high={p.clip_eps_high}, dual_clip={p.dual_clip}: TRL's PPO "
+                     f"clips the ratio at 1 +- cliprange={p.clip_eps} only")
     if p.freeze_actor_steps:
         notes.append(f"ppo.freeze_actor_steps={p.freeze_actor_steps}: TRL's PPO trains the policy "
                      f"from the first step")
