@@ -102,6 +102,21 @@ def test_every_key_documented():
         assert f"| `{key}` |" in markdown
 
 
+def test_the_pages_naming_keys_name_real_ones():
+    """Every `section.key` a docs page written by hand names (in backticks, with an optional
+    `: value`) is a key of the config: a renamed key cannot leave these pages behind."""
+    import re
+
+    keys = {key for key, *_ in iter_keys()}
+    sections = {key.split(".")[0] for key in keys if "." in key}
+    for page in ("from-trl-and-openrlhf.md", "deepspeed-chat.md"):
+        text = open(os.path.join(ROOT, "docs", page)).read()
+        named = {m.group(1) for m in re.finditer(r"`([a-z_]+\.[a-z_]+)(?::[^`]*)?`", text)
+                 if m.group(1).split(".")[0] in sections}
+        assert named, page
+        assert not named - keys, (page, sorted(named - keys))
+
+
 def test_iter_keys_defaults_match_dataclass():
     default = Config()
     for key, _tp, value, _doc in iter_keys():
