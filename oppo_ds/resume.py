@@ -184,8 +184,10 @@ class Resumable:
         whole."""
         root = os.path.join(self.ckpt.root, "hf")
         final, tmp = os.path.join(root, tag), os.path.join(root, f".{tag}.tmp")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if self.is_main and os.path.isdir(root):  # this one, and any a crash left behind
+            for name in os.listdir(root):
+                if name.startswith(".") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         self.export(tmp)  # ends with a barrier
         if self.is_main:
             shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step written again
