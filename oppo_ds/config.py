@@ -121,6 +121,12 @@ class PPOConfig:
     """Coefficient of the per-token KL penalty against the reference model (beta)."""
     kl_estimator: Literal["k1", "k3", "abs", "mse"] = "k1"
     """Per-token KL estimator used in the reward shaping."""
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    """Where the KL to the reference enters: `reward` takes ppo.kl_coef x the per-token
+    estimate off the rewards (InstructGPT, DeepSpeed-Chat, TRL), so it goes through the critic
+    and GAE; `loss` adds ppo.kl_coef x its token mean to the actor's loss instead (GRPO's,
+    OpenRLHF's --use_kl_loss), with kl_estimator mse or k3 (k1's gradient is zero in
+    expectation). kl/mean is logged either way, and kl_target adapts the coefficient of either."""
     kl_target: Optional[float] = None
     """Adaptive KL coefficient (Ziegler et al. 2019, section 2.2; OpenRLHF's --kl_target, the
     adap_kl_ctrl of TRL's former PPOTrainer): after every step the coefficient is multiplied
@@ -185,6 +191,9 @@ class PPOConfig:
         _require(self.dual_clip is None or self.dual_clip > 1, "dual_clip",
                  f"must be > 1 or null (the bound is dual_clip x |advantage|), got {self.dual_clip}")
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _require(self.kl_penalty == "reward" or self.kl_estimator in ("mse", "k3"), "kl_estimator", (
+            f"{self.kl_estimator} with kl_penalty: loss: as a loss only mse's and k3's gradients "
+            "pull the policy toward the reference (k1's is zero in expectation); use mse or k3"))
         _require(self.kl_target is None or self.kl_target > 0, "kl_target",
                  f"must be > 0 or null, got {self.kl_target}")
         _require(self.kl_horizon >= 1, "kl_horizon", f"must be >= 1, got {self.kl_horizon}")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import comm
 from . import workload as wl
 from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
-                   gae_advantages, kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
+                   gae_advantages, kl_loss, kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
                    truncated_is_weights, truncated_rows)
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
@@ -592,8 +592,10 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         penalty = None
         if p.missing_eos_penalty:
             penalty = self._truncated(exp).float() * p.missing_eos_penalty
+        # with the KL in the loss the rewards carry the score alone; kl/mean is measured either way
+        in_rewards = self.kl_coef if p.kl_penalty == "reward" else 0.0
         exp.rewards, self._kl_stats = kl_shaped_rewards(
-            exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=self.kl_coef,
+            exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=in_rewards,
             estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty)
         if p.whiten_rewards:
             exp.rewards = masked_whiten(exp.rewards, mask, shift_mean=False,
@@ -686,6 +688,11 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
                                           clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip)
         if weights is not None:
             stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
+        if p.kl_penalty == "loss":
+            penalty, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mb.response_mask, self.kl_coef,
+                                        normalizer, p.kl_estimator)
+            loss = loss + penalty
+            stats.update(kl_stats)
         return loss, stats
 
     @property
@@ -744,7 +751,7 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",
                  "critic_grad_norm": "grad_norm/critic", "ptx_loss": "loss/ptx",
-                 "dual_clip_frac": "policy/dual_clip_frac"}
+                 "dual_clip_frac": "policy/dual_clip_frac", "kl_loss": "loss/kl"}
         scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})

@@ -16,6 +16,7 @@ from oppo_ds.algo import (
     entropy_bonus_loss,
     entropy_from_logits,
     gae_advantages,
+    kl_loss,
     kl_penalty,
     kl_shaped_rewards,
     logprobs_from_logits,
@@ -307,6 +308,25 @@ def test_clip_higher_and_dual_clip_one_token(ratio, advantage, high, dual, loss,
     assert ("dual_clip_frac" in stats) == (dual is not None)
     if dual is not None:
         assert stats["dual_clip_frac"].item() == capped
+
+
+@pytest.mark.parametrize("estimator, value, grad", [
+    # log pi = log 0.5, log ref = log 0.25: log_ratio = log 2
+    ("mse", 0.5 * math.log(2) ** 2, math.log(2)),       # d/dlogp 0.5 u^2 = u
+    ("k3", 0.5 + math.log(2) - 1, 0.5),                 # d/dlogp (e^-u + u - 1) = 1 - e^-u
+    ("k1", math.log(2), 1.0),
+])
+def test_kl_loss_hand_values(estimator, value, grad):
+    """coef 0.1 over a normalizer of 2: the second token is padding and adds nothing; the
+    reference's log-probs get no gradient."""
+    logp = t([[math.log(0.5), 3.0]]).requires_grad_()
+    ref = t([[math.log(0.25), -3.0]]).requires_grad_()
+    loss, stats = kl_loss(logp, ref, t([[1.0, 0.0]]), 0.1, 2.0, estimator)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor(0.1 * value / 2, dtype=F64))
+    torch.testing.assert_close(logp.grad, t([[0.1 * grad / 2, 0.0]]))
+    assert ref.grad is None or not ref.grad.any()
+    torch.testing.assert_close(stats["kl_loss"], torch.tensor(value, dtype=F64))
 
 
 def test_dual_clip_needs_a_bound_above_one_and_ignores_padding():

@@ -289,6 +289,11 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["data.phase_split=[2, -4, 4]"], "data.phase_split", "three weights >= 0"),
     (["data.phase_split=[5, 5, 0]"], "data.phase_split", "the PPO part's share and must be > 0"),
     (["ppo.missing_eos_penalty=-1"], "ppo.missing_eos_penalty", ">= 0 or null"),
+    (["ppo.kl_penalty=loss"], "ppo.kl_estimator", "k1 with kl_penalty: loss"),
+    (["ppo.kl_penalty=loss", "ppo.kl_estimator=abs"], "ppo.kl_estimator", "use mse or k3"),
+    (["ppo.dual_clip=1"], "ppo.dual_clip", "must be > 1 or null"),
+    (["ppo.clip_eps_high=0"], "ppo.clip_eps_high", "must be > 0 or null"),
+    (["ppo.freeze_actor_steps=-1"], "ppo.freeze_actor_steps", ">= 0"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

@@ -180,5 +180,8 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     whiten, _ = trl_peer.trl_settings(load_config(None, ["ppo.whiten_rewards=true"]),
                                       out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert whiten["whiten_rewards"] is True  # the same option in both
+    in_loss = load_config(None, ["ppo.kl_penalty=loss", "ppo.kl_estimator=k3"])
+    with pytest.raises(ValueError, match="TRL's PPO takes the KL off the rewards only"):
+        trl_peer.trl_settings(in_loss, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n
                                           or "freeze" in n or "dual_clip" in n]

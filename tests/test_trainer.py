@@ -652,6 +652,35 @@ def test_clip_higher_and_dual_clip_reach_the_policy_loss(cache_dir, tmp_path):
     assert "policy/dual_clip_frac" not in plain[0]
 
 
+def test_kl_in_the_loss_leaves_the_rewards_to_the_score(cache_dir, tmp_path, monkeypatch):
+    """ppo.kl_penalty: loss: GAE gets the (clipped) score at each response's last token and
+    nothing else, the actor's loss gets the KL (loss/kl logged), and kl/mean is the same
+    measurement as with the KL in the rewards (step 1: the same responses, 1e-6)."""
+    import oppo_ds.trainer as trainer_module
+
+    seen = []
+    real_gae = trainer_module.gae_advantages
+
+    def gae(rewards, values, mask, *args):
+        seen.append((rewards.clone(), mask.clone()))
+        return real_gae(rewards, values, mask, *args)
+    monkeypatch.setattr(trainer_module, "gae_advantages", gae)
+    common = ("steps=2", "checkpoint.export_hf=false", "ppo.kl_estimator=k3", "ppo.kl_coef=0.2")
+    run(cache_dir, tmp_path / "loss", *common, "ppo.kl_penalty=loss")
+    rewards, mask = seen[0]
+    last = mask.sum(1).long() - 1
+    off_last = mask.bool().clone()
+    off_last[torch.arange(len(last)), last] = False
+    assert rewards[off_last].abs().max().item() == 0.0  # no per-token penalty
+    assert rewards[torch.arange(len(last)), last].abs().max().item() > 0
+    run(cache_dir, tmp_path / "reward", *common)
+    loss, reward = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("loss", "reward"))
+    assert loss[0]["response/lengths"] == reward[0]["response/lengths"]
+    assert loss[0]["kl/mean"] == pytest.approx(reward[0]["kl/mean"], abs=1e-6)
+    assert all("loss/kl" in r and r["loss/kl"] >= 0 for r in loss)  # k3 >= 0
+    assert "loss/kl" not in reward[0]
+
+
 def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
     """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
     batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""

@@ -21,6 +21,7 @@ from oppo_ds.algo.losses import (
     clipped_policy_loss,
     clipped_value_loss,
     entropy_bonus_loss,
+    kl_loss,
     token_normalizer,
     truncated_is_weights,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "kl_abs",
     "kl_k1",
     "kl_k3",
+    "kl_loss",
     "kl_mse",
     "kl_penalty",
     "kl_shaped_rewards",

@@ -248,6 +248,41 @@ def clipped_value_loss(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    normalizer: Normalizer,
+    estimator: str = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The KL to the reference as a loss to add to the policy loss (GRPO's; OpenRLHF's
+    ``--use_kl_loss``), instead of a penalty in the rewards: ``coef *
+    aggregate_token_loss(kl_t)`` with ``kl_t`` the per-token estimate of KL(pi_theta || ref)
+    at the sampled tokens, whose gradient goes through ``logprobs`` only.
+
+    Over tokens sampled by pi_theta, mse's (k2's) gradient is in expectation that of
+    KL(pi_theta || ref), k3's that of KL(ref || pi_theta) (close to it near the reference),
+    and k1's is zero: k1 regularises nothing as a loss.
+
+    Args:
+        logprobs: (B, T) log pi_theta of the response tokens (with grad).
+        ref_logprobs: (B, T) log ref of the same tokens.
+        mask: (B, T) 1.0 for response tokens, 0.0 for padding.
+        coef: the KL coefficient.
+        normalizer: see ``aggregate_token_loss``.
+        estimator: a key of ``KL_ESTIMATORS``.
+
+    Returns:
+        loss: 0-dim tensor.
+        stats: ``kl_loss`` (token mean of the estimate), 0-dim detached.
+    """
+    valid = mask.bool()
+    kl = kl_penalty(torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs.detach(), 0.0),
+                    estimator)
+    return coef * aggregate_token_loss(kl, mask, normalizer), {"kl_loss": masked_mean(kl, mask).detach()}
+
+
 def entropy_bonus_loss(
     entropy: torch.Tensor, mask: torch.Tensor, coef: float, normalizer: Normalizer
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

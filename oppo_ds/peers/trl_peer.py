@@ -139,6 +139,8 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.freeze_actor_steps:
         notes.append(f"ppo.freeze_actor_steps={p.freeze_actor_steps}: TRL's PPO trains the policy "
                      f"from the first step")
+    if p.kl_penalty == "loss":
+        raise ValueError("ppo.kl_penalty='loss': TRL's PPO takes the KL off the rewards only")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")
