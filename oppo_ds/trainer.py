@@ -1,7 +1,10 @@
 """The PPO trainer: one step is generate -> score -> advantages -> update, each a named,
 timed phase. This is the sequential baseline; the OPPO techniques switch on inside the
 same step (streaming replaces generate+score, overcommitment changes which sequences a
-step keeps), so every speedup is measured against this code.
+step keeps), so every speedup is measured against this code. The advantages and the
+update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-out evaluation
+``evaluation.py``'s, the final export ``export.py``'s, the stage placement's side
+``stage_placement.py``'s.
 """
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ import os
 import random
 import time
 from contextlib import nullcontext
-from functools import partial
 from typing import Optional
 
 import torch
@@ -18,9 +20,7 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
-                   gae_advantages, kl_loss, kl_shaped_rewards, masked_mean, masked_whiten, token_normalizer,
-                   truncated_is_weights, truncated_rows)
+from .algo import masked_mean
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad
@@ -40,7 +40,8 @@ from .rollout.stage import RemoteScorers
 from .rollout.stage_stream import stage_stream_continue, stage_stream_generate
 from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
                                 stream_generate)
-from .ptx import lm_loss, ptx_block_len, ptx_blocks
+from .ppo_update import PPOUpdate
+from .ptx import ptx_block_len, ptx_blocks
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
@@ -87,7 +88,7 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     return requested and hybrid_engine_path != HYBRID_KERNELS
 
 
-class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
+class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
     def __init__(self, cfg: Config):
         from .engines import init_distributed_if_needed
         from .engines.factory import build_models
@@ -317,19 +318,6 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
         self.step_samples = (self.sample_records(exp) if period and self.step_count % period == 0
                              and self.telemetry.enabled else [])
         return metrics
-
-    def _adapt_kl_coef(self, metrics: dict) -> None:
-        """Log the KL coefficient this step used (kl/coef) and, with ppo.kl_target, move it
-        for the next step by the step's KL, averaged over all actor ranks so that every rank
-        holds the same coefficient (the tensor-parallel ranks of a Megatron replica too)."""
-        p = self.cfg.ppo
-        metrics["kl/coef"] = self.kl_coef
-        if p.kl_target is None:
-            return
-        kl = comm.all_reduce(torch.tensor([metrics["kl/mean"]], dtype=torch.float64),
-                             group=self.actor_group) / self.actor_ranks
-        self.kl_coef = adaptive_kl_coef(self.kl_coef, kl.item(), p.kl_target,
-                                        metrics["samples"], p.kl_horizon)
 
     def sample_records(self, exp: Experience) -> list[dict]:
         """The first ``logging.samples`` rows of ``exp`` as text, with their scores."""
@@ -585,144 +573,6 @@ class PPOTrainer(StagePlacement, Resumable, Evaluating, Exporting):
             task = wl.parse_prompt(p.split())
             out.append(wl.gold_score(task, r.split()) if task else float("nan"))
         return out
-
-    def compute_advantages(self, exp: Experience) -> None:
-        p = self.cfg.ppo
-        mask = exp.response_mask
-        penalty = None
-        if p.missing_eos_penalty:
-            penalty = self._truncated(exp).float() * p.missing_eos_penalty
-        # with the KL in the loss the rewards carry the score alone; kl/mean is measured either way
-        in_rewards = self.kl_coef if p.kl_penalty == "reward" else 0.0
-        exp.rewards, self._kl_stats = kl_shaped_rewards(
-            exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=in_rewards,
-            estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty)
-        if p.whiten_rewards:
-            exp.rewards = masked_whiten(exp.rewards, mask, shift_mean=False,
-                                        **self._batch_moments(exp.rewards, mask))
-        advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, p.lam)
-        if p.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, **self._batch_moments(advantages, mask))
-        exp.advantages = advantages
-
-    def _batch_moments(self, x: torch.Tensor, mask: torch.Tensor) -> dict:
-        """The mean and unbiased variance of ``x``'s valid entries over every rank's batch, so
-        that whitening does not depend on how the batch is split over ranks."""
-        n, s, sq = comm.all_reduce(torch.stack([mask.sum(), (x * mask).sum(),
-                                                (x.pow(2) * mask).sum()]).double(),
-                                   group=self.dp_group)
-        mean = s / n
-        var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
-        return {"mean": mean.float(), "var": var.float()}
-
-    def _truncated(self, exp: Experience) -> torch.Tensor:
-        """(B,) bool: responses that reached the length limit without an end id."""
-        return truncated_rows(exp.response_ids, exp.response_mask, self.sampling.eos_token_ids,
-                              self.sampling.max_new_tokens)
-
-    def update(self, exp: Experience) -> dict:
-        p = self.cfg.ppo
-        gas = p.mini_batch_size // p.micro_batch_size
-        sums: dict[str, torch.Tensor] = {}
-        total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        norms: dict[str, list[float]] = {"actor": [], "critic": []}
-        ptx_losses: list[float] = []
-        actor_trains = self.actor_trains
-        trained = ([("actor", self.actor)] if actor_trains else []) + [("critic", self.critic)]
-        for _ in range(p.ppo_epochs):
-            order = torch.randperm(len(exp), generator=self.shuffle_gen)
-            for mini in order.split(p.mini_batch_size):
-                micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
-                tokens = comm.all_reduce(sum(m.response_mask.sum() for m in micro).double(),
-                                         group=self.dp_group)
-                norm = token_normalizer(tokens.float(), gas, self.world_size)
-                loss_fn = partial(self._actor_loss, normalizer=norm)
-                actor_batches = micro
-                if self.ptx_stream is not None and actor_trains:
-                    # full blocks: every rank predicts the same number of tokens
-                    ptx = [self._ptx_batch(len(m)) for m in micro]
-                    ptx_tokens = p.mini_batch_size * (ptx[0].shape[1] - 1) * self.world_size
-                    loss_fn = partial(self._actor_ptx_loss, normalizer=norm,
-                                      ptx_normalizer=token_normalizer(float(ptx_tokens), gas, self.world_size))
-                    actor_batches = list(zip(micro, ptx))
-                actor_stats = self.actor.train_step(actor_batches, loss_fn) if actor_trains \
-                    else [{} for _ in micro]
-                for a in actor_stats:  # a mean over full blocks: every micro-batch counts alike
-                    if "ptx_loss" in a:
-                        ptx_losses.append(float(a.pop("ptx_loss")))
-                critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
-                for name, engine in trained:
-                    value = engine.grad_norm()
-                    if value is not None:
-                        norms[name].append(value)
-                # token-weighted, so the logged losses do not depend on the micro-batch split
-                for mb, a, c in zip(micro, actor_stats, critic_stats):
-                    weight = mb.response_mask.sum().double()
-                    total_tokens += weight
-                    for key, value in {**a, **c}.items():
-                        sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().double()
-        stats = {k: (v / total_tokens).item() for k, v in sums.items()}
-        if ptx_losses:
-            stats["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
-        # the largest of the step's updates (the same on every rank: a global norm); NaN wins
-        stats.update({f"{name}_grad_norm": next((x for x in v if x != x), max(v))
-                      for name, v in norms.items() if v})
-        return stats
-
-    def _actor_loss(self, model, mb: Experience, normalizer):
-        p = self.cfg.ppo
-        logprobs, logits = response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                             mb.response_mask, self.cfg.generation.temperature)
-        if p.entropy_coef > 0:
-            entropy = entropy_from_logits(logits)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits)
-        weights = None
-        if self.cfg.oppo.off_policy == "truncated_is":
-            weights = truncated_is_weights(mb.old_logprobs, mb.behaviour_logprobs, mb.response_mask,
-                                           self.cfg.oppo.is_clip)
-        loss, stats = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                          p.clip_eps, normalizer, entropy=entropy,
-                                          entropy_coef=p.entropy_coef, is_weights=weights,
-                                          clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip)
-        if weights is not None:
-            stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
-        if p.kl_penalty == "loss":
-            penalty, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mb.response_mask, self.kl_coef,
-                                        normalizer, p.kl_estimator)
-            loss = loss + penalty
-            stats.update(kl_stats)
-        return loss, stats
-
-    @property
-    def actor_trains(self) -> bool:
-        """Whether this step's update trains the actor (not in ppo.freeze_actor_steps)."""
-        return self.step_count >= self.cfg.ppo.freeze_actor_steps
-
-    @property
-    def policy_version(self) -> int:
-        """The actor's updates so far: the version of the policy sampling now (the steps of
-        ppo.freeze_actor_steps changed nothing, so their tokens are not stale)."""
-        return max(0, self.step_count - self.cfg.ppo.freeze_actor_steps)
-
-    def _ptx_batch(self, n: int) -> torch.Tensor:
-        return torch.tensor([b.input_ids for b in self.ptx_stream.take(n)], dtype=torch.long,
-                            device=self.device)
-
-    def _actor_ptx_loss(self, model, batch, normalizer, ptx_normalizer):
-        """The policy loss of an experience micro-batch plus ppo.ptx_coef times the
-        language-modelling loss of its pretraining blocks, in one backward."""
-        mb, ptx_ids = batch
-        loss, stats = self._actor_loss(model, mb, normalizer)
-        ptx_loss, ptx_mean = lm_loss(model, ptx_ids, ptx_normalizer)
-        stats["ptx_loss"] = ptx_mean
-        return loss + self.cfg.ppo.ptx_coef * ptx_loss, stats
-
-    def _critic_loss(self, model, mb: Experience, normalizer):
-        values = response_values(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
-        return clipped_value_loss(values, mb.old_values, mb.returns, mb.response_mask,
-                                  self.cfg.ppo.value_clip_eps, normalizer)
 
     def step_metrics(self, exp: Experience, train_stats: dict) -> dict:
         """The step's metrics over all ranks: one gather of per-sequence values and one

@@ -49,15 +49,15 @@ ADAPTIVE = ("ppo.kl_coef=0.05", "ppo.kl_target=0.5", "ppo.kl_horizon=20")
 def test_the_rewards_use_the_logged_coefficient_and_it_follows_the_rule(cache_dir, tmp_path, monkeypatch):
     """Every step's rewards are shaped with kl/coef, and the next step's coefficient is the
     rule applied to this step's kl/mean and its 8 responses (1e-12: the same float64 arithmetic)."""
-    import oppo_ds.trainer as trainer_module
+    import oppo_ds.ppo_update as update_module
 
     used = []
-    real = trainer_module.kl_shaped_rewards
+    real = update_module.kl_shaped_rewards
 
     def recording(*args, **kwargs):
         used.append(kwargs["kl_coef"])
         return real(*args, **kwargs)
-    monkeypatch.setattr(trainer_module, "kl_shaped_rewards", recording)
+    monkeypatch.setattr(update_module, "kl_shaped_rewards", recording)
     run(cache_dir, tmp_path / "run", "steps=5", *ADAPTIVE)
     rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
     coefs = [r["kl/coef"] for r in rows]
@@ -67,7 +67,7 @@ def test_the_rewards_use_the_logged_coefficient_and_it_follows_the_rule(cache_di
             adaptive_kl_coef(row["kl/coef"], row["kl/mean"], 0.5, 8, 20), abs=1e-12)
     assert len(set(coefs)) == 5  # 8 responses over a horizon of 20: it moves every step
 
-    monkeypatch.setattr(trainer_module, "kl_shaped_rewards", real)
+    monkeypatch.setattr(update_module, "kl_shaped_rewards", real)
     run(cache_dir, tmp_path / "fixed", "steps=2", "ppo.kl_coef=0.05")
     assert [r["kl/coef"] for r in read_history(str(tmp_path / "fixed" / "metrics.jsonl"))] == [0.05, 0.05]
 

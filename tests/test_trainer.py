@@ -656,15 +656,15 @@ def test_kl_in_the_loss_leaves_the_rewards_to_the_score(cache_dir, tmp_path, mon
     """ppo.kl_penalty: loss: GAE gets the (clipped) score at each response's last token and
     nothing else, the actor's loss gets the KL (loss/kl logged), and kl/mean is the same
     measurement as with the KL in the rewards (step 1: the same responses, 1e-6)."""
-    import oppo_ds.trainer as trainer_module
+    import oppo_ds.ppo_update as update_module
 
     seen = []
-    real_gae = trainer_module.gae_advantages
+    real_gae = update_module.gae_advantages
 
     def gae(rewards, values, mask, *args):
         seen.append((rewards.clone(), mask.clone()))
         return real_gae(rewards, values, mask, *args)
-    monkeypatch.setattr(trainer_module, "gae_advantages", gae)
+    monkeypatch.setattr(update_module, "gae_advantages", gae)
     common = ("steps=2", "checkpoint.export_hf=false", "ppo.kl_estimator=k3", "ppo.kl_coef=0.2")
     run(cache_dir, tmp_path / "loss", *common, "ppo.kl_penalty=loss")
     rewards, mask = seen[0]
@@ -684,10 +684,10 @@ def test_kl_in_the_loss_leaves_the_rewards_to_the_score(cache_dir, tmp_path, mon
 def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
     """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
     batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""
-    import oppo_ds.trainer as trainer_module
+    import oppo_ds.ppo_update as update_module
 
     shaped, seen = [], []
-    real_shaped, real_gae = trainer_module.kl_shaped_rewards, trainer_module.gae_advantages
+    real_shaped, real_gae = update_module.kl_shaped_rewards, update_module.gae_advantages
 
     def shaping(*args, **kwargs):
         rewards, stats = real_shaped(*args, **kwargs)
@@ -697,8 +697,8 @@ def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch)
     def gae(rewards, *args):
         seen.append(rewards.clone())
         return real_gae(rewards, *args)
-    monkeypatch.setattr(trainer_module, "kl_shaped_rewards", shaping)
-    monkeypatch.setattr(trainer_module, "gae_advantages", gae)
+    monkeypatch.setattr(update_module, "kl_shaped_rewards", shaping)
+    monkeypatch.setattr(update_module, "gae_advantages", gae)
     run(cache_dir, tmp_path / "run", "steps=2", "checkpoint.export_hf=false", "ppo.whiten_rewards=true")
     assert len(shaped) == len(seen) == 2
     for (raw, mask), got in zip(shaped, seen):
