@@ -49,6 +49,11 @@ class ModelConfig:
     """Reward model (LM body + scalar head): a local directory, `builtin` or a tiny architecture."""
     critic: Optional[str] = None
     """Critic (value model); null = initialised from `reward`, as DeepSpeed-Chat does."""
+    reward_normalize: bool = False
+    """Score with the reward model's own normalisation, (score - mean) / std, from the `mean`
+    and `std` its config.json holds: what OpenRLHF's reward-model training writes with
+    --normalize_reward and its PPO applies with --normalize_reward. The run stops if the
+    checkpoint holds none. reward/mean and the samples show the normalised scores."""
     tokenizer: Optional[str] = None
     """Tokenizer directory; null = the actor's directory (or the built-in tokenizer)."""
     trust_remote_code: bool = False

@@ -164,6 +164,7 @@ class Evaluating:
                     args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
                     scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
                 gold = torch.tensor(self._gold(gen)) if e.prompts == "builtin" else None
+                scores = self.normalized(scores)
                 records += text_records(self.tokenizer, [p.id for p in prompts], gen, scores, gold,
                                         params.eos_token_ids, params.max_new_tokens)
         records = comm.gather_lists(records[:answered], self.dp_group)

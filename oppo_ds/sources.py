@@ -5,6 +5,7 @@ positions, and the ids that end a response.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -139,6 +140,33 @@ def run_tokenizer(cfg: Config, src: Sources):
     if src.oracle:
         return wl.build_oracle_tokenizer(oracle_vocab(cfg.model.builtin_arch))
     return wl.build_tokenizer()
+
+
+def reward_normalization(cfg: Config, src: Sources) -> Optional[tuple[float, float]]:
+    """(mean, std) of ``model.reward_normalize``, from the reward checkpoint's config.json
+    (OpenRLHF writes a number, or a list of one); None when the setting is off. ``ConfigError``
+    naming the key when the checkpoint holds none or a std that is not positive."""
+    if not cfg.model.reward_normalize:
+        return None
+    path = os.path.join(src.reward, "config.json")
+    config = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+
+    def number(key):
+        value = config.get(key)
+        value = value[0] if isinstance(value, list) and len(value) == 1 else value
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    mean, std = number("mean"), number("std")
+    if mean is None or std is None:
+        raise ConfigError("model.reward_normalize", (
+            f"true, but {path if os.path.isfile(path) else src.reward} holds no `mean` and `std` "
+            "(an OpenRLHF reward model trained with --normalize_reward writes them); set "
+            "model.reward_normalize: false"))
+    if not std > 0:
+        raise ConfigError("model.reward_normalize", f"{path}: std is {std}, it must be > 0")
+    return mean, std
 
 
 def check_prompt_format(cfg: Config, src: Sources, tokenizer) -> None:

@@ -45,7 +45,7 @@ from .ptx import ptx_block_len, ptx_blocks
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
-                      read_rows, resolve_sources, run_tokenizer)
+                      read_rows, resolve_sources, reward_normalization, run_tokenizer)
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry
 
@@ -137,6 +137,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         # before any engine, so that a bad id stops the run at once; under the length oracle
         # only the targets end a response: a random model's EOS is noise
         eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
+        self.reward_norm = reward_normalization(cfg, src)
         common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       seed=cfg.seed)
         if scorer_rank:
@@ -516,7 +517,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
         ref_logprobs = streamed_or_scored(
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
-        scores = streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a))
+        scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
         gold = None
         if self.builtin_prompts:
             gold = torch.tensor(self._gold(gen), dtype=torch.float32, device=gen.response_ids.device)
@@ -524,6 +525,13 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                           response_ids=gen.response_ids, response_mask=gen.response_mask,
                           behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
+
+    def normalized(self, scores: torch.Tensor) -> torch.Tensor:
+        """The reward model's scores under model.reward_normalize: (score - mean) / std."""
+        if self.reward_norm is None:
+            return scores
+        mean, std = self.reward_norm
+        return (scores - mean) / std
 
     def _micro_batched(self, fn, args, calls: Optional[int] = None, filler=None):
         """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask),

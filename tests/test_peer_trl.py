@@ -161,7 +161,8 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     passed on."""
     cfg = load_config(None, ["data.ptx=t.jsonl", "ppo.ptx_coef=0.5", "model.actor_ema=true",
                              "eval.prompts=builtin", "ppo.missing_eos_penalty=1.5", "ppo.kl_target=6",
-                             "ppo.freeze_actor_steps=5", "ppo.dual_clip=3"])
+                             "ppo.freeze_actor_steps=5", "ppo.dual_clip=3",
+                             "model.reward_normalize=true"])
     settings, notes = trl_peer.trl_settings(cfg, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert settings["missing_eos_penalty"] == 1.5
     text = "\n".join(notes)
@@ -172,7 +173,8 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
                   "ppo.kl_target=6.0: TRL 1.12's PPO keeps its KL coefficient fixed",
                   "ppo.freeze_actor_steps=5: TRL's PPO trains the policy from the first step",
                   "ppo.clip_eps_high=None, dual_clip=3.0: TRL's PPO clips the ratio at 1 +- "
-                  "cliprange=0.2 only"):
+                  "cliprange=0.2 only",
+                  "model.reward_normalize=true: TRL's PPO scores with the reward model as it is"):
         assert words in text
     plain, notes = trl_peer.trl_settings(load_config(None, []), out_dir=str(tmp_path),
                                          eos_token_ids=(2,), use_cpu=True)
@@ -184,4 +186,5 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     with pytest.raises(ValueError, match="TRL's PPO takes the KL off the rewards only"):
         trl_peer.trl_settings(in_loss, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n
-                                          or "freeze" in n or "dual_clip" in n]
+                                          or "freeze" in n or "dual_clip" in n
+                                          or "normalize" in n]

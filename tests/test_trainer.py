@@ -681,6 +681,42 @@ def test_kl_in_the_loss_leaves_the_rewards_to_the_score(cache_dir, tmp_path, mon
     assert "loss/kl" not in reward[0]
 
 
+def test_reward_normalize_uses_the_reward_models_own_statistics(cache_dir, tmp_path):
+    """model.reward_normalize with a reward checkpoint whose config.json holds OpenRLHF's
+    `mean` and `std` (a list of one, as some of its versions write): step 1 trains on the
+    same responses with rewards (score - 2) / 4 (1e-5: float32); the held-out answers before
+    training too (after it the two actors differ: they trained on other rewards). A
+    checkpoint without them, or with std 0, stops the run before any engine, naming the key."""
+    import shutil
+
+    from oppo_ds.config import ConfigError
+
+    trainer, _ = run(cache_dir, tmp_path / "plain", "steps=1", "checkpoint.export_hf=false",
+                     "eval.prompts=builtin", "eval.num_prompts=4")
+    reward = tmp_path / "reward"
+    shutil.copytree(trainer.sources.reward, reward)
+    config = json.loads((reward / "config.json").read_text())
+    (reward / "config.json").write_text(json.dumps({**config, "mean": [2.0], "std": [4.0]}))
+    run(cache_dir, tmp_path / "normal", "steps=1", "checkpoint.export_hf=false", "eval.prompts=builtin",
+        "eval.num_prompts=4", f"model.reward={reward}", f"model.critic={trainer.sources.reward}",
+        "model.reward_normalize=true")
+    (plain,), (normal,) = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("plain", "normal"))
+    assert normal["response/lengths"] == plain["response/lengths"]
+    assert normal["reward/mean"] == pytest.approx((plain["reward/mean"] - 2.0) / 4.0, abs=1e-5)
+    plain_eval, normal_eval = (read_history(str(tmp_path / d / "eval_samples.jsonl")) for d in ("plain", "normal"))
+    before = [(a, b) for a, b in zip(plain_eval, normal_eval) if a["step"] == 0]
+    assert len(before) == 4
+    for a, b in before:
+        assert (b["step"], b["response"]) == (0, a["response"])
+        assert b["reward"] == pytest.approx((a["reward"] - 2.0) / 4.0, abs=1e-5)
+
+    (reward / "config.json").write_text(json.dumps({**config, "mean": 1.0, "std": 0.0}))
+    with pytest.raises(ConfigError, match=r"^model\.reward_normalize: .*std is 0.0, it must be > 0"):
+        run(cache_dir, tmp_path / "bad", "steps=1", f"model.reward={reward}", "model.reward_normalize=true")
+    with pytest.raises(ConfigError, match=r"^model\.reward_normalize: true, but .* holds no `mean`"):
+        run(cache_dir, tmp_path / "none", "steps=1", "model.reward_normalize=true")
+
+
 def test_whiten_rewards_rescales_what_gae_gets(cache_dir, tmp_path, monkeypatch):
     """ppo.whiten_rewards: GAE gets the KL-shaped rewards rescaled to unit variance over the
     batch's response tokens with their mean kept, zero at padding (1e-5: float32)."""

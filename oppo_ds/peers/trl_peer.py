@@ -139,6 +139,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.freeze_actor_steps:
         notes.append(f"ppo.freeze_actor_steps={p.freeze_actor_steps}: TRL's PPO trains the policy "
                      f"from the first step")
+    if cfg.model.reward_normalize:
+        notes.append("model.reward_normalize=true: TRL's PPO scores with the reward model as it "
+                     "is; the peer's rewards are not normalised")
     if p.kl_penalty == "loss":
         raise ValueError("ppo.kl_penalty='loss': TRL's PPO takes the KL off the rewards only")
     if p.kl_target is not None:
