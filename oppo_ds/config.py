@@ -431,6 +431,11 @@ class DataConfig:
     tokens, or drop them (truncated and dropped prompts are counted and logged)."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded)."""
+    samples_per_prompt: int = 1
+    """Responses sampled for each prompt drawn (OpenRLHF's --n_samples_per_prompt): a step's
+    ppo.batch_size rows hold batch_size / samples_per_prompt prompts, each that many times,
+    as rows `<id>#0`, `<id>#1`, ... that are trained on once each; the rollout pool draws
+    whole prompts. batch_size must be a multiple."""
     phase_split: Optional[list[float]] = None
     """Weights of the SFT, reward-model and PPO parts of each prompt source, as
     DeepSpeed-Chat's --data_split (e.g. [2, 4, 4]): each source is cut, in a permutation
@@ -639,6 +644,10 @@ class Config:
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1")
+        _require(self.data.samples_per_prompt >= 1, "data.samples_per_prompt",
+                 f"must be >= 1, got {self.data.samples_per_prompt}")
+        _require(self.ppo.batch_size % self.data.samples_per_prompt == 0, "data.samples_per_prompt",
+                 f"must divide ppo.batch_size ({self.ppo.batch_size}), got {self.data.samples_per_prompt}")
         # a real shape has no trained weights of ours: only the oracle can time it
         _require(self.workload.kind == "length_oracle" or self.model.builtin_arch.startswith("tiny-"),
                  "model.builtin_arch", f"{self.model.builtin_arch} is built with random weights and "

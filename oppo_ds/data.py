@@ -34,6 +34,7 @@ __all__ = [
     "StreamMismatch",
     "encode_prompts",
     "left_pad",
+    "repeat_samples",
 ]
 
 OVERLONG_POLICIES = ("error", "truncate", "skip")
@@ -336,6 +337,14 @@ class PromptStream:
             kept = order[: self.prompts_per_epoch * self.world_size]
             self._order = kept[self.rank :: self.world_size]
         return self._order
+
+
+def repeat_samples(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
+    """Each prompt ``n`` times in a row, as rows ``<id>#0`` ... ``<id>#<n-1>`` (the prompts as
+    they are for ``n == 1``): the rows of ``data.samples_per_prompt``."""
+    if n == 1:
+        return list(prompts)
+    return [dataclasses.replace(p, id=f"{p.id}#{k}") for p in prompts for k in range(n)]
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

@@ -23,7 +23,7 @@ from . import workload as wl
 from .algo import masked_mean
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
-from .data import PromptStream, encode_prompts, left_pad
+from .data import PromptStream, encode_prompts, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
@@ -193,8 +193,9 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         # change which responses are sampled.
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 1000 + data_rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + data_rank)
-        self.stream = PromptStream(self.prompts, p.batch_size, cfg.seed, data_rank,
-                                   self.world_size, shuffle=cfg.data.shuffle)
+        # whole prompts: data.samples_per_prompt rows each
+        self.stream = PromptStream(self.prompts, p.batch_size // cfg.data.samples_per_prompt, cfg.seed,
+                                   data_rank, self.world_size, shuffle=cfg.data.shuffle)
         # PPO-ptx: blocks of pretraining text, a micro-batch of them beside each of experience
         self.ptx_stream = None if self.ptx_blocks is None else PromptStream(
             self.ptx_blocks, p.micro_batch_size, cfg.seed + 1, data_rank, self.world_size, shuffle=True)
@@ -271,7 +272,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             if self.pool is not None:
                 keys, gen, streamed, timing, extra, produced = self.rollout_pool(chunk)
             else:
-                batch = self.stream.next_batch()
+                batch = repeat_samples(self.stream.next_batch(), self.cfg.data.samples_per_prompt)
                 keys = [x.id for x in batch]
                 targets = target_lengths([p.target_len for p in batch])
                 if o.streaming:
@@ -337,7 +338,10 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         o, pool = self.cfg.oppo, self.pool
         delta = self.delta_ctl.delta if self.delta_ctl is not None else o.overcommit
         size = self.cfg.ppo.batch_size + delta
-        pool.top_up(self.stream.take(pool.needed(size)), size)
+        # whole prompts, each data.samples_per_prompt rows: at least size rows
+        n = self.cfg.data.samples_per_prompt
+        drawn = repeat_samples(self.stream.take(-(-pool.needed(size) // n)), n)
+        pool.top_up(drawn, len(pool) + len(drawn))
         running, waiting = pool.running(), pool.waiting()
         forced = [i for i, e in enumerate(running) if e.forced(o.max_defer_steps)]
         stop = BatchStop(self.cfg.ppo.batch_size, len(waiting), forced, sync=self.world_size > 1,

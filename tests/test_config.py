@@ -294,6 +294,9 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["ppo.dual_clip=1"], "ppo.dual_clip", "must be > 1 or null"),
     (["ppo.clip_eps_high=0"], "ppo.clip_eps_high", "must be > 0 or null"),
     (["ppo.freeze_actor_steps=-1"], "ppo.freeze_actor_steps", ">= 0"),
+    (["ppo.batch_size=8", "data.samples_per_prompt=3"], "data.samples_per_prompt",
+     "must divide ppo.batch_size (8)"),
+    (["data.samples_per_prompt=0"], "data.samples_per_prompt", ">= 1"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

@@ -385,6 +385,42 @@ def test_overcommit_loses_nothing_and_trains_nothing_twice(cache_dir, tmp_path):
     assert deferrals["deferred"] == sum(1 for r in history for d in r["pool/deferrals"] if d > 0)
 
 
+def test_samples_per_prompt_in_rows_trained_once_each(cache_dir, tmp_path):
+    """data.samples_per_prompt=2: a step's 8 rows are 4 prompts twice over, as rows `<id>#0`
+    and `<id>#1` with different responses; with the rollout pool (B=8, Delta=3: whole prompts
+    top it up past B + Delta) every row drawn is trained once or still in the pool, both rows of
+    every prompt are drawn, and the ledger balances."""
+    from oppo_ds.trainer import PPOTrainer
+
+    run(cache_dir, tmp_path / "plain", "steps=2", "checkpoint.export_hf=false", "data.samples_per_prompt=2",
+        "logging.samples=8", "logging.samples_every=1")
+    samples = read_history(str(tmp_path / "plain" / "samples.jsonl"))
+    assert [s["step"] for s in samples] == [1] * 8 + [2] * 8
+    for first, second in zip(samples[::2], samples[1::2]):
+        base = first["prompt_id"][:-2]
+        assert (first["prompt_id"], second["prompt_id"]) == (base + "#0", base + "#1")
+        assert first["prompt"] == second["prompt"]
+    assert any(a["response"] != b["response"] for a, b in zip(samples[::2], samples[1::2]))
+    assert len({s["prompt_id"][:-2] for s in samples}) == 8  # 4 prompts a step, none again
+
+    cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}", f"logging.output_dir={tmp_path / 'pool'}",
+                                     "steps=5", "checkpoint.export_hf=false", "oppo.overcommit=3",
+                                     "data.samples_per_prompt=2"])
+    trainer = PPOTrainer(cfg)
+    taken = _record_takes(trainer)
+    trainer.train()
+    flat = [uid for step in taken for uid in step]
+    assert [len(step) for step in taken] == [8] * 5 and len(flat) == len(set(flat))
+    in_pool = [e.uid for e in trainer.pool.entries]
+    assert sorted(flat + in_pool) == list(range(trainer.pool.next_uid))
+    trainer.pool.check()
+    drawn = trainer.pool.ledger.drawn
+    assert all(n == 1 for n in drawn.values())
+    prompts = {key[:-2] for key in drawn}
+    assert all(drawn[p + "#0"] == drawn[p + "#1"] == 1 for p in prompts)
+    assert all(r["pool/size"] >= 11 for r in read_history(str(tmp_path / "pool" / "metrics.jsonl")))
+
+
 def test_resume_refuses_to_drop_or_invent_a_pool(cache_dir, tmp_path):
     """A checkpoint with deferred sequences resumed without overcommitment would drop them:
     refused, naming the key, the checkpoint left as it was; so is a length limit that a

@@ -142,6 +142,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if cfg.model.reward_normalize:
         notes.append("model.reward_normalize=true: TRL's PPO scores with the reward model as it "
                      "is; the peer's rewards are not normalised")
+    if cfg.data.samples_per_prompt > 1:
+        raise ValueError(f"data.samples_per_prompt={cfg.data.samples_per_prompt}: TRL's PPO "
+                         f"samples one response per prompt")
     if p.kl_penalty == "loss":
         raise ValueError("ppo.kl_penalty='loss': TRL's PPO takes the KL off the rewards only")
     if p.kl_target is not None:
