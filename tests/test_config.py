@@ -103,18 +103,21 @@ def test_every_key_documented():
 
 
 def test_the_pages_naming_keys_name_real_ones():
-    """Every `section.key` a docs page written by hand names (in backticks, with an optional
-    `: value`) is a key of the config: a renamed key cannot leave these pages behind."""
+    """Every `section.key` the README and the docs pages written by hand name (in backticks,
+    with an optional `: value` or `=value`) is a key of the config: a renamed key cannot leave
+    a page behind. File names (`eval.jsonl`) are not keys."""
     import re
 
     keys = {key for key, *_ in iter_keys()}
     sections = {key.split(".")[0] for key in keys if "." in key}
-    for page in ("from-trl-and-openrlhf.md", "deepspeed-chat.md"):
-        text = open(os.path.join(ROOT, "docs", page)).read()
-        named = {m.group(1) for m in re.finditer(r"`([a-z_]+\.[a-z_]+)(?::[^`]*)?`", text)
-                 if m.group(1).split(".")[0] in sections}
-        assert named, page
+    files = {"jsonl", "json", "safetensors", "md", "py", "yaml", "txt", "pt", "png", "sh", "log"}
+    pages = [p for p in glob.glob(os.path.join(ROOT, "docs", "*.md")) if not p.endswith("config.md")]
+    for page in pages + [os.path.join(ROOT, "README.md")]:
+        text = open(page).read()
+        named = {m.group(1) for m in re.finditer(r"`([a-z_]+\.[a-z_]+)(?:[:=][^`]*)?`", text)
+                 if m.group(1).split(".")[0] in sections and m.group(1).split(".")[1] not in files}
         assert not named - keys, (page, sorted(named - keys))
+    assert len(pages) >= 9  # every page but the generated one
 
 
 def test_iter_keys_defaults_match_dataclass():
