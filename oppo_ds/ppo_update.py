@@ -167,7 +167,5 @@ class PPOUpdate:
         metrics["kl/coef"] = self.kl_coef
         if p.kl_target is None:
             return
-        kl = comm.all_reduce(torch.tensor([metrics["kl/mean"]], dtype=torch.float64),
-                             group=self.actor_group) / self.actor_ranks
-        self.kl_coef = adaptive_kl_coef(self.kl_coef, kl.item(), p.kl_target,
-                                        metrics["samples"], p.kl_horizon)
+        self.kl_coef = adaptive_kl_coef(self.kl_coef, self.agreed_mean(metrics["kl/mean"]),
+                                        p.kl_target, metrics["samples"], p.kl_horizon)

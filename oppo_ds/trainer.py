@@ -306,9 +306,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         metrics["samples"] = len(exp) * self.world_size
         self._adapt_kl_coef(metrics)
         if self.delta_ctl is not None:
-            reward = comm.all_reduce(torch.tensor([metrics["reward/mean"]], dtype=torch.float64),
-                                     group=self.actor_group) / self.actor_ranks
-            decision = self.delta_ctl.observe(reward.item())
+            decision = self.delta_ctl.observe(self.agreed_mean(metrics["reward/mean"]))
             if decision and self.is_main:
                 logger.info("step %d: %s", self.step_count, decision)
         every = self.cfg.logging.trace_every
@@ -320,6 +318,13 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         self.step_samples = (self.sample_records(exp) if period and self.step_count % period == 0
                              and self.telemetry.enabled else [])
         return metrics
+
+    def agreed_mean(self, value: float) -> float:
+        """``value``'s mean over all actor ranks, the same number on each: what every rank must
+        decide alike from (Delta, the KL coefficient) is decided from it, not over the
+        data-parallel group only (a Megatron replica's ranks must decide as one)."""
+        total = comm.all_reduce(torch.tensor([value], dtype=torch.float64), group=self.actor_group)
+        return (total / self.actor_ranks).item()
 
     def sample_records(self, exp: Experience) -> list[dict]:
         """The first ``logging.samples`` rows of ``exp`` as text, with their scores."""

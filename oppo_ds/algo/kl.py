@@ -56,7 +56,8 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 
 
 def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate by the estimator named ``estimator``.
 
@@ -64,9 +65,12 @@ def kl_penalty(
         logprobs: (B, T) log pi of the sampled tokens (the sampling policy).
         ref_logprobs: (B, T) log ref of the same tokens.
         estimator: a key of ``KL_ESTIMATORS``: "k1", "k3", "abs" or "mse".
+        mask: optional (B, T), 1.0 for valid tokens: both inputs are zeroed at padding first,
+            which makes every estimator exactly 0 there even when padded log-probs are
+            garbage (k3 would otherwise exp() them).
 
     Returns:
-        (B, T) per-token estimates, unmasked.
+        (B, T) per-token estimates; unmasked without ``mask``.
 
     Raises:
         ValueError: if ``estimator`` is not a known name.
@@ -77,6 +81,9 @@ def kl_penalty(
         raise ValueError(
             f"unknown KL estimator {estimator!r}; allowed: {sorted(KL_ESTIMATORS)}"
         ) from None
+    if mask is not None:
+        valid = mask.bool()
+        logprobs, ref_logprobs = torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs, 0.0)
     return fn(logprobs, ref_logprobs)
 
 

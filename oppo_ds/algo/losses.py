@@ -277,9 +277,7 @@ def kl_loss(
         loss: 0-dim tensor.
         stats: ``kl_loss`` (token mean of the estimate), 0-dim detached.
     """
-    valid = mask.bool()
-    kl = kl_penalty(torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs.detach(), 0.0),
-                    estimator)
+    kl = kl_penalty(logprobs, ref_logprobs.detach(), estimator, mask=mask)
     return coef * aggregate_token_loss(kl, mask, normalizer), {"kl_loss": masked_mean(kl, mask).detach()}
 
 

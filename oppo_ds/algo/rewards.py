@@ -68,12 +68,7 @@ def kl_shaped_rewards(
             tokens, averaged over the batch), ``score`` (mean raw score),
             ``score_clip_frac`` (fraction of scores changed by clipping).
     """
-    valid = mask.bool()
-    # Zeroing both inputs at padding makes every estimator exactly 0 there,
-    # even when padded log-probs are garbage (k3 would otherwise exp() them).
-    kl = kl_penalty(
-        torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs, 0.0), estimator
-    )
+    kl = kl_penalty(logprobs, ref_logprobs, estimator, mask=mask)  # exactly 0 at padding
     rewards = -kl_coef * kl
 
     clipped = scores.to(rewards.dtype)
