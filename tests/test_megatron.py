@@ -438,7 +438,7 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
          "logging.tensorboard=false", "system.torch_threads=1", "system.backend=megatron",
          "checkpoint.export_hf=false", "steps=2"]
 SAME = ("reward/mean", "gold/mean", "kl/mean", "value/mean", "loss/policy", "loss/value",
-        "policy/entropy", "response/len_mean")
+        "policy/entropy", "response/len_mean", "grad_norm/actor", "grad_norm/critic")
 
 
 @pytest.fixture(scope="module")

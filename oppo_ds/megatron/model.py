@@ -127,7 +127,30 @@ def build_gpt(shape: Shape, groups: ParallelGroups, dtype: torch.dtype, *, lm_he
                    pg_collection=groups.pg_collection)
     if groups.last_stage and not lm_head:
         gpt.output_layer = None  # a value model: final norm, then the value head
+    mark_tensor_parallel_weights(gpt)
     return gpt
+
+
+# the layers that split their weight over the tensor-parallel ranks, and along which dim
+_PARALLEL_WEIGHT_DIM = {"ColumnParallel": 0, "RowParallel": 1, "VocabParallel": 0}
+
+
+def mark_tensor_parallel_weights(module: nn.Module) -> None:
+    """Mark the weights that tensor parallelism splits (``tensor_model_parallel``), as
+    megatron-core does when it initialises them: with ``perform_initialization=False`` (we
+    load the weights ourselves) it leaves the weights of its parallel linear and embedding
+    layers unmarked, and a gradient norm that counts unmarked parameters once, on tensor
+    rank 0, would leave out every other rank's part of them. Megatron's and Transformer
+    Engine's layers alike (by class name); weights already marked are left as they are."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for layer in module.modules():
+        name = type(layer).__name__
+        dim = next((d for kind, d in _PARALLEL_WEIGHT_DIM.items() if kind in name), None)
+        weight = getattr(layer, "weight", None)
+        if dim is not None and isinstance(weight, torch.Tensor) \
+                and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 class MegatronModel(nn.Module):
