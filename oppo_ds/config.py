@@ -152,8 +152,21 @@ class PPOConfig:
     without an end id (TRL's missing_eos_penalty), after reward_clip, so that truncated
     responses do not earn the reward of finished ones; null = off. The share of such
     responses is logged as response/truncated_frac either way."""
+    advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm"] = "gae"
+    """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
+    critic. The others train no critic (none is built, checkpointed or exported; its keys are
+    unused): each response's score, after reward_clip and missing_eos_penalty, less a
+    baseline from the other responses to its prompt (data.samples_per_prompt >= 2 of them),
+    is its reward at the last token; advantages are the rewards (the KL penalty's included)
+    summed from each token to the end with gamma, then whitened if whiten_advantages.
+    `reinforce`: no baseline (REINFORCE++); `rloo`: minus the mean of the prompt's other
+    responses (RLOO); `reinforce_baseline`: minus the mean of all of them; `group_norm`:
+    minus that mean, divided by their standard deviation (GRPO; its paper puts the KL in the
+    loss, ppo.kl_penalty: loss, and does not whiten, ppo.whiten_advantages: false). Under
+    oppo.overcommit the pool takes a prompt's responses together: a prompt counts as finished
+    when all of them have."""
     gamma: float = 1.0
-    """Discount factor of GAE."""
+    """Discount factor of GAE (and of the critic-free estimators' returns)."""
     lam: float = 0.95
     """lambda of GAE."""
     clip_eps: float = 0.2
@@ -208,6 +221,14 @@ class PPOConfig:
         _require(self.ptx_coef >= 0, "ptx_coef", f"must be >= 0, got {self.ptx_coef}")
         _require(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
                  "missing_eos_penalty", f"must be >= 0 or null, got {self.missing_eos_penalty}")
+        _require(self.uses_critic or not self.freeze_actor_steps, "freeze_actor_steps",
+                 f"must be 0 with advantage_estimator {self.advantage_estimator}: the frozen "
+                 f"steps train the critic alone, and this estimator has none")
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the advantages come from a critic (``gae``), which is then built and trained."""
+        return self.advantage_estimator == "gae"
 
 
 @dataclass
@@ -660,10 +681,23 @@ class Config:
                  "ppo.ptx_coef" if self.data.ptx is None else "data.ptx",
                  "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
                  f"got ppo.ptx_coef={self.ppo.ptx_coef}, data.ptx={self.data.ptx!r}")
+        if not self.ppo.uses_critic:
+            self._check_critic_free()
         if self.eval.enabled:
             _require(self.workload.kind != "length_oracle", "eval.prompts",
                      "the length oracle's models have random weights and its responses end at "
                      "drawn lengths: there is nothing to evaluate; set eval.prompts: null")
+
+    def _check_critic_free(self) -> None:
+        """Settings that need a critic, refused naming them; the critic leaves oppo.stream_to."""
+        estimator = self.ppo.advantage_estimator
+        none = f"ppo.advantage_estimator {estimator} has no critic"
+        _require(estimator == "reinforce" or self.data.samples_per_prompt >= 2,
+                 "data.samples_per_prompt", f"must be >= 2 with ppo.advantage_estimator "
+                 f"{estimator}: its baseline compares the responses to one prompt")
+        _require(self.model.critic is None, "model.critic", f"must be null: {none}")
+        _require(not self.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
+        self.oppo.stream_to = [k for k in self.oppo.stream_to if k != "critic"]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

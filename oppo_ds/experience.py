@@ -32,6 +32,7 @@ class Experience:
     rewards: Optional[torch.Tensor] = None     # (B, T) KL-shaped per-token rewards
     advantages: Optional[torch.Tensor] = None  # (B, T)
     returns: Optional[torch.Tensor] = None     # (B, T)
+    groups: Optional[torch.Tensor] = None      # (B,) rows with one label answer one prompt
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

@@ -48,9 +48,9 @@ class Exporting:
     """``export`` of ``PPOTrainer``."""
 
     def export(self, out_dir: str) -> None:
-        """Final actor (and critic; the actor's average with model.actor_ema) in Hugging Face
-        format, DeepSpeed-Chat's layout."""
-        self._export_models(out_dir, (("actor", self.actor), ("critic", self.critic)))
+        """Final actor (and critic, where there is one; the actor's average with
+        model.actor_ema) in Hugging Face format, DeepSpeed-Chat's layout."""
+        self._export_models(out_dir, tuple(self.trained_engines.items()))
         if self.ema is not None:
             with self.ema.swapped_in(self.actor.module):
                 self._export_models(out_dir, (("actor_ema", self.actor),))

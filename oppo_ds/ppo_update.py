@@ -12,8 +12,8 @@ import torch
 
 from . import comm
 from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
-                   gae_advantages, kl_loss, kl_shaped_rewards, masked_mean, masked_whiten,
-                   token_normalizer, truncated_is_weights, truncated_rows)
+                   gae_advantages, group_baseline_scores, kl_loss, kl_shaped_rewards, masked_mean,
+                   masked_whiten, token_normalizer, truncated_is_weights, truncated_rows)
 from .experience import Experience, response_logprobs, response_values
 from .ptx import lm_loss
 
@@ -29,13 +29,20 @@ class PPOUpdate:
             penalty = self._truncated(exp).float() * p.missing_eos_penalty
         # with the KL in the loss the rewards carry the score alone; kl/mean is measured either way
         in_rewards = self.kl_coef if p.kl_penalty == "reward" else 0.0
+        baseline = None
+        if not p.uses_critic:  # a critic-free estimator: the score against the prompt's others
+            groups = exp.groups if exp.groups is not None else torch.arange(len(exp))
+            baseline = partial(group_baseline_scores, groups=groups.to(exp.scores.device),
+                               estimator=p.advantage_estimator)
         exp.rewards, self._kl_stats = kl_shaped_rewards(
             exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef=in_rewards,
-            estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty)
+            estimator=p.kl_estimator, reward_clip=p.reward_clip, penalty=penalty, baseline=baseline)
         if p.whiten_rewards:
             exp.rewards = masked_whiten(exp.rewards, mask, shift_mean=False,
                                         **self._batch_moments(exp.rewards, mask))
-        advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, p.lam)
+        # without a critic the values are 0 and lambda 1: the rewards summed to the end
+        lam = p.lam if p.uses_critic else 1.0
+        advantages, exp.returns = gae_advantages(exp.rewards, exp.old_values, mask, p.gamma, lam)
         if p.whiten_advantages:
             advantages = masked_whiten(advantages, mask, **self._batch_moments(advantages, mask))
         exp.advantages = advantages
@@ -63,7 +70,8 @@ class PPOUpdate:
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
         ptx_losses: list[float] = []
         actor_trains = self.actor_trains
-        trained = ([("actor", self.actor)] if actor_trains else []) + [("critic", self.critic)]
+        trained = ([("actor", self.actor)] if actor_trains else []) + \
+            ([("critic", self.critic)] if self.critic is not None else [])
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
@@ -85,7 +93,8 @@ class PPOUpdate:
                 for a in actor_stats:  # a mean over full blocks: every micro-batch counts alike
                     if "ptx_loss" in a:
                         ptx_losses.append(float(a.pop("ptx_loss")))
-                critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm))
+                critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm)) \
+                    if self.critic is not None else [{} for _ in micro]
                 for name, engine in trained:
                     value = engine.grad_norm()
                     if value is not None:
@@ -129,6 +138,12 @@ class PPOUpdate:
             loss = loss + penalty
             stats.update(kl_stats)
         return loss, stats
+
+    @property
+    def trained_engines(self) -> dict:
+        """The models that train, by name: the actor, and the critic where there is one (a
+        critic-free ppo.advantage_estimator has none); what checkpoints and exports hold."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     @property
     def actor_trains(self) -> bool:

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "model.actor_lora_dim",
                        "model.critic_lora_dim", "model.lora_module_name", "model.only_optimize_lora",
                        "system.backend", "system.tensor_parallel", "system.pipeline_parallel",
-                       "system.megatron_layers", "system.zero_stage", "system.dtype")
+                       "system.megatron_layers", "system.zero_stage", "system.dtype",
+                       "ppo.advantage_estimator")
 
 # a saved prompt stream's settings, as a user sets them
 _STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
@@ -47,7 +48,7 @@ class Resumable:
         tag = self.ckpt.latest() if resume == "auto" else resume
         if tag is None:
             return
-        state = self.ckpt.load(tag, engines={"actor": self.actor, "critic": self.critic},
+        state = self.ckpt.load(tag, engines=self.trained_engines,
                                check=partial(self._check_checkpoint_settings, tag))
         self.step_count = state["step"]
         try:
@@ -133,8 +134,8 @@ class Resumable:
             keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
                     ("actor", "weight_decay"): "ppo.weight_decay"}  # one key for both decays
             for (name, setting), key in keys.items():
-                engine = self.actor if name == "actor" else self.critic
-                if setting in engine.resumed_changes:
+                engine = self.trained_engines.get(name)
+                if engine is not None and setting in engine.resumed_changes:
                     saved, now = engine.resumed_changes[setting]
                     logger.info("%s: %g, not the %g checkpoint %s was written with", key, now,
                                 saved, tag)
@@ -162,7 +163,7 @@ class Resumable:
                   "logging.output_dir)"))
 
     def save_checkpoint(self) -> None:
-        engines = {"actor": self.actor, "critic": self.critic}
+        engines = self.trained_engines
         state = {"step": self.step_count, "stream": self.stream.state_dict(),
                  "sample_gen": self.sample_gen.get_state(), "shuffle_gen": self.shuffle_gen.get_state(),
                  "chunk_ctl": self.chunk_ctl.state_dict() if self.chunk_ctl is not None else None,

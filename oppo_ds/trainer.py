@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .algo import masked_mean
+from .algo import GROUP_ESTIMATORS, masked_mean
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
@@ -204,7 +204,10 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             candidates=tuple(o.chunk_candidates), explore_every=o.chunk_explore_every,
             overlapped=o.placement != "inline") if o.streaming and o.chunk_size == "auto" else None
         # inter-step overlap: the pool of B + Delta sequences, carried from step to step
-        self.pool = RolloutPool(p.batch_size, o.max_defer_steps) if o.overcommits else None
+        # a group baseline compares a prompt's responses: the pool takes them together
+        group = cfg.data.samples_per_prompt if p.advantage_estimator in GROUP_ESTIMATORS else 1
+        self.pool = RolloutPool(p.batch_size, o.max_defer_steps, group_size=group) \
+            if o.overcommits else None
         self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window) \
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
@@ -220,7 +223,9 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         if self.is_main:
             save_config(cfg, os.path.join(cfg.logging.output_dir, "config.yaml"))
             logger.info("actor %s | critic %s | reward %s | reference %s | %d prompts | %d rank(s)"
-                        " | hybrid engine: %s", src.actor, src.critic, src.reward, src.reference,
+                        " | hybrid engine: %s", src.actor,
+                        src.critic if self.critic is not None else f"none ({p.advantage_estimator})",
+                        src.reward, src.reference,
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
@@ -270,10 +275,12 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl else o.chunk_size
         with timer.phase("generate"):
             if self.pool is not None:
-                keys, gen, streamed, timing, extra, produced = self.rollout_pool(chunk)
+                keys, groups, gen, streamed, timing, extra, produced = self.rollout_pool(chunk)
             else:
-                batch = repeat_samples(self.stream.next_batch(), self.cfg.data.samples_per_prompt)
+                n = self.cfg.data.samples_per_prompt
+                batch = repeat_samples(self.stream.next_batch(), n)
                 keys = [x.id for x in batch]
+                groups = torch.arange(len(batch)) // n if n > 1 else None
                 targets = target_lengths([p.target_len for p in batch])
                 if o.streaming:
                     gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch],
@@ -290,6 +297,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                 extra["stream/critic_weights_s"] = self.critic_send_s
         with timer.phase("score"):
             exp = self.make_experience(keys, gen, streamed)
+            exp.groups = None if groups is None else groups.to(self.device)
         if self.chunk_ctl is not None:
             self._control_chunk_size(chunk, timer.times, timing, produced)
         with timer.phase("advantages"):
@@ -347,10 +355,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         n = self.cfg.data.samples_per_prompt
         drawn = repeat_samples(self.stream.take(-(-pool.needed(size) // n)), n)
         pool.top_up(drawn, len(pool) + len(drawn))
-        running, waiting = pool.running(), pool.waiting()
-        forced = [i for i, e in enumerate(running) if e.forced(o.max_defer_steps)]
-        stop = BatchStop(self.cfg.ppo.batch_size, len(waiting), forced, sync=self.world_size > 1,
-                         group=self.actor_group)
+        running = pool.running()
+        stop = pool.batch_stop(running, sync=self.world_size > 1, group=self.actor_group)
         before = [len(e.tokens) for e in running]
         timing, results = None, {}
         if not stop(None) and running:
@@ -392,7 +398,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         metrics.update({"pool/delta": delta, "pool/size": size, "pool/carried": len(pool),
                         "pool/decoded_tokens": produced, "pool/sync_calls": calls[0],
                         "rollout/tail_waste_frac": tail_waste})
-        return [e.key for e in taken], gen, streamed, timing, metrics, produced
+        groups = torch.tensor([e.group for e in taken]) if pool.group_size > 1 else None
+        return [e.key for e in taken], groups, gen, streamed, timing, metrics, produced
 
     def _stream_pool(self, running, inputs: dict, chunk: int, stop: BatchStop):
         """The pool's rollout with streaming scorers. The reward and reference scorers keep
@@ -522,7 +529,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
 
         old_logprobs = streamed_or_scored(
             "actor", lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]))
-        old_values = streamed_or_scored(
+        old_values = torch.zeros_like(gen.response_mask) if self.critic is None else streamed_or_scored(
             "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
         ref_logprobs = streamed_or_scored(
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
@@ -608,10 +615,11 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             # decode slots spent waiting for the longest response when every row decodes to
             # the end of the batch (what overcommitment recovers)
             "rollout/tail_waste_frac": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
-            "value/mean": masked_mean(exp.old_values, exp.response_mask).item(),
             "lr/actor": self.actor.lr(),
-            "lr/critic": self.critic.lr(),
         }
+        if self.critic is not None:
+            metrics["value/mean"] = masked_mean(exp.old_values, exp.response_mask).item()
+            metrics["lr/critic"] = self.critic.lr()
         if exp.gold is not None:
             metrics["gold/mean"] = sum(r[3] for r in rows) / len(rows)
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
@@ -691,4 +699,3 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                  "from the latest; checkpoint.resume=TAG from another)" if tags
                  else "no checkpoint was written")
         return f"step {step}: {err}; {where}"
-

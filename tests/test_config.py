@@ -300,12 +300,31 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["ppo.batch_size=8", "data.samples_per_prompt=3"], "data.samples_per_prompt",
      "must divide ppo.batch_size (8)"),
     (["data.samples_per_prompt=0"], "data.samples_per_prompt", ">= 1"),
+    (["ppo.advantage_estimator=grpo"], "ppo.advantage_estimator", "'group_norm'"),
+    (["ppo.advantage_estimator=rloo"], "data.samples_per_prompt",
+     "must be >= 2 with ppo.advantage_estimator rloo"),
+    (["ppo.advantage_estimator=group_norm", "data.samples_per_prompt=2", "model.critic=/ckpt/rm"],
+     "model.critic", "must be null: ppo.advantage_estimator group_norm has no critic"),
+    (["ppo.advantage_estimator=reinforce", "model.critic_lora_dim=8"], "model.critic_lora_dim",
+     "must be 0"),
+    (["ppo.advantage_estimator=reinforce", "ppo.freeze_actor_steps=3"], "ppo.freeze_actor_steps",
+     "this estimator has none"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert err.value.key == key
     assert words in str(err.value)
+
+
+def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():
+    cfg = load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=4",
+                             "oppo.streaming=true"])
+    assert cfg.oppo.stream_to == ["reference", "actor"] and not cfg.ppo.uses_critic
+    assert cfg.oppo.streamed_scorers == ["reward", "reference"]
+    # REINFORCE has no baseline: one response per prompt is enough
+    assert load_config(None, ["ppo.advantage_estimator=reinforce"]).data.samples_per_prompt == 1
+    assert load_config(None, []).ppo.uses_critic
 
 
 def test_validation_runs_on_direct_construction():

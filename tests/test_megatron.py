@@ -524,6 +524,24 @@ def test_ptx_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
 
 
+def test_critic_free_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
+    """RLOO on the Megatron engine with the group pool: no critic is built or saved, and a
+    replica split over two tensor ranks (which must stop decoding on the same whole groups)
+    repeats the one-rank run (1e-4, as above)."""
+    rloo = ("ppo.advantage_estimator=rloo", "data.samples_per_prompt=2", "oppo.overcommit=2",
+            "steps=3", "checkpoint.every=3")
+    one, _ = _train(str(tmp_path / "one"), cache_dir, 1, *rloo)
+    two, _ = _train(str(tmp_path / "two"), cache_dir, 2, "system.tensor_parallel=2", *rloo)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert a["response/lengths"] == b["response/lengths"]
+        assert a["pool/deferrals"] == b["pool/deferrals"]
+        for key in (k for k in SAME if "value" not in k and "critic" not in k):
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+        assert "loss/value" not in b and "grad_norm/critic" not in b
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["actor", "latest", "trainer"]
+
+
 def test_actor_average_of_tensor_parallel_shards(cache_dir, tmp_path):
     """model.actor_ema on the Megatron engine: each rank averages its shard; beta 1 keeps the
     starting weights, so the exported average (shards swapped in, collected by the export) is

@@ -188,6 +188,9 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     with pytest.raises(ValueError, match="TRL's PPO samples one response per prompt"):
         trl_peer.trl_settings(load_config(None, ["data.samples_per_prompt=2"]), out_dir=str(tmp_path),
                               eos_token_ids=(2,), use_cpu=True)
+    rloo = load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=2"])
+    with pytest.raises(ValueError, match="TRL's PPO estimates advantages with a value model"):
+        trl_peer.trl_settings(rloo, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n
                                           or "freeze" in n or "dual_clip" in n
                                           or "normalize" in n]

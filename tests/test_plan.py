@@ -186,6 +186,29 @@ def test_sequential_step_of_a_fixed_length_batch_is_the_hand_sum():
         assert step.tail_waste == 0.0
 
 
+def test_a_critic_free_step_neither_scores_nor_trains_a_critic():
+    dev, L, B, micro, mini = _overhead_device(), 20, 8, 4, 8
+    shape = tiny_shape("tiny-llama", 33)
+    lay = Layout(batch=B, micro=micro, mini=mini, epochs=1, prompt_len=11)
+    costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay, critic=False)
+    res = StepSimulator(costs, LengthDist(192, values=(L,))).run(Schedule("sequential"), steps=2,
+                                                                 warmup=0)
+    score = 3 * (B // micro) * dev.prefill_call_s  # actor, reference, reward
+    train = (B // mini) * ((mini // micro) * dev.train_call_s + dev.optim_s)  # the actor only
+    assert res.steps[0].phases["score"] == pytest.approx(score)
+    assert res.steps[0].phases["train"] == pytest.approx(train)
+    h100 = get_device("H100-80GB")
+    rloo = _cfg("system.zero_stage=3", "ppo.advantage_estimator=rloo", "data.samples_per_prompt=4")
+    ppo = plan_memory(_cfg("system.zero_stage=3"), resolve_shapes(rloo), 1, 8, h100).items
+    free = plan_memory(rloo, resolve_shapes(rloo), 1, 8, h100).items
+    assert ppo["critic_optimizer"] > 0
+    assert free["critic_params"] == free["critic_grads"] == free["critic_optimizer"] == 0
+    assert free["actor_params"] == ppo["actor_params"]
+    mega = _megatron_cfg(8, 4)
+    mega = dataclasses.replace(mega, ppo=dataclasses.replace(mega.ppo, advantage_estimator="reinforce"))
+    assert plan(mega, 4, 8, h100, steps=2)["breakdown_gib"]["critic_optimizer"] == 0
+
+
 def test_streaming_hides_scoring_up_to_the_tail():
     dev, L, chunk = _overhead_device(), 32, 8
     sim = _sim(dev, [L])

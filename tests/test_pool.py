@@ -172,6 +172,83 @@ def test_pool_state_survives_torch_save(tmp_path):
     assert [t.uid for t in other.take()] == [t.uid for t in pool.take()]
 
 
+def _group_pool(max_defer_steps=2):
+    """Batch 4 in groups of 2: 4 prompts, two responses each (rows pK#0, pK#1). Group 3 ended
+    in an earlier step; groups 0 and 2 in this one (group 0 last); group 1 only half."""
+    pool = RolloutPool(batch_size=4, max_defer_steps=max_defer_steps, group_size=2)
+    rows = [SimpleNamespace(id=f"{p.id}#{k}", input_ids=p.input_ids) for p in _prompts(4) for k in (0, 1)]
+    pool.top_up(rows, 8)
+    e = pool.entries
+    for i, at in [(6, (0, 0)), (7, (0, 1)), (0, (1, 0)), (1, (1, 5)), (2, (1, 1)), (4, (1, 2)),
+                  (5, (1, 3))]:
+        e[i].finished, e[i].finished_at, e[i].tokens = True, at, [5, EOS]
+        e[i].logprobs, e[i].versions = [-1.0, -2.0], [0, 0]
+    return pool
+
+
+def test_group_pool_takes_whole_groups_by_their_last_response():
+    pool = _group_pool()
+    assert [e.group for e in pool.entries] == [0, 0, 2, 2, 4, 4, 6, 6]  # the first member's uid
+    taken = pool.take()
+    # group 3 (last at (0, 1)), then group 2 (last at (1, 3)); group 0 ended last, at (1, 5),
+    # and group 1 is not complete: both wait, whole, for the next step
+    assert [t.key for t in taken] == ["p3#0", "p3#1", "p2#0", "p2#1"]
+    assert [e.key for e in pool.entries] == ["p0#0", "p0#1", "p1#0", "p1#1"]
+    assert all(e.deferrals == 1 for e in pool.entries)
+    pool.check()
+
+
+def test_group_pool_takes_a_forced_group_first_and_refuses_partial_groups():
+    pool = _group_pool(max_defer_steps=1)
+    for e in pool.entries[:2]:
+        e.deferrals = 1  # group 0 is forced
+    assert [t.key for t in pool.take()][:2] == ["p0#0", "p0#1"]
+    short = _group_pool()
+    short.entries[0].finished = short.entries[4].finished = False  # only group 3 complete
+    with pytest.raises(RuntimeError, match="1 prompts whose 2 responses all finished"):
+        short.take()
+    with pytest.raises(ValueError, match="not whole groups of 2"):
+        RolloutPool(batch_size=4, max_defer_steps=2, group_size=2).top_up(_prompts(3), 3)
+    with pytest.raises(ValueError, match="must divide batch_size"):
+        RolloutPool(batch_size=3, max_defer_steps=2, group_size=2)
+
+
+def test_group_stop_counts_whole_groups():
+    """The stop rule of the group pool: B / 2 = 2 groups. Group 3 ended before this
+    rollout (it counts from the start); group 0 has both rows running, groups 1 and 2 one."""
+    pool = _group_pool()
+    for i in (1, 5):  # p0#1 and p2#1 still running
+        pool.entries[i].finished, pool.entries[i].finished_at = False, None
+    pool.entries[0].finished = False
+    running = pool.running()  # p0#0, p0#1, p1#1, p2#1
+    assert [e.key for e in running] == ["p0#0", "p0#1", "p1#1", "p2#1"]
+    stop = pool.batch_stop(running, sync=False)
+    assert (stop.need, stop.already) == (2, 1)
+
+    def state(finished):
+        return SimpleNamespace(done=False, finished=torch.tensor(finished),
+                               finish_order=[i for i, f in enumerate(finished) if f])
+
+    assert not stop.local(state([True, False, False, False]))  # group 0 half: still 1 group
+    assert stop.local(state([False, False, True, False]))      # group 1 now complete
+    assert stop.local(state([False, False, False, True]))      # group 2 now complete
+    assert stop.local(state([True, True, False, False]))       # group 0 complete
+    # a forced row must end whatever the groups
+    for e in running[3:]:
+        e.deferrals = 2
+    assert not pool.batch_stop(running, sync=False).local(state([True, True, False, False]))
+    assert pool.batch_stop(running, sync=False).local(state([True, True, False, True]))
+
+
+def test_group_ids_survive_the_checkpoint(tmp_path):
+    pool = _group_pool()
+    torch.save(pool.state_dict(), tmp_path / "pool.pt")
+    other = RolloutPool(batch_size=4, max_defer_steps=2, group_size=2)
+    other.load_state_dict(torch.load(tmp_path / "pool.pt", weights_only=False))
+    assert [e.group for e in other.entries] == [e.group for e in pool.entries]
+    assert [t.uid for t in other.take()] == [t.uid for t in pool.take()]
+
+
 def test_generation_and_staleness_of_a_batch():
     pool = _finish_order_pool()
     taken = pool.take()

@@ -72,6 +72,24 @@ def _by_step(path):
     return {r["step"]: r for r in read_history(str(path))}
 
 
+def test_stage_critic_free_with_the_group_pool_gives_the_inline_run(cache_dir, tmp_path):
+    """GRPO's estimator with the group pool under the stage placement: no critic copy goes
+    to the scorer rank, and the run repeats the inline one (1e-4, as below)."""
+    grpo = ("steps=3", "checkpoint.export_hf=false", "ppo.advantage_estimator=group_norm",
+            "data.samples_per_prompt=2", "oppo.overcommit=2")
+    run_in_process(cache_dir, tmp_path / "inline", *grpo)
+    proc = launch(tmp_path / "stage", cache_dir, *grpo)
+    assert "scores (reward, reference)" in proc.stdout + proc.stderr
+    assert "critic's weights" not in proc.stdout + proc.stderr
+    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
+    for step in (1, 2, 3):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        assert b[step]["pool/deferrals"] == a[step]["pool/deferrals"], step
+        for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "policy/clip_frac"):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+        assert "value/mean" not in b[step] and "stream/critic_weights_s" not in b[step]
+
+
 def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
     run_in_process(cache_dir, tmp_path / "inline", "steps=3", "checkpoint.export_hf=false")
     out = tmp_path / "stage"

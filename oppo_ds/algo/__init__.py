@@ -6,6 +6,11 @@ Shape conventions: B = batch, T = response length (right-padded), V = vocabulary
 """
 
 from oppo_ds.algo.advantages import gae_advantages
+from oppo_ds.algo.baselines import (
+    CRITIC_FREE_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    group_baseline_scores,
+)
 from oppo_ds.algo.kl import (
     KL_ESTIMATORS,
     adaptive_kl_coef,
@@ -29,6 +34,8 @@ from oppo_ds.algo.masked import masked_mean, masked_var, masked_whiten
 from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index, truncated_rows
 
 __all__ = [
+    "CRITIC_FREE_ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "adaptive_kl_coef",
     "aggregate_token_loss",
@@ -37,6 +44,7 @@ __all__ = [
     "entropy_bonus_loss",
     "entropy_from_logits",
     "gae_advantages",
+    "group_baseline_scores",
     "kl_abs",
     "kl_k1",
     "kl_k3",

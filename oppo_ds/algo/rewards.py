@@ -1,5 +1,7 @@
 """Per-token rewards: a sequence score at the end, a KL penalty at every token."""
 
+from typing import Callable
+
 import torch
 
 from oppo_ds.algo.kl import kl_penalty
@@ -45,6 +47,7 @@ def kl_shaped_rewards(
     estimator: str = "k1",
     reward_clip: float | None = None,
     penalty: torch.Tensor | None = None,
+    baseline: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token rewards ``-kl_coef * kl_t``, plus the sequence score at the last token.
 
@@ -59,6 +62,9 @@ def kl_shaped_rewards(
             before being added.
         penalty: (B,) subtracted from each score after the clipping, so that a penalty
             (``missing_eos_penalty``) still bites on a score at the clip bound.
+        baseline: applied to the (B,) scores after clipping and penalty, before they are
+            placed at the last token: a critic-free estimator's group baseline
+            (``group_baseline_scores``); the stats still describe the scores before it.
 
     Returns:
         rewards: (B, T), zero at padding. The (clipped) score is added at the
@@ -79,6 +85,8 @@ def kl_shaped_rewards(
     score_clip_frac = (clipped != scores.to(clipped.dtype)).float().mean().detach()
     if penalty is not None:
         clipped = clipped - penalty.to(clipped.dtype)
+    if baseline is not None:
+        clipped = baseline(clipped)
     last = last_valid_index(mask)
     has_tokens = last >= 0
     score_at_end = torch.where(has_tokens, clipped, 0.0)

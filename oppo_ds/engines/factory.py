@@ -18,14 +18,15 @@ from .base import TrainEngine
 @dataclass
 class Models:
     actor: TrainEngine
-    critic: TrainEngine
+    critic: Optional[TrainEngine]  # None for a critic-free ppo.advantage_estimator
     reference: Optional[torch.nn.Module]  # None when it lives on the scorer rank (stage)
     reward: Optional[torch.nn.Module]
 
 
 def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
                  on_stage: frozenset | set = frozenset()) -> Models:
-    """Actor and critic as training engines, reference and reward as frozen scorers.
+    """Actor and critic as training engines (no critic for a critic-free
+    ``ppo.advantage_estimator``), reference and reward as frozen scorers.
 
     Args:
         sources: ``sources.Sources`` (resolved model directories or tiny architectures).
@@ -78,8 +79,11 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     actor_model = prepare_trained(disable_dropout(build_causal_lm(src.actor, **common)), cfg, "actor")
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, **engine_args)
-    critic_model = prepare_trained(disable_dropout(build_value_model(src.critic, **common)), cfg, "critic")
-    critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
+    critic = None
+    if p.uses_critic:
+        critic_model = prepare_trained(disable_dropout(build_value_model(src.critic, **common)),
+                                       cfg, "critic")
+        critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
     device = actor.device
     if "reference" in on_stage:
         reference = None

@@ -298,7 +298,8 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                  gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
                  grad_clip=engine_args["grad_clip"])
     actor = MegatronTrainEngine(load(sources.actor, "lm"), groups, lr=p.actor_lr, **train)
-    critic = MegatronTrainEngine(load(sources.critic, "value"), groups, lr=p.critic_lr, **train)
+    critic = MegatronTrainEngine(load(sources.critic, "value"), groups, lr=p.critic_lr, **train) \
+        if p.uses_critic else None
     reference = None if "reference" in on_stage else _frozen(load(sources.reference, "lm"))
     reward = None if "reward" in on_stage else _frozen(load(sources.reward, "value",
                                                              require_head=True))

@@ -142,6 +142,10 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if cfg.model.reward_normalize:
         notes.append("model.reward_normalize=true: TRL's PPO scores with the reward model as it "
                      "is; the peer's rewards are not normalised")
+    if not p.uses_critic:
+        raise ValueError(f"ppo.advantage_estimator={p.advantage_estimator}: TRL's PPO estimates "
+                         f"advantages with a value model (GAE); its critic-free methods are other "
+                         f"trainers (RLOOTrainer, GRPOTrainer)")
     if cfg.data.samples_per_prompt > 1:
         raise ValueError(f"data.samples_per_prompt={cfg.data.samples_per_prompt}: TRL's PPO "
                          f"samples one response per prompt")

@@ -99,6 +99,9 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     items = plan.items
 
     for name, value_head in (("actor", False), ("critic", True)):
+        if name == "critic" and not cfg.ppo.uses_critic:  # a critic-free estimator
+            items.update(critic_params=0.0, critic_grads=0.0, critic_optimizer=0.0)
+            continue
         shard = largest_shard(getattr(shapes, name), tp, pp, lm_head=not value_head,
                               value_head=value_head)
         st = model_states(shard, shard, 0, zero_stage=0, offload=False, gpus=1,
@@ -126,7 +129,8 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         out = shape.layers // pp * _activation_bytes_per_token(shape, w, tp) * micro_tokens
         return out + (2 * 4 * micro_tokens * shape.vocab if logits else 0.0)
 
-    items["activations_train"] = max(activations(shapes.actor, True), activations(shapes.critic, False))
+    items["activations_train"] = max(activations(shapes.actor, True), activations(shapes.critic, False)
+                                     if cfg.ppo.uses_critic else 0.0)
     items["activations_score"] = max(activations(shapes.actor, False) / (shapes.actor.layers // pp),
                                      4 * micro_tokens * shapes.actor.vocab * 2)
     items["framework"] = FRAMEWORK_GIB * GIB

@@ -198,7 +198,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items = plan.items
 
     actor = _trained(shapes.actor, False, cfg.model.actor_lora_dim, cfg, gpus, gpus_per_node)
-    critic = _trained(shapes.critic, True, cfg.model.critic_lora_dim, cfg, gpus, gpus_per_node)
+    critic = _trained(shapes.critic, True, cfg.model.critic_lora_dim, cfg, gpus, gpus_per_node) \
+        if cfg.ppo.uses_critic else ModelStates()  # a critic-free estimator trains none
     for name, st in (("actor", actor), ("critic", critic)):
         items[f"{name}_params"] = st.params
         items[f"{name}_grads"] = st.grads
@@ -236,7 +237,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     micro_tokens = cfg.ppo.micro_batch_size * seq
     ckpt = s.gradient_checkpointing
     items["activations_train"] = max(_activations(shapes.actor, micro_tokens, w, ckpt, True),
-                                     _activations(shapes.critic, micro_tokens, w, ckpt, False))
+                                     _activations(shapes.critic, micro_tokens, w, ckpt, False)
+                                     if cfg.ppo.uses_critic else 0.0)
     # no-grad scoring forwards keep one layer's activations and the fp32 logits
     items["activations_score"] = max(_activations(shapes.actor, micro_tokens, w, False, True) / shapes.actor.layers,
                                      4 * micro_tokens * shapes.actor.vocab * 2)

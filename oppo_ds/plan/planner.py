@@ -79,7 +79,8 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
                      offload=s.offload, checkpointing=s.gradient_checkpointing,
                      lora_only=m.only_optimize_lora, hybrid_engine=s.hybrid_engine,
                      partition_reference=s.partition_reference, offload_reference=s.offload_reference,
-                     lora_dims={"actor": m.actor_lora_dim, "critic": m.critic_lora_dim})
+                     lora_dims={"actor": m.actor_lora_dim, "critic": m.critic_lora_dim},
+                     critic=cfg.ppo.uses_critic)
 
 
 def length_dist(cfg: Config, lengths: Optional[Sequence[int]] = None) -> LengthDist:

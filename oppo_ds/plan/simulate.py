@@ -138,10 +138,11 @@ class CostModel:
                  lora_only: bool = False, hybrid_engine: bool = False,
                  partition_reference: bool = False, offload_reference: bool = False,
                  lora_dims: Optional[dict[str, int]] = None, model_split: tuple[int, int] = (1, 1),
-                 whole_scorers: frozenset = frozenset()):
+                 whole_scorers: frozenset = frozenset(), critic: bool = True):
         """``model_split``: Megatron's (tensor, pipeline) sizes; one decode group is then one
         model replica and ``layout.gpus`` its data-parallel replicas. ``whole_scorers``: the
-        kinds that run unsplit on the stage placement's scorer rank."""
+        kinds that run unsplit on the stage placement's scorer rank. ``critic``: False for a
+        critic-free ``ppo.advantage_estimator`` (nothing scores or trains one)."""
         self.dev, self.shapes, self.lay, self.w = device, shapes, layout, dtype_bytes
         self.mtp, self.mpp = model_split
         self.whole_scorers = frozenset(whole_scorers)
@@ -149,6 +150,7 @@ class CostModel:
         self.lora_only, self.hybrid_engine = lora_only, hybrid_engine
         self.partition_reference, self.offload_reference = partition_reference, offload_reference
         self.lora_dims = lora_dims or {}
+        self.trained = ("actor", "critic") if critic else ("actor",)
         n = layout.gpus
         self.net_bw = (device.inter_node_bw if layout.nodes > 1 else device.intra_node_bw) if n > 1 else 0.0
         # Megatron's pipeline stages: one node holds tp x pp ranks or the stages span nodes
@@ -266,7 +268,7 @@ class CostModel:
             minis = [order[i:i + lay.mini] for i in range(0, len(order), lay.mini)]
             for mini in minis:
                 micros = [lengths[mini[j:j + lay.micro]] for j in range(0, len(mini), lay.micro)]
-                for kind in ("actor", "critic"):
+                for kind in self.trained:
                     total += self._train_model(kind, micros) + self._optimizer_step(kind)
         return total
 
@@ -529,6 +531,8 @@ class StepSimulator:
         # an earlier step (the update since then made those log-probs stale)
         t = c.scored_forwards("actor", lengths[rescore] if sched.actor_streams else lengths)
         for kind in ("reference", "critic", "reward"):
+            if kind == "critic" and kind not in c.trained:
+                continue
             if kind not in sched.streamed:
                 t += c.scored_forwards(kind, lengths)
             elif kind == "critic" and sched.delta:

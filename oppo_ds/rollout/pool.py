@@ -52,6 +52,7 @@ class PoolEntry:
     # survive a deferral (the critic trains, so its values are recomputed)
     results: dict = field(default_factory=dict)
     target: Optional[int] = None  # length oracle: the response ends after this many tokens
+    group: Optional[int] = None   # the responses to one draw of a prompt share it (group_size > 1)
 
     def forced(self, max_defer_steps: int) -> bool:
         return self.deferrals >= max_defer_steps
@@ -84,9 +85,17 @@ class PromptLedger:
 
 
 class RolloutPool:
-    def __init__(self, batch_size: int, max_defer_steps: int):
+    """``group_size`` > 1: the entries come in groups of that many, the responses to one draw
+    of a prompt (added together by ``top_up``), and a step takes whole groups only: a group
+    has finished when all its entries have, and the first B / group_size groups to finish
+    are the batch (what a group baseline needs: ``ppo.advantage_estimator``)."""
+
+    def __init__(self, batch_size: int, max_defer_steps: int, group_size: int = 1):
+        if batch_size % group_size:
+            raise ValueError(f"group_size {group_size} must divide batch_size {batch_size}")
         self.batch_size = batch_size
         self.max_defer_steps = max_defer_steps
+        self.group_size = group_size
         self.entries: list[PoolEntry] = []  # oldest first
         self.next_uid = 0
         self.ledger = PromptLedger()
@@ -100,9 +109,13 @@ class RolloutPool:
         if len(self.entries) + len(prompts) != max(size, len(self.entries)):
             raise ValueError(f"pool of {len(self.entries)} topped up with {len(prompts)} "
                              f"prompts does not reach {size}")
-        for p in prompts:
+        if len(prompts) % self.group_size:
+            raise ValueError(f"{len(prompts)} rows are not whole groups of {self.group_size}")
+        first = self.next_uid
+        for i, p in enumerate(prompts):
+            group = (first + i - (i % self.group_size)) if self.group_size > 1 else None
             self.entries.append(PoolEntry(uid=self.next_uid, key=p.id, prompt=list(p.input_ids),
-                                          target=getattr(p, "target_len", None)))
+                                          target=getattr(p, "target_len", None), group=group))
             self.ledger.drawn[p.id] += 1
             self.next_uid += 1
 
@@ -145,12 +158,15 @@ class RolloutPool:
     def take(self) -> list[PoolEntry]:
         """Remove and return the step's batch: forced entries first, then in finishing order;
         every entry left behind is deferred once more."""
-        done = [e for e in self.entries if e.finished]
-        if len(done) < self.batch_size:
-            raise RuntimeError(f"the step ended with {len(done)} finished sequences, "
-                               f"fewer than the batch of {self.batch_size}")
-        done.sort(key=lambda e: (not e.forced(self.max_defer_steps), e.finished_at))
-        taken = done[:self.batch_size]
+        if self.group_size > 1:
+            taken = self._take_groups()
+        else:
+            done = [e for e in self.entries if e.finished]
+            if len(done) < self.batch_size:
+                raise RuntimeError(f"the step ended with {len(done)} finished sequences, "
+                                   f"fewer than the batch of {self.batch_size}")
+            done.sort(key=lambda e: (not e.forced(self.max_defer_steps), e.finished_at))
+            taken = done[:self.batch_size]
         chosen = {e.uid for e in taken}
         self.entries = [e for e in self.entries if e.uid not in chosen]
         for e in self.entries:
@@ -161,6 +177,41 @@ class RolloutPool:
         for e in taken:
             self.ledger.trained[e.key] += 1
         return taken
+
+    def groups(self) -> dict[int, list[PoolEntry]]:
+        """The entries by group, in the pool's order (group_size > 1)."""
+        out: dict[int, list[PoolEntry]] = {}
+        for e in self.entries:
+            out.setdefault(e.group, []).append(e)
+        return out
+
+    def _take_groups(self) -> list[PoolEntry]:
+        """The batch as whole groups: forced groups first, then by when their last entry
+        finished; each group's entries in the order they were drawn."""
+        done = [g for g in self.groups().values() if all(e.finished for e in g)]
+        need = self.batch_size // self.group_size
+        if len(done) < need:
+            raise RuntimeError(f"the step ended with {len(done)} prompts whose {self.group_size} "
+                               f"responses all finished, fewer than the batch's {need}")
+        done.sort(key=lambda g: (not g[0].forced(self.max_defer_steps),
+                                 max(e.finished_at for e in g)))
+        return [e for g in done[:need] for e in g]
+
+    def batch_stop(self, running: Sequence[PoolEntry], sync: bool, group=None) -> "BatchStop":
+        """The stop rule of a rollout over ``running`` (this pool's unfinished entries, in
+        the rollout's row order): B finished entries, or B / group_size finished groups,
+        and every forced entry ended."""
+        forced = [i for i, e in enumerate(running) if e.forced(self.max_defer_steps)]
+        waiting = [e for e in self.entries if e.finished]
+        if self.group_size == 1:
+            return BatchStop(self.batch_size, len(waiting), forced, sync=sync, group=group)
+        labels = sorted({e.group for e in running})
+        index = {g: i for i, g in enumerate(labels)}
+        before = Counter(e.group for e in waiting)
+        complete = sum(1 for g, n in before.items() if g not in index)
+        return BatchStop(self.batch_size // self.group_size, complete, forced, sync=sync,
+                         group=group, row_groups=[index[e.group] for e in running],
+                         finished_before=[before[g] for g in labels], group_size=self.group_size)
 
     def check(self) -> None:
         self.ledger.check([e.key for e in self.entries])
@@ -211,7 +262,11 @@ class BatchStop:
     """``decode_steps``'s stop rule for one step of the pool.
 
     Locally satisfied when at least ``need`` rows finished (``already`` counts entries that
-    finished in earlier steps) and every forced row ended. With ``sync`` (data parallel) the
+    finished in earlier steps) and every forced row ended. With ``row_groups`` (a group index
+    per row, 0..G-1), ``need`` and ``already`` count whole groups of ``group_size`` instead:
+    a group is complete once ``finished_before[g]`` (its entries that ended in earlier steps)
+    plus its rows ended here reach ``group_size``; ``already`` counts the complete groups
+    with no row in this rollout. With ``sync`` (data parallel) the
     answer is the minimum over ranks, one all-reduce per call, so all ranks stop at the same
     token; a rank whose rows all ended keeps calling (``wait``) until the others are done.
     Once True it stays True without further collectives, so every rank makes the same
@@ -219,9 +274,14 @@ class BatchStop:
     placement the actor ranks, the scorer rank does not take part)."""
 
     def __init__(self, need: int, already: int, forced_rows: Sequence[int], sync: bool,
-                 group=None):
+                 group=None, row_groups: Optional[Sequence[int]] = None,
+                 finished_before: Sequence[int] = (), group_size: int = 1):
         self.need, self.already = need, already
         self.forced = torch.as_tensor(list(forced_rows), dtype=torch.long)
+        self.row_groups = None if row_groups is None else torch.as_tensor(list(row_groups),
+                                                                          dtype=torch.long)
+        self.finished_before = torch.as_tensor(list(finished_before), dtype=torch.long)
+        self.group_size = group_size
         self.sync, self.group = sync, group
         self.satisfied = False
         self.calls = 0
@@ -231,8 +291,15 @@ class BatchStop:
             return self.already >= self.need and self.forced.numel() == 0
         if state.done:
             return True
-        ended = self.already + len(state.finish_order) >= self.need
+        ended = self.already + self._ended(state) >= self.need
         return ended and bool(state.finished[self.forced.to(state.finished.device)].all())
+
+    def _ended(self, state: DecodeState) -> int:
+        """Rows (or whole groups, with ``row_groups``) of this rollout that ended."""
+        if self.row_groups is None:
+            return len(state.finish_order)
+        done = self.finished_before.index_add(0, self.row_groups, state.finished.cpu().long())
+        return int((done >= self.group_size).sum())
 
     def __call__(self, state: Optional[DecodeState]) -> bool:
         if self.satisfied:
