@@ -2,8 +2,9 @@
 
 Each field has a docstring under it (``oppo_ds.config_docs`` makes ``docs/config.md`` of them);
 defaults live only here. YAML files and dotted command-line overrides (``ppo.kl_coef=0.05``)
-are checked against these classes: an unknown key or a value of the wrong type or outside the
-allowed set raises ``ConfigError`` naming the key and what is allowed.
+are checked against these classes (``oppo_ds.config_types`` converts them): an unknown key
+or a value of the wrong type or outside the allowed set raises ``ConfigError`` naming the key
+and what is allowed.
 
 Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory settings
 (``oppo``, ``system``, micro-batch size): changing the latter must not change the math.
@@ -11,25 +12,13 @@ Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory se
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad key or value; ``str()`` is the one-line message shown to the user."""
-
-    def __init__(self, key: str, detail: str):
-        self.key, self.detail = key, detail
-        super().__init__(f"{key}: {detail}" if key else detail)
-
-    def under(self, section: str) -> "ConfigError":
-        """The same error for a key inside ``section``."""
-        return ConfigError(f"{section}.{self.key}" if self.key else section, self.detail)
+from .config_types import ConfigError, build_dataclass
 
 
 def _require(cond: bool, key: str, message: str) -> None:
@@ -703,91 +692,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------- building from dicts
-
-def describe_type(tp) -> str:
-    """A type annotation in words, as error messages and docs/config.md give it."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) if isinstance(a, str) else str(a)
-                                     for a in typing.get_args(tp))
-    if origin is Union:
-        return " or ".join(describe_type(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin is list:
-        item = typing.get_args(tp)[0]
-        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
-        return f"a list of {plural[item]}" if item in plural else f"a list, each {describe_type(item)}"
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
-
-
-# PyYAML follows YAML 1.1, where a float needs a dot: `1e-5` loads as the string "1e-5".
-_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _convert(key: str, value: Any, tp) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        for arg in typing.get_args(tp):
-            try:
-                return _convert(key, value, arg)
-            except ConfigError:
-                continue
-        raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
-        return [_convert(key, item, typing.get_args(tp)[0]) for item in value]
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, bool) and {"on", "off"} <= set(allowed):
-            # YAML 1.1 reads an unquoted on / off (and yes / no) as true / false
-            value = "on" if value else "off"
-        if value in allowed and type(value) in {type(a) for a in allowed}:
-            return value
-        raise ConfigError(key, f"got {value!r}, allowed: {describe_type(tp)}")
-    if tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
-
-
-def _build(cls, data: dict, prefix: str):
-    if not isinstance(data, dict):
-        raise ConfigError(prefix, f"expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(path, f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
-                                    f"{', '.join(names)}{hint}")
-        tp = hints[key]
-        kwargs[key] = _build(tp, value, path) if dataclasses.is_dataclass(tp) else _convert(path, value, tp)
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        raise err.under(prefix) if prefix else err
-
-
 def set_dotted(data: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = data
@@ -827,7 +731,7 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(data, key, value)
-    return _build(Config, data, "")
+    return build_dataclass(Config, data, "")
 
 
 def save_config(config: Config, path: str) -> None:

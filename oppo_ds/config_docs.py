@@ -13,7 +13,8 @@ import inspect
 import textwrap
 import typing
 
-from .config import Config, describe_type
+from .config import Config
+from .config_types import describe_type
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -1,0 +1,109 @@
+"""Typed dataclasses from plain mappings (YAML, dotted overrides): the conversion rules of
+``oppo_ds.config``. A value is checked against its field's annotation (bool, int, float, str,
+None, Literal, list, Optional/Union, nested dataclasses); anything else raises ``ConfigError``
+naming the dotted key and what it allows, and an unknown key names the keys that exist."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from typing import Any, Literal, Union
+
+
+class ConfigError(ValueError):
+    """A bad key or value; ``str()`` is the one-line message shown to the user."""
+
+    def __init__(self, key: str, detail: str):
+        self.key, self.detail = key, detail
+        super().__init__(f"{key}: {detail}" if key else detail)
+
+    def under(self, section: str) -> "ConfigError":
+        """The same error for a key inside ``section``."""
+        return ConfigError(f"{section}.{self.key}" if self.key else section, self.detail)
+
+
+
+def describe_type(tp) -> str:
+    """A type annotation in words, as error messages and docs/config.md give it."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) if isinstance(a, str) else str(a)
+                                     for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        item = typing.get_args(tp)[0]
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+        return f"a list of {plural[item]}" if item in plural else f"a list, each {describe_type(item)}"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+# PyYAML follows YAML 1.1, where a float needs a dot: `1e-5` loads as the string "1e-5".
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _convert(key: str, value: Any, tp) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(key, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
+        return [_convert(key, item, typing.get_args(tp)[0]) for item in value]
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):
+            # YAML 1.1 reads an unquoted on / off (and yes / no) as true / false
+            value = "on" if value else "off"
+        if value in allowed and type(value) in {type(a) for a in allowed}:
+            return value
+        raise ConfigError(key, f"got {value!r}, allowed: {describe_type(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
+
+
+def build_dataclass(cls, data: dict, prefix: str):
+    """An instance of dataclass ``cls`` from ``data`` (nested mappings for nested dataclasses),
+    every value converted to its field's annotation; ``prefix``: the dotted key of ``data``."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(path, f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
+                                    f"{', '.join(names)}{hint}")
+        tp = hints[key]
+        kwargs[key] = build_dataclass(tp, value, path) if dataclasses.is_dataclass(tp) else _convert(path, value, tp)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) if prefix else err
