@@ -374,7 +374,8 @@ class SystemConfig:
     Chat's --offload_reference_model). Needs partition_reference."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward of actor and critic (less memory, ~30% more
-    compute per training forward)."""
+    compute per training forward): HF's gradient checkpointing under DeepSpeed; under
+    Megatron every layer's input is kept and the layer runs again (full recomputation)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training and inference precision."""
     hybrid_engine: bool = False

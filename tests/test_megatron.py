@@ -508,6 +508,61 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     _check_export(tmp_path / "run", tmp_path / "offline")
 
 
+@pytest.mark.parametrize("parallel", ["system.tensor_parallel=2", "system.pipeline_parallel=2"])
+def test_recomputation_gives_the_one_rank_run(parallel, one_rank_run, cache_dir, tmp_path):
+    """system.gradient_checkpointing on the Megatron engine: every layer of the actor and critic
+    runs again in the backward (its tensor-parallel collectives again, in the same order on
+    both ranks); the run, losses and gradient norms are the one-rank run's without it (1e-4,
+    as above). That it keeps fewer activations: the next test."""
+    want, _, _ = one_rank_run
+    got, _ = _train(str(tmp_path / "run"), cache_dir, 2, parallel, "system.gradient_checkpointing=true",
+                    *GREEDY_EVAL)
+    for a, b in zip(want, got):
+        assert a["response/lengths"] == b["response/lengths"]
+        for key in SAME:
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+
+
+def _recompute_worker(rank, world, out):
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import init_model_parallel
+
+    groups = init_model_parallel(1, 1)
+    model = build_model(build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0), groups, "lm",
+                        dtype=torch.float32, device="cpu", spec="local")
+    ids, mask, pos = _inputs()
+
+    def run(recompute):
+        model.recompute = recompute
+        model.zero_grad(set_to_none=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                      lambda t: t):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        logits[mask.bool()].logsumexp(-1).mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()], sum(saved)
+
+    base_logits, base_grads, base_saved = run(False)
+    logits, grads, saved = run(True)
+    with torch.no_grad():
+        model.recompute = True
+        no_grad = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    out.put(("report", rank, {
+        "saved": (saved, base_saved), "logits": bool(torch.equal(logits, base_logits)),
+        "grads": max(float((a - b).abs().max()) for a, b in zip(base_grads, grads)),
+        "no_grad": bool(torch.equal(no_grad, base_logits))}))
+
+
+def test_recomputation_keeps_only_layer_inputs_for_the_backward(torch_one_thread):
+    """One rank, tiny Llama in fp32: a training forward with recompute on saves fewer tensors
+    for the backward, and gives the same logits and gradients exactly (the same ops run
+    again); a forward without gradients is unaffected."""
+    report = [m for m in _spawn(_recompute_worker, 1) if m[0] == "report"][0][2]
+    saved, base_saved = report["saved"]
+    assert saved < base_saved / 2, report
+    assert report["logits"] and report["no_grad"] and report["grads"] == 0.0, report
+
+
 def test_ptx_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
     """PPO-ptx on the Megatron engine: the pretraining loss of a replica split over two tensor
     ranks is the one-rank replica's, and so are the updates it joins (1e-4: tensor-parallel

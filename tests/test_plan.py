@@ -402,6 +402,18 @@ def test_megatron_plan_splits_memory_and_time_over_the_model_ranks():
         split["modes"]["sequential"]["phases_s"]["generate"]
 
 
+def test_megatron_plan_with_recomputation_keeps_layer_inputs_only():
+    h100 = get_device("H100-80GB")
+    cfg = _megatron_cfg(8, 4)
+    ckpt = dataclasses.replace(cfg, system=dataclasses.replace(cfg.system, gradient_checkpointing=True))
+    full, less = (plan(c, 4, 8, h100, steps=2)["breakdown_gib"]["activations_train"] for c in (cfg, ckpt))
+    a = resolve_shapes(cfg).actor
+    tokens = cfg.ppo.micro_batch_size * (cfg.generation.max_prompt_len + cfg.generation.max_new_tokens)
+    # 20 layers per stage: their inputs (hidden x 2 bytes a token) plus one layer whole
+    inputs = 20 * a.hidden * 2 * tokens / GIB
+    assert less < full / 2 and less > inputs  # the fp32 logits (4 GiB here) stay
+
+
 def test_megatron_plan_names_a_wrong_split():
     h100 = get_device("H100-80GB")
     with pytest.raises(ValueError, match=r"system.tensor_parallel.*k x 32 GPUs, got 8"):

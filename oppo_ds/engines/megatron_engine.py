@@ -230,9 +230,9 @@ def check_megatron_config(cfg: Config) -> None:
         raise ConfigError("system.backend", "megatron shards models by tensor_parallel and "
                           "pipeline_parallel; zero_stage, offload, hybrid_engine and "
                           "partition_reference are DeepSpeed settings (leave them at 0/false)")
-    if cfg.model.actor_lora_dim or cfg.model.critic_lora_dim or s.gradient_checkpointing:
-        raise ConfigError("system.backend", "LoRA and gradient_checkpointing are implemented "
-                          "for the DeepSpeed backend only (set them to 0/false with megatron)")
+    if cfg.model.actor_lora_dim or cfg.model.critic_lora_dim:
+        raise ConfigError("system.backend", "LoRA is implemented for the DeepSpeed backend only "
+                          "(set model.actor_lora_dim and critic_lora_dim to 0 with megatron)")
     if s.dtype == "fp16":
         raise ConfigError("system.dtype", "backend megatron supports fp32 and bf16 (fp16 would "
                           "need loss scaling)")
@@ -297,9 +297,13 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                  warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
                  gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
                  grad_clip=engine_args["grad_clip"])
-    actor = MegatronTrainEngine(load(sources.actor, "lm"), groups, lr=p.actor_lr, **train)
-    critic = MegatronTrainEngine(load(sources.critic, "value"), groups, lr=p.critic_lr, **train) \
-        if p.uses_critic else None
+    def trained(source: str, kind: str, lr: float) -> MegatronTrainEngine:
+        model = load(source, kind)
+        model.recompute = s.gradient_checkpointing
+        return MegatronTrainEngine(model, groups, lr=lr, **train)
+
+    actor = trained(sources.actor, "lm", p.actor_lr)
+    critic = trained(sources.critic, "value", p.critic_lr) if p.uses_critic else None
     reference = None if "reference" in on_stage else _frozen(load(sources.reference, "lm"))
     reward = None if "reward" in on_stage else _frozen(load(sources.reward, "value",
                                                              require_head=True))

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..models import ValueOutput
 from . import parallel
@@ -160,6 +161,10 @@ class MegatronModel(nn.Module):
         gpt: the megatron-core ``GPTModel`` of this pipeline stage.
         value_head: ``nn.Linear(H, 1)`` on the last stage of a value model, else None.
         config: the HF config the weights came from.
+        recompute: keep only each layer's input in a training forward and run the layer again
+            in the backward (``system.gradient_checkpointing``; Megatron's full recompute,
+            with torch.utils.checkpoint, whose RNG handling works on CPU and GPU alike). A
+            forward without gradients, or one that fills a KV cache, is unaffected.
     """
 
     def __init__(self, gpt, shape: Shape, groups: ParallelGroups, kind: str, hf_config=None):
@@ -173,6 +178,7 @@ class MegatronModel(nn.Module):
         attention = gpt.decoder.layers[0].self_attention
         self.local_heads = attention.num_attention_heads_per_partition
         self.local_groups = attention.num_query_groups_per_partition
+        self.recompute = False
         self.head_dim = attention.hidden_size_per_attention_head
         # TransformerEngine's spec: each norm lives inside the linear after it
         self.fused_norms = fuses_norms(gpt.state_dict().keys())
@@ -276,8 +282,14 @@ class MegatronModel(nn.Module):
                                                    input_ids.device, g)
         mask = _attention_mask(attention_mask, s)
         cos, sin = self._rotary(position_ids, hidden.dtype)
+        recompute = self.recompute and torch.is_grad_enabled() and not use_cache
         for index, layer in enumerate(self.gpt.decoder.layers):
-            hidden = self._layer(layer, hidden, cos, sin, mask, cache if use_cache else None, index)
+            if recompute:  # every tensor rank recomputes the same layers: collectives pair up
+                hidden = checkpoint(self._layer, layer, hidden, cos, sin, mask, None, index,
+                                    use_reentrant=False)
+            else:
+                hidden = self._layer(layer, hidden, cos, sin, mask, cache if use_cache else None,
+                                     index)
         keep = s if not logits_to_keep else min(logits_to_keep, s)
         if g.last_stage:
             hidden = self.gpt.decoder.final_layernorm(hidden[-keep:] if self.kind == "lm" else hidden)

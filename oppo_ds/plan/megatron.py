@@ -126,7 +126,11 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     micro_tokens = cfg.ppo.micro_batch_size * seq
 
     def activations(shape: ModelShape, logits: bool) -> float:
-        out = shape.layers // pp * _activation_bytes_per_token(shape, w, tp) * micro_tokens
+        layer = _activation_bytes_per_token(shape, w, tp) * micro_tokens
+        if s.gradient_checkpointing:  # each layer's input (whole on every rank), one layer whole
+            out = shape.layers // pp * shape.hidden * w * micro_tokens + layer
+        else:
+            out = shape.layers // pp * layer
         return out + (2 * 4 * micro_tokens * shape.vocab if logits else 0.0)
 
     items["activations_train"] = max(activations(shapes.actor, True), activations(shapes.critic, False)
