@@ -219,6 +219,12 @@ class PPOConfig:
         """Whether the advantages come from a critic (``gae``), which is then built and trained."""
         return self.advantage_estimator == "gae"
 
+    @property
+    def group_baseline(self) -> bool:
+        """Whether the estimator compares each response with the others to its prompt
+        (``algo.GROUP_ESTIMATORS``), so that a batch must hold all of them."""
+        return self.advantage_estimator in ("rloo", "reinforce_baseline", "group_norm")
+
 
 @dataclass
 class GenerationConfig:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .algo import GROUP_ESTIMATORS, masked_mean
+from .algo import masked_mean
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
@@ -205,7 +205,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             overlapped=o.placement != "inline") if o.streaming and o.chunk_size == "auto" else None
         # inter-step overlap: the pool of B + Delta sequences, carried from step to step
         # a group baseline compares a prompt's responses: the pool takes them together
-        group = cfg.data.samples_per_prompt if p.advantage_estimator in GROUP_ESTIMATORS else 1
+        group = cfg.data.samples_per_prompt if p.group_baseline else 1
         self.pool = RolloutPool(p.batch_size, o.max_defer_steps, group_size=group) \
             if o.overcommits else None
         self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window) \

@@ -325,6 +325,9 @@ def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():
     # REINFORCE has no baseline: one response per prompt is enough
     assert load_config(None, ["ppo.advantage_estimator=reinforce"]).data.samples_per_prompt == 1
     assert load_config(None, []).ppo.uses_critic
+    from oppo_ds.algo import CRITIC_FREE_ESTIMATORS, GROUP_ESTIMATORS  # they agree with config's
+    assert {e for e in ("gae", *CRITIC_FREE_ESTIMATORS) if PPOConfig(advantage_estimator=e).group_baseline} == \
+        set(GROUP_ESTIMATORS)
 
 
 def test_validation_runs_on_direct_construction():

@@ -17,7 +17,7 @@ from oppo_ds.config import Config, ConfigError, load_config
 from oppo_ds.plan.calibrate import fit_cpu
 from oppo_ds.plan.costs import CPU, GIB, Device, get_device
 from oppo_ds.plan.memory import model_states, plan_memory
-from oppo_ds.plan.planner import plan
+from oppo_ds.plan.planner import layout, plan
 from oppo_ds.plan.shapes import Shapes, named_shape, resolve_shapes, shape_in_path, tiny_shape
 from oppo_ds.plan.simulate import (CostModel, Layout, LengthDist, Schedule, StepSimulator,
                                    _sum_max_linear)
@@ -207,6 +207,45 @@ def test_a_critic_free_step_neither_scores_nor_trains_a_critic():
     mega = _megatron_cfg(8, 4)
     mega = dataclasses.replace(mega, ppo=dataclasses.replace(mega.ppo, advantage_estimator="reinforce"))
     assert plan(mega, 4, 8, h100, steps=2)["breakdown_gib"]["critic_optimizer"] == 0
+
+
+def test_the_group_pool_stops_and_takes_whole_prompts():
+    """per_prompt 2 (a group baseline's pool): rows 5, 9 | 3, 4 | 7, 2 tokens long. Two
+    prompts are needed: the second to end is done after 7 tokens (prompt 0 only after 9),
+    where rows alone would stop after 5; the batch is prompts 1 and 2, prompt 0 waits with its
+    finished row."""
+    from oppo_ds.plan.simulate import _Group
+
+    dev = _overhead_device()
+    shape = tiny_shape("tiny-llama", 33)
+    sims = {n: StepSimulator(CostModel(dev, Shapes(shape, shape, shape, shape),
+                                       Layout(batch=4, micro=4, mini=4, epochs=1, prompt_len=11,
+                                              per_prompt=n)), LengthDist(192, values=(1,)))
+            for n in (1, 2)}
+    g = _Group()
+    g.top_up(6, LengthDist(192, values=(1,)), np.random.default_rng(0), 0, per_prompt=2)
+    assert g.prompt.tolist() == [0, 0, 1, 1, 2, 2]
+    g.total = np.array([5, 9, 3, 4, 7, 2])
+    assert sims[1].stop_token(g, 4) == 5 and sims[2].stop_token(g, 4) == 7
+    lengths, rescore = sims[2]._advance(g, 7, 4, Schedule("inter", delta=2))
+    assert sorted(lengths.tolist()) == [2, 3, 4, 7] and not rescore.any()
+    assert g.prompt.tolist() == [0, 0] and g.finished.tolist() == [True, False]
+    assert g.done.tolist() == [5, 7] and g.defer.tolist() == [1, 1]
+    # the next step tops up whole prompts: 6 rows wanted, 2 held, 2 prompts drawn
+    g.top_up(5, LengthDist(192, values=(1,)), np.random.default_rng(0), 1, per_prompt=2)
+    assert g.prompt.tolist() == [0, 0, 3, 3, 4, 4]
+
+
+def test_the_planner_simulates_whole_prompts_for_a_group_baseline():
+    cfg = load_config(None, ["ppo.advantage_estimator=group_norm", "data.samples_per_prompt=4"])
+    assert layout(cfg, 1, 1).per_prompt == 4
+    assert layout(load_config(None, ["ppo.advantage_estimator=reinforce",
+                                     "data.samples_per_prompt=4"]), 1, 1).per_prompt == 1
+    rows = plan(load_config(None, ["oppo.overcommit=8"]), 1, 1, CPU, steps=20)
+    prompts = plan(load_config(None, ["oppo.overcommit=8", "ppo.advantage_estimator=rloo",
+                                      "data.samples_per_prompt=4"]), 1, 1, CPU, steps=20)
+    # the same long tail: a prompt is as slow as its longest response, the pool recovers less
+    assert prompts["modes"]["inter"]["tail_waste_frac"] > rows["modes"]["inter"]["tail_waste_frac"]
 
 
 def test_streaming_hides_scoring_up_to_the_tail():

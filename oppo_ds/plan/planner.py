@@ -46,6 +46,7 @@ def prompt_len(cfg: Config) -> int:
 def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GROUPS) -> Layout:
     s, p = cfg.system, cfg.ppo
     gpus = nodes * gpus_per_node
+    per_prompt = cfg.data.samples_per_prompt if p.group_baseline else 1
     if s.backend == "megatron":  # a decode group is one model replica; gpus: the replicas
         tp, pp = megatron.model_split(cfg)
         replicas = megatron.actor_gpus(cfg, gpus) // (tp * pp)
@@ -53,7 +54,7 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
                       epochs=p.ppo_epochs, prompt_len=prompt_len(cfg),
                       max_defer=cfg.oppo.max_defer_steps, tp=1,
                       groups=min(replicas, max_groups), gpus=replicas,
-                      gpus_per_node=gpus_per_node, nodes=nodes)
+                      gpus_per_node=gpus_per_node, nodes=nodes, per_prompt=per_prompt)
     actors = actor_rank_gpus(cfg, gpus)  # stage: the scorer rank's GPU decodes nothing
     tp = s.inference_tp_size if s.hybrid_engine else 1
     if actors % tp:
@@ -64,7 +65,7 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
     return Layout(batch=p.batch_size, micro=p.micro_batch_size, mini=p.mini_batch_size,
                   epochs=p.ppo_epochs, prompt_len=prompt_len(cfg), max_defer=cfg.oppo.max_defer_steps,
                   tp=tp, groups=min(gpus // tp, max_groups), gpus=gpus, gpus_per_node=gpus_per_node,
-                  nodes=nodes)
+                  nodes=nodes, per_prompt=per_prompt)
 
 
 def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> CostModel:

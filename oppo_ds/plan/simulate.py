@@ -95,6 +95,7 @@ class Layout:
     gpus: int = 1               # data-parallel ranks (ZeRO partitions over them)
     gpus_per_node: int = 1
     nodes: int = 1
+    per_prompt: int = 1         # responses the pool takes together (a group baseline's n)
 
 
 @dataclass(frozen=True)
@@ -351,9 +352,14 @@ class _Group:
         self.defer = np.zeros(0, np.int64)
         self.finished = np.zeros(0, bool)
         self.streamed_by_frozen = np.zeros(0, bool)  # reward/reference hold this row's cache
+        self.prompt = np.zeros(0, np.int64)  # rows with one label answer one draw of a prompt
+        self.prompts = 0
 
-    def top_up(self, size: int, dist: LengthDist, rng: np.random.Generator, step: int) -> int:
-        new = max(0, size - len(self.total))
+    def top_up(self, size: int, dist: LengthDist, rng: np.random.Generator, step: int,
+               per_prompt: int = 1) -> int:
+        new = -(-max(0, size - len(self.total)) // per_prompt) * per_prompt  # whole prompts
+        self.prompt = np.concatenate([self.prompt, self.prompts + np.arange(new) // per_prompt])
+        self.prompts += new // per_prompt
         self.total = np.concatenate([self.total, dist.sample(rng, new, step)])
         self.done = np.concatenate([self.done, np.zeros(new, np.int64)])
         self.defer = np.concatenate([self.defer, np.zeros(new, np.int64)])
@@ -362,7 +368,7 @@ class _Group:
         return new
 
     def keep(self, mask: np.ndarray) -> None:
-        for name in ("total", "done", "defer", "finished", "streamed_by_frozen"):
+        for name in ("total", "done", "defer", "finished", "streamed_by_frozen", "prompt"):
             setattr(self, name, getattr(self, name)[mask])
 
 
@@ -378,8 +384,15 @@ class StepSimulator:
         rem = (g.total - g.done)[running]
         if len(rem) == 0:
             return 0
-        k = need - int(g.finished.sum())
-        n = int(np.sort(rem)[k - 1]) if k > 0 else 0
+        if self.lay.per_prompt == 1:
+            k = need - int(g.finished.sum())
+            n = int(np.sort(rem)[k - 1]) if k > 0 else 0
+        else:  # whole prompts: a prompt is done when its last response is
+            _, index = np.unique(g.prompt, return_inverse=True)
+            left = np.zeros(index.max() + 1, np.int64)
+            np.maximum.at(left, index, np.where(g.finished, 0, g.total - g.done))
+            k = need // self.lay.per_prompt - int((left == 0).sum())
+            n = int(np.sort(left[left > 0])[k - 1]) if k > 0 else 0
         forced = (g.defer[running] >= self.lay.max_defer)
         if forced.any():
             n = max(n, int(rem[forced].max()))
@@ -481,7 +494,7 @@ class StepSimulator:
         result = SimResult(sched)
         for step in range(steps):
             for g in groups:
-                g.top_up(size, self.dist, rng, step)
+                g.top_up(size, self.dist, rng, step, lay.per_prompt)
             n_stop = max(self.stop_token(g, need) for g in groups)  # lock-step stop over ranks
             outs = [self.rollout(g, n_stop, sched) for g in groups]
             score = train = 0.0
@@ -514,8 +527,15 @@ class StepSimulator:
         forced = g.defer >= self.lay.max_defer
         # forced first, then rows that were already waiting, then in the order they ended
         key = np.where(g.finished, 0, 1) * 4 + np.where(forced, 0, 2) + np.where(waiting_before, 0, 1)
-        order = np.lexsort((rem, key))
-        take = order[:need]
+        if self.lay.per_prompt == 1:
+            take = np.lexsort((rem, key))[:need]
+        else:  # whole prompts, ranked by their worst row, then by their last row to end
+            _, index = np.unique(g.prompt, return_inverse=True)
+            worst, last = np.zeros(index.max() + 1, np.int64), np.zeros(index.max() + 1, np.int64)
+            np.maximum.at(worst, index, key)
+            np.maximum.at(last, index, rem)
+            chosen = np.lexsort((last, worst))[:need // self.lay.per_prompt]
+            take = np.flatnonzero(np.isin(index, chosen))
         assert g.finished[take].all(), "the stop rule left fewer than B finished rows"
         lengths = g.total[take].copy()
         rescore = waiting_before[take]
