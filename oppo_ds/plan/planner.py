@@ -137,7 +137,8 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
         "device": device.name, "nodes": nodes, "gpus_per_node": gpus_per_node,
         "models": {k: {"shape": getattr(shapes, k).name,
                        "params": getattr(shapes, k).params(value_head=k in ("reward", "critic"))}
-                   for k in ("actor", "reference", "reward", "critic")},
+                   for k in ("actor", "reference", "reward", "critic")
+                   if k != "critic" or cfg.ppo.uses_critic},  # a critic-free estimator has none
         "rows_per_rank": {"batch_size": b, "delta": delta},
         **memory.to_json(),
         "predicted_step_s": {m: round(r.mean("step_s"), 6) for m, r in results.items()},
