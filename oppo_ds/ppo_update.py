@@ -70,8 +70,7 @@ class PPOUpdate:
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
         ptx_losses: list[float] = []
         actor_trains = self.actor_trains
-        trained = ([("actor", self.actor)] if actor_trains else []) + \
-            ([("critic", self.critic)] if self.critic is not None else [])
+        trained = [(n, e) for n, e in self.trained_engines.items() if n != "actor" or actor_trains]
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):

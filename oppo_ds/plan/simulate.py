@@ -372,6 +372,15 @@ class _Group:
             setattr(self, name, getattr(self, name)[mask])
 
 
+def _prompt_max(prompt: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's prompt as an index 0..P-1, and the largest of ``values`` (>= 0) over each
+    prompt's rows."""
+    _, index = np.unique(prompt, return_inverse=True)
+    out = np.zeros(index.max() + 1 if index.size else 0, np.asarray(values).dtype)
+    np.maximum.at(out, index, values)
+    return index, out
+
+
 class StepSimulator:
     """Runs ``steps`` PPO steps of one schedule and keeps every step's times."""
 
@@ -388,9 +397,7 @@ class StepSimulator:
             k = need - int(g.finished.sum())
             n = int(np.sort(rem)[k - 1]) if k > 0 else 0
         else:  # whole prompts: a prompt is done when its last response is
-            _, index = np.unique(g.prompt, return_inverse=True)
-            left = np.zeros(index.max() + 1, np.int64)
-            np.maximum.at(left, index, np.where(g.finished, 0, g.total - g.done))
+            _, left = _prompt_max(g.prompt, np.where(g.finished, 0, g.total - g.done))
             k = need // self.lay.per_prompt - int((left == 0).sum())
             n = int(np.sort(left[left > 0])[k - 1]) if k > 0 else 0
         forced = (g.defer[running] >= self.lay.max_defer)
@@ -530,11 +537,8 @@ class StepSimulator:
         if self.lay.per_prompt == 1:
             take = np.lexsort((rem, key))[:need]
         else:  # whole prompts, ranked by their worst row, then by their last row to end
-            _, index = np.unique(g.prompt, return_inverse=True)
-            worst, last = np.zeros(index.max() + 1, np.int64), np.zeros(index.max() + 1, np.int64)
-            np.maximum.at(worst, index, key)
-            np.maximum.at(last, index, rem)
-            chosen = np.lexsort((last, worst))[:need // self.lay.per_prompt]
+            index, worst = _prompt_max(g.prompt, key)
+            chosen = np.lexsort((_prompt_max(g.prompt, rem)[1], worst))[:need // self.lay.per_prompt]
             take = np.flatnonzero(np.isin(index, chosen))
         assert g.finished[take].all(), "the stop rule left fewer than B finished rows"
         lengths = g.total[take].copy()
