@@ -17,6 +17,9 @@ Rules (see docs/inter-step-overlap.md):
     before this step's, then this step's in the order they ended); an entry deferred
     ``max_defer_steps`` times is *forced*: the step does not stop before it ends, and it is
     taken before the others.
+  * whole prompts (``group_size`` > 1, for a critic-free estimator's group baseline): a
+    prompt's responses are drawn, stopped on and taken together; a prompt has finished when
+    all of them have.
   * data parallel: each rank has its own pool and takes its own B; decoding stops for all
     ranks together, once every rank has its B (``BatchStop``), so a rank that is done early
     goes on decoding its deferred sequences instead of idling at the first collective.
