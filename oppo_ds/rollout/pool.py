@@ -205,7 +205,7 @@ class RolloutPool:
         the rollout's row order): B finished entries, or B / group_size finished groups,
         and every forced entry ended."""
         forced = [i for i, e in enumerate(running) if e.forced(self.max_defer_steps)]
-        waiting = [e for e in self.entries if e.finished]
+        waiting = self.waiting()
         if self.group_size == 1:
             return BatchStop(self.batch_size, len(waiting), forced, sync=sync, group=group)
         labels = sorted({e.group for e in running})
