@@ -299,7 +299,10 @@ class OppoConfig:
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the
     others, with what they generated, into the next step. `auto`: Delta follows the trend of
     the mean reward (grows while it rises, shrinks toward `delta_min` otherwise). 0 with
-    `streaming: false` is the sequential baseline."""
+    `streaming: false` is the sequential baseline. With a group baseline
+    (ppo.advantage_estimator rloo, reinforce_baseline, group_norm) the pool draws and takes
+    whole prompts: Delta and its bounds are multiples of data.samples_per_prompt, and `auto`
+    moves it one prompt at a time."""
     delta_min: int = 0
     """Smallest Delta under `overcommit: auto`."""
     delta_max: int = 8
@@ -679,6 +682,8 @@ class Config:
                  f"got ppo.ptx_coef={self.ppo.ptx_coef}, data.ptx={self.data.ptx!r}")
         if not self.ppo.uses_critic:
             self._check_critic_free()
+        if self.ppo.group_baseline and self.oppo.overcommits:
+            self._check_whole_prompt_delta()
         if self.eval.enabled:
             _require(self.workload.kind != "length_oracle", "eval.prompts",
                      "the length oracle's models have random weights and its responses end at "
@@ -694,6 +699,20 @@ class Config:
         _require(self.model.critic is None, "model.critic", f"must be null: {none}")
         _require(not self.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
         self.oppo.stream_to = [k for k in self.oppo.stream_to if k != "critic"]
+
+    def _check_whole_prompt_delta(self) -> None:
+        """Under a group baseline the pool draws and takes whole prompts, so Delta is a number
+        of rows that whole prompts make up, as ppo.batch_size is: any other would start the
+        next multiple's pool while the logs and the Delta controller named a smaller one."""
+        n, o = self.data.samples_per_prompt, self.oppo
+        keys = ["overcommit"] if o.overcommit != "auto" else ["delta_min", "delta_max"]
+        for key in keys:
+            value = getattr(o, key)
+            _require(value % n == 0, f"oppo.{key}",
+                     f"must be a multiple of data.samples_per_prompt ({n}) with "
+                     f"ppo.advantage_estimator {self.ppo.advantage_estimator}: the rollout pool "
+                     f"draws whole prompts of {n} responses; got {value} (e.g. {value - value % n} "
+                     f"or {value - value % n + n})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

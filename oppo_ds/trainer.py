@@ -208,7 +208,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         group = cfg.data.samples_per_prompt if p.group_baseline else 1
         self.pool = RolloutPool(p.batch_size, o.max_defer_steps, group_size=group) \
             if o.overcommits else None
-        self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window) \
+        self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window, step_size=group) \
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
         self.step_count = 0

@@ -309,12 +309,33 @@ def test_value_outside_literal_lists_allowed(override, allowed):
      "must be 0"),
     (["ppo.advantage_estimator=reinforce", "ppo.freeze_actor_steps=3"], "ppo.freeze_actor_steps",
      "this estimator has none"),
+    # the pool draws whole prompts under a group baseline: Delta is a whole number of them
+    (["ppo.advantage_estimator=rloo", "data.samples_per_prompt=4", "oppo.overcommit=6"],
+     "oppo.overcommit", "multiple of data.samples_per_prompt (4) with ppo.advantage_estimator "
+     "rloo: the rollout pool draws whole prompts of 4 responses; got 6 (e.g. 4 or 8)"),
+    (["ppo.advantage_estimator=group_norm", "data.samples_per_prompt=16", "oppo.overcommit=auto"],
+     "oppo.delta_max", "got 8 (e.g. 0 or 16)"),
+    (["ppo.advantage_estimator=group_norm", "data.samples_per_prompt=4", "oppo.overcommit=auto",
+      "oppo.delta_min=2"], "oppo.delta_min", "got 2 (e.g. 0 or 4)"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert err.value.key == key
     assert words in str(err.value)
+
+
+def test_delta_in_rows_is_free_without_a_group_baseline():
+    """GAE with several responses per prompt takes rows one by one: any Delta is valid, as it
+    is under a group baseline once it is a whole number of prompts."""
+    assert load_config(None, ["data.samples_per_prompt=4", "oppo.overcommit=3"]).oppo.overcommit == 3
+    assert load_config(None, ["data.samples_per_prompt=4", "oppo.overcommit=auto",
+                              "oppo.delta_max=6"]).oppo.delta_max == 6
+    cfg = load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=4",
+                             "oppo.overcommit=auto", "oppo.delta_min=4", "oppo.delta_max=12"])
+    assert (cfg.oppo.delta_min, cfg.oppo.delta_max) == (4, 12)
+    # without overcommitment the bounds are unused and not checked
+    assert load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=16"]).oppo.delta_max == 8
 
 
 def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():

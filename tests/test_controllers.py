@@ -250,6 +250,29 @@ def test_delta_state_dict_round_trip_mid_window():
         DeltaController(delta_min=3, delta_max=2)
 
 
+def test_delta_moves_a_whole_prompt_at_a_time():
+    """With the pool drawing whole prompts of 4 responses, Delta steps by 4 rows: a step of 1
+    left the pool unchanged for three windows in four while the logs named another Delta."""
+    from oppo_ds.rollout.controllers import DeltaController
+
+    ctl = DeltaController(delta_min=0, delta_max=8, window=2, step_size=4)
+    seen = [ctl.delta]
+    for window in ([2.0, 1.0], [1.0, 1.0], [0.0, 1.0], [0.0, 1.0], [3.0, 0.0], [3.0, 0.0], [3.0, 0.0]):
+        ctl.observe(window[0])
+        assert ctl.observe(window[1]).startswith(f"delta={ctl.delta} ")
+        seen.append(ctl.delta)
+    assert seen == [8, 4, 0, 4, 8, 4, 0, 0]
+    with pytest.raises(ValueError, match="multiples of step_size 4, got 0 and 6"):
+        DeltaController(delta_min=0, delta_max=6, step_size=4)
+    # a checkpoint's Delta that is no multiple (saved with other settings) goes down to one
+    resumed = DeltaController(delta_min=4, delta_max=12, window=2, step_size=4)
+    assert resumed.load_state_dict({"delta": 7, "rewards": []}) == \
+        "delta=4: the checkpoint's 7 is not a multiple of 4"
+    assert resumed.load_state_dict({"delta": 2, "rewards": []}) == \
+        "delta=4: the checkpoint's 2 is outside [4, 12]"
+    assert resumed.load_state_dict({"delta": 12, "rewards": []}) is None and resumed.delta == 12
+
+
 def test_a_resume_keeps_delta_within_the_configured_bounds():
     """A checkpoint's Delta of 8 stayed 8 after a resume with oppo.delta_max=2 until the next
     window closed; now it starts within the run's bounds, and a shorter window keeps only the

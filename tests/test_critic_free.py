@@ -107,6 +107,33 @@ def test_group_norm_with_the_pool_trains_whole_groups_once(cache_dir, tmp_path, 
     assert max(deferred) > 0  # later steps trained groups drawn before them: the pool carried work
 
 
+def test_auto_delta_moves_whole_prompts(cache_dir, tmp_path, monkeypatch):
+    """overcommit: auto under a group baseline: Delta moves a prompt (N rows) at a time, so
+    every step's pool holds exactly B + Delta rows, the number the metrics log (a Delta
+    between multiples of N used to start the next multiple's pool while the log named the
+    smaller one)."""
+    from oppo_ds.rollout.pool import RolloutPool
+
+    sizes = []
+    real = RolloutPool.top_up
+
+    def top_up(self, prompts, size):
+        real(self, prompts, size)
+        sizes.append(len(self.entries))
+    monkeypatch.setattr(RolloutPool, "top_up", top_up)
+    trainer, _ = run(cache_dir, tmp_path / "auto", "steps=7", "checkpoint.export_hf=false",
+                     "ppo.advantage_estimator=rloo", f"data.samples_per_prompt={N}",
+                     "oppo.overcommit=auto", "oppo.delta_max=8", "oppo.delta_window=2")
+    history = read_history(str(tmp_path / "auto" / "metrics.jsonl"))
+    deltas = [r["pool/delta"] for r in history]
+    assert deltas[0] == 8 and all(d in (0, 4, 8) for d in deltas)
+    assert len(set(deltas)) > 1  # three windows closed: Delta moved
+    # whatever the pool carried, it was topped up to exactly B + Delta rows (whole prompts)
+    assert sizes == [8 + d for d in deltas]
+    trainer.pool.check()
+    assert trainer.delta_ctl.step_size == N
+
+
 def test_critic_free_pool_resume_continues_exactly(cache_dir, tmp_path):
     """Killed after its step-2 checkpoint and resumed, a group_norm run with deferred groups
     in its pool gives the same steps 3-4 as an uninterrupted run (1e-6, as the PPO resume)."""

@@ -259,7 +259,10 @@ class DeltaController:
     converges the reward flattens, and Delta shrinks toward ``delta_min`` so the final policy is
     trained on-policy. Every ``window`` steps the least-squares slope of the per-step mean
     reward over those steps decides: above ``tolerance`` Delta grows by ``step_size``, else it
-    shrinks by ``step_size``, within ``[delta_min, delta_max]``. Starts at ``delta_max``."""
+    shrinks by ``step_size``, within ``[delta_min, delta_max]``. Starts at ``delta_max``.
+    When the pool draws whole prompts of n responses (a group baseline), Delta moves in steps
+    of n rows, and its bounds are multiples of n: a Delta between two multiples would start
+    the same pool as the next multiple while the logs named the smaller number."""
     delta_min: int = 0
     delta_max: int = 8
     window: int = 10
@@ -273,6 +276,9 @@ class DeltaController:
             raise ValueError(f"need 0 <= delta_min <= delta_max, got {self.delta_min}, {self.delta_max}")
         if self.window < 2 or self.step_size < 1:
             raise ValueError(f"window must be >= 2 and step_size >= 1, got {self.window}, {self.step_size}")
+        if self.delta_min % self.step_size or self.delta_max % self.step_size:
+            raise ValueError(f"delta_min and delta_max must be multiples of step_size "
+                             f"{self.step_size}, got {self.delta_min} and {self.delta_max}")
         if self.delta is None:
             self.delta = self.delta_max
 
@@ -300,7 +306,10 @@ class DeltaController:
         until the next window closed). Returns a message (to be logged) when Delta moved."""
         saved = int(state["delta"])
         self.delta = min(max(saved, self.delta_min), self.delta_max)
+        self.delta -= self.delta % self.step_size  # stays >= delta_min, a multiple too
         self.rewards = list(state["rewards"])[-(self.window - 1):]
-        if self.delta != saved:
+        if self.delta == saved:
+            return None
+        if not self.delta_min <= saved <= self.delta_max:
             return f"delta={self.delta}: the checkpoint's {saved} is outside [{self.delta_min}, {self.delta_max}]"
-        return None
+        return f"delta={self.delta}: the checkpoint's {saved} is not a multiple of {self.step_size}"
