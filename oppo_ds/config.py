@@ -179,6 +179,15 @@ class PPOConfig:
     """Normalise advantages to mean 0, variance 1 over the step's batch (all ranks)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient in the policy loss."""
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """How the actor's per-token losses (policy, entropy bonus, KL in the loss) become one
+    number per mini-batch, over all its micro-batches and ranks. `token_mean`: every token
+    weighs the same (DeepSpeed-Chat's and OpenRLHF's PPO, DAPO; TRL GRPO's loss_type dapo);
+    `seq_mean_token_mean`: each response's tokens averaged, then the responses (the GRPO
+    paper's objective; TRL's loss_type grpo), so a long response's tokens weigh less;
+    `seq_mean_token_sum_norm`: each response's token sum over generation.max_new_tokens, then
+    the responses (Dr. GRPO; TRL's loss_type dr_grpo), without that length bias. The
+    critic's value loss stays the token mean."""
 
     def __post_init__(self):
         for key in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs"):

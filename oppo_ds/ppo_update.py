@@ -12,8 +12,9 @@ import torch
 
 from . import comm
 from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
-                   gae_advantages, group_baseline_scores, kl_loss, kl_shaped_rewards, masked_mean,
-                   masked_whiten, token_normalizer, truncated_is_weights, truncated_rows)
+                   gae_advantages, group_baseline_scores, kl_loss, kl_shaped_rewards,
+                   loss_normalizer, masked_mean, masked_whiten, token_normalizer,
+                   truncated_is_weights, truncated_rows)
 from .experience import Experience, response_logprobs, response_values
 from .ptx import lm_loss
 
@@ -75,16 +76,24 @@ class PPOUpdate:
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
                 micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
-                tokens = comm.all_reduce(sum(m.response_mask.sum() for m in micro).double(),
-                                         group=self.dp_group)
-                norm = token_normalizer(tokens.float(), gas, self.world_size)
-                loss_fn = partial(self._actor_loss, normalizer=norm)
+                local = torch.stack([sum(m.response_mask.sum() for m in micro).double(),
+                                     torch.tensor(float(len(mini)), dtype=torch.float64,
+                                                  device=self.device)])
+                tokens, sequences = comm.all_reduce(local, group=self.dp_group).float()
+                norm = token_normalizer(tokens, gas, self.world_size)
+                # the actor's aggregation per micro-batch (ppo.loss_agg_mode); the critic's is
+                # the token mean
+                actor_norm = partial(loss_normalizer, mode=p.loss_agg_mode, global_tokens=tokens,
+                                     global_sequences=sequences, grad_accum_steps=gas,
+                                     world_size=self.world_size,
+                                     max_len=self.cfg.generation.max_new_tokens)
+                loss_fn = partial(self._actor_loss, normalizer=actor_norm)
                 actor_batches = micro
                 if self.ptx_stream is not None and actor_trains:
                     # full blocks: every rank predicts the same number of tokens
                     ptx = [self._ptx_batch(len(m)) for m in micro]
                     ptx_tokens = p.mini_batch_size * (ptx[0].shape[1] - 1) * self.world_size
-                    loss_fn = partial(self._actor_ptx_loss, normalizer=norm,
+                    loss_fn = partial(self._actor_ptx_loss, normalizer=actor_norm,
                                       ptx_normalizer=token_normalizer(float(ptx_tokens), gas, self.world_size))
                     actor_batches = list(zip(micro, ptx))
                 actor_stats = self.actor.train_step(actor_batches, loss_fn) if actor_trains \
@@ -113,7 +122,9 @@ class PPOUpdate:
         return stats
 
     def _actor_loss(self, model, mb: Experience, normalizer):
+        """``normalizer(mask)``: the micro-batch's ``aggregate_token_loss`` normalizer."""
         p = self.cfg.ppo
+        normalizer = normalizer(mb.response_mask)
         logprobs, logits = response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                              mb.response_mask, self.cfg.generation.temperature)
         if p.entropy_coef > 0:

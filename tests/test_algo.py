@@ -10,6 +10,7 @@ import torch
 
 from oppo_ds.algo import (
     KL_ESTIMATORS,
+    LOSS_AGG_MODES,
     aggregate_token_loss,
     clipped_policy_loss,
     clipped_value_loss,
@@ -20,6 +21,7 @@ from oppo_ds.algo import (
     kl_penalty,
     kl_shaped_rewards,
     logprobs_from_logits,
+    loss_normalizer,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -500,6 +502,78 @@ def test_token_aggregation_gradient_is_invariant_to_splitting(kind):
     # The test has teeth: a per-micro-batch token mean gives a different gradient.
     local = sum(_grad(kind, model, batch, s, mask[s].sum())[0] for micro in ranks for s in micro)
     assert (local / (grad_accum * world_size) - full).abs().max() > 1e-4
+
+
+# ---- sequence-level aggregation (ppo.loss_agg_mode) -------------------------------------
+
+
+def test_loss_aggregation_modes_by_hand():
+    """Two responses of 1 and 3 tokens with token losses [6] and [1, 2, 3]:
+    token_mean (6 + 1 + 2 + 3) / 4 = 3; seq_mean_token_mean (6/1 + 6/3) / 2 = 4 (GRPO: the
+    short response's token weighs 3x the long one's); seq_mean_token_sum_norm with a limit of
+    4 tokens (6/4 + 6/4) / 2 = 1.5 (Dr. GRPO: every token weighs 1 / (N * 4))."""
+    loss = t([[6.0, 9.0, 9.0], [1.0, 2.0, 3.0]])  # 9: padding, must not count
+    mask = t([[1, 0, 0], [1, 1, 1]])
+    expected = {"token_mean": 3.0, "seq_mean_token_mean": 4.0, "seq_mean_token_sum_norm": 1.5}
+    assert set(expected) == set(LOSS_AGG_MODES)
+    for mode, value in expected.items():
+        norm = loss_normalizer(mask, mode, mask.sum(), 2.0, 1, 1, max_len=4)
+        assert aggregate_token_loss(loss, mask, norm).item() == pytest.approx(value), mode
+    torch.testing.assert_close(loss_normalizer(mask, "seq_mean_token_mean", 4.0, 2.0, 1, 1),
+                               t([[2.0], [6.0]]))  # |o_i| * N
+    # k = grad_accum * world_size contributions: each normalizer divided by k
+    assert loss_normalizer(mask, "seq_mean_token_sum_norm", 4.0, 8.0, 2, 2, max_len=4) == 8.0
+    assert loss_normalizer(mask, "token_mean", 12.0, 8.0, 2, 3) == 2.0
+    with pytest.raises(ValueError, match="needs max_len >= 1"):
+        loss_normalizer(mask, "seq_mean_token_sum_norm", 4.0, 2.0, 1, 1)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'seq_mean'; one of token_mean"):
+        loss_normalizer(mask, "seq_mean", 4.0, 2.0, 1, 1)
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sequence_aggregation_gradient_is_invariant_to_splitting(mode):
+    """As the token mean: micro-batches on 2 ranks x 2 accumulation steps give the gradient of
+    the whole mini-batch; and the whole mini-batch's loss is the mode's formula written as a
+    loop over sequences."""
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    B, T, D, max_len = 8, 6, 5, 6
+    model = torch.nn.Linear(D, 1, dtype=F64)
+    feats = torch.randn(B, T, D, generator=gen, dtype=F64)
+    with torch.no_grad():
+        old = -torch.nn.functional.softplus(model(feats).squeeze(-1))
+    old = old + 0.3 * torch.randn(B, T, generator=gen, dtype=F64)
+    adv = torch.randn(B, T, generator=gen, dtype=F64)
+    mask = random_mask(gen, B, T)
+    batch = (feats, old, adv, mask)
+
+    def norm(rows, k=1):
+        return loss_normalizer(mask[rows], mode, mask.sum(), float(B), k, 1, max_len=max_len)
+
+    full_loss, stats = _loss_of("policy", model, batch, slice(0, B), norm(slice(0, B)))
+    assert 0.0 < stats["clip_frac"].item() < 1.0
+    # the loop reference: per sequence its clipped surrogate summed over its tokens
+    with torch.no_grad():
+        logp = -torch.nn.functional.softplus(model(feats).squeeze(-1))
+        ratio = torch.exp(logp - old)
+        per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        reference = 0.0
+        for i in range(B):
+            n = int(mask[i].sum())
+            total = sum(float(per_token[i, j]) for j in range(T) if mask[i, j] > 0)
+            # an empty row adds nothing, but counts among the N sequences
+            reference += total / (max(n, 1) if mode == "seq_mean_token_mean" else max_len) / B
+    assert full_loss.item() == pytest.approx(reference, abs=1e-12)
+
+    full, _ = _grad("policy", model, batch, slice(0, B), norm(slice(0, B)))
+    grad_accum, world_size = 2, 2
+    ranks = [(slice(0, 1), slice(1, 4)), (slice(4, 6), slice(6, 8))]
+    per_rank = [sum(_grad("policy", model, batch, s, norm(s, grad_accum * world_size))[0]
+                    for s in micro) / grad_accum for micro in ranks]
+    torch.testing.assert_close(sum(per_rank) / world_size, full, atol=1e-10, rtol=0)
+    # and it is not the token mean's gradient
+    token, _ = _grad("policy", model, batch, slice(0, B), mask.sum())
+    assert (token - full).abs().max() > 1e-4
 
 
 # ---- import hygiene -------------------------------------------------------------------

@@ -580,11 +580,11 @@ def test_ptx_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
 
 
 def test_critic_free_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
-    """RLOO on the Megatron engine with the group pool: no critic is built or saved, and a
-    replica split over two tensor ranks (which must stop decoding on the same whole groups)
-    repeats the one-rank run (1e-4, as above)."""
+    """RLOO on the Megatron engine with the group pool and the GRPO paper's per-response loss
+    averaging: no critic is built or saved, and a replica split over two tensor ranks (which
+    must stop decoding on the same whole groups) repeats the one-rank run (1e-4, as above)."""
     rloo = ("ppo.advantage_estimator=rloo", "data.samples_per_prompt=2", "oppo.overcommit=2",
-            "steps=3", "checkpoint.every=3")
+            "ppo.loss_agg_mode=seq_mean_token_mean", "steps=3", "checkpoint.every=3")
     one, _ = _train(str(tmp_path / "one"), cache_dir, 1, *rloo)
     two, _ = _train(str(tmp_path / "two"), cache_dir, 2, "system.tensor_parallel=2", *rloo)
     assert [r["step"] for r in two] == [1, 2, 3]

@@ -22,11 +22,13 @@ from oppo_ds.algo.kl import (
 )
 from oppo_ds.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from oppo_ds.algo.losses import (
+    LOSS_AGG_MODES,
     aggregate_token_loss,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_bonus_loss,
     kl_loss,
+    loss_normalizer,
     token_normalizer,
     truncated_is_weights,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "CRITIC_FREE_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
     "adaptive_kl_coef",
     "aggregate_token_loss",
     "clipped_policy_loss",
@@ -54,6 +57,7 @@ __all__ = [
     "kl_shaped_rewards",
     "last_valid_index",
     "logprobs_from_logits",
+    "loss_normalizer",
     "masked_mean",
     "masked_var",
     "masked_whiten",

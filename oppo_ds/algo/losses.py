@@ -1,4 +1,4 @@
-"""PPO losses (Schulman et al., 2017, arXiv 1707.06347) with token-level aggregation."""
+"""PPO losses (Schulman et al., 2017, arXiv 1707.06347) with token- or sequence-level aggregation."""
 
 import torch
 
@@ -35,6 +35,56 @@ def token_normalizer(
     return global_tokens / (grad_accum_steps * world_size)
 
 
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def loss_normalizer(
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: Normalizer,
+    global_sequences: Normalizer,
+    grad_accum_steps: int,
+    world_size: int,
+    max_len: int | None = None,
+) -> Normalizer | torch.Tensor:
+    """The ``normalizer`` of ``aggregate_token_loss`` for one micro-batch under a loss
+    aggregation ``mode``, for an engine that averages ``k = grad_accum_steps * world_size``
+    contributions (see ``token_normalizer``). Summed over the micro-batches and ranks of a
+    mini-batch, the aggregated loss is, with N the mini-batch's sequences and |o_i| the
+    valid tokens of sequence i:
+
+    - ``token_mean``: sum_i sum_t l_it / sum_i |o_i| (every token weighs the same; PPO as
+      DeepSpeed-Chat and OpenRLHF train it, DAPO's token-level loss);
+    - ``seq_mean_token_mean``: (1/N) sum_i (1/|o_i|) sum_t l_it (each sequence weighs the
+      same, its tokens averaged first: the GRPO paper's objective);
+    - ``seq_mean_token_sum_norm``: (1/N) sum_i sum_t l_it / max_len (a constant length in
+      place of |o_i|: Dr. GRPO's, free of the per-sequence length bias).
+
+    Args:
+        mask: (B, T) valid tokens of this micro-batch.
+        mode: one of ``LOSS_AGG_MODES``.
+        global_tokens: valid tokens in the whole mini-batch (all micro-batches, all ranks).
+        global_sequences: sequences in the whole mini-batch (N).
+        grad_accum_steps, world_size: as in ``token_normalizer``.
+        max_len: the constant length of ``seq_mean_token_sum_norm`` (the generation limit).
+
+    Returns:
+        A number or 0-dim tensor (``token_mean``, ``seq_mean_token_sum_norm``), or a (B, 1)
+        tensor of per-sequence normalizers (``seq_mean_token_mean``).
+    """
+    if mode == "token_mean":
+        return token_normalizer(global_tokens, grad_accum_steps, world_size)
+    sequences = token_normalizer(global_sequences, grad_accum_steps, world_size)
+    if mode == "seq_mean_token_mean":
+        # an empty row adds nothing whatever its normalizer: 1 keeps it finite
+        return mask.sum(-1, keepdim=True).clamp(min=1) * sequences
+    if mode == "seq_mean_token_sum_norm":
+        if max_len is None or max_len < 1:
+            raise ValueError(f"seq_mean_token_sum_norm needs max_len >= 1, got {max_len}")
+        return max_len * sequences
+    raise ValueError(f"unknown loss aggregation {mode!r}; one of {', '.join(LOSS_AGG_MODES)}")
+
+
 def aggregate_token_loss(
     token_loss: torch.Tensor, mask: torch.Tensor, normalizer: Normalizer
 ) -> torch.Tensor:
@@ -53,17 +103,23 @@ def aggregate_token_loss(
     ``token_normalizer(global_tokens, grad_accum_steps, world_size)``, so that
     the accumulated gradient equals the full-batch token mean.
 
+    A (B, 1) ``normalizer`` divides each sequence's token losses by its own number (the
+    per-sequence aggregations of ``loss_normalizer``).
+
     Args:
         token_loss: (B, T) per-token losses.
         mask: (B, T) 1.0 for valid tokens, 0.0 for padding.
-        normalizer: positive number or 0-dim tensor, as above.
+        normalizer: positive number or 0-dim tensor, as above, or (B, 1) per sequence.
 
     Returns:
         0-dim loss tensor.
     """
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
-    return torch.where(mask.bool(), token_loss, 0.0).sum() / normalizer
+    masked = torch.where(mask.bool(), token_loss, 0.0)
+    if isinstance(normalizer, torch.Tensor) and normalizer.dim() > 0:
+        return (masked / normalizer).sum()
+    return masked.sum() / normalizer
 
 
 def clipped_policy_loss(

@@ -151,6 +151,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
                          f"samples one response per prompt")
     if p.kl_penalty == "loss":
         raise ValueError("ppo.kl_penalty='loss': TRL's PPO takes the KL off the rewards only")
+    if p.loss_agg_mode != "token_mean":
+        raise ValueError(f"ppo.loss_agg_mode={p.loss_agg_mode!r}: TRL's PPO averages the policy "
+                         f"loss over a mini-batch's tokens (token_mean)")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")
