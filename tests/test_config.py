@@ -346,6 +346,11 @@ def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():
     # REINFORCE has no baseline: one response per prompt is enough
     assert load_config(None, ["ppo.advantage_estimator=reinforce"]).data.samples_per_prompt == 1
     assert load_config(None, []).ppo.uses_critic
+    import typing
+
+    from oppo_ds.algo import LOSS_AGG_MODES
+    hints = typing.get_type_hints(PPOConfig)
+    assert typing.get_args(hints["loss_agg_mode"]) == LOSS_AGG_MODES  # the loss knows each mode
     from oppo_ds.algo import CRITIC_FREE_ESTIMATORS, GROUP_ESTIMATORS  # they agree with config's
     assert {e for e in ("gae", *CRITIC_FREE_ESTIMATORS) if PPOConfig(advantage_estimator=e).group_baseline} == \
         set(GROUP_ESTIMATORS)
