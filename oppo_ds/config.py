@@ -141,11 +141,20 @@ class PPOConfig:
     without an end id (TRL's missing_eos_penalty), after reward_clip, so that truncated
     responses do not earn the reward of finished ones; null = off. The share of such
     responses is logged as response/truncated_frac either way."""
+    overlong_buffer_len: int = 0
+    """DAPO's overlong reward shaping (OpenRLHF's --overlong_buffer_len): a response longer
+    than generation.max_new_tokens - overlong_buffer_len tokens loses reward for every token it
+    runs into that buffer, linearly up to ppo.overlong_penalty_factor at the limit; taken off
+    after reward_clip, beside missing_eos_penalty (the two add up). The mean penalty is logged
+    as reward/overlong_penalty. 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at generation.max_new_tokens (OpenRLHF's --overlong_penalty_factor);
+    used with ppo.overlong_buffer_len > 0."""
     advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm"] = "gae"
     """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
     critic. The others train no critic (none is built, checkpointed or exported; its keys are
-    unused): each response's score, after reward_clip and missing_eos_penalty, less a
-    baseline from the other responses to its prompt (data.samples_per_prompt >= 2 of them),
+    unused): each response's score, after reward_clip, missing_eos_penalty and the overlong
+    penalty, less a baseline from the other responses to its prompt (data.samples_per_prompt >= 2 of them),
     is its reward at the last token; advantages are the rewards (the KL penalty's included)
     summed from each token to the end with gamma, then whitened if whiten_advantages.
     `reinforce`: no baseline (REINFORCE++); `rloo`: minus the mean of the prompt's other
@@ -219,6 +228,10 @@ class PPOConfig:
         _require(self.ptx_coef >= 0, "ptx_coef", f"must be >= 0, got {self.ptx_coef}")
         _require(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
                  "missing_eos_penalty", f"must be >= 0 or null, got {self.missing_eos_penalty}")
+        _require(self.overlong_buffer_len >= 0, "overlong_buffer_len",
+                 f"must be >= 0 (0 = off), got {self.overlong_buffer_len}")
+        _require(self.overlong_penalty_factor >= 0, "overlong_penalty_factor",
+                 f"must be >= 0, got {self.overlong_penalty_factor}")
         _require(self.uses_critic or not self.freeze_actor_steps, "freeze_actor_steps",
                  f"must be 0 with advantage_estimator {self.advantage_estimator}: the frozen "
                  f"steps train the critic alone, and this estimator has none")
@@ -689,6 +702,9 @@ class Config:
                  "ppo.ptx_coef" if self.data.ptx is None else "data.ptx",
                  "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
                  f"got ppo.ptx_coef={self.ppo.ptx_coef}, data.ptx={self.data.ptx!r}")
+        _require(self.ppo.overlong_buffer_len <= self.generation.max_new_tokens,
+                 "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
+                 f"({self.generation.max_new_tokens}), got {self.ppo.overlong_buffer_len}")
         if not self.ppo.uses_critic:
             self._check_critic_free()
         if self.ppo.group_baseline and self.oppo.overcommits:

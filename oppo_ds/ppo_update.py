@@ -13,7 +13,7 @@ import torch
 from . import comm
 from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                    gae_advantages, group_baseline_scores, kl_loss, kl_shaped_rewards,
-                   loss_normalizer, masked_mean, masked_whiten, token_normalizer,
+                   loss_normalizer, masked_mean, masked_whiten, overlong_penalty, token_normalizer,
                    truncated_is_weights, truncated_rows)
 from .experience import Experience, response_logprobs, response_values
 from .ptx import lm_loss
@@ -25,9 +25,7 @@ class PPOUpdate:
     def compute_advantages(self, exp: Experience) -> None:
         p = self.cfg.ppo
         mask = exp.response_mask
-        penalty = None
-        if p.missing_eos_penalty:
-            penalty = self._truncated(exp).float() * p.missing_eos_penalty
+        penalty = self._length_penalty(exp)
         # with the KL in the loss the rewards carry the score alone; kl/mean is measured either way
         in_rewards = self.kl_coef if p.kl_penalty == "reward" else 0.0
         baseline = None
@@ -57,6 +55,19 @@ class PPOUpdate:
         mean = s / n
         var = (sq / n - mean ** 2) * n / (n - 1).clamp(min=1)
         return {"mean": mean.float(), "var": var.float()}
+
+    def _length_penalty(self, exp: Experience) -> torch.Tensor | None:
+        """(B,) what each response's score loses for its length (missing_eos_penalty for a
+        truncated one, plus DAPO's overlong penalty), or None with neither configured."""
+        p = self.cfg.ppo
+        penalty = None
+        if p.missing_eos_penalty:
+            penalty = self._truncated(exp).double() * p.missing_eos_penalty
+        if p.overlong_buffer_len:
+            overlong = overlong_penalty(exp.response_mask.sum(-1), self.sampling.max_new_tokens,
+                                        p.overlong_buffer_len, p.overlong_penalty_factor)
+            penalty = overlong if penalty is None else penalty + overlong
+        return penalty
 
     def _truncated(self, exp: Experience) -> torch.Tensor:
         """(B,) bool: responses that reached the length limit without an end id."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .algo import masked_mean
+from .algo import masked_mean, overlong_penalty
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
@@ -617,6 +617,10 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             "rollout/tail_waste_frac": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
             "lr/actor": self.actor.lr(),
         }
+        if self.cfg.ppo.overlong_buffer_len:
+            metrics["reward/overlong_penalty"] = overlong_penalty(
+                torch.tensor(lengths), self.sampling.max_new_tokens, self.cfg.ppo.overlong_buffer_len,
+                self.cfg.ppo.overlong_penalty_factor).mean().item()
         if self.critic is not None:
             metrics["value/mean"] = masked_mean(exp.old_values, exp.response_mask).item()
             metrics["lr/critic"] = self.critic.lr()

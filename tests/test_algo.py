@@ -25,6 +25,7 @@ from oppo_ds.algo import (
     masked_mean,
     masked_var,
     masked_whiten,
+    overlong_penalty,
     token_normalizer,
     truncated_is_weights,
     truncated_rows,
@@ -154,6 +155,27 @@ def test_missing_eos_penalty_after_the_clip():
     torch.testing.assert_close(rewards[:, -1], t([0.5, 0.2, -0.9, 0.0]))
     torch.testing.assert_close(rewards[3, 0], torch.tensor(0.3, dtype=F64))
     torch.testing.assert_close(stats["score_clip_frac"], torch.tensor(0.25))  # the clip's alone
+
+
+def test_overlong_penalty_hand_values():
+    """Limit 10, buffer 4: nothing up to 6 tokens, then factor x (L - 6) / 4, factor at 10.
+    With factor 2: 5 -> 0, 6 -> 0, 7 -> 0.5, 9 -> 1.5, 10 -> 2."""
+    lengths = torch.tensor([5, 6, 7, 9, 10])
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, factor=2.0),
+                               t([0.0, 0.0, 0.5, 1.5, 2.0]))
+    # the whole response as buffer: linear from the first token, 1 at the limit
+    torch.testing.assert_close(overlong_penalty(torch.tensor([0, 5, 10]), 10, 10), t([0.0, 0.5, 1.0]))
+    assert overlong_penalty(lengths, 10, 4, factor=0.0).abs().sum() == 0
+    # it joins the score after the clip, as missing_eos_penalty does: 5.0 -> 1.0 - 0.5
+    mask = t([[1, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    zeros = torch.zeros(1, 10, dtype=F64)
+    rewards, _ = kl_shaped_rewards(t([5.0]), zeros, zeros, mask, 0.1, reward_clip=1.0,
+                                   penalty=overlong_penalty(mask.sum(-1), 10, 4, factor=2.0))
+    torch.testing.assert_close(rewards[0, 6], torch.tensor(0.5, dtype=F64))
+    for bad, match in (({"buffer_len": 0}, "buffer_len"), ({"buffer_len": 11}, "buffer_len"),
+                       ({"buffer_len": 4, "factor": -1.0}, "factor")):
+        with pytest.raises(ValueError, match=match):
+            overlong_penalty(lengths, 10, **bad)
 
 
 # ---- GAE ------------------------------------------------------------------------------

@@ -608,6 +608,43 @@ def test_missing_eos_penalty_lowers_only_truncated_responses(cache_dir, tmp_path
     assert penalty["loss/value"] != pytest.approx(plain["loss/value"], rel=1e-3)
 
 
+def test_overlong_penalty_lowers_each_reward_by_its_length(cache_dir, tmp_path):
+    """ppo.overlong_buffer_len=12 of the 24-token limit, factor 0.5: the same responses and
+    scores as a run without it; each response's reward at its last token is lower by exactly
+    0.5 x (length - 12) / 12 for lengths past 12 and unchanged otherwise (1e-6), the other
+    tokens' rewards (the KL) are untouched, and the logged mean penalty is theirs."""
+    from oppo_ds.trainer import PPOTrainer
+
+    seen = {}
+    for name, extra in (("plain", []), ("overlong", ["ppo.overlong_buffer_len=12",
+                                                      "ppo.overlong_penalty_factor=0.5"])):
+        cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}", "steps=1",
+                                         f"logging.output_dir={tmp_path / name}",
+                                         "checkpoint.export_hf=false", *extra])
+        trainer = PPOTrainer(cfg)
+        real = trainer.compute_advantages
+
+        def compute_advantages(exp, real=real, name=name):
+            real(exp)
+            seen[name] = (exp.response_mask.sum(-1), exp.scores.clone(), exp.rewards.clone())
+        trainer.compute_advantages = compute_advantages
+        trainer.train()
+    (lengths, scores, plain), (lengths2, scores2, shaped) = seen["plain"], seen["overlong"]
+    assert torch.equal(lengths, lengths2) and torch.equal(scores, scores2)
+    expected = 0.5 * (lengths.double() - 12).clamp(min=0) / 12
+    assert (expected > 0).any() and (expected == 0).any()  # the batch has rows on both sides
+    last = lengths.long() - 1
+    rows = torch.arange(len(lengths))
+    drop = plain[rows, last].double() - shaped[rows, last].double()
+    torch.testing.assert_close(drop, expected, atol=1e-6, rtol=0)
+    plain[rows, last] = shaped[rows, last] = 0
+    torch.testing.assert_close(plain, shaped, atol=0, rtol=0)
+    history = {n: read_history(str(tmp_path / n / "metrics.jsonl"))[0] for n in seen}
+    assert "reward/overlong_penalty" not in history["plain"]
+    assert history["overlong"]["reward/overlong_penalty"] == pytest.approx(expected.mean().item())
+    assert history["overlong"]["reward/mean"] == history["plain"]["reward/mean"]
+
+
 def test_freeze_actor_steps_trains_only_the_critic_first(cache_dir, tmp_path):
     """ppo.freeze_actor_steps=2: the actor's weights are the starting ones, exactly, after
     steps 1 and 2 and change in step 3; the critic trains from step 1; the frozen steps log no

@@ -33,7 +33,7 @@ from oppo_ds.algo.losses import (
     truncated_is_weights,
 )
 from oppo_ds.algo.masked import masked_mean, masked_var, masked_whiten
-from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index, truncated_rows
+from oppo_ds.algo.rewards import kl_shaped_rewards, last_valid_index, overlong_penalty, truncated_rows
 
 __all__ = [
     "CRITIC_FREE_ESTIMATORS",
@@ -61,6 +61,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "token_normalizer",
     "truncated_is_weights",
     "truncated_rows",

@@ -38,6 +38,30 @@ def truncated_rows(response_ids: torch.Tensor, mask: torch.Tensor, end_ids,
     return (lengths >= max_new_tokens) & ~torch.isin(last, ends)
 
 
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, as a (B,) penalty to take off the scores.
+
+    A response of at most ``max_new_tokens - buffer_len`` tokens loses nothing; past that the
+    penalty grows linearly with every token into the buffer and is ``factor`` at
+    ``max_new_tokens`` (where every response stops): ``factor * clamp(L - (max_new_tokens -
+    buffer_len), 0, buffer_len) / buffer_len``. Long responses then earn a little less the
+    longer they run, instead of the cliff a truncated response meets at the limit.
+
+    Args:
+        lengths: (B,) response lengths in tokens, the end id included.
+        max_new_tokens: the response length limit.
+        buffer_len: tokens before the limit over which the penalty rises, in (0, max_new_tokens].
+        factor: the penalty at the limit, >= 0.
+    """
+    if not 0 < buffer_len <= max_new_tokens:
+        raise ValueError(f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}")
+    if factor < 0:
+        raise ValueError(f"factor must be >= 0, got {factor}")
+    into = (lengths.double() - (max_new_tokens - buffer_len)).clamp(0, buffer_len)
+    return factor * into / buffer_len
+
+
 def kl_shaped_rewards(
     scores: torch.Tensor,
     logprobs: torch.Tensor,

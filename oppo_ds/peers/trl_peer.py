@@ -154,6 +154,10 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.loss_agg_mode != "token_mean":
         raise ValueError(f"ppo.loss_agg_mode={p.loss_agg_mode!r}: TRL's PPO averages the policy "
                          f"loss over a mini-batch's tokens (token_mean)")
+    if p.overlong_buffer_len:
+        raise ValueError(f"ppo.overlong_buffer_len={p.overlong_buffer_len}: TRL's PPO has no "
+                         f"overlong reward shaping (its missing_eos_penalty is "
+                         f"ppo.missing_eos_penalty)")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")
