@@ -112,7 +112,10 @@ class PPOConfig:
     grad_clip: Optional[float] = 1.0
     """Gradient-norm clipping (null = off)."""
     kl_coef: float = 0.05
-    """Coefficient of the per-token KL penalty against the reference model (beta)."""
+    """Coefficient of the per-token KL penalty against the reference model (beta). 0 turns the
+    KL off and, as in OpenRLHF (--init_kl_coef 0), no reference model is built, loaded or run
+    (model.reference and the partition_reference keys must then be unset); kl/mean is then not
+    logged."""
     kl_estimator: Literal["k1", "k3", "abs", "mse"] = "k1"
     """Per-token KL estimator used in the reward shaping."""
     kl_penalty: Literal["reward", "loss"] = "reward"
@@ -240,6 +243,11 @@ class PPOConfig:
     def uses_critic(self) -> bool:
         """Whether the advantages come from a critic (``gae``), which is then built and trained."""
         return self.advantage_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the KL to a reference model is used (``kl_coef`` > 0), which is then built."""
+        return self.kl_coef > 0
 
     @property
     def group_baseline(self) -> bool:
@@ -694,6 +702,8 @@ class Config:
         _require(self.workload.kind == "length_oracle" or self.model.builtin_arch.startswith("tiny-"),
                  "model.builtin_arch", f"{self.model.builtin_arch} is built with random weights and "
                  f"needs workload.kind: length_oracle (the built-in task trains tiny-* models)")
+        if not self.ppo.uses_reference:
+            self._check_reference_free()
         _require(not (self.system.partition_reference and "reference" in self.oppo.stream_to
                       and self.oppo.streaming), "system.partition_reference",
                  "a partitioned reference cannot stream (each forward is collective over the "
@@ -724,6 +734,15 @@ class Config:
         _require(self.model.critic is None, "model.critic", f"must be null: {none}")
         _require(not self.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
         self.oppo.stream_to = [k for k in self.oppo.stream_to if k != "critic"]
+
+    def _check_reference_free(self) -> None:
+        """With the KL off no reference model is built: the keys that configure one are
+        refused, naming them, and the reference leaves oppo.stream_to."""
+        none = "ppo.kl_coef is 0, so no reference model is built"
+        _require(self.model.reference is None, "model.reference", f"must be null: {none}")
+        for key in ("partition_reference", "offload_reference"):
+            _require(not getattr(self.system, key), f"system.{key}", f"must be false: {none}")
+        self.oppo.stream_to = [k for k in self.oppo.stream_to if k != "reference"]
 
     def _check_whole_prompt_delta(self) -> None:
         """Under a group baseline the pool draws and takes whole prompts, so Delta is a number

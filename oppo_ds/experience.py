@@ -23,7 +23,7 @@ class Experience:
     # policy
     behaviour_logprobs: torch.Tensor  # (B, T) log-probs of the sampling policy
     old_logprobs: torch.Tensor        # (B, T) current actor, recomputed before the update
-    ref_logprobs: torch.Tensor        # (B, T) frozen reference
+    ref_logprobs: torch.Tensor        # (B, T) frozen reference; old_logprobs with the KL off
     # value
     old_values: torch.Tensor          # (B, T) critic before the update
     # reward

@@ -153,7 +153,7 @@ class PPOUpdate:
                                           clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip)
         if weights is not None:
             stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
-        if p.kl_penalty == "loss":
+        if p.kl_penalty == "loss" and p.uses_reference:
             penalty, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mb.response_mask, self.kl_coef,
                                         normalizer, p.kl_estimator)
             loss = loss + penalty

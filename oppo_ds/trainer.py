@@ -225,7 +225,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             logger.info("actor %s | critic %s | reward %s | reference %s | %d prompts | %d rank(s)"
                         " | hybrid engine: %s", src.actor,
                         src.critic if self.critic is not None else f"none ({p.advantage_estimator})",
-                        src.reward, src.reference,
+                        src.reward, src.reference if p.uses_reference else "none (ppo.kl_coef 0)",
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
@@ -531,7 +531,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             "actor", lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]))
         old_values = torch.zeros_like(gen.response_mask) if self.critic is None else streamed_or_scored(
             "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
-        ref_logprobs = streamed_or_scored(
+        # with the KL off there is no reference: its log-probs are the actor's, a KL of exactly 0
+        ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
         scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
         gold = None
@@ -631,7 +632,9 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",
                  "critic_grad_norm": "grad_norm/critic", "ptx_loss": "loss/ptx",
                  "dual_clip_frac": "policy/dual_clip_frac", "kl_loss": "loss/kl"}
-        scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()}  # with the floats below
+        # with the floats below; with the KL off there is no reference to measure it against
+        scalars = {"kl/mean": self._kl_stats["kl"].detach().double().cpu()} \
+            if self.cfg.ppo.uses_reference else {}
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
         means = comm.all_reduce(torch.stack(list(scalars.values())), group=self.dp_group) / self.world_size

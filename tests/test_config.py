@@ -293,6 +293,10 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["data.phase_split=[5, 5, 0]"], "data.phase_split", "the PPO part's share and must be > 0"),
     (["ppo.missing_eos_penalty=-1"], "ppo.missing_eos_penalty", ">= 0 or null"),
     (["ppo.overlong_buffer_len=-4"], "ppo.overlong_buffer_len", ">= 0 (0 = off)"),
+    (["ppo.kl_coef=0", "model.reference=/ckpt/ref"], "model.reference",
+     "must be null: ppo.kl_coef is 0, so no reference model is built"),
+    (["ppo.kl_coef=0", "system.zero_stage=3", "system.partition_reference=true"],
+     "system.partition_reference", "must be false: ppo.kl_coef is 0"),
     (["ppo.overlong_penalty_factor=-1"], "ppo.overlong_penalty_factor", "must be >= 0"),
     (["ppo.overlong_buffer_len=200", "generation.max_new_tokens=128"], "ppo.overlong_buffer_len",
      "at most generation.max_new_tokens (128), got 200"),
@@ -347,6 +351,11 @@ def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():
                              "oppo.streaming=true"])
     assert cfg.oppo.stream_to == ["reference", "actor"] and not cfg.ppo.uses_critic
     assert cfg.oppo.streamed_scorers == ["reward", "reference"]
+    # the KL off: no reference streams either (and none is built)
+    off = load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=4",
+                             "oppo.streaming=true", "ppo.kl_coef=0"])
+    assert off.oppo.stream_to == ["actor"] and off.oppo.streamed_scorers == ["reward"]
+    assert not off.ppo.uses_reference and cfg.ppo.uses_reference
     # REINFORCE has no baseline: one response per prompt is enough
     assert load_config(None, ["ppo.advantage_estimator=reinforce"]).data.samples_per_prompt == 1
     assert load_config(None, []).ppo.uses_critic

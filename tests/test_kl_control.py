@@ -94,3 +94,32 @@ def test_a_resumed_run_continues_the_coefficient(cache_dir, tmp_path, caplog):
     assert "holds no adaptive KL coefficient (written without ppo.kl_target)" in caplog.text
     rows = read_history(str(tmp_path / "was_fixed" / "metrics.jsonl"))
     assert rows[-1]["step"] == 3 and rows[-1]["kl/coef"] == 0.05
+
+
+@pytest.mark.parametrize("schedule", [(), ("oppo.streaming=true", "oppo.overcommit=4", "ppo.kl_penalty=loss",
+                                           "ppo.kl_estimator=k3")], ids=["sequential", "oppo-kl-in-loss"])
+def test_with_the_kl_off_no_reference_is_built_and_training_is_the_same(cache_dir, tmp_path, monkeypatch,
+                                                                       schedule):
+    """ppo.kl_coef=0 (OpenRLHF's --init_kl_coef 0): no reference model is built or run, kl/mean
+    and loss/kl are not logged, and the run is the one a reference scored at weight 0 gave
+    before (forced here by patching PPOConfig.uses_reference): rewards, losses, gradient norms
+    and responses equal to the last digit over 3 steps, sequentially and under full OPPO with
+    the KL in the loss (the reference streamed there)."""
+    from oppo_ds.config import PPOConfig
+
+    common = ("steps=3", "checkpoint.export_hf=false", "ppo.kl_coef=0", *schedule)
+    trainer, _ = run(cache_dir, tmp_path / "off", *common)
+    assert trainer.reference is None and "reference" not in trainer.cfg.oppo.stream_to
+    with monkeypatch.context() as patch:
+        patch.setattr(PPOConfig, "uses_reference", property(lambda self: True))
+        forced, _ = run(cache_dir, tmp_path / "forced", *common)
+    assert forced.reference is not None
+    if schedule:
+        assert "reference" in forced.cfg.oppo.stream_to
+    off, with_ref = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("off", "forced"))
+    assert len(off) == len(with_ref) == 3
+    for a, b in zip(off, with_ref):
+        assert "kl/mean" not in a and "loss/kl" not in a and "kl/mean" in b
+        for key in ("reward/mean", "gold/mean", "response/lengths", "loss/policy", "loss/value",
+                    "grad_norm/actor", "grad_norm/critic", "policy/entropy", "value/mean"):
+            assert a[key] == b[key], key

@@ -597,6 +597,14 @@ def test_critic_free_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["actor", "latest", "trainer"]
 
 
+def test_the_kl_off_builds_no_reference_on_the_megatron_engine(cache_dir, tmp_path):
+    """ppo.kl_coef=0 under backend megatron: the run names no reference, logs no KL, trains."""
+    rows, summary = _train(str(tmp_path / "run"), cache_dir, 1, "ppo.kl_coef=0", "steps=2")
+    assert summary["steps"] == 2 and [r["step"] for r in rows] == [1, 2]
+    assert all("kl/mean" not in r and r["loss/policy"] == r["loss/policy"] for r in rows)
+    assert "reference none (ppo.kl_coef 0)" in open(tmp_path / "run" / "launcher.log").read()
+
+
 def test_actor_average_of_tensor_parallel_shards(cache_dir, tmp_path):
     """model.actor_ema on the Megatron engine: each rank averages its shard; beta 1 keeps the
     starting weights, so the exported average (shards swapped in, collected by the export) is

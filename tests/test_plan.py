@@ -187,17 +187,24 @@ def test_sequential_step_of_a_fixed_length_batch_is_the_hand_sum():
         assert step.tail_waste == 0.0
 
 
-def test_a_critic_free_step_neither_scores_nor_trains_a_critic():
-    dev, L, B, micro, mini = _overhead_device(), 20, 8, 4, 8
+def _first_sequential_step(dev, B, micro, mini, **models):
+    """The phases of one simulated sequential step of B rows of 20 tokens, tiny models;
+    ``models``: CostModel's critic= / reference= switches."""
     shape = tiny_shape("tiny-llama", 33)
     lay = Layout(batch=B, micro=micro, mini=mini, epochs=1, prompt_len=11)
-    costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay, critic=False)
-    res = StepSimulator(costs, LengthDist(192, values=(L,))).run(Schedule("sequential"), steps=2,
-                                                                 warmup=0)
+    costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay, **models)
+    res = StepSimulator(costs, LengthDist(192, values=(20,))).run(Schedule("sequential"), steps=2,
+                                                                  warmup=0)
+    return res.steps[0].phases
+
+
+def test_a_critic_free_step_neither_scores_nor_trains_a_critic():
+    dev, B, micro, mini = _overhead_device(), 8, 4, 8
+    phases = _first_sequential_step(dev, B, micro, mini, critic=False)
     score = 3 * (B // micro) * dev.prefill_call_s  # actor, reference, reward
     train = (B // mini) * ((mini // micro) * dev.train_call_s + dev.optim_s)  # the actor only
-    assert res.steps[0].phases["score"] == pytest.approx(score)
-    assert res.steps[0].phases["train"] == pytest.approx(train)
+    assert phases["score"] == pytest.approx(score)
+    assert phases["train"] == pytest.approx(train)
     h100 = get_device("H100-80GB")
     rloo = _cfg("system.zero_stage=3", "ppo.advantage_estimator=rloo", "data.samples_per_prompt=4")
     ppo = plan_memory(_cfg("system.zero_stage=3"), resolve_shapes(rloo), 1, 8, h100).items
@@ -208,6 +215,26 @@ def test_a_critic_free_step_neither_scores_nor_trains_a_critic():
     mega = _megatron_cfg(8, 4)
     mega = dataclasses.replace(mega, ppo=dataclasses.replace(mega.ppo, advantage_estimator="reinforce"))
     assert plan(mega, 4, 8, h100, steps=2)["breakdown_gib"]["critic_optimizer"] == 0
+
+
+def test_with_the_kl_off_nothing_holds_or_scores_a_reference():
+    """ppo.kl_coef=0: the step scores with the actor, critic and reward model only (3 calls per
+    micro-batch, not 4), and the reference's weights leave every GPU's memory, under ZeRO-3 with
+    a partitioned reference's key unset and under Megatron; the plan lists no reference."""
+    dev, B, micro, mini = _overhead_device(), 8, 4, 8
+    phases = _first_sequential_step(dev, B, micro, mini, reference=False)
+    assert phases["score"] == pytest.approx(3 * (B // micro) * dev.prefill_call_s)
+    h100 = get_device("H100-80GB")
+    with_kl = plan_memory(_cfg("system.zero_stage=3"), resolve_shapes(_cfg()), 1, 8, h100).items
+    no_kl = plan_memory(_cfg("system.zero_stage=3", "ppo.kl_coef=0"), resolve_shapes(_cfg()), 1, 8,
+                        h100).items
+    assert with_kl["reference"] > 0 and no_kl["reference"] == 0
+    assert no_kl["reward"] == with_kl["reward"] and no_kl["actor_kv"] == with_kl["actor_kv"]
+    mega = _megatron_cfg(8, 4)
+    assert plan(mega, 4, 8, h100, steps=2)["breakdown_gib"]["reference"] > 0
+    mega = dataclasses.replace(mega, ppo=dataclasses.replace(mega.ppo, kl_coef=0.0))
+    out = plan(mega, 4, 8, h100, steps=2)
+    assert out["breakdown_gib"]["reference"] == 0 and "reference" not in out["models"]
 
 
 def test_the_group_pool_stops_and_takes_whole_prompts():

@@ -90,6 +90,21 @@ def test_stage_critic_free_with_the_group_pool_gives_the_inline_run(cache_dir, t
         assert "value/mean" not in b[step] and "stream/critic_weights_s" not in b[step]
 
 
+def test_stage_with_the_kl_off_holds_no_reference_and_gives_the_inline_run(cache_dir, tmp_path):
+    """ppo.kl_coef=0 under the stage placement: the scorer rank builds and streams the reward
+    model and the critic only, and the run repeats the inline one (1e-4, as above)."""
+    no_kl = ("steps=2", "checkpoint.export_hf=false", "ppo.kl_coef=0", "oppo.overcommit=2")
+    run_in_process(cache_dir, tmp_path / "inline", *no_kl)
+    proc = launch(tmp_path / "stage", cache_dir, *no_kl)
+    assert "scores (reward, critic)" in proc.stdout + proc.stderr
+    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
+    for step in (1, 2):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        for key in ("reward/mean", "gold/mean", "loss/policy", "loss/value"):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+        assert "kl/mean" not in b[step]
+
+
 def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
     run_in_process(cache_dir, tmp_path / "inline", "steps=3", "checkpoint.export_hf=false")
     out = tmp_path / "stage"

@@ -19,7 +19,7 @@ from .base import TrainEngine
 class Models:
     actor: TrainEngine
     critic: Optional[TrainEngine]  # None for a critic-free ppo.advantage_estimator
-    reference: Optional[torch.nn.Module]  # None when it lives on the scorer rank (stage)
+    reference: Optional[torch.nn.Module]  # None on the scorer rank (stage) or with the KL off
     reward: Optional[torch.nn.Module]
 
 
@@ -85,7 +85,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
                                        cfg, "critic")
         critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
     device = actor.device
-    if "reference" in on_stage:
+    if "reference" in on_stage or not p.uses_reference:  # on the scorer rank, or the KL is off
         reference = None
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,

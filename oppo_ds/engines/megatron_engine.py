@@ -304,7 +304,8 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
 
     actor = trained(sources.actor, "lm", p.actor_lr)
     critic = trained(sources.critic, "value", p.critic_lr) if p.uses_critic else None
-    reference = None if "reference" in on_stage else _frozen(load(sources.reference, "lm"))
+    reference = None if "reference" in on_stage or not p.uses_reference else \
+        _frozen(load(sources.reference, "lm"))
     reward = None if "reward" in on_stage else _frozen(load(sources.reward, "value",
                                                              require_head=True))
     if first_rank:

@@ -109,7 +109,8 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         items[f"{name}_params"], items[f"{name}_grads"] = st.params, st.grads
         items[f"{name}_optimizer"] = st.optimizer
     for name, value_head in (("reference", False), ("reward", True)):
-        items[name] = 0.0 if name in on_stage else w * largest_shard(
+        unused = name == "reference" and not cfg.ppo.uses_reference  # the KL off
+        items[name] = 0.0 if name in on_stage or unused else w * largest_shard(
             getattr(shapes, name), tp, pp, lm_head=not value_head, value_head=value_head)
 
     def kv(shape: ModelShape, n_rows: int) -> float:  # the stage's layers, heads split over tp

@@ -208,7 +208,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     plan.cpu_per_node = actor.cpu_per_node + critic.cpu_per_node
 
     ref = shapes.reference
-    if "reference" in on_stage:
+    if "reference" in on_stage or not cfg.ppo.uses_reference:  # on the stage, or the KL is off
         items["reference"] = items["reference_gathered"] = 0.0
     elif s.partition_reference:
         part = w * ref.params() / gpus

@@ -81,7 +81,7 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
                      lora_only=m.only_optimize_lora, hybrid_engine=s.hybrid_engine,
                      partition_reference=s.partition_reference, offload_reference=s.offload_reference,
                      lora_dims={"actor": m.actor_lora_dim, "critic": m.critic_lora_dim},
-                     critic=cfg.ppo.uses_critic)
+                     critic=cfg.ppo.uses_critic, reference=cfg.ppo.uses_reference)
 
 
 def length_dist(cfg: Config, lengths: Optional[Sequence[int]] = None) -> LengthDist:
@@ -138,7 +138,8 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
         "models": {k: {"shape": getattr(shapes, k).name,
                        "params": getattr(shapes, k).params(value_head=k in ("reward", "critic"))}
                    for k in ("actor", "reference", "reward", "critic")
-                   if k != "critic" or cfg.ppo.uses_critic},  # a critic-free estimator has none
+                   # a critic-free estimator has no critic, the KL off no reference
+                   if (k != "critic" or cfg.ppo.uses_critic) and (k != "reference" or cfg.ppo.uses_reference)},
         "rows_per_rank": {"batch_size": b, "delta": delta},
         **memory.to_json(),
         "predicted_step_s": {m: round(r.mean("step_s"), 6) for m, r in results.items()},

@@ -139,11 +139,13 @@ class CostModel:
                  lora_only: bool = False, hybrid_engine: bool = False,
                  partition_reference: bool = False, offload_reference: bool = False,
                  lora_dims: Optional[dict[str, int]] = None, model_split: tuple[int, int] = (1, 1),
-                 whole_scorers: frozenset = frozenset(), critic: bool = True):
+                 whole_scorers: frozenset = frozenset(), critic: bool = True,
+                 reference: bool = True):
         """``model_split``: Megatron's (tensor, pipeline) sizes; one decode group is then one
         model replica and ``layout.gpus`` its data-parallel replicas. ``whole_scorers``: the
         kinds that run unsplit on the stage placement's scorer rank. ``critic``: False for a
-        critic-free ``ppo.advantage_estimator`` (nothing scores or trains one)."""
+        critic-free ``ppo.advantage_estimator`` (nothing scores or trains one); ``reference``:
+        False with the KL off (``ppo.kl_coef`` 0: nothing scores one)."""
         self.dev, self.shapes, self.lay, self.w = device, shapes, layout, dtype_bytes
         self.mtp, self.mpp = model_split
         self.whole_scorers = frozenset(whole_scorers)
@@ -152,6 +154,8 @@ class CostModel:
         self.partition_reference, self.offload_reference = partition_reference, offload_reference
         self.lora_dims = lora_dims or {}
         self.trained = ("actor", "critic") if critic else ("actor",)
+        self.scorers = tuple(k for k in ("reference", "critic", "reward")
+                             if (k != "critic" or critic) and (k != "reference" or reference))
         n = layout.gpus
         self.net_bw = (device.inter_node_bw if layout.nodes > 1 else device.intra_node_bw) if n > 1 else 0.0
         # Megatron's pipeline stages: one node holds tp x pp ranks or the stages span nodes
@@ -554,9 +558,7 @@ class StepSimulator:
         # a streaming actor scored its tokens as it decoded them, except rows that finished in
         # an earlier step (the update since then made those log-probs stale)
         t = c.scored_forwards("actor", lengths[rescore] if sched.actor_streams else lengths)
-        for kind in ("reference", "critic", "reward"):
-            if kind == "critic" and kind not in c.trained:
-                continue
+        for kind in c.scorers:
             if kind not in sched.streamed:
                 t += c.scored_forwards(kind, lengths)
             elif kind == "critic" and sched.delta:
