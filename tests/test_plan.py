@@ -30,6 +30,7 @@ SHIPPED = {
     "own_models.yaml": (1, 8, "H100-80GB", {"actor": "llama3-8b", "reward": "llama3-8b"}),
     "llama3_8b_zero3.yaml": (1, 8, "H100-80GB", {}),
     "llama3_8b_grpo.yaml": (1, 8, "H100-80GB", {}),
+    "llama3_8b_dapo.yaml": (1, 8, "H100-80GB", {}),
     "llama3_70b.yaml": (8, 8, "H100-80GB", {}),
     "megatron_tiny.yaml": (1, 2, "H100-80GB", {}),
     "megatron_70b.yaml": (4, 8, "H100-80GB", {}),

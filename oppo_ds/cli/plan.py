@@ -77,6 +77,8 @@ def format_plan(out: dict, config: str) -> str:
         n = m["params"]
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
         lines.append(f"  {k:<9} {m['shape']}: {size} parameters")
+    if "reference" not in out["models"]:
+        lines.append("  reference none (ppo.kl_coef 0: the KL is off)")
     if "critic" not in out["models"]:
         lines.append("  critic    none (a critic-free ppo.advantage_estimator)")
     rows = out["rows_per_rank"]
