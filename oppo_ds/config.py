@@ -157,9 +157,10 @@ class PPOConfig:
     """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
     critic. The others train no critic (none is built, checkpointed or exported; its keys are
     unused): each response's score, after reward_clip, missing_eos_penalty and the overlong
-    penalty, less a baseline from the other responses to its prompt (data.samples_per_prompt >= 2 of them),
-    is its reward at the last token; advantages are the rewards (the KL penalty's included)
-    summed from each token to the end with gamma, then whitened if whiten_advantages.
+    penalty, less a baseline from the other responses to its prompt
+    (data.samples_per_prompt >= 2 of them), is its reward at the last token; advantages are
+    the rewards (the KL penalty's included) summed from each token to the end with gamma,
+    then whitened if whiten_advantages.
     `reinforce`: no baseline (REINFORCE++); `rloo`: minus the mean of the prompt's other
     responses (RLOO); `reinforce_baseline`: minus the mean of all of them; `group_norm`:
     minus that mean, divided by their standard deviation (GRPO; its paper puts the KL in the

@@ -26,7 +26,8 @@ class PPOUpdate:
         p = self.cfg.ppo
         mask = exp.response_mask
         penalty = self._length_penalty(exp)
-        # with the KL in the loss the rewards carry the score alone; kl/mean is measured either way
+        # with the KL in the loss the rewards carry the score alone; kl/mean is measured either
+        # way (with the KL off, ppo.kl_coef 0, there is no reference and the KL is exactly 0)
         in_rewards = self.kl_coef if p.kl_penalty == "reward" else 0.0
         baseline = None
         if not p.uses_critic:  # a critic-free estimator: the score against the prompt's others

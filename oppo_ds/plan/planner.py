@@ -139,7 +139,8 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
                        "params": getattr(shapes, k).params(value_head=k in ("reward", "critic"))}
                    for k in ("actor", "reference", "reward", "critic")
                    # a critic-free estimator has no critic, the KL off no reference
-                   if (k != "critic" or cfg.ppo.uses_critic) and (k != "reference" or cfg.ppo.uses_reference)},
+                   if (k != "critic" or cfg.ppo.uses_critic)
+                   and (k != "reference" or cfg.ppo.uses_reference)},
         "rows_per_rank": {"batch_size": b, "delta": delta},
         **memory.to_json(),
         "predicted_step_s": {m: round(r.mean("step_s"), 6) for m, r in results.items()},
