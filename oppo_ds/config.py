@@ -201,6 +201,14 @@ class PPOConfig:
     `seq_mean_token_sum_norm`: each response's token sum over generation.max_new_tokens, then
     the responses (Dr. GRPO; TRL's loss_type dr_grpo), without that length bias. The
     critic's value loss stays the token mean."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Where the policy ratio pi_theta / pi_old is taken (TRL GRPO's key of the same name).
+    `token`: per token (PPO's). `sequence`: per response, the geometric mean of its tokens'
+    ratios, clipped as a whole, on each of its tokens (GSPO, Zheng et al. 2025, with which
+    Qwen3 was trained; its paper clips at ppo.clip_eps 3e-4 / clip_eps_high 4e-4, since a
+    mean ratio moves far less than a token's, and averages per response,
+    seq_mean_token_mean). Truncated importance sampling (oppo.off_policy) still weighs each
+    token."""
 
     def __post_init__(self):
         for key in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs"):

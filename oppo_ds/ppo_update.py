@@ -151,7 +151,8 @@ class PPOUpdate:
         loss, stats = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                           p.clip_eps, normalizer, entropy=entropy,
                                           entropy_coef=p.entropy_coef, is_weights=weights,
-                                          clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip)
+                                          clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
+                                          ratio_level=p.importance_sampling_level)
         if weights is not None:
             stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
         if p.kl_penalty == "loss" and p.uses_reference:

@@ -353,6 +353,38 @@ def test_kl_loss_hand_values(estimator, value, grad):
     torch.testing.assert_close(stats["kl_loss"], torch.tensor(value, dtype=F64))
 
 
+def test_sequence_level_ratio_by_hand():
+    """GSPO's ratio (ratio_level="sequence"), clip 0.2, one mini-batch of 2 responses, token
+    mean over their 3 valid tokens.
+    Row 0: 2 tokens, log-ratios 0.05 and -0.05 -> mean 0, ratio 1 on both, A = +1: unclipped,
+      loss_t = -1 each; d(-A exp(mean))/d logp_t = -1 x 1/2 per token, in each of 2 token
+      losses: -1/2 x 2 / 3 (the token mean's 1/3) = -1/3 for each token.
+    Row 1: 1 token (+ padding holding a huge log-prob that must not count), log-ratio 0.3 ->
+      ratio e^0.3 = 1.3499 > 1.2, A = +1: clipped, loss -1.2, no gradient.
+    Loss = (-1 - 1 - 1.2) / 3; clip_frac = 1/3."""
+    logp = t([[0.05, -0.05], [0.3, 50.0]]).requires_grad_()
+    old = torch.zeros(2, 2, dtype=F64)
+    adv = t([[1.0, 1.0], [1.0, 7.0]])
+    mask = t([[1, 1], [1, 0]])
+    out, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, 3.0, ratio_level="sequence")
+    out.backward()
+    torch.testing.assert_close(out, torch.tensor(-3.2 / 3, dtype=F64))
+    torch.testing.assert_close(logp.grad, t([[-1 / 3, -1 / 3], [0.0, 0.0]]))
+    torch.testing.assert_close(stats["clip_frac"], torch.tensor(1 / 3, dtype=F64))
+    torch.testing.assert_close(stats["ratio_max"], torch.tensor(math.exp(0.3), dtype=F64))
+    # per token the ratios are e^0.05 and e^-0.05 on row 0: another loss
+    token, _ = clipped_policy_loss(logp.detach().requires_grad_(), old, adv, mask, 0.2, 3.0)
+    assert token.item() != pytest.approx(out.item())
+    # one-token responses: the two levels are the same loss
+    one = t([[0.1], [-0.4]])
+    a, _ = clipped_policy_loss(one, old[:, :1], t([[1.0], [-1.0]]), t([[1.0], [1.0]]), 0.2, 2.0)
+    b, _ = clipped_policy_loss(one, old[:, :1], t([[1.0], [-1.0]]), t([[1.0], [1.0]]), 0.2, 2.0,
+                               ratio_level="sequence")
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="ratio_level"):
+        clipped_policy_loss(one, old[:, :1], one, t([[1.0], [1.0]]), 0.2, 2.0, ratio_level="seq")
+
+
 def test_dual_clip_needs_a_bound_above_one_and_ignores_padding():
     logp, old, adv = t([[math.log(5.0), 9.0]]), t([[0.0, 0.0]]), t([[-1.0, -1.0]])
     loss, stats = clipped_policy_loss(logp, old, adv, t([[1.0, 0.0]]), 0.2, 1.0, dual_clip=3.0)

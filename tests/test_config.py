@@ -361,9 +361,10 @@ def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():
     assert load_config(None, []).ppo.uses_critic
     import typing
 
-    from oppo_ds.algo import LOSS_AGG_MODES
+    from oppo_ds.algo import LOSS_AGG_MODES, RATIO_LEVELS
     hints = typing.get_type_hints(PPOConfig)
     assert typing.get_args(hints["loss_agg_mode"]) == LOSS_AGG_MODES  # the loss knows each mode
+    assert typing.get_args(hints["importance_sampling_level"]) == RATIO_LEVELS
     from oppo_ds.algo import CRITIC_FREE_ESTIMATORS, GROUP_ESTIMATORS  # they agree with config's
     assert {e for e in ("gae", *CRITIC_FREE_ESTIMATORS) if PPOConfig(advantage_estimator=e).group_baseline} == \
         set(GROUP_ESTIMATORS)

@@ -188,6 +188,9 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     grpo_loss = load_config(None, ["ppo.loss_agg_mode=seq_mean_token_mean"])
     with pytest.raises(ValueError, match="TRL's PPO averages the policy loss over a mini-batch's tokens"):
         trl_peer.trl_settings(grpo_loss, out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
+    with pytest.raises(ValueError, match="TRL's PPO takes the policy ratio per token"):
+        trl_peer.trl_settings(load_config(None, ["ppo.importance_sampling_level=sequence"]),
+                              out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     with pytest.raises(ValueError, match="TRL's PPO has no overlong reward shaping"):
         trl_peer.trl_settings(load_config(None, ["ppo.overlong_buffer_len=64"]), out_dir=str(tmp_path),
                               eos_token_ids=(2,), use_cpu=True)

@@ -233,20 +233,24 @@ def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(cach
     assert (ckpt / "latest").read_text().strip() == "step6"
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
-def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path, mode):
-    """Token- and sequence-level loss aggregation (ppo.loss_agg_mode): micro-batches of 4 or 2
-    inside a mini-batch of 4 give the same updates (1e-5: only floating-point summation order
-    differs)."""
-    run(cache_dir, tmp_path / "m4", "steps=3", "ppo.micro_batch_size=4", f"ppo.loss_agg_mode={mode}")
-    run(cache_dir, tmp_path / "m2", "steps=3", "ppo.micro_batch_size=2", f"ppo.loss_agg_mode={mode}")
+@pytest.mark.parametrize("mode, level", [("token_mean", "token"), ("seq_mean_token_mean", "token"),
+                                         ("seq_mean_token_mean", "sequence")])
+def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path, mode, level):
+    """Token- and sequence-level loss aggregation (ppo.loss_agg_mode), and GSPO's ratio per
+    response (ppo.importance_sampling_level): micro-batches of 4 or 2 inside a mini-batch of 4
+    give the same updates (1e-5: only floating-point summation order differs), and another
+    update than the token mean's (the token ratios', with GSPO's)."""
+    both = (f"ppo.loss_agg_mode={mode}", f"ppo.importance_sampling_level={level}")
+    run(cache_dir, tmp_path / "m4", "steps=3", "ppo.micro_batch_size=4", *both)
+    run(cache_dir, tmp_path / "m2", "steps=3", "ppo.micro_batch_size=2", *both)
     a, b = _metrics_by_step(tmp_path / "m4" / "metrics.jsonl"), _metrics_by_step(tmp_path / "m2" / "metrics.jsonl")
     for step in (1, 2, 3):
         for key in ("reward/mean", "gold/mean", "loss/policy", "kl/mean", "response/len_mean",
                     "grad_norm/actor"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
-    if mode != "token_mean":  # and the aggregation is not the token mean's: another gradient
-        run(cache_dir, tmp_path / "tm", "steps=1", "ppo.micro_batch_size=4")
+    if (mode, level) != ("token_mean", "token"):  # and not the default's: another gradient
+        other = f"ppo.loss_agg_mode={mode}" if level != "token" else "ppo.loss_agg_mode=token_mean"
+        run(cache_dir, tmp_path / "tm", "steps=1", "ppo.micro_batch_size=4", other)
         token = _metrics_by_step(tmp_path / "tm" / "metrics.jsonl")[1]
         assert token["response/lengths"] == a[1]["response/lengths"]
         assert abs(token["grad_norm/actor"] - a[1]["grad_norm/actor"]) > 1e-3

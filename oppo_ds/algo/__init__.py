@@ -23,6 +23,7 @@ from oppo_ds.algo.kl import (
 from oppo_ds.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from oppo_ds.algo.losses import (
     LOSS_AGG_MODES,
+    RATIO_LEVELS,
     aggregate_token_loss,
     clipped_policy_loss,
     clipped_value_loss,
@@ -40,6 +41,7 @@ __all__ = [
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "RATIO_LEVELS",
     "adaptive_kl_coef",
     "aggregate_token_loss",
     "clipped_policy_loss",

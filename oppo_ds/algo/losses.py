@@ -36,6 +36,8 @@ def token_normalizer(
 
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# where the policy ratio is taken: per token (PPO) or per response (GSPO)
+RATIO_LEVELS = ("token", "sequence")
 
 
 def loss_normalizer(
@@ -134,6 +136,7 @@ def clipped_policy_loss(
     is_weights: torch.Tensor | None = None,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, optionally with an entropy bonus.
 
@@ -146,6 +149,12 @@ def clipped_policy_loss(
     ratio far above 1 on a token with a negative advantage adds at most c |A_t|, without
     gradient. Aggregated by ``aggregate_token_loss``; minus ``entropy_coef`` times the
     equally aggregated entropy when ``entropy`` is given.
+
+    With ``ratio_level="sequence"`` (GSPO: Zheng et al., "Group Sequence Policy
+    Optimization", 2025; TRL's ``importance_sampling_level``) every token of a response takes
+    the response's ratio, the geometric mean of its tokens' ratios
+    ``exp(mean_t(logprobs - old_logprobs))``, so a response is clipped as a whole and each of
+    its tokens' log-probs gets 1/|y| of its gradient.
 
     Args:
         logprobs: (B, T) log pi_theta of the response tokens (with grad).
@@ -163,6 +172,7 @@ def clipped_policy_loss(
             come from.
         clip_eps_high: the upper clip range (DAPO's clip-higher); None = ``clip_eps``.
         dual_clip: the dual-clip bound c (> 1) on negative-advantage tokens; None = off.
+        ratio_level: ``"token"`` (PPO's) or ``"sequence"`` (GSPO's), see above.
 
     Returns:
         loss: 0-dim tensor.
@@ -177,11 +187,16 @@ def clipped_policy_loss(
         raise ValueError("entropy_coef is nonzero but no entropy was given")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     high = clip_eps if clip_eps_high is None else clip_eps_high
     valid = mask.bool()
     # Zero the log-ratio at padding before exp(): where() alone would still
     # backpropagate 0 * inf = NaN from an overflowing padded ratio.
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    if ratio_level == "sequence":  # the mean over the response's tokens, on each of them
+        per_row = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(valid, per_row.expand_as(log_ratio), 0.0)
     ratio = torch.exp(log_ratio)
     advantages = torch.where(valid, advantages, 0.0)
     unclipped = -advantages * ratio

@@ -154,6 +154,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.loss_agg_mode != "token_mean":
         raise ValueError(f"ppo.loss_agg_mode={p.loss_agg_mode!r}: TRL's PPO averages the policy "
                          f"loss over a mini-batch's tokens (token_mean)")
+    if p.importance_sampling_level != "token":
+        raise ValueError(f"ppo.importance_sampling_level={p.importance_sampling_level!r}: TRL's "
+                         f"PPO takes the policy ratio per token (its GRPOTrainer has the option)")
     if p.overlong_buffer_len:
         raise ValueError(f"ppo.overlong_buffer_len={p.overlong_buffer_len}: TRL's PPO has no "
                          f"overlong reward shaping (its missing_eos_penalty is "
