@@ -32,6 +32,21 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
                        "system.megatron_layers", "system.zero_stage", "system.dtype",
                        "ppo.advantage_estimator")
 
+# the settings of the objective a resume may change (the run continues under the new ones),
+# named in the log when they differ from the checkpoint's: every ppo key but the learning
+# rates and weight decay (logged from the engines' own state), the estimator (refused above)
+# and the micro-batch size (a memory knob that leaves the update as it is), and the sampling
+_OBJECTIVE_EXCLUDED = ("ppo.actor_lr", "ppo.critic_lr", "ppo.weight_decay",
+                       "ppo.advantage_estimator", "ppo.micro_batch_size")
+
+
+def objective_settings(values: dict) -> dict:
+    """``{"ppo.kl_coef": 0.05, ...}``: the objective's settings in ``values`` (``Config.to_dict()``)."""
+    out = {f"ppo.{k}": v for k, v in values["ppo"].items()}
+    out.update({f"generation.{k}": values["generation"][k] for k in ("temperature", "top_k", "top_p")})
+    return {k: v for k, v in out.items() if k not in _OBJECTIVE_EXCLUDED}
+
+
 # a saved prompt stream's settings, as a user sets them
 _STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
                    "world_size": "{} data-parallel ranks",
@@ -139,6 +154,11 @@ class Resumable:
                     saved, now = engine.resumed_changes[setting]
                     logger.info("%s: %g, not the %g checkpoint %s was written with", key, now,
                                 saved, tag)
+            saved = state.get("objective") or {}  # none in checkpoints before 2026-11-25
+            now = objective_settings(self.cfg.to_dict())
+            for key in (k for k in now if k in saved and saved[k] != now[k]):
+                logger.info("%s: %s, not the %s checkpoint %s was written with", key, now[key],
+                            saved[key], tag)
 
     def _checkpoint_settings(self) -> dict:
         values = self.cfg.to_dict()
@@ -173,7 +193,8 @@ class Resumable:
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
                  "kl_coef": self.kl_coef if self.cfg.ppo.kl_target is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
-                 "settings": self._checkpoint_settings()}
+                 "settings": self._checkpoint_settings(),
+                 "objective": objective_settings(self.cfg.to_dict())}
         tag = f"step{self.step_count}"
         self.ckpt.save(tag, state, engines=engines)
         if self.cfg.checkpoint.save_hf:

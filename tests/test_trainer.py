@@ -1108,3 +1108,21 @@ def test_responses_longer_than_a_learned_position_table_stop_before_any_engine(t
         f"generation.max_new_tokens: max_prompt_len 32 + max_new_tokens 481 = 513 positions, but "
         f"model.actor ({actor}) has 512 (n_positions in its config): its positions are a learned "
         "table, so a longer sequence cannot be scored; lower the two")
+
+
+def test_a_resume_names_the_objective_settings_that_changed(cache_dir, tmp_path, caplog):
+    """A run may continue under another objective (here the KL coefficient and the loss
+    aggregation): the resume says so, one line per setting, as it does for learning rates;
+    a micro-batch size (the same update) and unchanged settings go unmentioned."""
+    import logging
+
+    out = tmp_path / "run"
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
+    with caplog.at_level(logging.INFO, logger="oppo_ds.resume"):
+        run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "ppo.kl_coef=0.1",
+            "ppo.loss_agg_mode=seq_mean_token_mean", "ppo.micro_batch_size=2")
+    lines = [r.getMessage() for r in caplog.records if "was written with" in r.getMessage()]
+    assert lines == ["ppo.kl_coef: 0.1, not the 0.05 checkpoint step2 was written with",
+                     "ppo.loss_agg_mode: seq_mean_token_mean, not the token_mean checkpoint step2 "
+                     "was written with"]
+    assert read_history(str(out / "metrics.jsonl"))[-1]["kl/coef"] == 0.1
