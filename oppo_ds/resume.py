@@ -156,6 +156,8 @@ class Resumable:
                                 saved, tag)
             saved = state.get("objective") or {}  # none in checkpoints before 2026-11-25
             now = objective_settings(self.cfg.to_dict())
+            if state.get("kl_coef") is not None and self.cfg.ppo.kl_target is not None:
+                now.pop("ppo.kl_coef")  # only the start: the adaptive coefficient goes on as saved
             for key in (k for k in now if k in saved and saved[k] != now[k]):
                 logger.info("%s: %s, not the %s checkpoint %s was written with", key, now[key],
                             saved[key], tag)

@@ -1126,3 +1126,13 @@ def test_a_resume_names_the_objective_settings_that_changed(cache_dir, tmp_path,
                      "ppo.loss_agg_mode: seq_mean_token_mean, not the token_mean checkpoint step2 "
                      "was written with"]
     assert read_history(str(out / "metrics.jsonl"))[-1]["kl/coef"] == 0.1
+
+    # with ppo.kl_target the checkpoint's adaptive coefficient goes on: ppo.kl_coef, only its
+    # start, is not named as if it applied
+    adaptive = ("checkpoint.export_hf=false", "ppo.kl_target=0.5", "ppo.kl_horizon=20")
+    run(cache_dir, tmp_path / "adaptive", "steps=2", "checkpoint.every=2", *adaptive)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="oppo_ds.resume"):
+        run(cache_dir, tmp_path / "adaptive", "steps=3", "ppo.kl_coef=0.2", *adaptive)
+    assert "ppo.kl_coef" not in caplog.text and "resumed from step2" in caplog.text
+    assert read_history(str(tmp_path / "adaptive" / "metrics.jsonl"))[-1]["kl/coef"] != 0.2
