@@ -18,12 +18,9 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .config_checks import check_across_sections
 from .config_types import ConfigError, build_dataclass
-
-
-def _require(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(key, message)
+from .config_types import require as _require
 
 
 @dataclass
@@ -703,69 +700,7 @@ class Config:
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1")
-        _require(self.data.samples_per_prompt >= 1, "data.samples_per_prompt",
-                 f"must be >= 1, got {self.data.samples_per_prompt}")
-        _require(self.ppo.batch_size % self.data.samples_per_prompt == 0, "data.samples_per_prompt",
-                 f"must divide ppo.batch_size ({self.ppo.batch_size}), got {self.data.samples_per_prompt}")
-        # a real shape has no trained weights of ours: only the oracle can time it
-        _require(self.workload.kind == "length_oracle" or self.model.builtin_arch.startswith("tiny-"),
-                 "model.builtin_arch", f"{self.model.builtin_arch} is built with random weights and "
-                 f"needs workload.kind: length_oracle (the built-in task trains tiny-* models)")
-        if not self.ppo.uses_reference:
-            self._check_reference_free()
-        _require(not (self.system.partition_reference and "reference" in self.oppo.stream_to
-                      and self.oppo.streaming), "system.partition_reference",
-                 "a partitioned reference cannot stream (each forward is collective over the "
-                 "ranks); remove reference from oppo.stream_to")
-        _require((self.ppo.ptx_coef > 0) == (self.data.ptx is not None),
-                 "ppo.ptx_coef" if self.data.ptx is None else "data.ptx",
-                 "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
-                 f"got ppo.ptx_coef={self.ppo.ptx_coef}, data.ptx={self.data.ptx!r}")
-        _require(self.ppo.overlong_buffer_len <= self.generation.max_new_tokens,
-                 "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
-                 f"({self.generation.max_new_tokens}), got {self.ppo.overlong_buffer_len}")
-        if not self.ppo.uses_critic:
-            self._check_critic_free()
-        if self.ppo.group_baseline and self.oppo.overcommits:
-            self._check_whole_prompt_delta()
-        if self.eval.enabled:
-            _require(self.workload.kind != "length_oracle", "eval.prompts",
-                     "the length oracle's models have random weights and its responses end at "
-                     "drawn lengths: there is nothing to evaluate; set eval.prompts: null")
-
-    def _check_critic_free(self) -> None:
-        """Settings that need a critic, refused naming them; the critic leaves oppo.stream_to."""
-        estimator = self.ppo.advantage_estimator
-        none = f"ppo.advantage_estimator {estimator} has no critic"
-        _require(estimator == "reinforce" or self.data.samples_per_prompt >= 2,
-                 "data.samples_per_prompt", f"must be >= 2 with ppo.advantage_estimator "
-                 f"{estimator}: its baseline compares the responses to one prompt")
-        _require(self.model.critic is None, "model.critic", f"must be null: {none}")
-        _require(not self.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
-        self.oppo.stream_to = [k for k in self.oppo.stream_to if k != "critic"]
-
-    def _check_reference_free(self) -> None:
-        """With the KL off no reference model is built: the keys that configure one are
-        refused, naming them, and the reference leaves oppo.stream_to."""
-        none = "ppo.kl_coef is 0, so no reference model is built"
-        _require(self.model.reference is None, "model.reference", f"must be null: {none}")
-        for key in ("partition_reference", "offload_reference"):
-            _require(not getattr(self.system, key), f"system.{key}", f"must be false: {none}")
-        self.oppo.stream_to = [k for k in self.oppo.stream_to if k != "reference"]
-
-    def _check_whole_prompt_delta(self) -> None:
-        """Under a group baseline the pool draws and takes whole prompts, so Delta is a number
-        of rows that whole prompts make up, as ppo.batch_size is: any other would start the
-        next multiple's pool while the logs and the Delta controller named a smaller one."""
-        n, o = self.data.samples_per_prompt, self.oppo
-        keys = ["overcommit"] if o.overcommit != "auto" else ["delta_min", "delta_max"]
-        for key in keys:
-            value = getattr(o, key)
-            _require(value % n == 0, f"oppo.{key}",
-                     f"must be a multiple of data.samples_per_prompt ({n}) with "
-                     f"ppo.advantage_estimator {self.ppo.advantage_estimator}: the rollout pool "
-                     f"draws whole prompts of {n} responses; got {value} (e.g. {value - value % n} "
-                     f"or {value - value % n + n})")
+        check_across_sections(self)  # the rules between sections: oppo_ds/config_checks.py
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

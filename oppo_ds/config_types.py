@@ -23,6 +23,12 @@ class ConfigError(ValueError):
         return ConfigError(f"{section}.{self.key}" if self.key else section, self.detail)
 
 
+def require(cond: bool, key: str, message: str) -> None:
+    """``ConfigError(key, message)`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(key, message)
+
+
 
 def describe_type(tp) -> str:
     """A type annotation in words, as error messages and docs/config.md give it."""

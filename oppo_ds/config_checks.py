@@ -1,0 +1,80 @@
+"""The rules of a configuration that tie its sections together: a setting of one section that
+another makes invalid or unused (the estimator without a critic, the KL off without a
+reference, Delta in whole prompts, PPO-ptx without its text, ...). Each section checks its own
+fields in its ``__post_init__`` (``oppo_ds.config``); ``Config.__post_init__`` calls
+``check_across_sections`` once they have. Errors name the key, as every ``ConfigError`` does."""
+from __future__ import annotations
+
+from .config_types import require
+
+
+def check_across_sections(cfg) -> None:
+    """The rules of a ``Config`` that tie its sections together (each section's own rules are
+    its ``__post_init__``'s): ``ConfigError`` naming the key; scorers the run builds none of
+    leave ``oppo.stream_to``."""
+    require(cfg.data.samples_per_prompt >= 1, "data.samples_per_prompt",
+            f"must be >= 1, got {cfg.data.samples_per_prompt}")
+    require(cfg.ppo.batch_size % cfg.data.samples_per_prompt == 0, "data.samples_per_prompt",
+            f"must divide ppo.batch_size ({cfg.ppo.batch_size}), got {cfg.data.samples_per_prompt}")
+    # a real shape has no trained weights of ours: only the oracle can time it
+    require(cfg.workload.kind == "length_oracle" or cfg.model.builtin_arch.startswith("tiny-"),
+            "model.builtin_arch", f"{cfg.model.builtin_arch} is built with random weights and "
+            f"needs workload.kind: length_oracle (the built-in task trains tiny-* models)")
+    if not cfg.ppo.uses_reference:
+        _check_reference_free(cfg)
+    require(not (cfg.system.partition_reference and "reference" in cfg.oppo.stream_to
+                 and cfg.oppo.streaming), "system.partition_reference",
+            "a partitioned reference cannot stream (each forward is collective over the "
+            "ranks); remove reference from oppo.stream_to")
+    require((cfg.ppo.ptx_coef > 0) == (cfg.data.ptx is not None),
+            "ppo.ptx_coef" if cfg.data.ptx is None else "data.ptx",
+            "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
+            f"got ppo.ptx_coef={cfg.ppo.ptx_coef}, data.ptx={cfg.data.ptx!r}")
+    require(cfg.ppo.overlong_buffer_len <= cfg.generation.max_new_tokens,
+            "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
+            f"({cfg.generation.max_new_tokens}), got {cfg.ppo.overlong_buffer_len}")
+    if not cfg.ppo.uses_critic:
+        _check_critic_free(cfg)
+    if cfg.ppo.group_baseline and cfg.oppo.overcommits:
+        _check_whole_prompt_delta(cfg)
+    if cfg.eval.enabled:
+        require(cfg.workload.kind != "length_oracle", "eval.prompts",
+                "the length oracle's models have random weights and its responses end at "
+                "drawn lengths: there is nothing to evaluate; set eval.prompts: null")
+
+
+def _check_critic_free(cfg) -> None:
+    """Settings that need a critic, refused naming them; the critic leaves oppo.stream_to."""
+    estimator = cfg.ppo.advantage_estimator
+    none = f"ppo.advantage_estimator {estimator} has no critic"
+    require(estimator == "reinforce" or cfg.data.samples_per_prompt >= 2,
+            "data.samples_per_prompt", f"must be >= 2 with ppo.advantage_estimator "
+            f"{estimator}: its baseline compares the responses to one prompt")
+    require(cfg.model.critic is None, "model.critic", f"must be null: {none}")
+    require(not cfg.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
+    cfg.oppo.stream_to = [k for k in cfg.oppo.stream_to if k != "critic"]
+
+
+def _check_reference_free(cfg) -> None:
+    """With the KL off no reference model is built: the keys that configure one are
+    refused, naming them, and the reference leaves oppo.stream_to."""
+    none = "ppo.kl_coef is 0, so no reference model is built"
+    require(cfg.model.reference is None, "model.reference", f"must be null: {none}")
+    for key in ("partition_reference", "offload_reference"):
+        require(not getattr(cfg.system, key), f"system.{key}", f"must be false: {none}")
+    cfg.oppo.stream_to = [k for k in cfg.oppo.stream_to if k != "reference"]
+
+
+def _check_whole_prompt_delta(cfg) -> None:
+    """Under a group baseline the pool draws and takes whole prompts, so Delta is a number
+    of rows that whole prompts make up, as ppo.batch_size is: any other would start the
+    next multiple's pool while the logs and the Delta controller named a smaller one."""
+    n, o = cfg.data.samples_per_prompt, cfg.oppo
+    keys = ["overcommit"] if o.overcommit != "auto" else ["delta_min", "delta_max"]
+    for key in keys:
+        value = getattr(o, key)
+        require(value % n == 0, f"oppo.{key}",
+                f"must be a multiple of data.samples_per_prompt ({n}) with "
+                f"ppo.advantage_estimator {cfg.ppo.advantage_estimator}: the rollout pool "
+                f"draws whole prompts of {n} responses; got {value} (e.g. {value - value % n} "
+                f"or {value - value % n + n})")
