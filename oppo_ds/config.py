@@ -150,6 +150,15 @@ class PPOConfig:
     overlong_penalty_factor: float = 1.0
     """The overlong penalty at generation.max_new_tokens (OpenRLHF's --overlong_penalty_factor);
     used with ppo.overlong_buffer_len > 0."""
+    mask_truncated_completions: bool = False
+    """Leave the responses that reached generation.max_new_tokens without an end id out of the
+    actor's loss (TRL GRPO's mask_truncated_completions, DAPO's overlong filtering): their
+    tokens get no policy gradient, entropy bonus or KL-in-the-loss, and the actor's loss
+    aggregation (ppo.loss_agg_mode) counts only the other responses' tokens and responses, as
+    if the truncated ones were not in the batch. They still count everywhere else: their
+    scores in the group baselines, whitening and kl/mean, and the critic (its value loss)
+    trains on them. response/truncated_frac logs their share. A mini-batch left with no
+    response still takes its optimizer step, with a zero gradient."""
     advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm"] = "gae"
     """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
     critic. The others train no critic (none is built, checkpointed or exported; its keys are

@@ -75,11 +75,24 @@ class PPOUpdate:
         return truncated_rows(exp.response_ids, exp.response_mask, self.sampling.eos_token_ids,
                               self.sampling.max_new_tokens)
 
+    def _loss_rows(self, mb: Experience) -> torch.Tensor:
+        """(B,) bool: the responses in the actor's loss, all but the truncated ones with
+        ppo.mask_truncated_completions."""
+        if not self.cfg.ppo.mask_truncated_completions:
+            return torch.ones(len(mb), dtype=torch.bool, device=mb.response_mask.device)
+        return ~self._truncated(mb)
+
+    def _loss_mask(self, mb: Experience) -> torch.Tensor:
+        """(B, T) the tokens in the actor's loss: those of ``_loss_rows``."""
+        if not self.cfg.ppo.mask_truncated_completions:
+            return mb.response_mask
+        return mb.response_mask * self._loss_rows(mb).unsqueeze(1)
+
     def update(self, exp: Experience) -> dict:
         p = self.cfg.ppo
         gas = p.mini_batch_size // p.micro_batch_size
         sums: dict[str, torch.Tensor] = {}
-        total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        weights: dict[str, torch.Tensor] = {}
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
         ptx_losses: list[float] = []
         actor_trains = self.actor_trains
@@ -88,15 +101,18 @@ class PPOUpdate:
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
                 micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
+                loss_masks = [self._loss_mask(m) for m in micro]
                 local = torch.stack([sum(m.response_mask.sum() for m in micro).double(),
-                                     torch.tensor(float(len(mini)), dtype=torch.float64,
-                                                  device=self.device)])
-                tokens, sequences = comm.all_reduce(local, group=self.dp_group).float()
+                                     sum(m.sum() for m in loss_masks).double(),
+                                     sum(self._loss_rows(m).sum() for m in micro).double()])
+                tokens, actor_tokens, sequences = comm.all_reduce(local, group=self.dp_group).float()
                 norm = token_normalizer(tokens, gas, self.world_size)
-                # the actor's aggregation per micro-batch (ppo.loss_agg_mode); the critic's is
-                # the token mean
-                actor_norm = partial(loss_normalizer, mode=p.loss_agg_mode, global_tokens=tokens,
-                                     global_sequences=sequences, grad_accum_steps=gas,
+                # the actor's aggregation per micro-batch (ppo.loss_agg_mode) over the tokens and
+                # responses in its loss (a mini-batch of truncated responses alone, masked,
+                # sums to 0: 1 keeps it finite); the critic's is the token mean
+                actor_norm = partial(loss_normalizer, mode=p.loss_agg_mode,
+                                     global_tokens=actor_tokens.clamp(min=1),
+                                     global_sequences=sequences.clamp(min=1), grad_accum_steps=gas,
                                      world_size=self.world_size,
                                      max_len=self.cfg.generation.max_new_tokens)
                 loss_fn = partial(self._actor_loss, normalizer=actor_norm)
@@ -119,13 +135,17 @@ class PPOUpdate:
                     value = engine.grad_norm()
                     if value is not None:
                         norms[name].append(value)
-                # token-weighted, so the logged losses do not depend on the micro-batch split
-                for mb, a, c in zip(micro, actor_stats, critic_stats):
-                    weight = mb.response_mask.sum().double()
-                    total_tokens += weight
-                    for key, value in {**a, **c}.items():
-                        sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().double()
-        stats = {k: (v / total_tokens).item() for k, v in sums.items()}
+                # token-weighted (the actor's by the tokens in its loss), so the logged losses do
+                # not depend on the micro-batch split
+                for mb, mask, a, c in zip(micro, loss_masks, actor_stats, critic_stats):
+                    for part, weight in ((a, mask.sum()), (c, mb.response_mask.sum())):
+                        for key, value in part.items():
+                            value = torch.as_tensor(value).detach().double()
+                            sums[key] = sums.get(key, 0.0) + weight.double() * value
+                            weights[key] = weights.get(key, 0.0) + weight.double()
+        # every rank logs the same keys (the step's metrics are one all-reduce): 0 for a
+        # statistic over no token
+        stats = {k: (v / weights[k].clamp(min=1)).item() for k, v in sums.items()}
         if ptx_losses:
             stats["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
         # the largest of the step's updates (the same on every rank: a global norm); NaN wins
@@ -136,7 +156,8 @@ class PPOUpdate:
     def _actor_loss(self, model, mb: Experience, normalizer):
         """``normalizer(mask)``: the micro-batch's ``aggregate_token_loss`` normalizer."""
         p = self.cfg.ppo
-        normalizer = normalizer(mb.response_mask)
+        mask = self._loss_mask(mb)
+        normalizer = normalizer(mask)
         logprobs, logits = response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                              mb.response_mask, self.cfg.generation.temperature)
         if p.entropy_coef > 0:
@@ -146,17 +167,17 @@ class PPOUpdate:
                 entropy = entropy_from_logits(logits)
         weights = None
         if self.cfg.oppo.off_policy == "truncated_is":
-            weights = truncated_is_weights(mb.old_logprobs, mb.behaviour_logprobs, mb.response_mask,
+            weights = truncated_is_weights(mb.old_logprobs, mb.behaviour_logprobs, mask,
                                            self.cfg.oppo.is_clip)
-        loss, stats = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+        loss, stats = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask,
                                           p.clip_eps, normalizer, entropy=entropy,
                                           entropy_coef=p.entropy_coef, is_weights=weights,
                                           clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
                                           ratio_level=p.importance_sampling_level)
         if weights is not None:
-            stats["is_weight_mean"] = masked_mean(weights, mb.response_mask)
+            stats["is_weight_mean"] = masked_mean(weights, mask)
         if p.kl_penalty == "loss" and p.uses_reference:
-            penalty, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mb.response_mask, self.kl_coef,
+            penalty, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mask, self.kl_coef,
                                         normalizer, p.kl_estimator)
             loss = loss + penalty
             stats.update(kl_stats)

@@ -612,6 +612,53 @@ def test_missing_eos_penalty_lowers_only_truncated_responses(cache_dir, tmp_path
     assert penalty["loss/value"] != pytest.approx(plain["loss/value"], rel=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_masked_truncated_responses_train_the_actor_as_if_absent(cache_dir, tmp_path, mode):
+    """ppo.mask_truncated_completions: the step's actor update on a batch with truncated
+    responses is the update on that batch with their rows taken out after the advantages
+    (only the padded width and the summation order differ), under the token mean and
+    the per-response mean (the loss counts the remaining tokens and responses); without the
+    option the update is another. The critic still trains on them: its loss is the full
+    batch's."""
+    from oppo_ds.trainer import PPOTrainer
+
+    truncated = {}
+
+    def one_step(name, extra, drop_truncated):
+        cfg = load_config(None, SMALL + [f"workload.cache_dir={cache_dir}", "steps=1",
+                                         f"logging.output_dir={tmp_path / name}",
+                                         "checkpoint.export_hf=false", "ppo.mini_batch_size=8",
+                                         "ppo.micro_batch_size=8", f"ppo.loss_agg_mode={mode}", *extra])
+        trainer = PPOTrainer(cfg)
+        real = trainer.update
+
+        def update(exp):
+            rows = trainer._truncated(exp)
+            truncated[name] = rows
+            if drop_truncated:
+                exp = exp.select(torch.nonzero(~rows).squeeze(1))
+            return real(exp)
+        trainer.update = update
+        trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.actor.module.state_dict().items()}
+        return weights, read_history(str(tmp_path / name / "metrics.jsonl"))[0]
+
+    masked, masked_log = one_step("masked", ["ppo.mask_truncated_completions=true"], False)
+    dropped, dropped_log = one_step("dropped", [], True)
+    plain, plain_log = one_step("plain", [], False)
+    assert torch.equal(truncated["masked"], truncated["dropped"])
+    assert 0 < int(truncated["masked"].sum()) < len(truncated["masked"])  # both kinds of rows
+    # Adam's first step moves a weight by about ppo.actor_lr (5e-4) whatever its gradient's
+    # size; one whose gradient is near Adam's eps shows the summation order: 1e-5 is 2% of it
+    for key in masked:
+        torch.testing.assert_close(masked[key], dropped[key], atol=1e-5, rtol=0)
+    assert max((masked[k] - plain[k]).abs().max().item() for k in masked) > 2e-4
+    assert masked_log["loss/policy"] == pytest.approx(dropped_log["loss/policy"], abs=1e-6)
+    assert masked_log["grad_norm/actor"] == pytest.approx(dropped_log["grad_norm/actor"], rel=1e-5)
+    assert masked_log["loss/value"] == pytest.approx(plain_log["loss/value"], abs=1e-6)
+    assert masked_log["response/truncated_frac"] == plain_log["response/truncated_frac"] > 0
+
+
 def test_overlong_penalty_lowers_each_reward_by_its_length(cache_dir, tmp_path):
     """ppo.overlong_buffer_len=12 of the 24-token limit, factor 0.5: the same responses and
     scores as a run without it; each response's reward at its last token is lower by exactly

@@ -161,6 +161,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         raise ValueError(f"ppo.overlong_buffer_len={p.overlong_buffer_len}: TRL's PPO has no "
                          f"overlong reward shaping (its missing_eos_penalty is "
                          f"ppo.missing_eos_penalty)")
+    if p.mask_truncated_completions:
+        raise ValueError("ppo.mask_truncated_completions: TRL's PPO trains on truncated "
+                         "responses (its GRPOTrainer and RLOOTrainer have the option)")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")
