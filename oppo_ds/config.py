@@ -501,6 +501,11 @@ class DataConfig:
     ppo.batch_size rows hold batch_size / samples_per_prompt prompts, each that many times,
     as rows `<id>#0`, `<id>#1`, ... that are trained on once each; the rollout pool draws
     whole prompts. batch_size must be a multiple."""
+    max_samples: int = 0
+    """Train on the first N prompts read (OpenRLHF's --max_samples): of the sources in the
+    order given, after phase_split and before overlong prompts are skipped; every row is still
+    read and checked. 0 = all. The built-in workload's prompts are sized by
+    workload.num_prompts instead."""
     phase_split: Optional[list[float]] = None
     """Weights of the SFT, reward-model and PPO parts of each prompt source, as
     DeepSpeed-Chat's --data_split (e.g. [2, 4, 4]): each source is cut, in a permutation
@@ -536,6 +541,9 @@ class DataConfig:
         _require(isinstance(self.prompts, str) or "builtin" not in sources, "prompts",
                  "builtin is the built-in workload's prompts alone; it cannot be listed with files")
         _require(all(s.strip() for s in sources), "prompts", f"an empty path in {self.prompts!r}")
+        _require(self.max_samples >= 0, "max_samples", f"must be >= 0 (0 = all), got {self.max_samples}")
+        _require(not self.max_samples or self.prompts != "builtin", "max_samples",
+                 "the built-in workload's prompts number workload.num_prompts: set that instead")
         _require(self.ptx_block_len is None or self.ptx_block_len >= 2, "ptx_block_len",
                  f"must be >= 2 (a block predicts its tokens after the first), got {self.ptx_block_len}")
         if self.ptx is not None:

@@ -88,17 +88,19 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
 
 
 def read_rows(cfg: Config, prompts: str | list[str]):
-    """The prompt rows of ``prompts`` (a path or several) as ``cfg.data`` says to read them."""
+    """The prompt rows of ``prompts`` (a path or several) as ``cfg.data`` says to read them:
+    the first ``data.max_samples`` of them where that is set."""
     from .datafiles import read_prompt_rows
 
     d = cfg.data
     source_format = None
     if d.deepspeed_chat_formats:
         from .integrations.dschat_data import dschat_format as source_format
-    return read_prompt_rows(prompts, prompt_key=d.prompt_key, split=d.split,
+    rows = read_prompt_rows(prompts, prompt_key=d.prompt_key, split=d.split,
                             phase_split=d.phase_split,
                             phase_seed=cfg.seed if d.phase_split_seed is None else d.phase_split_seed,
                             source_format=source_format)
+    return rows[:d.max_samples] if d.max_samples else rows
 
 
 def prompts_label(prompts: str | list[str]) -> str:

@@ -293,6 +293,8 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["data.phase_split=[5, 5, 0]"], "data.phase_split", "the PPO part's share and must be > 0"),
     (["ppo.missing_eos_penalty=-1"], "ppo.missing_eos_penalty", ">= 0 or null"),
     (["ppo.overlong_buffer_len=-4"], "ppo.overlong_buffer_len", ">= 0 (0 = off)"),
+    (["data.max_samples=-1"], "data.max_samples", "must be >= 0 (0 = all)"),
+    (["data.max_samples=100"], "data.max_samples", "set that instead"),
     (["ppo.kl_coef=0", "model.reference=/ckpt/ref"], "model.reference",
      "must be null: ppo.kl_coef is 0, so no reference model is built"),
     (["ppo.kl_coef=0", "system.zero_stage=3", "system.partition_reference=true"],

@@ -279,6 +279,30 @@ def test_user_prompts_file_and_tiny_random_models(tmp_path):
     assert not os.path.exists(tmp_path / "unused-cache")  # nothing was prepared
 
 
+def test_max_samples_trains_on_the_first_prompts_read(tmp_path):
+    """data.max_samples=4 (OpenRLHF's --max_samples) of two files of 6 prompts: the run draws
+    the first file's first 4 and no other, and counts 4 prompts; a malformed row past them
+    still stops the run naming file and line, before any engine."""
+    from oppo_ds.datafiles import DataError
+    from oppo_ds.workload import build_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer().save_pretrained(str(tok_dir))
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps({"prompt": f"a b c -> {x}"}) + "\n" for x in "abcdef"))
+    second.write_text("".join(json.dumps({"prompt": f"a b c -> {x}"}) + "\n" for x in "ghijkl"))
+    common = ["model.actor=tiny-qwen2", "model.reward=tiny-qwen2", f"model.tokenizer={tok_dir}",
+              f"data.prompts=[{first},{second}]", "data.max_samples=4", "checkpoint.export_hf=false"]
+    trainer, _ = run(str(tmp_path / "unused-cache"), tmp_path / "run", "steps=2", *common,
+                     "logging.samples=8", "logging.samples_every=1")
+    assert len(trainer.prompts) == 4
+    samples = read_history(str(tmp_path / "run" / "samples.jsonl"))
+    assert len(samples) == 16 and {s["prompt"][-1] for s in samples} == set("abcd")
+    second.write_text(second.read_text() + "{not json\n")
+    with pytest.raises(DataError, match=r"second.jsonl:7: invalid JSON"):
+        run(str(tmp_path / "unused-cache"), tmp_path / "bad", "steps=1", *common)
+
+
 @pytest.mark.parametrize("overrides", [
     ("system.zero_stage=3", "system.hybrid_engine=true"),
     ("system.zero_stage=2", "system.dtype=bf16"),
