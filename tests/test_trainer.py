@@ -636,12 +636,12 @@ def test_missing_eos_penalty_lowers_only_truncated_responses(cache_dir, tmp_path
     assert penalty["loss/value"] != pytest.approx(plain["loss/value"], rel=1e-3)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_masked_truncated_responses_train_the_actor_as_if_absent(cache_dir, tmp_path, mode):
     """ppo.mask_truncated_completions: the step's actor update on a batch with truncated
     responses is the update on that batch with their rows taken out after the advantages
     (only the padded width and the summation order differ), under the token mean and
-    the per-response mean (the loss counts the remaining tokens and responses); without the
+    both per-response means (the loss counts the remaining tokens and responses); without the
     option the update is another. The critic still trains on them: its loss is the full
     batch's."""
     from oppo_ds.trainer import PPOTrainer
