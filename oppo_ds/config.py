@@ -35,6 +35,16 @@ class ModelConfig:
     """Reward model (LM body + scalar head): a local directory, `builtin` or a tiny architecture."""
     critic: Optional[str] = None
     """Critic (value model); null = initialised from `reward`, as DeepSpeed-Chat does."""
+    reward_function: Optional[str] = None
+    """A Python function that scores the responses in place of the reward model (TRL's
+    reward_funcs, OpenRLHF's reward-function file): `package.module:function` or
+    `path/to/file.py:function`, called on each batch of finished responses as
+    fn(prompts=[...], completions=[...], **fields) and returning one finite number per
+    response; prompts as the data file holds them, completions as decoded text, and one list
+    per other field of the prompt rows (e.g. answer=[...], None where a row lacks it). No
+    reward model is then built or streamed (model.reward is only where the critic starts,
+    with model.critic null). `oppo_ds.workload:gold_reward` is the built-in task's hidden
+    rule. Null: the reward model scores."""
     reward_normalize: bool = False
     """Score with the reward model's own normalisation, (score - mean) / std, from the `mean`
     and `std` its config.json holds: what OpenRLHF's reward-model training writes with
@@ -383,12 +393,6 @@ class OppoConfig:
                      "stage needs streaming: true (the scorer rank scores the streamed chunks)")
 
     @property
-    def streamed_scorers(self) -> list[str]:
-        """The scorer models that prefill the streamed chunks: reward first, then the
-        reference and critic when they stream (none without streaming)."""
-        return ["reward", *(k for k in self.stream_to if k != "actor")] if self.streaming else []
-
-    @property
     def streams_actor(self) -> bool:
         """Whether PPO's old log-probs come from the actor's own decode (see `stream_to`)."""
         return self.streaming and "actor" in self.stream_to
@@ -721,6 +725,16 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def streamed_scorers(self) -> list[str]:
+        """The scorer models that prefill the streamed chunks: the reward model first (none
+        with model.reward_function, which scores finished text), then the reference and
+        critic when they stream (none without streaming)."""
+        o = self.oppo
+        if not o.streaming:
+            return []
+        return ["reward"] * (self.model.reward_function is None) + [k for k in o.stream_to if k != "actor"]
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> None:

@@ -37,6 +37,8 @@ def check_across_sections(cfg) -> None:
         _check_critic_free(cfg)
     if cfg.ppo.group_baseline and cfg.oppo.overcommits:
         _check_whole_prompt_delta(cfg)
+    if cfg.model.reward_function is not None:
+        _check_reward_function(cfg)
     if cfg.eval.enabled:
         require(cfg.workload.kind != "length_oracle", "eval.prompts",
                 "the length oracle's models have random weights and its responses end at "
@@ -53,6 +55,30 @@ def _check_critic_free(cfg) -> None:
     require(cfg.model.critic is None, "model.critic", f"must be null: {none}")
     require(not cfg.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
     cfg.oppo.stream_to = [k for k in cfg.oppo.stream_to if k != "critic"]
+
+
+def _check_reward_function(cfg) -> None:
+    """With a reward function no reward model is built: what configures, places or streams
+    one is refused, naming the key (after the critic and reference left oppo.stream_to)."""
+    none = "with model.reward_function no reward model is built"
+    require(not cfg.model.reward_normalize, "model.reward_normalize",
+            f"must be false: it normalises a reward model's scores, and {none}")
+    require(cfg.workload.kind != "length_oracle", "model.reward_function",
+            "the length oracle's responses are random tokens that end at drawn lengths: there "
+            "is no text to score; set it to null")
+    require(cfg.system.backend == "deepspeed", "model.reward_function",
+            f"not with system.backend {cfg.system.backend} yet: use system.backend: deepspeed")
+    require(cfg.oppo.placement != "stage", "oppo.placement",
+            f"stage puts the reward model on a scorer rank, and {none}: use inline or colocated")
+    require(not cfg.oppo.streaming or cfg.oppo.stream_to, "oppo.stream_to", (
+        f"nothing would stream ({none}): add reference or critic, or set oppo.streaming: false "
+        "(the rollout pool, oppo.overcommit, works without it)"))
+    require(not cfg.ppo.uses_critic or cfg.model.critic is not None or cfg.model.reward != "builtin"
+            or cfg.data.prompts == "builtin", "model.critic", (
+        "set it (a checkpoint with a value head, or the actor's directory for a new head): with "
+        "model.reward_function the critic starts from model.reward, here the built-in task's "
+        "reward model, which does not read your prompts' tokens; or use a critic-free "
+        "ppo.advantage_estimator"))
 
 
 def _check_reference_free(cfg) -> None:

@@ -76,6 +76,9 @@ class PromptRow:
     """``"line"`` (jsonl) or ``"row"`` (parquet, HF datasets): how ``line`` is reported."""
     default_id: bool = False
     """The row had no ``"id"``: ``id`` was made from its file's name and its line."""
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The row's other fields (not the prompt's, not ``"id"``), for a reward function
+    (``model.reward_function``): e.g. the reference answer a verifiable reward checks."""
 
     @property
     def where(self) -> str:
@@ -435,13 +438,15 @@ def _make_row(
             f"got {_type_name(value)}"
         )
     row_id = record.get("id")
+    fields = {k: v for k, v in record.items() if k not in (prompt_key, "id")}
     if row_id is None:
-        return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True)
+        return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True,
+                         fields=fields)
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         raise DataError(f"{where}: 'id' must be a string or an integer, got {_type_name(row_id)}")
     if isinstance(row_id, str) and not row_id.strip():
         raise DataError(f"{where}: 'id' is empty")
-    return PromptRow(value, source, line, str(row_id), unit)
+    return PromptRow(value, source, line, str(row_id), unit, fields=fields)
 
 
 def _built_row(record: Mapping[str, Any], fmt: SourceFormat, source: str, line: int,
@@ -456,7 +461,8 @@ def _built_row(record: Mapping[str, Any], fmt: SourceFormat, source: str, line: 
                         f"false reads the source by data.prompt_key instead)") from None
     if value is not None and not isinstance(value, str):
         raise DataError(f"{where}: {fmt.name}'s prompt is not text: {_type_name(value)}")
-    return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True)
+    return PromptRow(value, source, line, f"{_label(source)}:{line}", unit, default_id=True,
+                     fields={k: v for k, v in record.items() if k != "id"})
 
 
 def _label(source: str) -> str:

@@ -1,7 +1,7 @@
 """Held-out evaluation (``eval:``): the actor answers a fixed set of prompts it does not train
 on, sampled as training samples (or greedily) from a generator that repeats its draws at
-every evaluation, and the reward model scores the answers (the built-in task's gold
-rule too). Before the first step, every ``eval.every`` steps and after the last, so that a
+every evaluation, and the reward model (or ``model.reward_function``) scores the answers
+(the built-in task's gold rule too). Before the first step, every ``eval.every`` steps and after the last, so that a
 reward that rises on the training batches can be checked against prompts the policy has not
 been optimised on, with figures whose change from one evaluation to the next comes from the
 policy rather than from the draw.
@@ -100,6 +100,8 @@ class Evaluating:
             label = prompts_label(e.prompts)
         if e.num_prompts:
             rows = rows[:e.num_prompts]
+        if self.reward_fn is not None:
+            self.eval_rows = {r.id: (r.text_or_messages, r.fields) for r in rows}
         encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
                                  chat_template=d.chat_template, input_template=d.input_template)
         if not encoded.prompts:
@@ -162,7 +164,9 @@ class Evaluating:
                 else:
                     gen = generate(model, ids.to(self.device), mask.to(self.device), params, rng)
                     args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
-                    scores = self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+                    scores = self.function_scores([p.id for p in prompts], gen, self.eval_rows) \
+                        if self.reward_fn is not None else \
+                        self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
                 gold = torch.tensor(self._gold(gen)) if e.prompts == "builtin" else None
                 scores = self.normalized(scores)
                 records += text_records(self.tokenizer, [p.id for p in prompts], gen, scores, gold,

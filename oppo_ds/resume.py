@@ -35,7 +35,8 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
 # the settings of the objective a resume may change (the run continues under the new ones),
 # named in the log when they differ from the checkpoint's: every ppo key but the learning
 # rates and weight decay (logged from the engines' own state), the estimator (refused above)
-# and the micro-batch size (a memory knob that leaves the update as it is), and the sampling
+# and the micro-batch size (a memory knob that leaves the update as it is), the sampling, and
+# the reward function
 _OBJECTIVE_EXCLUDED = ("ppo.actor_lr", "ppo.critic_lr", "ppo.weight_decay",
                        "ppo.advantage_estimator", "ppo.micro_batch_size")
 
@@ -44,6 +45,7 @@ def objective_settings(values: dict) -> dict:
     """``{"ppo.kl_coef": 0.05, ...}``: the objective's settings in ``values`` (``Config.to_dict()``)."""
     out = {f"ppo.{k}": v for k, v in values["ppo"].items()}
     out.update({f"generation.{k}": values["generation"][k] for k in ("temperature", "top_k", "top_p")})
+    out["model.reward_function"] = values["model"].get("reward_function")  # what is rewarded
     return {k: v for k, v in out.items() if k not in _OBJECTIVE_EXCLUDED}
 
 
@@ -130,7 +132,7 @@ class Resumable:
             # the frozen scorers' caches of the deferred rows, where this run keeps them: under
             # the stage the scorer rank holds its own and, like any scorer without a row's
             # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
-            carried = set(self.cfg.oppo.streamed_scorers) & set(FROZEN_KINDS) if self.stage is None else set()
+            carried = set(self.cfg.streamed_scorers) & set(FROZEN_KINDS) if self.stage is None else set()
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)

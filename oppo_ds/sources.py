@@ -34,11 +34,15 @@ class Sources:
     prompts: str | list[str]
     builtin_prompts: bool
     oracle: bool = False  # workload.kind length_oracle: models from config, random weights
+    # False with model.reward_function: no reward model is built (``reward`` is then only
+    # where the critic starts, checked under model.critic)
+    reward_model: bool = True
 
     @property
     def models(self) -> dict[str, str]:
-        """Each model's source under its ``model.`` key, in ``MODEL_KEYS`` order."""
-        return {key: getattr(self, key) for key in MODEL_KEYS}
+        """Each built model's source under its ``model.`` key, in ``MODEL_KEYS`` order."""
+        return {key: getattr(self, key) for key in MODEL_KEYS
+                if (key != "reward" or self.reward_model) and getattr(self, key) is not None}
 
 
 def resolve_sources(cfg: Config, rank: int) -> Sources:
@@ -53,7 +57,10 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
         return Sources(actor=arch(m.actor, "builtin"), reference=arch(m.reference, m.actor),
                        reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
                        tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
-    needs_builtin = "builtin" in (m.actor, m.reward, m.critic, m.reference, d.prompts)
+    # model.reward is read where the reward model scores, or where the critic starts from it
+    reward_read = m.reward_function is None or (cfg.ppo.uses_critic and m.critic is None)
+    needs_builtin = "builtin" in (m.actor, m.critic, m.reference, d.prompts) or \
+        (reward_read and m.reward == "builtin")
     prepared = None
     if needs_builtin:
         from .prepare import prepare_builtin
@@ -84,7 +91,8 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
                    critic=pick(m.critic, m.reward, prepared and prepared.reward),
                    tokenizer=tokenizer,
                    prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
-                   builtin_prompts=d.prompts == "builtin")
+                   builtin_prompts=d.prompts == "builtin",
+                   reward_model=m.reward_function is None)
 
 
 def read_rows(cfg: Config, prompts: str | list[str]):
@@ -125,7 +133,7 @@ def check_paths(cfg: Config, src: Sources) -> None:
         problem = source_problem(source)
         if problem:
             raise ConfigError(f"model.{key}", problem)
-    if src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):
+    if src.reward_model and src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):
         raise ConfigError("model.reward", f"{src.reward}: {NO_HEAD}")
 
 

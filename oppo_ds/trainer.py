@@ -44,6 +44,7 @@ from .ppo_update import PPOUpdate
 from .ptx import ptx_block_len, ptx_blocks
 from .preemption import StopOnSignal, signal_name, signal_number
 from .resume import Resumable
+from .reward_fn import RewardFunction
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
                       read_rows, resolve_sources, reward_normalization, run_tokenizer)
 from .stage_placement import StagePlacement
@@ -126,6 +127,12 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         self.builtin_prompts = src.builtin_prompts
         if self.stage is not None and not scorer_rank:
             self._open_stage_links()  # after rank 0 prepared the workload (resolve_sources)
+        # a reward function in place of the reward model: loaded before any prompt or engine,
+        # and given each response's prompt row as read (by row id)
+        self.reward_fn = RewardFunction(cfg.model.reward_function) \
+            if cfg.model.reward_function is not None else None
+        self.prompt_rows: dict[str, tuple] = {}
+        self.eval_rows: dict[str, tuple] = {}
         self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
         # read before any engine loads, so that a bad evaluation set stops the run at once
         self.eval_prompts = self._load_eval_prompts() if cfg.eval.enabled and not scorer_rank else []
@@ -225,7 +232,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             logger.info("actor %s | critic %s | reward %s | reference %s | %d prompts | %d rank(s)"
                         " | hybrid engine: %s", src.actor,
                         src.critic if self.critic is not None else f"none ({p.advantage_estimator})",
-                        src.reward, src.reference if p.uses_reference else "none (ppo.kl_coef 0)",
+                        src.reward if self.reward_fn is None else
+                        f"the function {cfg.model.reward_function}", src.reference if p.uses_reference else "none (ppo.kl_coef 0)",
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
@@ -237,6 +245,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             return wl.oracle_prompts(w.num_prompts, len(self.tokenizer), self.cfg.seed, w.median_len,
                                      w.tail_sigma, g.max_new_tokens)
         rows = read_rows(self.cfg, prompts)
+        if self.reward_fn is not None:
+            self.prompt_rows = {r.id: (r.text_or_messages, r.fields) for r in rows}
         path = prompts_label(prompts)
         encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
                                  chat_template=d.chat_template, input_template=d.input_template)
@@ -416,7 +426,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                 return stage_stream_continue(actor, self.remote, inputs, uids, self.sampling,
                                              self.sample_gen, chunk, stop=stop,
                                              replica=self.replica)
-        frozen = ["reward"] + [k for k in o.stream_to if k == "reference"]
+        frozen = [k for k in self._streamed_kinds() if k in ("reward", "reference")]
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
             uids, scorers, setup = pool_stream_setup(
@@ -426,8 +436,12 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                                    self.sample_gen, chunk, placement=o.placement, stop=stop)
 
     def _streamed_kinds(self) -> list[str]:
+        """The scorers that stream: the reward model (not a reward function, which scores
+        finished text) and oppo.stream_to."""
         o = self.cfg.oppo
-        return ["reward", *o.stream_to] if o.streaming else []
+        if not o.streaming:
+            return []
+        return (["reward"] if self.reward_fn is None else []) + list(o.stream_to)
 
     def _carried_scorer(self, kind: str) -> StreamingScorer:
         """The reward / reference streaming scorer whose cache lives across steps."""
@@ -494,7 +508,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         temp = self.cfg.generation.temperature
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
-            scorers = [StreamingScorer(self.reward, "reward")]
+            scorers = [StreamingScorer(self.reward, "reward")] if self.reward_fn is None else []
             if "reference" in o.stream_to:
                 scorers.append(StreamingScorer(self.reference, "reference", temperature=temp))
             if critic is not None:
@@ -534,7 +548,10 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         # with the KL off there is no reference: its log-probs are the actor's, a KL of exactly 0
         ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
-        scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
+        if self.reward_fn is not None:
+            scores = self.function_scores(keys, gen, self.prompt_rows).to(gen.response_ids.device)
+        else:
+            scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
         gold = None
         if self.builtin_prompts:
             gold = torch.tensor(self._gold(gen), dtype=torch.float32, device=gen.response_ids.device)
@@ -542,6 +559,16 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                           response_ids=gen.response_ids, response_mask=gen.response_mask,
                           behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
+
+    def function_scores(self, keys: list[str], gen, rows: dict) -> torch.Tensor:
+        """model.reward_function's (B,) scores of the generation's responses, decoded to text,
+        given each one's prompt row as read (``rows``: by row id; a row ``<id>#k`` of
+        data.samples_per_prompt is its prompt's)."""
+        n = self.cfg.data.samples_per_prompt
+        info = [rows[k.rsplit("#", 1)[0] if n > 1 and k not in rows else k] for k in keys]
+        completions = [self.tokenizer.decode(r[:length], skip_special_tokens=True)
+                       for r, length in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
+        return self.reward_fn([p for p, _ in info], completions, [f for _, f in info])
 
     def normalized(self, scores: torch.Tensor) -> torch.Tensor:
         """The reward model's scores under model.reward_normalize: (score - mean) / std."""

@@ -76,6 +76,18 @@ def gold_score(task: Task, response: list[str]) -> float:
     return sum(values) / len(values) if values else -1.0
 
 
+def gold_reward(prompts: list[str], completions: list[str], **fields) -> list[float]:
+    """The hidden rule as a reward function (``model.reward_function:
+    oppo_ds.workload:gold_reward``): each completion's gold score for its prompt; a prompt
+    that names no task scores -1. What a verifiable reward is to a real task: the policy then
+    trains on the rule itself, not on a reward model's picture of it."""
+    out = []
+    for prompt, completion in zip(prompts, completions):
+        task = parse_prompt(prompt.split()) if isinstance(prompt, str) else None
+        out.append(gold_score(task, completion.split()) if task else -1.0)
+    return out
+
+
 def sample_length(rng: random.Random, median_len: int, tail_sigma: float, max_len: int) -> int:
     """A response length from the long-tailed (log-normal) distribution, in [1, max_len]."""
     return max(1, min(max_len, round(math.exp(rng.gauss(math.log(median_len), tail_sigma)))))

@@ -294,6 +294,19 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["ppo.missing_eos_penalty=-1"], "ppo.missing_eos_penalty", ">= 0 or null"),
     (["ppo.overlong_buffer_len=-4"], "ppo.overlong_buffer_len", ">= 0 (0 = off)"),
     (["data.max_samples=-1"], "data.max_samples", "must be >= 0 (0 = all)"),
+    (["model.reward_function=m:f", "model.reward_normalize=true"], "model.reward_normalize",
+     "must be false: it normalises a reward model's scores, and with model.reward_function no "
+     "reward model is built"),
+    (["model.reward_function=m:f", "workload.kind=length_oracle"], "model.reward_function",
+     "there is no text to score"),
+    (["model.reward_function=m:f", "system.backend=megatron"], "model.reward_function",
+     "not with system.backend megatron yet"),
+    (["model.reward_function=m:f", "oppo.streaming=true", "oppo.placement=stage"], "oppo.placement",
+     "stage puts the reward model on a scorer rank"),
+    (["model.reward_function=m:f", "oppo.streaming=true", "oppo.stream_to=[]"], "oppo.stream_to",
+     "nothing would stream"),
+    (["model.reward_function=m:f", "data.prompts=p.jsonl"], "model.critic",
+     "the critic starts from model.reward, here the built-in task's reward model"),
     (["data.max_samples=100"], "data.max_samples", "set that instead"),
     (["ppo.kl_coef=0", "model.reference=/ckpt/ref"], "model.reference",
      "must be null: ppo.kl_coef is 0, so no reference model is built"),
@@ -352,11 +365,11 @@ def test_critic_free_estimators_take_the_critic_out_of_the_streamed_scorers():
     cfg = load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=4",
                              "oppo.streaming=true"])
     assert cfg.oppo.stream_to == ["reference", "actor"] and not cfg.ppo.uses_critic
-    assert cfg.oppo.streamed_scorers == ["reward", "reference"]
+    assert cfg.streamed_scorers == ["reward", "reference"]
     # the KL off: no reference streams either (and none is built)
     off = load_config(None, ["ppo.advantage_estimator=rloo", "data.samples_per_prompt=4",
                              "oppo.streaming=true", "ppo.kl_coef=0"])
-    assert off.oppo.stream_to == ["actor"] and off.oppo.streamed_scorers == ["reward"]
+    assert off.oppo.stream_to == ["actor"] and off.streamed_scorers == ["reward"]
     assert not off.ppo.uses_reference and cfg.ppo.uses_reference
     # REINFORCE has no baseline: one response per prompt is enough
     assert load_config(None, ["ppo.advantage_estimator=reinforce"]).data.samples_per_prompt == 1

@@ -109,6 +109,8 @@ def test_all_formats_give_the_same_rows(tmp_path):
 
     for path in [jsonl, parquet, tmp_path / "ds", str(tmp_path / "dd"), str(shards)]:
         assert as_tuples(read_prompt_rows(path)) == expected, path
+        # the other fields, for a reward function (model.reward_function)
+        assert [r.fields for r in read_prompt_rows(path)] == [{"extra": 1}, {"extra": 2}, {"extra": 3}]
     assert as_tuples(read_prompt_rows(str(tmp_path / "dd"), split="test")) == [("h h", "z")]
 
     jrows = read_prompt_rows(jsonl)

@@ -194,6 +194,9 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     with pytest.raises(ValueError, match="TRL's PPO has no overlong reward shaping"):
         trl_peer.trl_settings(load_config(None, ["ppo.overlong_buffer_len=64"]), out_dir=str(tmp_path),
                               eos_token_ids=(2,), use_cpu=True)
+    with pytest.raises(ValueError, match="its GRPOTrainer takes reward functions"):
+        trl_peer.trl_settings(load_config(None, ["model.reward_function=oppo_ds.workload:gold_reward"]),
+                              out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)
     with pytest.raises(ValueError, match="TRL's PPO trains on truncated responses"):
         trl_peer.trl_settings(load_config(None, ["ppo.mask_truncated_completions=true"]),
                               out_dir=str(tmp_path), eos_token_ids=(2,), use_cpu=True)

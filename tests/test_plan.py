@@ -27,6 +27,7 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "examples", "configs", "*.yaml")))
 # how docs/scaling.md plans each shipped config: cluster, device, shapes for paths naming none
 SHIPPED = {
     "tiny.yaml": (1, 1, "cpu", {}),
+    "tiny_rule_reward.yaml": (1, 1, "cpu", {}),
     "own_models.yaml": (1, 8, "H100-80GB", {"actor": "llama3-8b", "reward": "llama3-8b"}),
     "llama3_8b_zero3.yaml": (1, 8, "H100-80GB", {}),
     "llama3_8b_grpo.yaml": (1, 8, "H100-80GB", {}),
@@ -236,6 +237,27 @@ def test_with_the_kl_off_nothing_holds_or_scores_a_reference():
     mega = dataclasses.replace(mega, ppo=dataclasses.replace(mega.ppo, kl_coef=0.0))
     out = plan(mega, 4, 8, h100, steps=2)
     assert out["breakdown_gib"]["reference"] == 0 and "reference" not in out["models"]
+
+
+def test_with_a_reward_function_nothing_holds_or_scores_a_reward_model():
+    """model.reward_function: the step scores with the actor, critic and reference only, no
+    GPU holds a reward model, nothing streams into one, and the plan lists none (the text
+    names the function instead)."""
+    dev, B, micro, mini = _overhead_device(), 8, 4, 8
+    phases = _first_sequential_step(dev, B, micro, mini, reward=False)
+    assert phases["score"] == pytest.approx(3 * (B // micro) * dev.prefill_call_s)
+    h100 = get_device("H100-80GB")
+    fn = "model.reward_function=oppo_ds.workload:gold_reward"
+    model = plan_memory(_cfg("system.zero_stage=3"), resolve_shapes(_cfg()), 1, 8, h100).items
+    rule = plan_memory(_cfg("system.zero_stage=3", fn), resolve_shapes(_cfg()), 1, 8, h100).items
+    assert model["reward"] > 0 and rule["reward"] == 0
+    streamed = ["oppo.streaming=true", "oppo.stream_to=[reference]"]
+    kv = {name: plan_memory(_cfg(*streamed, *extra), resolve_shapes(_cfg()), 1, 8, h100).items["scorer_kv"]
+          for name, extra in (("model", []), ("rule", [fn]))}
+    assert 0 < kv["rule"] < kv["model"]  # the reference's cache alone
+    out = plan(_cfg(fn), 1, 8, h100, steps=2)
+    assert "reward" not in out["models"] and out["breakdown_gib"]["reward"] == 0
+    assert "reward    none (model.reward_function" in plan_cli.format_plan(out, "x.yaml")
 
 
 def test_the_group_pool_stops_and_takes_whole_prompts():

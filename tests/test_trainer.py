@@ -303,6 +303,65 @@ def test_max_samples_trains_on_the_first_prompts_read(tmp_path):
         run(str(tmp_path / "unused-cache"), tmp_path / "bad", "steps=1", *common)
 
 
+def test_a_reward_function_scores_in_place_of_the_reward_model(cache_dir, tmp_path):
+    """model.reward_function=oppo_ds.workload:gold_reward: no reward model is built, every
+    step's reward is the gold rule's score (to the float), the held-out evaluation's too; with
+    the reference and critic streaming (colocated) the run is the sequential one (1e-5: the
+    streamed prefill's summation order), and the rollout pool under GRPO's group baseline
+    carries rows and scores what it takes by the rule."""
+    fn = "model.reward_function=oppo_ds.workload:gold_reward"
+    trainer, _ = run(cache_dir, tmp_path / "seq", "steps=2", "checkpoint.export_hf=false", fn,
+                     "eval.prompts=builtin", "eval.num_prompts=8")
+    assert trainer.reward is None and trainer.reward_fn is not None
+    seq = _metrics_by_step(tmp_path / "seq" / "metrics.jsonl")
+    assert all(r["reward/mean"] == pytest.approx(r["gold/mean"], abs=1e-6) for r in seq.values())
+    evals = read_history(str(tmp_path / "seq" / "eval.jsonl"))
+    assert len(evals) == 2 and all(e["eval/reward_mean"] == pytest.approx(e["eval/gold_mean"], abs=1e-6)
+                                   for e in evals)
+    run(cache_dir, tmp_path / "stream", "steps=2", "checkpoint.export_hf=false", fn,
+        "oppo.streaming=true", "oppo.chunk_size=3", "oppo.placement=colocated",
+        "oppo.stream_to=[reference,critic]")
+    stream = _metrics_by_step(tmp_path / "stream" / "metrics.jsonl")
+    for step in (1, 2):
+        assert stream[step]["response/lengths"] == seq[step]["response/lengths"]
+        for key in ("reward/mean", "kl/mean", "value/mean", "loss/policy"):
+            assert stream[step][key] == pytest.approx(seq[step][key], abs=1e-5), (step, key)
+        assert stream[step]["stream/scorer_busy_s"] > 0
+    run(cache_dir, tmp_path / "pool", "steps=3", "checkpoint.export_hf=false", fn,
+        "ppo.advantage_estimator=group_norm", "data.samples_per_prompt=4", "oppo.overcommit=4")
+    pool = _metrics_by_step(tmp_path / "pool" / "metrics.jsonl")
+    assert any(r["pool/carried"] > 0 for r in pool.values())
+    assert all(r["reward/mean"] == pytest.approx(r["gold/mean"], abs=1e-6) for r in pool.values())
+
+
+def test_a_reward_function_file_gets_each_prompts_fields(tmp_path):
+    """A reward function in a file of the user's, on their jsonl prompts with an `answer`
+    field (missing from one row) and random tiny models, critic-free: every logged sample's
+    reward is what the function makes of its own prompt's answer (its length, 0 without one),
+    under data.samples_per_prompt rows `<id>#k`; nothing is prepared (no reward model of the
+    built-in task is trained)."""
+    from oppo_ds.workload import build_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer().save_pretrained(str(tok_dir))
+    answers = {"a": "xy", "b": "xyz", "c": None, "d": "w"}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a b c -> {x}", **({"answer": a} if a else {})}) + "\n"
+                               for x, a in answers.items()))
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def answer_length(prompts, completions, answer, **_):\n"
+                       "    return [len(a or '') for a in answer]\n")
+    run(str(tmp_path / "unused-cache"), tmp_path / "run", "steps=2", "model.actor=tiny-qwen2",
+        f"model.tokenizer={tok_dir}", f"data.prompts={prompts}", "checkpoint.export_hf=false",
+        f"model.reward_function={rewards}:answer_length", "ppo.advantage_estimator=rloo",
+        "data.samples_per_prompt=2", "logging.samples=8", "logging.samples_every=1")
+    samples = read_history(str(tmp_path / "run" / "samples.jsonl"))
+    assert len(samples) == 16 and {s["prompt_id"][-2:] for s in samples} == {"#0", "#1"}
+    for s in samples:
+        assert s["reward"] == len(answers[s["prompt"][-1]] or "")
+    assert not os.path.exists(tmp_path / "unused-cache")
+
+
 @pytest.mark.parametrize("overrides", [
     ("system.zero_stage=3", "system.hybrid_engine=true"),
     ("system.zero_stage=2", "system.dtype=bf16"),

@@ -79,6 +79,8 @@ def format_plan(out: dict, config: str) -> str:
         lines.append(f"  {k:<9} {m['shape']}: {size} parameters")
     if "reference" not in out["models"]:
         lines.append("  reference none (ppo.kl_coef 0: the KL is off)")
+    if "reward" not in out["models"]:
+        lines.append("  reward    none (model.reward_function scores the responses)")
     if "critic" not in out["models"]:
         lines.append("  critic    none (a critic-free ppo.advantage_estimator)")
     rows = out["rows_per_rank"]

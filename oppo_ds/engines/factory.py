@@ -20,7 +20,7 @@ class Models:
     actor: TrainEngine
     critic: Optional[TrainEngine]  # None for a critic-free ppo.advantage_estimator
     reference: Optional[torch.nn.Module]  # None on the scorer rank (stage) or with the KL off
-    reward: Optional[torch.nn.Module]
+    reward: Optional[torch.nn.Module]  # None on the scorer rank, or with model.reward_function
 
 
 def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
@@ -92,6 +92,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
                                         offload=s.offload_reference)
     else:
         reference = prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)
-    reward = None if "reward" in on_stage else \
+    # none on the scorer rank's side of a stage, or in place of a reward function
+    reward = None if "reward" in on_stage or not src.reward_model else \
         prepare_frozen(build_value_model(src.reward, require_head=True, **common), s.dtype, device)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)

@@ -122,7 +122,7 @@ def rollout_rows(cfg: Config) -> tuple[int, int]:
 
 def streamed_scorers(cfg: Config) -> list[str]:
     """Scorers that prefill each chunk during decoding (none in the sequential baseline)."""
-    return cfg.oppo.streamed_scorers
+    return cfg.streamed_scorers
 
 
 def on_scorer_rank(cfg: Config) -> set[str]:
@@ -131,7 +131,7 @@ def on_scorer_rank(cfg: Config) -> set[str]:
     (it trains on the actor ranks and its weights go to the copy after each update)."""
     if cfg.oppo.placement != "stage" or not cfg.oppo.streaming:
         return set()
-    return set(cfg.oppo.streamed_scorers)
+    return set(cfg.streamed_scorers)
 
 
 def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,
@@ -218,7 +218,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     else:
         items["reference"] = w * ref.params()
         items["reference_gathered"] = 0.0
-    items["reward"] = 0.0 if "reward" in on_stage else w * shapes.reward.params(value_head=True)
+    items["reward"] = 0.0 if "reward" in on_stage or cfg.model.reward_function is not None \
+        else w * shapes.reward.params(value_head=True)
 
     gathered_actor = s.hybrid_engine and (s.zero_stage == 3 or s.inference_tp_size > 1)
     items["hybrid_engine_copy"] = (w * shapes.actor.params() / s.inference_tp_size

@@ -74,14 +74,15 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
     if s.backend == "megatron":
         split = megatron.model_split(cfg)
         if cfg.oppo.placement == "stage":  # HF copies on the scorer rank
-            whole = frozenset(cfg.oppo.streamed_scorers)
+            whole = frozenset(cfg.streamed_scorers)
     return CostModel(device, shapes, lay, dtype_bytes=dtype_bytes(s.dtype), zero_stage=s.zero_stage,
                      model_split=split, whole_scorers=whole,
                      offload=s.offload, checkpointing=s.gradient_checkpointing,
                      lora_only=m.only_optimize_lora, hybrid_engine=s.hybrid_engine,
                      partition_reference=s.partition_reference, offload_reference=s.offload_reference,
                      lora_dims={"actor": m.actor_lora_dim, "critic": m.critic_lora_dim},
-                     critic=cfg.ppo.uses_critic, reference=cfg.ppo.uses_reference)
+                     critic=cfg.ppo.uses_critic, reference=cfg.ppo.uses_reference,
+                     reward=cfg.model.reward_function is None)
 
 
 def length_dist(cfg: Config, lengths: Optional[Sequence[int]] = None) -> LengthDist:
@@ -93,8 +94,9 @@ def length_dist(cfg: Config, lengths: Optional[Sequence[int]] = None) -> LengthD
 def schedules(cfg: Config, mode: str) -> list[Schedule]:
     """The schedule(s) a mode runs: one per chunk-size candidate under `chunk_size: auto`
     (the planner keeps the fastest, as the online controller would)."""
-    o = mode_config(cfg, mode).oppo
-    streamed = tuple(o.streamed_scorers)
+    mode_cfg = mode_config(cfg, mode)
+    o = mode_cfg.oppo
+    streamed = tuple(mode_cfg.streamed_scorers)
     delta = (o.delta_max if o.overcommit == "auto" else o.overcommit)
     chunks = list(o.chunk_candidates) if o.chunk_size == "auto" else [o.chunk_size]
     if not streamed:
@@ -138,9 +140,11 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
         "models": {k: {"shape": getattr(shapes, k).name,
                        "params": getattr(shapes, k).params(value_head=k in ("reward", "critic"))}
                    for k in ("actor", "reference", "reward", "critic")
-                   # a critic-free estimator has no critic, the KL off no reference
+                   # a critic-free estimator has no critic, the KL off no reference, a reward
+                   # function no reward model
                    if (k != "critic" or cfg.ppo.uses_critic)
-                   and (k != "reference" or cfg.ppo.uses_reference)},
+                   and (k != "reference" or cfg.ppo.uses_reference)
+                   and (k != "reward" or cfg.model.reward_function is None)},
         "rows_per_rank": {"batch_size": b, "delta": delta},
         **memory.to_json(),
         "predicted_step_s": {m: round(r.mean("step_s"), 6) for m, r in results.items()},

@@ -140,12 +140,13 @@ class CostModel:
                  partition_reference: bool = False, offload_reference: bool = False,
                  lora_dims: Optional[dict[str, int]] = None, model_split: tuple[int, int] = (1, 1),
                  whole_scorers: frozenset = frozenset(), critic: bool = True,
-                 reference: bool = True):
+                 reference: bool = True, reward: bool = True):
         """``model_split``: Megatron's (tensor, pipeline) sizes; one decode group is then one
         model replica and ``layout.gpus`` its data-parallel replicas. ``whole_scorers``: the
         kinds that run unsplit on the stage placement's scorer rank. ``critic``: False for a
         critic-free ``ppo.advantage_estimator`` (nothing scores or trains one); ``reference``:
-        False with the KL off (``ppo.kl_coef`` 0: nothing scores one)."""
+        False with the KL off (``ppo.kl_coef`` 0: nothing scores one); ``reward``: False with
+        ``model.reward_function`` (a rule on the text, whose cost is not modelled)."""
         self.dev, self.shapes, self.lay, self.w = device, shapes, layout, dtype_bytes
         self.mtp, self.mpp = model_split
         self.whole_scorers = frozenset(whole_scorers)
@@ -155,7 +156,8 @@ class CostModel:
         self.lora_dims = lora_dims or {}
         self.trained = ("actor", "critic") if critic else ("actor",)
         self.scorers = tuple(k for k in ("reference", "critic", "reward")
-                             if (k != "critic" or critic) and (k != "reference" or reference))
+                             if (k != "critic" or critic) and (k != "reference" or reference)
+                             and (k != "reward" or reward))
         n = layout.gpus
         self.net_bw = (device.inter_node_bw if layout.nodes > 1 else device.intra_node_bw) if n > 1 else 0.0
         # Megatron's pipeline stages: one node holds tp x pp ranks or the stages span nodes

@@ -1,0 +1,98 @@
+"""Rule-based rewards: a Python function scores the responses in place of a reward model
+(``model.reward_function``), as TRL's ``reward_funcs`` and OpenRLHF's reward-function file do,
+for rewards a rule can check (a verifiable answer, a format, a length).
+
+The function is named ``package.module:name`` (importable from the run's Python path) or
+``path/to/file.py:name`` (a file, loaded by path). It is called once per batch of finished
+responses as
+
+    fn(prompts=[...], completions=[...], **fields) -> a sequence of numbers, one per response
+
+with ``prompts`` the prompts as the data file holds them (a string, or a list of chat
+messages), ``completions`` the responses decoded to text (special tokens left out), and one
+keyword per other field of the prompts' rows (``answer=[...]``; None where a row has no such
+field), as TRL passes a data set's columns. Accept ``**kwargs`` to ignore fields. A score
+that is not a finite number stops the run naming the function and the response.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from numbers import Real
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config_types import ConfigError
+
+KEY = "model.reward_function"
+
+
+def load_reward_function(spec: str) -> Callable:
+    """The callable ``spec`` names (``module:name`` or ``file.py:name``); ``ConfigError`` naming
+    ``model.reward_function`` when it cannot be found or is not callable."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(KEY, f"{spec!r}: name a function as package.module:function or "
+                               f"path/to/file.py:function")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ConfigError(KEY, f"{where}: no such file")
+        module_name = "oppo_reward_fn_" + os.path.splitext(os.path.basename(where))[0]
+        loader = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[module_name] = module  # so that pickling and dataclasses in it work
+        try:
+            loader.loader.exec_module(module)
+        except Exception as err:
+            raise ConfigError(KEY, f"{where}: loading it failed: {type(err).__name__}: {err}") from err
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as err:
+            raise ConfigError(KEY, f"{spec!r}: cannot import {where} ({err}); a file is named "
+                                   f"by a path ending in .py") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(KEY, f"{spec!r}: {where} has no {name!r}")
+    if not callable(fn):
+        raise ConfigError(KEY, f"{spec!r}: {name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function returned something other than one finite number per response."""
+
+
+class RewardFunction:
+    """``model.reward_function`` loaded, called on decoded responses: (B,) float32 scores."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.fn = load_reward_function(spec)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
+                 fields: Sequence[dict]) -> torch.Tensor:
+        names = sorted({k for f in fields for k in f} - {"prompts", "completions"})
+        columns = {k: [f.get(k) for f in fields] for k in names}
+        scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)
+        try:
+            scores = list(scores)
+        except TypeError:
+            raise RewardFunctionError(f"{KEY} {self.spec} returned a {type(scores).__name__}, "
+                                      f"not a sequence of {len(completions)} scores") from None
+        if len(scores) != len(completions):
+            raise RewardFunctionError(f"{KEY} {self.spec} returned {len(scores)} scores for "
+                                      f"{len(completions)} responses")
+        for i, s in enumerate(scores):
+            if isinstance(s, torch.Tensor) and s.numel() == 1:
+                s = s.item()
+            if not isinstance(s, Real) or not math.isfinite(s):
+                raise RewardFunctionError(
+                    f"{KEY} {self.spec} scored response {i} {s!r}: every score must be a finite "
+                    f"number (response: {completions[i][:80]!r})")
+            scores[i] = float(s)
+        return torch.tensor(scores, dtype=torch.float32)

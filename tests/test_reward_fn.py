@@ -1,0 +1,85 @@
+"""Tier 1: model.reward_function, loading a function by module or file and calling it on
+decoded responses (oppo_ds/reward_fn.py); the built-in task's rule as one."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oppo_ds import workload as wl
+from oppo_ds.config import ConfigError
+from oppo_ds.reward_fn import RewardFunction, RewardFunctionError, load_reward_function
+
+
+def test_a_function_is_loaded_from_a_module_or_a_file(tmp_path):
+    assert load_reward_function("oppo_ds.workload:gold_reward") is wl.gold_reward
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def exact(prompts, completions, answer, **_):\n"
+                    "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n")
+    fn = load_reward_function(f"{path}:exact")
+    assert fn(prompts=["p", "q"], completions=[" 4", "5"], answer=["4", "4"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("oppo_ds.workload", "name a function as package.module:function or path/to/file.py:function"),
+    (":gold_reward", "name a function as"),
+    ("oppo_ds.no_such_module:f", "cannot import oppo_ds.no_such_module"),
+    ("oppo_ds.workload:no_such_name", "oppo_ds.workload has no 'no_such_name'"),
+    ("oppo_ds.workload:LETTERS", "LETTERS is a tuple, not a function"),
+    ("/no/such/rewards.py:f", "/no/such/rewards.py: no such file"),
+])
+def test_a_function_that_cannot_be_found_names_the_key(spec, words):
+    with pytest.raises(ConfigError, match=r"^model\.reward_function: ") as err:
+        load_reward_function(spec)
+    assert words in str(err.value)
+
+
+def test_a_file_that_fails_to_load_names_the_file_and_the_error(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("import no_such_package_here\n")
+    with pytest.raises(ConfigError, match=r"broken.py: loading it failed: ModuleNotFoundError"):
+        load_reward_function(f"{path}:f")
+
+
+def test_the_rows_fields_arrive_as_columns():
+    """Every other field of the prompt rows is a keyword holding one value per response, None
+    where a row lacks the field (TRL passes a data set's columns so); the scores come back as
+    float32, numbers of any kind (a bool, a 0-dim tensor) taken as they are."""
+    seen = {}
+
+    def fn(prompts, completions, **fields):
+        seen.update(prompts=prompts, completions=completions, **fields)
+        return [True, torch.tensor(0.5), 2]
+    reward = RewardFunction("oppo_ds.workload:gold_reward")
+    reward.fn = fn
+    scores = reward(["p1", [{"role": "user", "content": "p2"}], "p3"], ["a", "b", "c"],
+                    [{"answer": "x", "level": 1}, {"answer": "y"}, {}])
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 0.5, 2.0]
+    assert seen["prompts"][1] == [{"role": "user", "content": "p2"}]
+    assert seen["answer"] == ["x", "y", None] and seen["level"] == [1, None, None]
+
+
+@pytest.mark.parametrize("returned, words", [
+    ([1.0], "returned 1 scores for 2 responses"),
+    (3.0, "returned a float, not a sequence of 2 scores"),
+    ([1.0, math.nan], "scored response 1 nan: every score must be a finite number"),
+    ([1.0, "1"], "scored response 1 '1'"),
+    ([None, 1.0], "scored response 0 None"),
+])
+def test_what_is_not_one_finite_number_per_response_stops_the_run(returned, words):
+    reward = RewardFunction("oppo_ds.workload:gold_reward")
+    reward.fn = lambda prompts, completions: returned
+    with pytest.raises(RewardFunctionError, match="model.reward_function oppo_ds.workload:gold_reward") as err:
+        reward(["p", "q"], ["a b", "c"], [{}, {}])
+    assert words in str(err.value)
+
+
+def test_gold_reward_is_the_hidden_rule():
+    """The built-in task's rule as a reward function: each completion's gold score for the task
+    its prompt names (by hand: the mean of the mood's letter values), -1 where the prompt names
+    none or the completion has no letter."""
+    v = wl.LETTER_VALUE["warm"]
+    got = wl.gold_reward(["warm q c ->", "warm q c ->", "no task here"], ["a b", "<eos>", "a"])
+    assert got[0] == pytest.approx((v["a"] + v["b"]) / 2)
+    assert got[1:] == [-1.0, -1.0]
