@@ -78,7 +78,12 @@ class RewardFunction:
                  fields: Sequence[dict]) -> torch.Tensor:
         names = sorted({k for f in fields for k in f} - {"prompts", "completions"})
         columns = {k: [f.get(k) for f in fields] for k in names}
-        scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)
+        try:
+            scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)
+        except Exception as err:  # the user's code: say whose it was, keep its traceback
+            raise RewardFunctionError(f"{KEY} {self.spec} raised {type(err).__name__}: {err} "
+                                      f"(scoring {len(completions)} responses; their fields: "
+                                      f"{', '.join(names) or 'none'})") from err
         try:
             scores = list(scores)
         except TypeError:

@@ -75,6 +75,18 @@ def test_what_is_not_one_finite_number_per_response_stops_the_run(returned, word
     assert words in str(err.value)
 
 
+def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
+    def fn(prompts, completions, answer):
+        raise KeyError("solution")
+    reward = RewardFunction("oppo_ds.workload:gold_reward")
+    reward.fn = fn
+    with pytest.raises(RewardFunctionError, match=r"oppo_ds.workload:gold_reward raised KeyError: "
+                                                  r"'solution' \(scoring 1 responses; their fields: "
+                                                  r"answer\)") as err:
+        reward(["p"], ["a"], [{"answer": "4"}])
+    assert isinstance(err.value.__cause__, KeyError)
+
+
 def test_gold_reward_is_the_hidden_rule():
     """The built-in task's rule as a reward function: each completion's gold score for the task
     its prompt names (by hand: the mean of the mood's letter values), -1 where the prompt names
