@@ -110,6 +110,26 @@ def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming):
     # mismatch, so reaching the end means both ranks made the same number)
 
 
+def test_two_ranks_score_with_a_reward_function(tmp_path):
+    """model.reward_function on 2 ranks under ZeRO-3, GRPO's group baseline in the rollout
+    pool and the reference streaming: each rank scores its own rows with the function (the
+    logged reward, all ranks together, is the gold rule's to the float) and both train every
+    step's rows."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    launch(out, cache, "steps=2", "system.zero_stage=3", "checkpoint.export_hf=false",
+           "model.reward_function=oppo_ds.workload:gold_reward", "ppo.advantage_estimator=group_norm",
+           "data.samples_per_prompt=4", "oppo.overcommit=4", "oppo.streaming=true",
+           "oppo.stream_to=[reference]", "oppo.chunk_size=4")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["samples"] == 2 * 2 * 4
+    history = read_history(str(out / "metrics.jsonl"))
+    # (a step whose rows all finished in the step before decodes nothing, and streams nothing)
+    assert len(history) == 2 and any(r.get("stream/scorer_busy_s", 0) > 0 for r in history)
+    for r in history:
+        assert r["reward/mean"] == pytest.approx(r["gold/mean"], abs=1e-6)
+        assert len(r["response/lengths"]) == 2 * 4
+
+
 def test_two_ranks_partitioned_offloaded_reference_gives_the_same_run(tmp_path):
     """system.partition_reference + offload_reference (DeepSpeed-Chat's
     --offload_reference_model) on 2 ZeRO-3 ranks: the reference lives as CPU-held ZeRO-3
