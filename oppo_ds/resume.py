@@ -161,8 +161,8 @@ class Resumable:
             if state.get("kl_coef") is not None and self.cfg.ppo.kl_target is not None:
                 now.pop("ppo.kl_coef")  # only the start: the adaptive coefficient goes on as saved
             for key in (k for k in now if k in saved and saved[k] != now[k]):
-                logger.info("%s: %s, not the %s checkpoint %s was written with", key, now[key],
-                            saved[key], tag)
+                shown = ["null" if v is None else v for v in (now[key], saved[key])]  # as YAML
+                logger.info("%s: %s, not the %s checkpoint %s was written with", key, *shown, tag)
 
     def _checkpoint_settings(self) -> dict:
         values = self.cfg.to_dict()

@@ -1241,20 +1241,26 @@ def test_responses_longer_than_a_learned_position_table_stop_before_any_engine(t
 
 
 def test_a_resume_names_the_objective_settings_that_changed(cache_dir, tmp_path, caplog):
-    """A run may continue under another objective (here the KL coefficient and the loss
-    aggregation): the resume says so, one line per setting, as it does for learning rates;
-    a micro-batch size (the same update) and unchanged settings go unmentioned."""
+    """A run may continue under another objective (here the KL coefficient, the loss
+    aggregation and the reward: a function in place of the reward model): the resume says so,
+    one line per setting, as it does for learning rates; a micro-batch size (the same update)
+    and unchanged settings go unmentioned."""
     import logging
 
     out = tmp_path / "run"
     run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
     with caplog.at_level(logging.INFO, logger="oppo_ds.resume"):
         run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "ppo.kl_coef=0.1",
-            "ppo.loss_agg_mode=seq_mean_token_mean", "ppo.micro_batch_size=2")
+            "ppo.loss_agg_mode=seq_mean_token_mean", "ppo.micro_batch_size=2",
+            "model.reward_function=oppo_ds.workload:gold_reward")
     lines = [r.getMessage() for r in caplog.records if "was written with" in r.getMessage()]
     assert lines == ["ppo.kl_coef: 0.1, not the 0.05 checkpoint step2 was written with",
                      "ppo.loss_agg_mode: seq_mean_token_mean, not the token_mean checkpoint step2 "
-                     "was written with"]
+                     "was written with",
+                     "model.reward_function: oppo_ds.workload:gold_reward, not the null checkpoint "
+                     "step2 was written with"]
+    history = read_history(str(out / "metrics.jsonl"))
+    assert history[-1]["reward/mean"] == pytest.approx(history[-1]["gold/mean"], abs=1e-6)
     assert read_history(str(out / "metrics.jsonl"))[-1]["kl/coef"] == 0.1
 
     # with ppo.kl_target the checkpoint's adaptive coefficient goes on: ppo.kl_coef, only its
