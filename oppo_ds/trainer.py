@@ -229,11 +229,11 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                                    start_step=self.step_count, log_every=cfg.logging.log_every)
         if self.is_main:
             save_config(cfg, os.path.join(cfg.logging.output_dir, "config.yaml"))
+            reward = src.reward if self.reward_fn is None else f"the function {cfg.model.reward_function}"
             logger.info("actor %s | critic %s | reward %s | reference %s | %d prompts | %d rank(s)"
                         " | hybrid engine: %s", src.actor,
                         src.critic if self.critic is not None else f"none ({p.advantage_estimator})",
-                        src.reward if self.reward_fn is None else
-                        f"the function {cfg.model.reward_function}", src.reference if p.uses_reference else "none (ppo.kl_coef 0)",
+                        reward, src.reference if p.uses_reference else "none (ppo.kl_coef 0)",
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
 
     # ------------------------------------------------------------------ setup helpers
