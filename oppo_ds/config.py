@@ -89,6 +89,11 @@ class ModelConfig:
         _require(not self.only_optimize_lora or self.actor_lora_dim or self.critic_lora_dim,
                  "only_optimize_lora", "needs actor_lora_dim or critic_lora_dim > 0")
 
+    @property
+    def uses_reward_model(self) -> bool:
+        """Whether a reward model scores (no ``reward_function``), which is then built."""
+        return self.reward_function is None
+
 
 @dataclass
 class PPOConfig:
@@ -734,7 +739,7 @@ class Config:
         o = self.oppo
         if not o.streaming:
             return []
-        return ["reward"] * (self.model.reward_function is None) + [k for k in o.stream_to if k != "actor"]
+        return ["reward"] * self.model.uses_reward_model + [k for k in o.stream_to if k != "actor"]
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> None:

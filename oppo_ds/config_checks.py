@@ -37,7 +37,7 @@ def check_across_sections(cfg) -> None:
         _check_critic_free(cfg)
     if cfg.ppo.group_baseline and cfg.oppo.overcommits:
         _check_whole_prompt_delta(cfg)
-    if cfg.model.reward_function is not None:
+    if not cfg.model.uses_reward_model:
         _check_reward_function(cfg)
     if cfg.eval.enabled:
         require(cfg.workload.kind != "length_oracle", "eval.prompts",

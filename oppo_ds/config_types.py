@@ -29,7 +29,6 @@ def require(cond: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
-
 def describe_type(tp) -> str:
     """A type annotation in words, as error messages and docs/config.md give it."""
     origin = typing.get_origin(tp)

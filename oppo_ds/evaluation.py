@@ -1,10 +1,10 @@
 """Held-out evaluation (``eval:``): the actor answers a fixed set of prompts it does not train
 on, sampled as training samples (or greedily) from a generator that repeats its draws at
 every evaluation, and the reward model (or ``model.reward_function``) scores the answers
-(the built-in task's gold rule too). Before the first step, every ``eval.every`` steps and after the last, so that a
-reward that rises on the training batches can be checked against prompts the policy has not
-been optimised on, with figures whose change from one evaluation to the next comes from the
-policy rather than from the draw.
+(the built-in task's gold rule too). Before the first step, every ``eval.every`` steps and
+after the last, so that a reward that rises on the training batches can be checked against
+prompts the policy has not been optimised on, with figures whose change from one evaluation
+to the next comes from the policy rather than from the draw.
 
 Evaluation uses none of training's random state (it has its own generator), so a run with
 it trains exactly as one without. Under ``oppo.placement: stage`` the reward model is on the

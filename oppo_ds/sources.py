@@ -58,7 +58,7 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
                        reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
                        tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
     # model.reward is read where the reward model scores, or where the critic starts from it
-    reward_read = m.reward_function is None or (cfg.ppo.uses_critic and m.critic is None)
+    reward_read = m.uses_reward_model or (cfg.ppo.uses_critic and m.critic is None)
     needs_builtin = "builtin" in (m.actor, m.critic, m.reference, d.prompts) or \
         (reward_read and m.reward == "builtin")
     prepared = None
@@ -92,7 +92,7 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
                    tokenizer=tokenizer,
                    prompts=pick(d.prompts, "builtin", prepared and prepared.prompts),
                    builtin_prompts=d.prompts == "builtin",
-                   reward_model=m.reward_function is None)
+                   reward_model=m.uses_reward_model)
 
 
 def read_rows(cfg: Config, prompts: str | list[str]):

@@ -130,7 +130,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         # a reward function in place of the reward model: loaded before any prompt or engine,
         # and given each response's prompt row as read (by row id)
         self.reward_fn = RewardFunction(cfg.model.reward_function) \
-            if cfg.model.reward_function is not None else None
+            if not cfg.model.uses_reward_model else None
         self.prompt_rows: dict[str, tuple] = {}
         self.eval_rows: dict[str, tuple] = {}
         self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
@@ -436,12 +436,9 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                                    self.sample_gen, chunk, placement=o.placement, stop=stop)
 
     def _streamed_kinds(self) -> list[str]:
-        """The scorers that stream: the reward model (not a reward function, which scores
-        finished text) and oppo.stream_to."""
-        o = self.cfg.oppo
-        if not o.streaming:
-            return []
-        return (["reward"] if self.reward_fn is None else []) + list(o.stream_to)
+        """What streams: the scorers (``Config.streamed_scorers``) and the actor's own
+        log-probs when it streams them."""
+        return self.cfg.streamed_scorers + ["actor"] * self.cfg.oppo.streams_actor
 
     def _carried_scorer(self, kind: str) -> StreamingScorer:
         """The reward / reference streaming scorer whose cache lives across steps."""

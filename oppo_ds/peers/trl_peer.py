@@ -161,7 +161,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         raise ValueError(f"ppo.overlong_buffer_len={p.overlong_buffer_len}: TRL's PPO has no "
                          f"overlong reward shaping (its missing_eos_penalty is "
                          f"ppo.missing_eos_penalty)")
-    if cfg.model.reward_function is not None:
+    if not cfg.model.uses_reward_model:
         raise ValueError(f"model.reward_function={cfg.model.reward_function}: the peer runs "
                          f"TRL's PPOTrainer, which scores with a reward model (its GRPOTrainer "
                          f"takes reward functions)")

@@ -218,7 +218,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     else:
         items["reference"] = w * ref.params()
         items["reference_gathered"] = 0.0
-    items["reward"] = 0.0 if "reward" in on_stage or cfg.model.reward_function is not None \
+    items["reward"] = 0.0 if "reward" in on_stage or not cfg.model.uses_reward_model \
         else w * shapes.reward.params(value_head=True)
 
     gathered_actor = s.hybrid_engine and (s.zero_stage == 3 or s.inference_tp_size > 1)

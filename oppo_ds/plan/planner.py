@@ -82,7 +82,7 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
                      partition_reference=s.partition_reference, offload_reference=s.offload_reference,
                      lora_dims={"actor": m.actor_lora_dim, "critic": m.critic_lora_dim},
                      critic=cfg.ppo.uses_critic, reference=cfg.ppo.uses_reference,
-                     reward=cfg.model.reward_function is None)
+                     reward=cfg.model.uses_reward_model)
 
 
 def length_dist(cfg: Config, lengths: Optional[Sequence[int]] = None) -> LengthDist:
@@ -144,7 +144,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
                    # function no reward model
                    if (k != "critic" or cfg.ppo.uses_critic)
                    and (k != "reference" or cfg.ppo.uses_reference)
-                   and (k != "reward" or cfg.model.reward_function is None)},
+                   and (k != "reward" or cfg.model.uses_reward_model)},
         "rows_per_rank": {"batch_size": b, "delta": delta},
         **memory.to_json(),
         "predicted_step_s": {m: round(r.mean("step_s"), 6) for m, r in results.items()},
