@@ -47,8 +47,8 @@ PLANNED_MODES: tuple[str, ...] = ()
 
 # Every child run starts fresh and writes nothing the benchmark does not read.
 # evaluation runs between the steps the modes are compared on: off, no run spends time on it
-BASE_OVERRIDES = ("checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false",
-                  "eval.prompts=null")
+BASE_OVERRIDES = ("checkpoint.resume=never", "checkpoint.final=false", "checkpoint.export_hf=false",
+                  "logging.progress=false", "eval.prompts=null")
 
 
 class BenchError(Exception):

@@ -685,6 +685,10 @@ class CheckpointConfig:
     size may change (docs/architecture.md, Checkpoints)."""
     keep_last: int = 2
     """Checkpoints to keep (older ones are removed)."""
+    final: bool = True
+    """Save a checkpoint when training ends (unless `every` just saved one). Off only where
+    nothing will continue the run: oppo-bench's timed runs, which would otherwise write the
+    actor's and critic's weights and optimizer states (13 GB at 0.5B) after their last step."""
     export_hf: bool = True
     """Export the final models in Hugging Face format (safetensors) to output_dir/actor and
     output_dir/critic (and actor_ema with model.actor_ema)."""

@@ -709,7 +709,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                     # (not when a finished run is started again: it evaluated then)
                     if self.step_count > start and self._eval_due(after_last=True):
                         self._evaluate_and_log()
-                    if not cfg.checkpoint.every or self.step_count % cfg.checkpoint.every:
+                    if cfg.checkpoint.final and (not cfg.checkpoint.every
+                                                 or self.step_count % cfg.checkpoint.every):
                         self.save_checkpoint()
                     if cfg.checkpoint.export_hf:
                         self.export(cfg.logging.output_dir)

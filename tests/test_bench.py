@@ -202,6 +202,8 @@ def test_sequential_run_writes_json_table_and_plot(cache_dir, tmp_path):
     assert "sequential" in proc.stdout and "1.00x" in proc.stdout
     run_dir = tmp_path / "bench.runs" / "sequential"
     assert (run_dir / "stdout.log").is_file() and (run_dir / "metrics.jsonl").is_file()
+    # a timed run writes no checkpoint after its last step (at 0.5B one was 13 GB on a GPU)
+    assert not (run_dir / "checkpoints").exists()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -544,6 +544,19 @@ def test_resume_refuses_to_drop_or_invent_a_pool(cache_dir, tmp_path):
         run(cache_dir, plain, "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=4")
 
 
+def test_checkpoint_final_false_saves_only_the_periodic_checkpoints(cache_dir, tmp_path):
+    """`checkpoint.final: false` (oppo-bench's timed runs) skips the save after the last step,
+    not the ones `every` asks for."""
+    out = tmp_path / "periodic"
+    run(cache_dir, out, "steps=3", "checkpoint.every=2", "checkpoint.final=false",
+        "checkpoint.export_hf=false")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
+    assert not (out / "checkpoints" / "trainer" / "step3").exists()
+    none = tmp_path / "none"
+    run(cache_dir, none, "steps=2", "checkpoint.final=false", "checkpoint.export_hf=false")
+    assert len(read_history(str(none / "metrics.jsonl"))) == 2 and not (none / "checkpoints").exists()
+
+
 def test_resume_refuses_a_checkpoint_written_with_another_prompt_order(cache_dir, tmp_path):
     """The prompt stream's order follows the seed, the prompts and the shuffle setting: a
     resume with another of these would train some prompts twice and skip others, so it is

@@ -68,7 +68,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
     if probs.device.type == "cpu":  # free here; on a GPU NaN log-probs reach the step's check
         _check_distribution(probs)
-    if generator is None or generator.device == probs.device:
+    # by type: a generator made for "cuda" reports cuda, the logits cuda:0
+    if generator is None or generator.device.type == probs.device.type:
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:
         # a CPU generator (the trainer's, whose state its checkpoints hold) with the logits on
