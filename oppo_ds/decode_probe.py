@@ -1,0 +1,162 @@
+"""Where a decoded token's time goes: the model's forward, the host-device syncs, the sampling.
+
+    python -m oppo_ds.decode_probe --arch qwen2.5-0.5b --batch 32 --tokens 64 --dtype bf16
+
+On the first GPU run (an H200, 2026-11-26, docs/benchmarks.md) the actor decoded at about
+36 ms a token for a 2-layer tiny model and 38 ms for Qwen2.5-0.5B shapes, with the GPU's
+multiprocessors about 10% busy: a cost per token that does not grow with the model, which a
+forward pass cannot explain. This probe times, on one actor built from config with random
+weights, each piece of a decode step alone, so one short run on a GPU says which it is:
+
+- ``forward``: the model's forward with its KV cache and a greedy next token chosen on the
+  device, no host sync until the end (launch and compute alone);
+- ``forward + sync``: the same with one ``synchronize`` per token (what any loop that asks
+  the host whether a row ended pays);
+- ``decode (cpu generator)``: ``decode_steps`` as the trainer runs it, sampling with a CPU
+  ``torch.Generator`` (its state is in the checkpoints): on a GPU one host-to-device copy of
+  the uniforms per token, beside the end-of-row check;
+- ``decode (device generator)``: ``decode_steps`` sampling with a generator on the logits'
+  device (no copy);
+- ``sync`` and ``h2d copy``: one ``synchronize`` after a one-element kernel, and one copy of
+  ``batch`` float64 uniforms from pageable host memory, each on its own.
+
+Figures are milliseconds per decode step (one token for every row), medians of ``--repeat``
+timed runs after one warm-up. On a CPU the syncs cost nothing and the probe shows only
+the loop's own overhead beside the forward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+from .kv_cache import cache_kwargs, output_cache
+from .models import FROM_CONFIG_ARCHS, TINY_ARCHS, build_causal_lm
+from .rollout.generate import SamplingParams, decode_steps, start_decode
+
+TINY_VOCAB = 512  # the tiny architectures' vocabulary here (the real shapes keep their own)
+
+
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _median_ms(fn: Callable[[], int], sync: Callable[[], None], repeat: int) -> float:
+    """Median over ``repeat`` runs of fn's wall time per unit it returns (ms), after a warm-up."""
+    fn()
+    sync()
+    per_unit = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        units = fn()
+        sync()
+        per_unit.append((time.perf_counter() - start) * 1e3 / max(units, 1))
+    return statistics.median(per_unit)
+
+
+def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, device: str,
+          repeat: int = 3, seed: int = 0) -> dict:
+    """Time each piece of a decode step; returns the figures (ms) and what was run."""
+    dev = torch.device(device)
+    model = build_causal_lm(arch, vocab_size=TINY_VOCAB if arch in TINY_ARCHS else None,
+                            dtype=dtype, seed=seed).to(dev).eval()
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(dev)
+    mask = torch.ones_like(prompt)
+    sync = _sync_fn(dev)
+    # no end id can end a row early: every row decodes ``tokens`` tokens
+    params = SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
+                            temperature=1.0, top_k=0, top_p=1.0)
+
+    @torch.no_grad()
+    def forward_loop(sync_each: bool) -> int:
+        out = model(input_ids=prompt, attention_mask=mask, use_cache=True)
+        cache, am = output_cache(out), mask
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        pos = torch.full((batch, 1), prompt_len, device=dev)
+        for _ in range(tokens - 1):
+            am = torch.cat([am, torch.ones(batch, 1, dtype=am.dtype, device=dev)], dim=1)
+            out = model(input_ids=nxt, attention_mask=am, position_ids=pos, use_cache=True,
+                        **cache_kwargs(model, cache))
+            cache, pos = output_cache(out), pos + 1
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            if sync_each:
+                sync()
+        return tokens - 1
+
+    def decode(generator: Optional[torch.Generator]) -> Callable[[], int]:
+        def run() -> int:
+            state = start_decode(model, prompt, mask, params)
+            return decode_steps(model, state, params, generator) // batch - 1
+        return run
+
+    device_gen = torch.Generator(dev).manual_seed(seed)
+    uniforms = torch.zeros(batch, dtype=torch.float64)
+    one = torch.zeros(1, device=dev)
+
+    def one_sync() -> int:
+        one.add_(1)
+        sync()
+        return 1
+
+    def one_copy() -> int:
+        uniforms.to(dev)
+        return 1
+
+    ms = {
+        "forward": _median_ms(lambda: forward_loop(False), sync, repeat),
+        "forward + sync": _median_ms(lambda: forward_loop(True), sync, repeat),
+        "decode (cpu generator)": _median_ms(decode(gen), sync, repeat),
+        "decode (device generator)": _median_ms(decode(device_gen), sync, repeat),
+        "sync": _median_ms(one_sync, sync, repeat * 20),
+        "h2d copy": _median_ms(one_copy, sync, repeat * 20),
+    }
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"arch": arch, "batch": batch, "prompt_len": prompt_len, "tokens": tokens,
+            "dtype": dtype, "device": where, "repeat": repeat, "torch": torch.__version__,
+            "ms_per_token": ms}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{report['arch']} {report['dtype']} on {report['device']}: batch {report['batch']}, "
+             f"prompt {report['prompt_len']}, {report['tokens']} tokens, median of "
+             f"{report['repeat']} runs (ms per decode step; sync and h2d copy: ms per call)"]
+    base = report["ms_per_token"]["forward"]
+    for name, value in report["ms_per_token"].items():
+        ratio = f"{value / base:6.2f}x forward" if name not in ("sync", "h2d copy") and base else ""
+        lines.append(f"  {name:<28}{value:10.3f}  {ratio}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oppo_ds.decode_probe",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="qwen2.5-0.5b", choices=FROM_CONFIG_ARCHS)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per run (>= 2)")
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", metavar="OUT.json", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    if args.tokens < 2 or args.batch < 1 or args.prompt_len < 1 or args.repeat < 1:
+        parser.error("--tokens must be >= 2 and --batch, --prompt-len, --repeat >= 1")
+    report = probe(args.arch, args.batch, args.prompt_len, args.tokens, args.dtype, args.device,
+                   args.repeat)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

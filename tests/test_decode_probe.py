@@ -1,0 +1,52 @@
+"""The decode probe (python -m oppo_ds.decode_probe): it runs on a CPU, with the tiny and a
+real shape's architecture, and reports every piece of a decode step. Its figures are timings
+of this machine, checked for being measured at all (positive, finite), never for a speed."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from oppo_ds import decode_probe
+
+PIECES = {"forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
+          "sync", "h2d copy"}
+
+
+def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    assert decode_probe.main(["--arch", "tiny-qwen2", "--batch", "4", "--tokens", "6",
+                              "--prompt-len", "5", "--dtype", "fp32", "--device", "cpu",
+                              "--repeat", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["arch"], report["batch"], report["tokens"], report["device"]) == (
+        "tiny-qwen2", 4, 6, "cpu")
+    assert set(report["ms_per_token"]) == PIECES
+    assert all(math.isfinite(v) and v > 0 for v in report["ms_per_token"].values())
+    shown = capsys.readouterr().out
+    assert "tiny-qwen2 fp32 on cpu: batch 4" in shown
+    assert all(piece in shown for piece in PIECES)
+
+
+def test_probe_decodes_every_row_to_the_end():
+    """No end id ends a row early: the decode pieces time the same number of tokens as the
+    bare forward loop (a random model samples every id, an end id among them)."""
+    from oppo_ds.models import build_causal_lm
+    from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
+
+    model = build_causal_lm("tiny-llama", vocab_size=decode_probe.TINY_VOCAB, seed=0).eval()
+    params = SamplingParams(max_new_tokens=7, eos_token_ids=(), pad_token_id=0, temperature=1.0,
+                            top_k=0, top_p=1.0)
+    prompt = torch.randint(3, 500, (3, 4))
+    state = start_decode(model, prompt, torch.ones_like(prompt), params)
+    assert decode_steps(model, state, params, torch.Generator().manual_seed(0)) == 3 * 7
+    assert state.lengths.tolist() == [7, 7, 7]
+
+
+@pytest.mark.parametrize("bad", [["--tokens", "1"], ["--batch", "0"], ["--repeat", "0"]])
+def test_probe_refuses_sizes_it_cannot_time(bad, capsys):
+    with pytest.raises(SystemExit) as err:
+        decode_probe.main(["--arch", "tiny-qwen2", "--device", "cpu", *bad])
+    assert err.value.code == 2 and "--tokens must be >= 2" in capsys.readouterr().err
