@@ -17,8 +17,11 @@ weights, each piece of a decode step alone, so one short run on a GPU says which
   the uniforms per token, beside the end-of-row check;
 - ``decode (device generator)``: ``decode_steps`` sampling with a generator on the logits'
   device (no copy);
-- ``sync`` and ``h2d copy``: one ``synchronize`` after a one-element kernel, and one copy of
-  ``batch`` float64 uniforms from pageable host memory, each on its own.
+- ``sync``, ``d2h item``, ``h2d copy`` and ``h2d pinned``: one ``synchronize`` after a
+  one-element kernel; one ``bool(t.any())`` of a (batch,) tensor (the end-of-row check: a
+  kernel, a copy to pageable host memory and the wait); one copy of ``batch`` float64
+  uniforms from pageable host memory (the sampler's), and the same from pinned memory with
+  ``non_blocking`` and a wait, each on its own.
 
 Figures are milliseconds per decode step (one token for every row), medians of ``--repeat``
 timed runs after one warm-up. On a CPU the syncs cost nothing and the probe shows only
@@ -40,6 +43,8 @@ from .models import FROM_CONFIG_ARCHS, TINY_ARCHS, build_causal_lm
 from .rollout.generate import SamplingParams, decode_steps, start_decode
 
 TINY_VOCAB = 512  # the tiny architectures' vocabulary here (the real shapes keep their own)
+# timed per decode step; the other pieces are timed per call
+DECODE_PIECES = ("forward", "forward + sync", "decode (cpu generator)", "decode (device generator)")
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -110,13 +115,28 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
         uniforms.to(dev)
         return 1
 
+    flags = torch.zeros(batch, dtype=torch.bool, device=dev)
+
+    def one_item() -> int:
+        bool(flags.any())
+        return 1
+
+    pinned = uniforms.pin_memory() if dev.type == "cuda" else uniforms
+
+    def one_pinned_copy() -> int:
+        pinned.to(dev, non_blocking=True)
+        sync()
+        return 1
+
     ms = {
         "forward": _median_ms(lambda: forward_loop(False), sync, repeat),
         "forward + sync": _median_ms(lambda: forward_loop(True), sync, repeat),
         "decode (cpu generator)": _median_ms(decode(gen), sync, repeat),
         "decode (device generator)": _median_ms(decode(device_gen), sync, repeat),
         "sync": _median_ms(one_sync, sync, repeat * 20),
+        "d2h item": _median_ms(one_item, sync, repeat * 20),
         "h2d copy": _median_ms(one_copy, sync, repeat * 20),
+        "h2d pinned": _median_ms(one_pinned_copy, sync, repeat * 20),
     }
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"arch": arch, "batch": batch, "prompt_len": prompt_len, "tokens": tokens,
@@ -127,10 +147,10 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
 def format_report(report: dict) -> str:
     lines = [f"{report['arch']} {report['dtype']} on {report['device']}: batch {report['batch']}, "
              f"prompt {report['prompt_len']}, {report['tokens']} tokens, median of "
-             f"{report['repeat']} runs (ms per decode step; sync and h2d copy: ms per call)"]
+             f"{report['repeat']} runs (ms per decode step; sync, d2h and h2d: ms per call)"]
     base = report["ms_per_token"]["forward"]
     for name, value in report["ms_per_token"].items():
-        ratio = f"{value / base:6.2f}x forward" if name not in ("sync", "h2d copy") and base else ""
+        ratio = f"{value / base:6.2f}x forward" if name in DECODE_PIECES and base else ""
         lines.append(f"  {name:<28}{value:10.3f}  {ratio}")
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ import torch
 from oppo_ds import decode_probe
 
 PIECES = {"forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
-          "sync", "h2d copy"}
+          "sync", "d2h item", "h2d copy", "h2d pinned"}
 
 
 def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
