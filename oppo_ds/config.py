@@ -174,6 +174,23 @@ class PPOConfig:
     scores in the group baselines, whitening and kl/mean, and the critic (its value loss)
     trains on them. response/truncated_frac logs their share. A mini-batch left with no
     response still takes its optimizer step, with a zero gradient."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups, OpenRLHF's --dynamic_filtering):
+    a prompt whose responses all got the same score (a 0/1 checker's all right or all wrong)
+    gives each of them a group advantage of 0 and the actor nothing to learn; it is dropped,
+    and more prompts are generated and scored in its place until the batch holds only prompts
+    whose scores differ, or ppo.filter_groups_max_rounds rounds have run (then dropped prompts
+    fill the rest, logged as filter/fallback_groups). The scores compared are the reward
+    model's or model.reward_function's, before reward_clip and the penalties. Every rank runs
+    as many rounds as the rank that needs most; prompts a rank generated beyond its need are
+    not trained on (filter/surplus_groups); filter/dropped_groups, filter/rounds and
+    filter/prompts_drawn (all ranks) log the rest; the streaming metrics and the chunk-size
+    controller see the first round only. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
+    group_norm); not with oppo.overcommit, oppo.placement: stage or system.backend: megatron
+    yet."""
+    filter_groups_max_rounds: int = 4
+    """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
+    max_num_gen_batches)."""
     advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm"] = "gae"
     """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
     critic. The others train no critic (none is built, checkpointed or exported; its keys are
@@ -265,6 +282,8 @@ class PPOConfig:
                  f"must be >= 0 (0 = off), got {self.overlong_buffer_len}")
         _require(self.overlong_penalty_factor >= 0, "overlong_penalty_factor",
                  f"must be >= 0, got {self.overlong_penalty_factor}")
+        _require(self.filter_groups_max_rounds >= 1, "filter_groups_max_rounds",
+                 f"must be >= 1 (the first round included), got {self.filter_groups_max_rounds}")
         _require(self.uses_critic or not self.freeze_actor_steps, "freeze_actor_steps",
                  f"must be 0 with advantage_estimator {self.advantage_estimator}: the frozen "
                  f"steps train the critic alone, and this estimator has none")

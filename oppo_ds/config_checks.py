@@ -39,6 +39,8 @@ def check_across_sections(cfg) -> None:
         _check_whole_prompt_delta(cfg)
     if not cfg.model.uses_reward_model:
         _check_reward_function(cfg)
+    if cfg.ppo.filter_groups:
+        _check_filter_groups(cfg)
     if cfg.eval.enabled:
         require(cfg.workload.kind != "length_oracle", "eval.prompts",
                 "the length oracle's models have random weights and its responses end at "
@@ -79,6 +81,23 @@ def _check_reward_function(cfg) -> None:
         "model.reward_function the critic starts from model.reward, here the built-in task's "
         "reward model, which does not read your prompts' tokens; or use a critic-free "
         "ppo.advantage_estimator"))
+
+
+def _check_filter_groups(cfg) -> None:
+    """Dynamic sampling drops prompts by their group's scores: it needs a group baseline, and
+    runs its extra rounds in the sequential rollout of one actor process per rank."""
+    require(cfg.ppo.group_baseline, "ppo.filter_groups", (
+        f"needs a group baseline (ppo.advantage_estimator rloo, reinforce_baseline or "
+        f"group_norm), got {cfg.ppo.advantage_estimator}: it drops the prompts whose responses "
+        f"would all get an advantage of 0 from their group"))
+    require(not cfg.oppo.overcommits, "oppo.overcommit", (
+        "must be 0 with ppo.filter_groups: the rollout pool would have to draw replacements "
+        "for the prompts it drops while it decodes, which it does not yet"))
+    require(cfg.oppo.placement != "stage", "oppo.placement", (
+        "not stage with ppo.filter_groups yet (the scorer rank follows the actor ranks' "
+        "rounds one for one): use inline or colocated"))
+    require(cfg.system.backend == "deepspeed", "ppo.filter_groups",
+            f"not with system.backend {cfg.system.backend} yet: use system.backend: deepspeed")
 
 
 def _check_reference_free(cfg) -> None:

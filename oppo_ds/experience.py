@@ -67,6 +67,43 @@ class Experience:
         return Experience(**out)
 
 
+def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
+    """The rows of ``parts`` one after another, as one batch: prompts left-padded and
+    responses right-padded to the widest part (ids with ``pad_id``, masks, log-probs and values
+    with 0). For batches generated in separate rounds (``ppo.filter_groups``), before the
+    advantages: the per-token rewards, advantages, returns and groups must still be unset."""
+    if not parts:
+        raise ValueError("concat_experiences needs at least one part")
+    for f in ("rewards", "advantages", "returns", "groups"):
+        if any(getattr(p, f) is not None for p in parts):
+            raise ValueError(f"concat_experiences: {f} is set; concatenate before the advantages")
+    if len(parts) == 1:
+        return parts[0]
+    prompt_w = max(p.prompt_ids.shape[1] for p in parts)
+    response_w = max(p.response_ids.shape[1] for p in parts)
+
+    def padded(name: str, value: torch.Tensor) -> torch.Tensor:
+        fill = pad_id if name in ("prompt_ids", "response_ids") else 0
+        if name in ("prompt_ids", "prompt_mask"):
+            return torch.nn.functional.pad(value, (prompt_w - value.shape[1], 0), value=fill)
+        return torch.nn.functional.pad(value, (0, response_w - value.shape[1]), value=fill)
+
+    out = {}
+    for f in fields(Experience):
+        values = [getattr(p, f.name) for p in parts]
+        if f.name == "prompt_keys":
+            out[f.name] = [k for v in values for k in v]
+        elif all(v is None for v in values):
+            out[f.name] = None
+        elif any(v is None for v in values):
+            raise ValueError(f"concat_experiences: {f.name} is set in some parts only")
+        elif values[0].dim() == 2:
+            out[f.name] = torch.cat([padded(f.name, v) for v in values])
+        else:
+            out[f.name] = torch.cat(values)
+    return Experience(**out)
+
+
 def used_widths(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
     """(prompt columns, response columns) that hold a real token in some row: the longest
     prompt (left-padded) and the longest response (right-padded), at least 1 each."""

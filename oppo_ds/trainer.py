@@ -8,6 +8,7 @@ update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -25,8 +26,8 @@ from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
-from .experience import (Experience, response_logprobs, response_values, sequence_scores,
-                         used_widths)
+from .experience import (Experience, concat_experiences, response_logprobs, response_values,
+                         sequence_scores, used_widths)
 from .ema import ActorEMA
 from .evaluation import Evaluating, text_records
 from .export import Exporting
@@ -87,6 +88,11 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     from .engines.deepspeed_engine import HYBRID_KERNELS
 
     return requested and hybrid_engine_path != HYBRID_KERNELS
+
+
+def _group_rows(groups: list[int], n: int, device) -> torch.Tensor:
+    """Row indices of whole prompts ``groups`` in a batch of ``n`` rows per prompt."""
+    return torch.tensor([g * n + k for g in groups for k in range(n)], dtype=torch.long, device=device)
 
 
 class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
@@ -287,19 +293,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             if self.pool is not None:
                 keys, groups, gen, streamed, timing, extra, produced = self.rollout_pool(chunk)
             else:
-                n = self.cfg.data.samples_per_prompt
-                batch = repeat_samples(self.stream.next_batch(), n)
-                keys = [x.id for x in batch]
-                groups = torch.arange(len(batch)) // n if n > 1 else None
-                targets = target_lengths([p.target_len for p in batch])
-                if o.streaming:
-                    gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch],
-                                                                    chunk, targets)
-                    if self.actor_streams:  # every token was sampled by the current weights
-                        streamed["actor"] = gen.logprobs
-                else:
-                    gen = self.generate([x.input_ids for x in batch], targets)
-                produced = float(gen.lengths.sum())
+                keys, groups, gen, streamed, timing, produced = self._rollout(
+                    self.stream.next_batch(), chunk)
         if timing is not None:
             extra.update(streaming_metrics(timing))
             extra["oppo/chunk_size"] = chunk
@@ -308,8 +303,11 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         with timer.phase("score"):
             exp = self.make_experience(keys, gen, streamed)
             exp.groups = None if groups is None else groups.to(self.device)
-        if self.chunk_ctl is not None:
+        if self.chunk_ctl is not None:  # on the first round's cost (ppo.filter_groups adds rounds)
             self._control_chunk_size(chunk, timer.times, timing, produced)
+        if self.cfg.ppo.filter_groups:
+            exp, filtered = self._filter_groups(exp, chunk, timer)
+            extra.update(filtered)
         with timer.phase("advantages"):
             self.compute_advantages(exp)
             check_experience(exp, self.sources.models, self.cfg.system.dtype, group=self.dp_group)
@@ -336,6 +334,71 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         self.step_samples = (self.sample_records(exp) if period and self.step_count % period == 0
                              and self.telemetry.enabled else [])
         return metrics
+
+    def _rollout(self, prompts: list, chunk: Optional[int]):
+        """Generate (streaming the scorers when configured) ``data.samples_per_prompt``
+        responses to each of ``prompts``, without the rollout pool: (row keys, group labels,
+        generation, streamed results, streaming timing, tokens generated)."""
+        n = self.cfg.data.samples_per_prompt
+        batch = repeat_samples(prompts, n)
+        keys = [x.id for x in batch]
+        groups = torch.arange(len(batch)) // n if n > 1 else None
+        targets = target_lengths([p.target_len for p in batch])
+        streamed, timing = {}, None
+        if self.cfg.oppo.streaming:
+            gen, streamed, timing = self.generate_streaming([x.input_ids for x in batch], chunk, targets)
+            if self.actor_streams:  # every token was sampled by the current weights
+                streamed["actor"] = gen.logprobs
+        else:
+            gen = self.generate([x.input_ids for x in batch], targets)
+        return keys, groups, gen, streamed, timing, float(gen.lengths.sum())
+
+    def _filter_groups(self, exp: Experience, chunk: Optional[int], timer: PhaseTimer):
+        """DAPO's dynamic sampling (``ppo.filter_groups``) on a scored first round ``exp``:
+        drop the prompts whose responses all scored the same, generate and score more prompts
+        in their place, and return a batch of exactly ``ppo.batch_size`` rows (the kept
+        prompts in the order they were drawn, then, if the rounds ran out, dropped ones) with
+        the step's filter/ counts summed over the actor ranks. The rounds are agreed over the
+        actor ranks: each runs as many as the rank that needs most, so that all run the same
+        collective forwards (ZeRO-3); a rank that needs fewer prompts generates the others'
+        number and trains on none of its extra ones (its surplus)."""
+        n = self.cfg.data.samples_per_prompt
+        wanted = len(exp) // n
+        kept, dropped = [], []
+        have = uniform_count = surplus = rounds = 0
+        drawn = wanted
+        exp = dataclasses.replace(exp, groups=None)
+        while True:
+            rounds += 1
+            scores = exp.scores.view(-1, n)
+            differ = (scores.max(1).values != scores.min(1).values).tolist()
+            informative = [g for g, d in enumerate(differ) if d]
+            uniform = [g for g, d in enumerate(differ) if not d]
+            take = informative[:wanted - have]
+            surplus += len(informative) - len(take)
+            uniform_count += len(uniform)
+            kept += [exp.select(_group_rows(take, n, exp.scores.device))] if take else []
+            dropped += [exp.select(_group_rows(uniform, n, exp.scores.device))] if uniform else []
+            have += len(take)
+            need = comm.all_reduce_ints([wanted - have], op=dist.ReduceOp.MAX, group=self.actor_group)[0]
+            if need == 0 or rounds == self.cfg.ppo.filter_groups_max_rounds:
+                break
+            drawn += need
+            with timer.phase("generate"):
+                keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(need), chunk)
+            with timer.phase("score"):
+                exp = self.make_experience(keys, gen, streamed)
+        fallback = wanted - have
+        if fallback:  # the rounds ran out: the first dropped prompts fill the batch
+            rest = concat_experiences(dropped, self.tokenizer.pad_token_id)
+            kept.append(rest.select(torch.arange(fallback * n, device=rest.scores.device)))
+        out = concat_experiences(kept, self.tokenizer.pad_token_id)
+        out.groups = torch.arange(len(out), device=out.scores.device) // n
+        totals = comm.all_reduce_ints([uniform_count - fallback, surplus, fallback, drawn],
+                                      group=self.actor_group)
+        return out, {"filter/rounds": rounds, "filter/dropped_groups": totals[0],
+                     "filter/surplus_groups": totals[1], "filter/fallback_groups": totals[2],
+                     "filter/prompts_drawn": totals[3]}
 
     def agreed_mean(self, value: float) -> float:
         """``value``'s mean over all actor ranks, the same number on each: what every rank must

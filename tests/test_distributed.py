@@ -130,6 +130,32 @@ def test_two_ranks_score_with_a_reward_function(tmp_path):
         assert len(r["response/lengths"]) == 2 * 4
 
 
+def test_two_ranks_filter_groups_in_lock_step(tmp_path):
+    """ppo.filter_groups on 2 ZeRO-3 ranks whose prompts need different numbers of rounds (a
+    prompt's responses all score 0 when it has an even number of words): every rank
+    runs the rounds the neediest one asks for, so their collective forwards match (a rank
+    running fewer would hang the other), and the prompts drawn on both ranks are each trained
+    on, dropped by the rule or a rank's surplus."""
+    rule = tmp_path / "rule.py"
+    rule.write_text("def parity(prompts, completions, **fields):\n"
+                    "    return [0.0 if len(p.split()) % 2 == 0 else float(len(c))"
+                    " for p, c in zip(prompts, completions)]\n")
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    launch(out, cache, "steps=4", "system.zero_stage=3", "checkpoint.export_hf=false",
+           f"model.reward_function={rule}:parity", "ppo.advantage_estimator=group_norm",
+           "data.samples_per_prompt=4", "ppo.filter_groups=true")
+    history = read_history(str(out / "metrics.jsonl"))
+    assert len(history) == 4
+    for r in history:
+        trained = r["samples"] // 4  # prompts, both ranks
+        assert trained == 2 and 1 <= r["filter/rounds"] <= 4
+        assert r["filter/prompts_drawn"] == trained + r["filter/dropped_groups"] + r["filter/surplus_groups"]
+        # each rank draws one prompt in the first round and, in each later round, as many
+        # as the neediest rank still lacks (one at most here): one per rank per round
+        assert r["filter/prompts_drawn"] == 2 * r["filter/rounds"]
+    assert any(r["filter/rounds"] > 1 for r in history)
+
+
 def test_two_ranks_partitioned_offloaded_reference_gives_the_same_run(tmp_path):
     """system.partition_reference + offload_reference (DeepSpeed-Chat's
     --offload_reference_model) on 2 ZeRO-3 ranks: the reference lives as CPU-held ZeRO-3

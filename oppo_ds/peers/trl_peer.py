@@ -168,6 +168,9 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     if p.mask_truncated_completions:
         raise ValueError("ppo.mask_truncated_completions: TRL's PPO trains on truncated "
                          "responses (its GRPOTrainer and RLOOTrainer have the option)")
+    if p.filter_groups:
+        raise ValueError("ppo.filter_groups: TRL's PPO trains on every prompt it samples (DAPO's "
+                         "dynamic sampling is in none of TRL's trainers)")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")

@@ -1,0 +1,171 @@
+"""DAPO's dynamic sampling (ppo.filter_groups): whole PPO runs on the built-in prompts with a
+reward function that gives every response of some prompts the same score. The prompts drawn
+are accounted for exactly: each is trained on, dropped by the rule, or (with several ranks) a
+rank's surplus; a resumed run continues exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oppo_ds.config import ConfigError, load_config
+from oppo_ds.experience import Experience, concat_experiences
+from oppo_ds.telemetry import read_history
+
+SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
+         "generation.max_new_tokens=24", "ppo.batch_size=16", "ppo.mini_batch_size=8",
+         "ppo.micro_batch_size=8", "logging.progress=false", "logging.log_every=0",
+         "data.samples_per_prompt=4", "ppo.advantage_estimator=group_norm",
+         "checkpoint.export_hf=false", "ppo.filter_groups=true"]
+N = 4  # responses per prompt
+
+# every response to a prompt of an even number of words scores 0 (a group with nothing to
+# learn from); the others score their length in characters, which differs between responses
+RULE = '''
+def parity(prompts, completions, **fields):
+    return [0.0 if len(p.split()) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+def nothing(prompts, completions, **fields):
+    return [0.0 for _ in prompts]
+'''
+
+
+def uniform_prompt(text: str) -> bool:
+    return len(text.split()) % 2 == 0
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("builtin-cache"))
+
+
+@pytest.fixture(scope="module")
+def rule(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rule") / "rule.py"
+    path.write_text(RULE)
+    return str(path)
+
+
+def trainer_for(cache_dir, out_dir, *overrides):
+    from oppo_ds.trainer import PPOTrainer
+
+    return PPOTrainer(load_config(None, SMALL + [f"workload.cache_dir={cache_dir}",
+                                                 f"logging.output_dir={out_dir}", *overrides]))
+
+
+def recorded(trainer):
+    """Each step's trained batch (keys, scores, groups) and every prompt drawn, in order."""
+    batches, drawn = [], []
+    update, take = trainer.update, trainer.stream.take
+
+    def record_update(exp):
+        batches.append((list(exp.prompt_keys), exp.scores.clone(), exp.groups.clone()))
+        return update(exp)
+
+    def record_take(n):
+        prompts = take(n)
+        drawn.extend(p.id for p in prompts)
+        return prompts
+    trainer.update, trainer.stream.take = record_update, record_take
+    return batches, drawn
+
+
+def test_dropped_prompts_are_replaced_and_every_drawn_prompt_is_accounted_for(cache_dir, rule, tmp_path):
+    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=4", f"model.reward_function={rule}:parity")
+    batches, drawn = recorded(trainer)
+    trainer.train()
+    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+    trained, kept = [], []
+    for (keys, scores, groups), m in zip(batches, rows):
+        assert len(keys) == 16 and groups.tolist() == [i // N for i in range(16)]
+        prompts = [k.split("#")[0] for k in keys[::N]]
+        # a batch holds whole prompts, each once, its responses #0..#3 in order
+        assert keys == [f"{p}#{k}" for p in prompts for k in range(N)]
+        assert len(set(prompts)) == len(prompts)
+        by_group = scores.view(-1, N)
+        differs = (by_group.max(1).values != by_group.min(1).values).tolist()
+        fallback = m["filter/fallback_groups"]
+        # the prompts whose scores differ first, then (only when the rounds ran out) dropped ones
+        assert differs == [True] * (4 - fallback) + [False] * fallback
+        assert [uniform_prompt(text[p]) for p in prompts] == [not d for d in differs]
+        assert 1 <= m["filter/rounds"] <= 4 and m["filter/surplus_groups"] == 0
+        assert m["filter/prompts_drawn"] == 4 + m["filter/dropped_groups"]
+        trained += prompts
+        kept += prompts[:4 - fallback]
+    # every prompt drawn is trained on once or dropped by the rule; the kept ones in the order
+    # drawn (those that fill in when the rounds run out come after them)
+    assert len(drawn) == len(set(drawn)) == trainer.stream.prompts_seen
+    dropped = [p for p in drawn if p not in trained]
+    assert all(uniform_prompt(text[p]) for p in dropped)
+    assert len(dropped) == sum(m["filter/dropped_groups"] for m in rows)
+    assert [p for p in drawn if p in set(kept)] == kept
+    # the rule did drop prompts and replace them with rounds of their own
+    assert sum(m["filter/dropped_groups"] for m in rows) >= 4 and max(m["filter/rounds"] for m in rows) >= 2
+
+
+def test_when_the_rounds_run_out_dropped_prompts_fill_the_batch(cache_dir, rule, tmp_path):
+    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=2", f"model.reward_function={rule}:nothing",
+                          "ppo.filter_groups_max_rounds=2")
+    batches, drawn = recorded(trainer)
+    trainer.train()
+    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    for m in rows:  # 4 prompts a step; each round draws 4 more, all scoring 0
+        assert (m["filter/rounds"], m["filter/fallback_groups"], m["filter/dropped_groups"]) == (2, 4, 4)
+    # the batch is the first round's prompts, the second round's dropped
+    assert [k.split("#")[0] for k in batches[0][0][::N]] == drawn[:4]
+    assert len(drawn) == 16 and all(m["samples"] == 16 for m in rows)
+
+
+def test_filter_groups_resumes_exactly(cache_dir, rule, tmp_path):
+    """A run stopped after its step-2 checkpoint and resumed draws the same prompts, drops the
+    same ones and logs the uninterrupted run's metrics (1e-6: CPU, fp32, fixed seeds)."""
+    over = ("steps=4", "checkpoint.every=2", f"model.reward_function={rule}:parity")
+    trainer_for(cache_dir, tmp_path / "full", *over).train()
+    cut = trainer_for(cache_dir, tmp_path / "cut", *over[1:], "steps=2")
+    cut.train()
+    trainer_for(cache_dir, tmp_path / "cut", *over).train()
+    a, b = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("full", "cut"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:]):
+        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups"):
+            assert x[key] == y[key], key
+        for key in ("reward/mean", "loss/policy", "kl/mean", "response/len_mean"):
+            assert y[key] == pytest.approx(x[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("extra, key, match", [
+    (["ppo.advantage_estimator=gae", "data.samples_per_prompt=1"], "ppo.filter_groups", "needs a group baseline"),
+    (["oppo.overcommit=4"], "oppo.overcommit", "must be 0 with ppo.filter_groups"),
+    (["oppo.streaming=true", "oppo.placement=stage"], "oppo.placement", "not stage"),
+    (["system.backend=megatron"], "ppo.filter_groups", "not with system.backend megatron"),
+    (["ppo.filter_groups_max_rounds=0"], "ppo.filter_groups_max_rounds", "must be >= 1"),
+])
+def test_filter_groups_refuses_what_it_cannot_do(extra, key, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config(None, SMALL + extra)
+    assert err.value.key == key
+
+
+def _part(rows: int, prompt_w: int, response_w: int, fill: float) -> Experience:
+    full = lambda w: torch.full((rows, w), fill)
+    return Experience(prompt_keys=[f"p{fill}#{i}" for i in range(rows)],
+                      prompt_ids=torch.full((rows, prompt_w), 7), prompt_mask=torch.ones(rows, prompt_w, dtype=torch.long),
+                      response_ids=torch.full((rows, response_w), 9), response_mask=full(response_w).clamp(max=1),
+                      behaviour_logprobs=full(response_w), old_logprobs=full(response_w),
+                      ref_logprobs=full(response_w), old_values=full(response_w),
+                      scores=torch.full((rows,), fill), gold=None)
+
+
+def test_concat_experiences_pads_prompts_left_and_responses_right():
+    out = concat_experiences([_part(2, 3, 5, 1.0), _part(1, 4, 2, 2.0)], pad_id=0)
+    assert out.prompt_keys == ["p1.0#0", "p1.0#1", "p2.0#0"] and out.gold is None
+    assert out.prompt_ids.tolist()[0] == [0, 7, 7, 7] and out.prompt_mask.tolist()[0] == [0, 1, 1, 1]
+    assert out.prompt_ids.tolist()[2] == [7, 7, 7, 7]
+    assert out.response_ids.tolist()[2] == [9, 9, 0, 0, 0]
+    assert out.response_mask.tolist()[2] == [1, 1, 0, 0, 0]
+    assert out.old_values.tolist()[2] == [2.0, 2.0, 0.0, 0.0, 0.0]
+    assert out.scores.tolist() == [1.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="groups is set"):
+        concat_experiences([_part(1, 1, 1, 0.0), Experience(**{**vars(_part(1, 1, 1, 0.0)),
+                                                              "groups": torch.zeros(1)})], pad_id=0)
