@@ -12,3 +12,10 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A built-in workload cache per test module: the first run in the module prepares the
+    workload's tiny models there (under the module's own settings), later runs reuse them."""
+    return str(tmp_path_factory.mktemp("builtin-cache"))

@@ -156,11 +156,6 @@ def test_format_table_shows_every_mode():
 
 # ------------------------------------------------------------------ tier 2: real runs
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def bench_cmd(*args):
     return [sys.executable, "-m", "oppo_ds.cli.bench", *args]
 

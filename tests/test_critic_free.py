@@ -20,11 +20,6 @@ N = 4  # responses per prompt; ppo.batch_size 8 in test_trainer.SMALL: two promp
 RLOO = ("ppo.advantage_estimator=rloo", f"data.samples_per_prompt={N}")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def _record_experience(monkeypatch):
     """Every step's experience, kept after its advantages were computed."""
     from oppo_ds import ppo_update

@@ -34,11 +34,6 @@ def test_the_average_by_hand():
         ActorEMA(layer, 1.5)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def _weights(path) -> dict:
     return load_file(os.path.join(str(path), "model.safetensors"))
 

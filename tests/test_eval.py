@@ -71,11 +71,6 @@ def test_eval_metrics_by_hand():
 
 # ------------------------------------------------------------------ whole runs
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def _trainer(cache_dir, out_dir, *overrides, base=SMALL):
     from oppo_ds.trainer import PPOTrainer
 

@@ -35,11 +35,6 @@ def uniform_prompt(text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
-@pytest.fixture(scope="module")
 def rule(tmp_path_factory):
     path = tmp_path_factory.mktemp("rule") / "rule.py"
     path.write_text(RULE)

@@ -38,11 +38,6 @@ def test_bad_settings_name_the_key(overrides, key, words):
     assert words in str(err.value)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 ADAPTIVE = ("ppo.kl_coef=0.05", "ppo.kl_target=0.5", "ppo.kl_horizon=20")
 
 

@@ -441,11 +441,6 @@ SAME = ("reward/mean", "gold/mean", "kl/mean", "value/mean", "loss/policy", "los
         "policy/entropy", "response/len_mean", "grad_norm/actor", "grad_norm/critic")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def _train(out_dir, cache_dir, ranks, *overrides):
     from oppo_ds.engines.deepspeed_engine import find_free_port
 

@@ -25,11 +25,6 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
          "ppo.micro_batch_size=4"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _no_rendezvous_left_behind():
     """TRL's trainer, run in this process, sets RANK, WORLD_SIZE, MASTER_PORT (accelerate's

@@ -63,11 +63,6 @@ def test_config_refusals(overrides, key):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
-@pytest.fixture(scope="module")
 def ptx_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("ptx") / "ptx.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 4))

@@ -39,11 +39,6 @@ DETERMINISTIC = ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "loss/val
                  "response/len_mean", "policy/clip_frac", "value/mean")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def run_in_process(cache_dir, out_dir, *overrides):
     from oppo_ds.trainer import PPOTrainer
 

@@ -21,11 +21,6 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
          "ppo.micro_batch_size=4", "logging.progress=false", "logging.log_every=0"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("builtin-cache"))
-
-
 def run(cache_dir, out_dir, *overrides, crash_after=None):
     from oppo_ds.trainer import PPOTrainer
 
