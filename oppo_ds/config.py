@@ -322,9 +322,19 @@ class GenerationConfig:
     Face's `generate` stops at for the actor checkpoint (`eos_token_id` of its
     `generation_config.json`, else `config.json`: chat models list their end-of-turn token
     there) and the tokenizer's EOS; or a list of ids."""
+    sync_every: int = 1
+    """Tokens the actor decodes between two checks, on the host, of which responses ended
+    (1 = after every token). On a GPU each check waits for the device; with N > 1 a
+    response that ends stays in the batch until the next check (up to N - 1 wasted
+    forwards of its row) and the pool's stop rule is settled once every N tokens, for one
+    wait per N tokens. What is sampled does not depend on N > 1; on a GPU it is what N = 1
+    samples, on a CPU a different stream (inverse-CDF sampling from the same generator
+    instead of `torch.multinomial`). Not measured on a GPU yet: see docs/benchmarks.md
+    ("The decode probe")."""
 
     def __post_init__(self):
         _require(self.max_prompt_len >= 1, "max_prompt_len", "must be >= 1")
+        _require(self.sync_every >= 1, "sync_every", "must be >= 1")
         _require(self.eos_token_ids == "auto" or (len(self.eos_token_ids) > 0
                                                   and min(self.eos_token_ids) >= 0),
                  "eos_token_ids", "must be auto or a non-empty list of token ids (>= 0)")

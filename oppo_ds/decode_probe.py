@@ -17,6 +17,11 @@ weights, each piece of a decode step alone, so one short run on a GPU says which
   the uniforms per token, beside the end-of-row check;
 - ``decode (device generator)``: ``decode_steps`` sampling with a generator on the logits'
   device (no copy);
+- ``decode (in blocks)``: ``decode_steps`` with ``generation.sync_every`` = ``--sync-every``
+  (16), the trainer's CPU generator: one host check of ended rows and one copy of uniforms
+  a block instead of a token (no row ends in the probe, so no forward is wasted);
+- ``launch``: one one-element kernel queued without a wait (what each of a forward's
+  kernels costs the host to start);
 - ``sync``, ``d2h item``, ``h2d copy`` and ``h2d pinned``: one ``synchronize`` after a
   one-element kernel; one ``bool(t.any())`` of a (batch,) tensor (the end-of-row check: a
   kernel, a copy to pageable host memory and the wait); one copy of ``batch`` float64
@@ -44,7 +49,8 @@ from .rollout.generate import SamplingParams, decode_steps, start_decode
 
 TINY_VOCAB = 512  # the tiny architectures' vocabulary here (the real shapes keep their own)
 # timed per decode step; the other pieces are timed per call
-DECODE_PIECES = ("forward", "forward + sync", "decode (cpu generator)", "decode (device generator)")
+DECODE_PIECES = ("forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
+                 "decode (in blocks)")
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -66,7 +72,7 @@ def _median_ms(fn: Callable[[], int], sync: Callable[[], None], repeat: int) -> 
 
 
 def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, device: str,
-          repeat: int = 3, seed: int = 0) -> dict:
+          repeat: int = 3, seed: int = 0, sync_every: int = 16) -> dict:
     """Time each piece of a decode step; returns the figures (ms) and what was run."""
     dev = torch.device(device)
     model = build_causal_lm(arch, vocab_size=TINY_VOCAB if arch in TINY_ARCHS else None,
@@ -96,10 +102,14 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
                 sync()
         return tokens - 1
 
-    def decode(generator: Optional[torch.Generator]) -> Callable[[], int]:
+    blocks = SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
+                            temperature=1.0, top_k=0, top_p=1.0, sync_every=sync_every)
+
+    def decode(generator: Optional[torch.Generator], how: SamplingParams = params
+               ) -> Callable[[], int]:
         def run() -> int:
-            state = start_decode(model, prompt, mask, params)
-            return decode_steps(model, state, params, generator) // batch - 1
+            state = start_decode(model, prompt, mask, how)
+            return decode_steps(model, state, how, generator) // batch - 1
         return run
 
     device_gen = torch.Generator(dev).manual_seed(seed)
@@ -110,6 +120,11 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
         one.add_(1)
         sync()
         return 1
+
+    def launches() -> int:  # 100 queued kernels; the timer's closing wait drains them
+        for _ in range(100):
+            one.add_(1)
+        return 100
 
     def one_copy() -> int:
         uniforms.to(dev)
@@ -133,6 +148,8 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
         "forward + sync": _median_ms(lambda: forward_loop(True), sync, repeat),
         "decode (cpu generator)": _median_ms(decode(gen), sync, repeat),
         "decode (device generator)": _median_ms(decode(device_gen), sync, repeat),
+        "decode (in blocks)": _median_ms(decode(gen, blocks), sync, repeat),
+        "launch": _median_ms(launches, sync, repeat),
         "sync": _median_ms(one_sync, sync, repeat * 20),
         "d2h item": _median_ms(one_item, sync, repeat * 20),
         "h2d copy": _median_ms(one_copy, sync, repeat * 20),
@@ -140,14 +157,16 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
     }
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"arch": arch, "batch": batch, "prompt_len": prompt_len, "tokens": tokens,
-            "dtype": dtype, "device": where, "repeat": repeat, "torch": torch.__version__,
+            "dtype": dtype, "device": where, "repeat": repeat, "sync_every": sync_every,
+            "torch": torch.__version__,
             "ms_per_token": ms}
 
 
 def format_report(report: dict) -> str:
     lines = [f"{report['arch']} {report['dtype']} on {report['device']}: batch {report['batch']}, "
              f"prompt {report['prompt_len']}, {report['tokens']} tokens, median of "
-             f"{report['repeat']} runs (ms per decode step; sync, d2h and h2d: ms per call)"]
+             f"{report['repeat']} runs, blocks of {report['sync_every']} tokens (ms per decode "
+             f"step; sync, launch, d2h and h2d: ms per call)"]
     base = report["ms_per_token"]["forward"]
     for name, value in report["ms_per_token"].items():
         ratio = f"{value / base:6.2f}x forward" if name in DECODE_PIECES and base else ""
@@ -165,12 +184,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sync-every", type=int, default=16,
+                        help="generation.sync_every of the 'decode (in blocks)' piece (>= 2)")
     parser.add_argument("--json", metavar="OUT.json", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    if args.tokens < 2 or args.batch < 1 or args.prompt_len < 1 or args.repeat < 1:
-        parser.error("--tokens must be >= 2 and --batch, --prompt-len, --repeat >= 1")
+    if (args.tokens < 2 or args.batch < 1 or args.prompt_len < 1 or args.repeat < 1
+            or args.sync_every < 2):
+        parser.error("--tokens and --sync-every must be >= 2 and --batch, --prompt-len, "
+                     "--repeat >= 1")
     report = probe(args.arch, args.batch, args.prompt_len, args.tokens, args.dtype, args.device,
-                   args.repeat)
+                   args.repeat, sync_every=args.sync_every)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

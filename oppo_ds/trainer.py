@@ -201,7 +201,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
 
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
                                        pad_token_id=self.tokenizer.pad_token_id,
-                                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
+                                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                                       sync_every=g.sync_every)
         # Separate generators, so that e.g. a different number of PPO epochs does not
         # change which responses are sampled.
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 1000 + data_rank)
@@ -429,7 +430,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         drawn = repeat_samples(self.stream.take(-(-pool.needed(size) // n)), n)
         pool.top_up(drawn, len(pool) + len(drawn))
         running = pool.running()
-        stop = pool.batch_stop(running, sync=self.world_size > 1, group=self.actor_group)
+        stop = pool.batch_stop(running, sync=self.world_size > 1, group=self.actor_group,
+                               blocks=self.sampling.sync_every > 1)
         before = [len(e.tokens) for e in running]
         timing, results = None, {}
         if not stop(None) and running:

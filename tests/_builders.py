@@ -261,3 +261,15 @@ def signal_after_steps(procs, metrics, steps: int, signalled, timeout_s: float =
     finally:
         for p in procs:
             p.kill() if p.poll() is None else None
+
+
+class LikeAGpuGenerator(torch.Generator):
+    """A CPU generator that reports device ``cuda``: ``decode_steps`` per token then samples
+    as it does on a GPU with the trainer's CPU generator (one ``torch.rand`` of the running
+    rows a token, ``inverse_cdf_sample``), the path that decoding in blocks
+    (``generation.sync_every``) must match. A stand-in because this machine has no GPU; the
+    draws are the CPU generator's own."""
+
+    @property
+    def device(self):
+        return torch.device("cuda")

@@ -12,21 +12,21 @@ import torch
 from oppo_ds import decode_probe
 
 PIECES = {"forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
-          "sync", "d2h item", "h2d copy", "h2d pinned"}
+          "decode (in blocks)", "sync", "launch", "d2h item", "h2d copy", "h2d pinned"}
 
 
 def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
     out = tmp_path / "probe.json"
     assert decode_probe.main(["--arch", "tiny-qwen2", "--batch", "4", "--tokens", "6",
                               "--prompt-len", "5", "--dtype", "fp32", "--device", "cpu",
-                              "--repeat", "2", "--json", str(out)]) == 0
+                              "--repeat", "2", "--sync-every", "4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert (report["arch"], report["batch"], report["tokens"], report["device"]) == (
-        "tiny-qwen2", 4, 6, "cpu")
+    assert (report["arch"], report["batch"], report["tokens"], report["device"],
+            report["sync_every"]) == ("tiny-qwen2", 4, 6, "cpu", 4)
     assert set(report["ms_per_token"]) == PIECES
     assert all(math.isfinite(v) and v > 0 for v in report["ms_per_token"].values())
     shown = capsys.readouterr().out
-    assert "tiny-qwen2 fp32 on cpu: batch 4" in shown
+    assert "tiny-qwen2 fp32 on cpu: batch 4" in shown and "blocks of 4 tokens" in shown
     assert all(piece in shown for piece in PIECES)
 
 
@@ -45,8 +45,9 @@ def test_probe_decodes_every_row_to_the_end():
     assert state.lengths.tolist() == [7, 7, 7]
 
 
-@pytest.mark.parametrize("bad", [["--tokens", "1"], ["--batch", "0"], ["--repeat", "0"]])
+@pytest.mark.parametrize("bad", [["--tokens", "1"], ["--batch", "0"], ["--repeat", "0"],
+                                 ["--sync-every", "1"]])
 def test_probe_refuses_sizes_it_cannot_time(bad, capsys):
     with pytest.raises(SystemExit) as err:
         decode_probe.main(["--arch", "tiny-qwen2", "--device", "cpu", *bad])
-    assert err.value.code == 2 and "--tokens must be >= 2" in capsys.readouterr().err
+    assert err.value.code == 2 and "--tokens and --sync-every must be >= 2" in capsys.readouterr().err

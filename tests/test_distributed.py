@@ -71,8 +71,9 @@ def test_two_ranks_train_and_resume(tmp_path, zero_stage):
     assert (ckpt / "latest").read_text().strip() == "step3"
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["pool", "pool+streaming"])
-def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming):
+@pytest.mark.parametrize("streaming,sync_every", [(False, 1), (True, 1), (True, 3)],
+                         ids=["pool", "pool+streaming", "pool+streaming+blocks"])
+def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming, sync_every):
     """ZeRO-3 with overcommitment on 2 ranks: each rank keeps its own pool and takes its own
     first B; decoding stops for both at the same token (one all-reduce per token: both ranks
     count the same number), and a rank that had its B early kept decoding its deferred
@@ -82,7 +83,10 @@ def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming):
     rollout (a row that finished in an earlier step has no log-probs of the current actor);
     the actor's and critic's ZeRO-3 forwards are collectives, so every rank makes as many
     scoring calls as the rank with the most (before, step 2 hung: one rank waited in a
-    forward, the other in the next all-reduce)."""
+    forward, the other in the next all-reduce).
+
+    Decoding in blocks (``generation.sync_every`` 3, chunks of 4: blocks of 3 and 1), the
+    stop rule is one all-reduce a block, rolled back to the token where it held on both."""
     import torch
 
     from oppo_ds.rollout.pool import RolloutPool
@@ -90,7 +94,8 @@ def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming):
     out, cache = tmp_path / "run", tmp_path / "cache"
     launch(out, cache, "steps=3", "system.zero_stage=3", "oppo.overcommit=3", "checkpoint.every=3",
            "checkpoint.export_hf=false",
-           *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []))
+           *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []),
+           f"generation.sync_every={sync_every}")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 3 * 2 * 4
     states = [torch.load(out / "checkpoints" / "trainer" / "step3" / f"rank{r}.pt", weights_only=False)

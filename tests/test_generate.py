@@ -5,7 +5,7 @@ uninterrupted decode."""
 import pytest
 import torch
 
-from _builders import left_padded_prompts, random_lm
+from _builders import LikeAGpuGenerator, left_padded_prompts, random_lm
 
 from oppo_ds.rollout.generate import (
     SamplingParams,
@@ -348,3 +348,80 @@ def test_max_new_tokens_and_finished_rows_leave_the_cache():
 def test_positions_count_real_tokens_only():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+# ---- decoding in blocks (generation.sync_every > 1) ----------------------------------
+
+
+def _decode_all(model, params, generator, max_steps=None, targets=None, lens=PROMPT_LENS):
+    ids, mask = _prompts(lens)
+    state = start_decode(model, ids, mask, params, targets=targets)
+    produced = 0
+    while not state.over:
+        produced += decode_steps(model, state, params, generator, max_steps=max_steps)
+    return state, produced
+
+
+def _assert_same_decode(block, ref, atol=1e-5):
+    (state, produced, gen), (ref_state, ref_produced, ref_gen) = block, ref
+    assert torch.equal(state.tokens, ref_state.tokens)
+    assert torch.equal(state.lengths, ref_state.lengths)
+    assert torch.equal(state.finished, ref_state.finished)
+    assert state.finish_order == ref_state.finish_order
+    assert produced == ref_produced
+    # rows that ended ride along in the block's forwards: other batch shapes, so the same
+    # log-probs up to float rounding, not bit for bit
+    torch.testing.assert_close(state.logprobs, ref_state.logprobs, atol=atol, rtol=0)
+    torch.testing.assert_close(state.actor_logprobs, ref_state.actor_logprobs, atol=atol, rtol=0)
+    if gen is not None:  # the generator left where the per-token loop leaves it
+        assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=ref_gen))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0),
+                                      dict(temperature=0.8, top_k=10, top_p=0.9)])
+@pytest.mark.parametrize("sync_every", [2, 5, 64])
+def test_decoding_in_blocks_samples_what_the_per_token_loop_samples(arch, sampling, sync_every):
+    """One host check every ``sync_every`` tokens changes nothing that is sampled: tokens,
+    lengths, finish order, tokens counted and the generator's state equal the per-token
+    loop's (as it samples on a GPU), with responses ending at EOS at different tokens and at
+    the length limit. Log-probs within 1e-5 (the same forwards over other batch shapes)."""
+    model = _model(arch)
+    eos = tuple(range(3, VOCAB, 7))  # 9 of 64 tokens: rows end all through the decode
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=eos, pad_token_id=PAD, **sampling)
+    blocks = SamplingParams(max_new_tokens=12, eos_token_ids=eos, pad_token_id=PAD,
+                            sync_every=sync_every, **sampling)
+    ref_gen, gen = LikeAGpuGenerator().manual_seed(5), torch.Generator().manual_seed(5)
+    ref = _decode_all(model, params, ref_gen)
+    out = _decode_all(model, blocks, gen)
+    ends = ref[0].lengths.tolist()
+    if sampling["temperature"] > 0:
+        assert len(set(ends)) > 2, ends
+    _assert_same_decode((*out, gen), (*ref, ref_gen))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decoding_in_blocks_within_chunks_and_with_a_length_oracle(arch):
+    """Chunks of 3 tokens (the streaming hand-overs) over blocks of 2 (a block of 2, then
+    one of 1, per chunk), and per-row length targets: the per-token loop's decode."""
+    model = _model(arch)
+    targets = torch.tensor([4, 1, 9, 20, 7, 13])
+    params = SamplingParams(max_new_tokens=16, eos_token_ids=(3,), pad_token_id=PAD)
+    blocks = SamplingParams(max_new_tokens=16, eos_token_ids=(3,), pad_token_id=PAD,
+                            sync_every=2)
+    ref_gen, gen = LikeAGpuGenerator().manual_seed(2), torch.Generator().manual_seed(2)
+    ref = _decode_all(model, params, ref_gen, targets=targets)
+    out = _decode_all(model, blocks, gen, max_steps=3, targets=targets)
+    assert (ref[0].lengths <= targets.clamp(max=16)).all()
+    _assert_same_decode((*out, gen), (*ref, ref_gen))
+
+
+def test_decoding_in_blocks_refuses_a_stop_rule_asked_every_token():
+    model = _model("tiny-llama")
+    ids, mask = _prompts()
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=(), pad_token_id=PAD, sync_every=4)
+    state = start_decode(model, ids, mask, params)
+    with pytest.raises(ValueError, match="BatchStop made with blocks=True"):
+        decode_steps(model, state, params, None, stop=lambda s: False)
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        SamplingParams(max_new_tokens=8, eos_token_ids=(), pad_token_id=PAD, sync_every=0)

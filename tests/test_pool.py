@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from _builders import left_padded_prompts, random_lm
+from _builders import LikeAGpuGenerator, left_padded_prompts, random_lm, spawn_gloo
 
 from oppo_ds.rollout.generate import SamplingParams, decode_steps, finish, start_decode
 from oppo_ds.rollout.pool import (BatchStop, PromptLedger, RolloutPool, entries_to_generation,
@@ -373,3 +373,93 @@ def test_actor_logprobs_after_an_update_equal_the_recomputed_ones(arch, temperat
     # tokens sampled in this decode: behaviour == current; carried ones: the old weights'
     assert torch.equal(state.logprobs[:, 5:width][on[:, 5:]], actor[:, 5:][on[:, 5:]])
     assert (state.logprobs[:, :5] - actor[:, :5]).abs().max() > 1e-2
+
+
+# ---- the stop rule when decoding in blocks (generation.sync_every > 1) -------------------
+
+ENDS = (EOS, 5, 11, 23, 31)  # rows end all through a 16-token decode
+
+
+def _pool_rollout(sync_every, group_size, seed=4, stop_sync=False, group=None, batch=None,
+                  prompts=None, forced=True):
+    """One pool rollout of six rows, batch 2 (or one group of 2 responses), a forced row (a
+    forced group), decoded per token (sync_every 1, sampling as on a GPU) or in blocks.
+    Returns the state, its stop rule, the taken keys and the generator."""
+    params = SamplingParams(max_new_tokens=16, eos_token_ids=ENDS, pad_token_id=PAD,
+                            temperature=1.0, sync_every=sync_every)
+    pool = RolloutPool(batch_size=batch or 2, max_defer_steps=1, group_size=group_size)
+    pool.top_up(prompts or _prompts(), 6)
+    for e in pool.entries[4:4 + group_size] if forced else []:
+        e.deferrals = 1  # forced: the step does not stop before it ends
+    running = pool.running()
+    stop = pool.batch_stop(running, sync=stop_sync, group=group, blocks=sync_every > 1)
+    g = (torch.Generator() if sync_every > 1 else LikeAGpuGenerator()).manual_seed(seed)
+    state = start_decode(_model("tiny-llama"), params=params,
+                         **pool.decode_inputs(running, PAD, "cpu"))
+    if not stop(None):
+        decode_steps(_model("tiny-llama"), state, params, g, stop=stop)
+        stop.wait(state)
+    pool.absorb(running, state, version=0, step=0)
+    return state, stop, [e.key for e in pool.take()], g
+
+
+def _same_stop(a, b) -> None:
+    assert a.stopped == b.stopped
+    for name in ("tokens", "lengths", "finished"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.finish_order == b.finish_order
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+@pytest.mark.parametrize("sync_every", [3, 8, 64])
+def test_the_stop_rule_in_blocks_stops_where_the_per_token_rule_stops(group_size, sync_every):
+    """The pool's stop rule (B finished rows or groups, the forced ones among them) settled
+    once a block: the block is rolled back to the token at which the per-token rule stopped,
+    so the state (tokens, lengths, which rows ended and in which order), the batch taken and
+    the generator's state are the per-token loop's."""
+    ref, ref_stop, ref_taken, ref_gen = _pool_rollout(1, group_size)
+    out, stop, taken, gen = _pool_rollout(sync_every, group_size)
+    assert ref.stopped and not ref.done  # the rule, not the end of every row, stopped it
+    _same_stop(out, ref)
+    assert taken == ref_taken
+    assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=ref_gen))
+    # the rolled-back rows hold nothing past their lengths
+    cols = torch.arange(out.tokens.shape[1])[None, :]
+    assert (out.tokens[cols >= out.lengths[:, None]] == PAD).all()
+
+
+def _block_lockstep_rank(rank, world, out):
+    """Rank 0 needs 1 finished row of 6, rank 1 needs 3: decoded per token, then in blocks of
+    4 tokens, over the same gloo group."""
+    prompts = _prompts(4, seed=rank + 1) + _prompts(2, seed=rank + 7)
+    result = {}
+    for sync_every in (1, 4):
+        state, stop, taken, _ = _pool_rollout(sync_every, 1, seed=rank, stop_sync=True,
+                                              batch=1 if rank == 0 else 3, prompts=prompts,
+                                              forced=False)
+        result[sync_every] = {"tokens": state.tokens.tolist(), "lengths": state.lengths.tolist(),
+                              "order": state.finish_order, "calls": stop.calls, "taken": taken,
+                              "stopped": state.stopped}
+    out.put((rank, result))
+
+
+def test_ranks_in_blocks_stop_at_the_token_the_per_token_protocol_does():
+    """Two gloo ranks needing different numbers of finished rows: in blocks of 4 tokens each
+    rank ends with the state the per-token protocol gives it (the rank done early keeps
+    decoding until the other is), with one all-reduce a block instead of one a token, the
+    same number on both ranks."""
+    results = dict(spawn_gloo(_block_lockstep_rank, 2, join_s=120))
+    for rank in (0, 1):
+        per_token, blocks = results[rank][1], results[rank][4]
+        for key in ("tokens", "lengths", "order", "taken"):
+            assert blocks[key] == per_token[key], (rank, key)
+    assert results[0][1]["calls"] == results[1][1]["calls"]
+    assert results[0][4]["calls"] == results[1][4]["calls"]
+    assert results[0][4]["calls"] < results[0][1]["calls"] / 2
+    # the rule stopped both ranks before every row ended, inside a block (the per-token
+    # protocol's calls: the start, then one a token)
+    tokens = results[0][1]["calls"] - 1
+    assert results[0][4]["stopped"] and results[1][4]["stopped"] and tokens % 4
+    # rank 0 had its row before rank 1 had its three, and went on decoding the others
+    assert min(results[0][4]["lengths"]) < max(results[0][4]["lengths"]) == tokens

@@ -37,6 +37,12 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0            # 0 = off
     top_p: float = 1.0        # 1 = off
+    sync_every: int = 1       # tokens between two host checks of which rows ended (see
+                              # ``decode_steps``); 1 = after every token
+
+    def __post_init__(self):
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
 
     @property
     def greedy(self) -> bool:
@@ -59,8 +65,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens and their policy log-probs. logits: (N, V) -> (N,), (N,)."""
+                  generator: Optional[torch.Generator],
+                  uniforms: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their policy log-probs. logits: (N, V) -> (N,), (N,). ``uniforms``
+    (N,) on the logits' device: draw by ``inverse_cdf_sample`` from these instead of from
+    ``generator`` (the block decode's uniforms, drawn ahead)."""
     scaled = _policy_logits(logits, params)
     if params.greedy:
         tokens = scaled.argmax(-1)
@@ -68,8 +77,10 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
     if probs.device.type == "cpu":  # free here; on a GPU NaN log-probs reach the step's check
         _check_distribution(probs)
+    if uniforms is not None:
+        tokens = inverse_cdf_sample(probs, uniforms)
     # by type: a generator made for "cuda" reports cuda, the logits cuda:0
-    if generator is None or generator.device.type == probs.device.type:
+    elif generator is None or generator.device.type == probs.device.type:
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:
         # a CPU generator (the trainer's, whose state its checkpoints hold) with the logits on
@@ -256,7 +267,14 @@ def decode_steps(model, state: DecodeState, params: SamplingParams,
     """Advance every active row by up to ``max_steps`` tokens (None: until all finish).
     Rows end at an EOS token or at ``max_new_tokens``. ``stop(state)``, asked after every
     token, ends decoding early when it returns True (``state.stopped``; the rollout pool stops
-    once it has its batch). Returns the number of tokens appended."""
+    once it has its batch). Returns the number of tokens appended.
+
+    ``params.sync_every`` > 1 decodes in blocks of that many tokens (``_decode_blocks``): the
+    host learns which rows ended once a block instead of once a token, which on a GPU is one
+    wait for the device per block. ``stop`` must then be a ``BatchStop`` made with
+    ``blocks=True``."""
+    if params.sync_every > 1:
+        return _decode_blocks(model, state, params, generator, max_steps, stop)
     eos = torch.tensor(params.eos_token_ids, device=state.tokens.device)
     produced, steps = 0, 0
     while not state.over and (max_steps is None or steps < max_steps):
@@ -292,19 +310,176 @@ def _select_rows(state: DecodeState, keep: torch.Tensor) -> None:
     state.active = state.active[keep]
     state.cache_mask = state.cache_mask[keep]
     state.next_position = state.next_position[keep]
-    if keep.numel() > 0:
+    if keep.numel() > 0 and state.past_key_values is not None:
         state.past_key_values.batch_select_indices(keep)
 
 
-def _feed(model, state: DecodeState, tok: torch.Tensor) -> None:
+def _feed(model, state: DecodeState, tok: torch.Tensor,
+          advance: Optional[torch.Tensor] = None) -> None:
+    """One forward of ``tok`` (A,) at the active rows' next positions. ``advance`` (A,) bool:
+    rows whose position moves on (default all); the others (rows of a block that ended) feed
+    their token at the same position again, so no row goes past the positions its response
+    may use."""
     ones = torch.ones(tok.shape[0], 1, dtype=state.cache_mask.dtype, device=tok.device)
     state.cache_mask = torch.cat([state.cache_mask, ones], dim=1)
     out = model(input_ids=tok[:, None], attention_mask=state.cache_mask,
                 position_ids=state.next_position[:, None], use_cache=True,
                 **cache_kwargs(model, state.past_key_values))
     state.past_key_values = output_cache(out)
-    state.next_position = state.next_position + 1
+    state.next_position = state.next_position + (1 if advance is None else advance.long())
     state.next_logits = out.logits[:, -1, :]
+
+
+class _BlockUniforms:
+    """The uniforms of one block of ``_decode_blocks``, drawn ahead: at most ``rows x steps``,
+    one per running row and token, taken in order (token by token, the running rows in
+    cache order) on the device without a host wait. With a CPU generator (the trainer's) the
+    stream is the one the per-token loop on a GPU draws (``torch.rand`` of the running rows,
+    token after token), whatever the block size: ``settle`` rewinds the generator and advances
+    it by what the block used (no generator: torch's default CPU one). A generator on the
+    device draws a fresh block each time and is not rewound: its stream depends on the block
+    size."""
+
+    def __init__(self, generator: Optional[torch.Generator], count: int, device: torch.device):
+        on_host = generator is None or generator.device.type == "cpu"
+        self.generator = torch.default_generator if generator is None else generator
+        if not on_host:  # a device generator draws on the device: nothing to copy or rewind
+            self.saved = None
+            self.block = torch.rand(count, dtype=torch.float64, generator=self.generator,
+                                    device=device)
+        else:
+            self.saved = self.generator.get_state()
+            self.block = torch.rand(count, dtype=torch.float64,
+                                    generator=self.generator).to(device)
+        self.used = torch.zeros((), dtype=torch.long, device=device)
+
+    def take(self, running: torch.Tensor) -> torch.Tensor:
+        """(A,) uniforms: the next ones for the running rows in order (others get any)."""
+        rank = running.long().cumsum(0) - 1
+        u = self.block[(self.used + rank).clamp(0, self.block.numel() - 1)]
+        self.used = self.used + running.long().sum()
+        return u
+
+    def settle(self, used: int) -> None:
+        """Leave a host generator as if exactly ``used`` uniforms had been drawn."""
+        if self.saved is not None:
+            self.generator.set_state(self.saved)
+            torch.rand(used, dtype=torch.float64, generator=self.generator)
+
+
+@torch.no_grad()
+def _decode_blocks(model, state: DecodeState, params: SamplingParams,
+                   generator: Optional[torch.Generator], max_steps: Optional[int],
+                   stop) -> int:
+    """``decode_steps`` with one host check every ``params.sync_every`` tokens.
+
+    Within a block no row leaves the batch: a row that ends stays in it, its further tokens
+    discarded (neither written nor counted; its position does not move), and at the block's
+    end the host reads, in one copy, at which token each row ended; then finished rows leave
+    the cache, in the order they ended (rows ending at the same token in cache order: the
+    per-token loop's order). The cost is up to ``sync_every - 1`` forwards of rows that
+    already ended; what is sampled does not change: tokens, log-probs, lengths, finish order
+    and (with a CPU generator) the uniforms used are those of the per-token loop sampling by
+    ``inverse_cdf_sample`` from ``torch.rand`` of the running rows, which is what that loop
+    does on a GPU (on a CPU it samples with ``torch.multinomial``, a different stream).
+
+    ``stop`` (``BatchStop(blocks=True)``): evaluated on the device after every token
+    (``local_device``); at the block's end ``resolve`` gets the first token at which it held
+    and returns the token every rank stops at (the latest of theirs), and the block is rolled
+    back to just after that token: the state is the per-token loop's when it stopped (its KV
+    cache is dropped: a stopped state is not decoded further)."""
+    if stop is not None and not getattr(stop, "blocks", False):
+        raise ValueError("sync_every > 1 asks the stop rule once per block: it must be a "
+                         "BatchStop made with blocks=True")
+    eos = torch.tensor(params.eos_token_ids, device=state.tokens.device)
+    produced, steps = 0, 0
+    while not state.over and (max_steps is None or steps < max_steps):
+        size = params.sync_every if max_steps is None else min(params.sync_every,
+                                                              max_steps - steps)
+        produced += _decode_block(model, state, params, generator, size, stop, eos)
+        steps += size
+    return produced
+
+
+def _decode_block(model, state: DecodeState, params: SamplingParams,
+                  generator: Optional[torch.Generator], size: int, stop,
+                  eos: torch.Tensor) -> int:
+    """One block of ``_decode_blocks``: ``size`` tokens, one host wait. Returns the tokens
+    appended."""
+    device, n = state.tokens.device, params.max_new_tokens
+    rows = state.active
+    start = state.lengths[rows].clone()
+    running = torch.ones(rows.numel(), dtype=torch.bool, device=device)
+    ended_at = torch.full((rows.numel(),), size, dtype=torch.long, device=device)
+    first_ok = torch.full((), size, dtype=torch.long, device=device)
+    uniforms = None if params.greedy else _BlockUniforms(generator, rows.numel() * size, device)
+    for t in range(size):
+        u = None if uniforms is None else uniforms.take(running)
+        tok, lp = sample_tokens(state.next_logits, params, generator, uniforms=u)
+        pos = state.lengths[rows]
+        at = pos.clamp(max=n - 1)
+        state.tokens[rows, at] = torch.where(running, tok, state.tokens[rows, at])
+        state.logprobs[rows, at] = torch.where(running, lp, state.logprobs[rows, at])
+        state.actor_logprobs[rows, at] = torch.where(running, lp, state.actor_logprobs[rows, at])
+        length = pos + running.long()
+        state.lengths[rows] = length
+        ended = torch.isin(tok, eos) | (length >= n)
+        if state.targets is not None:
+            ended |= length >= state.targets[rows]
+        ended &= running
+        ended_at = torch.where(ended, t, ended_at)
+        running = running & ~ended
+        state.finished[rows] = state.finished[rows] | ended
+        if stop is not None:
+            ok = stop.local_device(state)
+            first_ok = torch.where((first_ok == size) & ok, t, first_ok)
+        if t < size - 1:
+            _feed(model, state, tok, advance=running)
+    # the block's one host wait
+    *ends, first = torch.cat([ended_at, first_ok.view(1)]).tolist()
+    last = size - 1
+    if stop is not None:
+        at_token = stop.resolve(first if first < size else None)
+        if at_token is not None:
+            last = at_token
+            state.stopped = True
+    # per row, tokens written up to ``last``: one per token until the one it ended at
+    kept = [min(e, last) + 1 for e in ends]
+    used = sum(kept)
+    if uniforms is not None:
+        uniforms.settle(used)
+    if last < size - 1:  # rolled back: what came after the stop token is undone
+        _roll_back(state, rows, start + torch.tensor(kept, device=device), ended_at <= last,
+                   params.pad_token_id)
+    ended_rows = [i for i, e in enumerate(ends) if e <= last]
+    ended_rows.sort(key=lambda i: ends[i])  # stable: same token, cache order
+    state.finish_order.extend(rows[torch.tensor(ended_rows, dtype=torch.long,
+                                                device=device)].tolist())
+    keep = torch.tensor([i for i, e in enumerate(ends) if e > last], dtype=torch.long,
+                        device=device)
+    if state.stopped:  # its cache holds the undone tokens: nothing decodes a stopped state
+        state.past_key_values, state.next_logits = None, None
+    if keep.numel() < rows.numel():
+        _select_rows(state, keep)
+        tok = tok[keep]
+    if state.over:
+        state.next_logits = None
+    else:
+        _feed(model, state, tok)
+    return used
+
+
+def _roll_back(state: DecodeState, rows: torch.Tensor, lengths: torch.Tensor,
+               finished: torch.Tensor, pad_id: int) -> None:
+    """Undo what a block decoded after its stop token: ``rows`` get back ``lengths`` and
+    ``finished``; tokens and log-probs past the lengths are cleared."""
+    cols = torch.arange(state.tokens.shape[1], device=state.tokens.device)
+    past = cols[None, :] >= lengths[:, None]
+    state.tokens[rows] = torch.where(past, pad_id, state.tokens[rows])
+    state.logprobs[rows] = torch.where(past, 0.0, state.logprobs[rows])
+    state.actor_logprobs[rows] = torch.where(past, 0.0, state.actor_logprobs[rows])
+    state.lengths[rows] = lengths
+    state.finished[rows] = finished
 
 
 @dataclass

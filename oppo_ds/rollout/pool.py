@@ -200,21 +200,25 @@ class RolloutPool:
                                  max(e.finished_at for e in g)))
         return [e for g in done[:need] for e in g]
 
-    def batch_stop(self, running: Sequence[PoolEntry], sync: bool, group=None) -> "BatchStop":
+    def batch_stop(self, running: Sequence[PoolEntry], sync: bool, group=None,
+                   blocks: bool = False) -> "BatchStop":
         """The stop rule of a rollout over ``running`` (this pool's unfinished entries, in
         the rollout's row order): B finished entries, or B / group_size finished groups,
-        and every forced entry ended."""
+        and every forced entry ended. ``blocks``: for a decode that checks once a block
+        (``generation.sync_every`` > 1)."""
         forced = [i for i, e in enumerate(running) if e.forced(self.max_defer_steps)]
         waiting = self.waiting()
         if self.group_size == 1:
-            return BatchStop(self.batch_size, len(waiting), forced, sync=sync, group=group)
+            return BatchStop(self.batch_size, len(waiting), forced, sync=sync, group=group,
+                             blocks=blocks)
         labels = sorted({e.group for e in running})
         index = {g: i for i, g in enumerate(labels)}
         before = Counter(e.group for e in waiting)
         complete = sum(1 for g, n in before.items() if g not in index)
         return BatchStop(self.batch_size // self.group_size, complete, forced, sync=sync,
                          group=group, row_groups=[index[e.group] for e in running],
-                         finished_before=[before[g] for g in labels], group_size=self.group_size)
+                         finished_before=[before[g] for g in labels], group_size=self.group_size,
+                         blocks=blocks)
 
     def check(self) -> None:
         self.ledger.check([e.key for e in self.entries])
@@ -274,11 +278,19 @@ class BatchStop:
     token; a rank whose rows all ended keeps calling (``wait``) until the others are done.
     Once True it stays True without further collectives, so every rank makes the same
     number of calls. ``group``: the ranks that decode (default: the world; under the stage
-    placement the actor ranks, the scorer rank does not take part)."""
+    placement the actor ranks, the scorer rank does not take part).
+
+    ``blocks`` (a decode that checks once every ``sync_every`` tokens, ``_decode_blocks``):
+    the rule is evaluated on the device after every token (``local_device``) and settled once
+    a block (``resolve``): one all-reduce a block, of the first token at which each rank's
+    rule held, and every rank stops at the latest of them, the token at which the per-token
+    protocol's minimum would have turned True. Calls with a state (the start, ``wait``) are
+    one such collective each, so ranks still pair up."""
 
     def __init__(self, need: int, already: int, forced_rows: Sequence[int], sync: bool,
                  group=None, row_groups: Optional[Sequence[int]] = None,
-                 finished_before: Sequence[int] = (), group_size: int = 1):
+                 finished_before: Sequence[int] = (), group_size: int = 1,
+                 blocks: bool = False):
         self.need, self.already = need, already
         self.forced = torch.as_tensor(list(forced_rows), dtype=torch.long)
         self.row_groups = None if row_groups is None else torch.as_tensor(list(row_groups),
@@ -286,8 +298,10 @@ class BatchStop:
         self.finished_before = torch.as_tensor(list(finished_before), dtype=torch.long)
         self.group_size = group_size
         self.sync, self.group = sync, group
+        self.blocks = blocks
         self.satisfied = False
         self.calls = 0
+        self._on_device: dict = {}
 
     def local(self, state: Optional[DecodeState]) -> bool:
         if state is None:
@@ -304,9 +318,45 @@ class BatchStop:
         done = self.finished_before.index_add(0, self.row_groups, state.finished.cpu().long())
         return int((done >= self.group_size).sum())
 
+    def local_device(self, state: DecodeState) -> torch.Tensor:
+        """``local`` as a 0-d bool tensor on the state's device, without a host wait (the
+        state's ``finished`` is current; rows that ended are still in the batch)."""
+        device = state.finished.device
+        if device not in self._on_device:
+            self._on_device[device] = (
+                self.forced.to(device),
+                None if self.row_groups is None else self.row_groups.to(device),
+                self.finished_before.to(device))
+        forced, row_groups, before = self._on_device[device]
+        if row_groups is None:
+            ended = state.finished.sum()
+        else:
+            done = before.index_add(0, row_groups, state.finished.long())
+            ended = (done >= self.group_size).sum()
+        ok = (ended + self.already) >= self.need
+        if forced.numel():
+            ok = ok & state.finished[forced].all()
+        return ok | state.finished.all()
+
+    def resolve(self, first: Optional[int]) -> Optional[int]:
+        """Block protocol: ``first``, the first token of this block at which the rule held
+        here (None: not yet); returns the token every rank stops at, or None to go on."""
+        if self.satisfied:
+            return 0
+        if self.sync:
+            never = 2 ** 62
+            latest = comm.all_reduce_ints([never if first is None else first],
+                                          op=dist.ReduceOp.MAX, group=self.group)[0]
+            self.calls += 1
+            first = None if latest == never else int(latest)
+        self.satisfied = first is not None
+        return first
+
     def __call__(self, state: Optional[DecodeState]) -> bool:
         if self.satisfied:
             return True
+        if self.blocks:
+            return self.resolve(0 if self.local(state) else None) is not None
         ok = self.local(state)
         if self.sync:
             ok = bool(comm.all_reduce_ints([int(ok)], op=dist.ReduceOp.MIN, group=self.group)[0])
