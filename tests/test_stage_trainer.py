@@ -195,6 +195,23 @@ def test_stage_with_overcommitment_gives_the_inline_pool_run_and_resumes(cache_d
     assert sum(trained.values()) == 4 * 4 and set(trained.values()) == {1}
 
 
+def test_stage_with_overcommitment_decoding_in_blocks_gives_the_inline_run(cache_dir, tmp_path):
+    """``generation.sync_every`` 4 over chunks of 3 (blocks of 3): the actor rank's stop rule
+    is settled once a block and the block rolled back to its stop token; the scorer rank
+    receives only what was kept: the same rows finish and are taken as in the inline pool
+    run decoding in blocks, the same metrics (1e-4)."""
+    common = ("steps=3", "checkpoint.export_hf=false", "generation.sync_every=4", *POOL)
+    run_in_process(cache_dir, tmp_path / "inline", "oppo.streaming=true", *common)
+    launch(tmp_path / "stage", cache_dir, *common)
+    a = _by_step(tmp_path / "inline" / "metrics.jsonl")
+    b = _by_step(tmp_path / "stage" / "metrics.jsonl")
+    assert any(b[step]["pool/carried"] > 0 for step in b)
+    for step in (1, 2, 3):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        for key in DETERMINISTIC + POOL_KEYS:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+
+
 def test_placement_changed_on_resume_keeps_every_deferred_row(cache_dir, tmp_path):
     """A pool checkpoint written inline holds the frozen scorers' caches of its deferred rows;
     resumed on the stage, the scorer rank has none of them and prefills those rows afresh (the
