@@ -185,9 +185,12 @@ class PPOConfig:
     as many rounds as the rank that needs most; prompts a rank generated beyond its need are
     not trained on (filter/surplus_groups); filter/dropped_groups, filter/rounds and
     filter/prompts_drawn (all ranks) log the rest; the streaming metrics and the chunk-size
-    controller see the first round only. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
-    group_norm); not with oppo.overcommit, oppo.placement: stage or system.backend: megatron
-    yet."""
+    controller see the first round only. With oppo.overcommit a later round is one more take
+    from the rollout pool, whose deferred responses are part-decoded already: the pool is
+    topped up to the prompts missing + Delta and decoded until that many finish; a rank's
+    surplus goes back to the pool (taken first next step) and the pool's ledger counts the
+    dropped prompts. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
+    group_norm); not with oppo.placement: stage or system.backend: megatron yet."""
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
     max_num_gen_batches)."""

@@ -85,14 +85,12 @@ def _check_reward_function(cfg) -> None:
 
 def _check_filter_groups(cfg) -> None:
     """Dynamic sampling drops prompts by their group's scores: it needs a group baseline, and
-    runs its extra rounds in the sequential rollout of one actor process per rank."""
+    runs its extra rounds in the actor processes (one rollout or one take from the pool per
+    round), which the stage's scorer rank and Megatron's model-parallel ranks do not follow."""
     require(cfg.ppo.group_baseline, "ppo.filter_groups", (
         f"needs a group baseline (ppo.advantage_estimator rloo, reinforce_baseline or "
         f"group_norm), got {cfg.ppo.advantage_estimator}: it drops the prompts whose responses "
         f"would all get an advantage of 0 from their group"))
-    require(not cfg.oppo.overcommits, "oppo.overcommit", (
-        "must be 0 with ppo.filter_groups: the rollout pool would have to draw replacements "
-        "for the prompts it drops while it decodes, which it does not yet"))
     require(cfg.oppo.placement != "stage", "oppo.placement", (
         "not stage with ppo.filter_groups yet (the scorer rank follows the actor ranks' "
         "rounds one for one): use inline or colocated"))

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
@@ -88,6 +88,13 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     from .engines.deepspeed_engine import HYBRID_KERNELS
 
     return requested and hybrid_engine_path != HYBRID_KERNELS
+
+
+def _group_entries(entries: Optional[list], groups: list[int], n: int) -> Optional[list]:
+    """The rows' pool entries (None without a pool) of whole groups of ``n`` rows."""
+    if entries is None:
+        return None
+    return [e for g in groups for e in entries[g * n:(g + 1) * n]]
 
 
 def _group_rows(groups: list[int], n: int, device) -> torch.Tensor:
@@ -292,7 +299,9 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl else o.chunk_size
         with timer.phase("generate"):
             if self.pool is not None:
-                keys, groups, gen, streamed, timing, extra, produced = self.rollout_pool(chunk)
+                # a filtered step may take more rounds from the pool: it defers once, at its end
+                keys, groups, gen, streamed, timing, extra, produced, taken = self.rollout_pool(
+                    chunk, defer=not self.cfg.ppo.filter_groups)
             else:
                 keys, groups, gen, streamed, timing, produced = self._rollout(
                     self.stream.next_batch(), chunk)
@@ -307,7 +316,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         if self.chunk_ctl is not None:  # on the first round's cost (ppo.filter_groups adds rounds)
             self._control_chunk_size(chunk, timer.times, timing, produced)
         if self.cfg.ppo.filter_groups:
-            exp, filtered = self._filter_groups(exp, chunk, timer)
+            exp, filtered = self._filter_groups(exp, chunk, timer,
+                                                taken if self.pool is not None else None)
             extra.update(filtered)
         with timer.phase("advantages"):
             self.compute_advantages(exp)
@@ -354,7 +364,8 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             gen = self.generate([x.input_ids for x in batch], targets)
         return keys, groups, gen, streamed, timing, float(gen.lengths.sum())
 
-    def _filter_groups(self, exp: Experience, chunk: Optional[int], timer: PhaseTimer):
+    def _filter_groups(self, exp: Experience, chunk: Optional[int], timer: PhaseTimer,
+                       taken: Optional[list] = None):
         """DAPO's dynamic sampling (``ppo.filter_groups``) on a scored first round ``exp``:
         drop the prompts whose responses all scored the same, generate and score more prompts
         in their place, and return a batch of exactly ``ppo.batch_size`` rows (the kept
@@ -362,12 +373,20 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         the step's filter/ counts summed over the actor ranks. The rounds are agreed over the
         actor ranks: each runs as many as the rank that needs most, so that all run the same
         collective forwards (ZeRO-3); a rank that needs fewer prompts generates the others'
-        number and trains on none of its extra ones (its surplus)."""
+        number and trains on none of its extra ones (its surplus).
+
+        With the rollout pool (``taken``: the pool entries of ``exp``'s rows) a later round is
+        one more take from the pool, whose deferred rows are part-decoded already: the pool is
+        topped up to the prompts missing + Delta and decoded until that many finish. A rank's
+        surplus goes back to the pool, where the next step takes it first; the dropped
+        prompts are entered in the pool's ledger as dropped, and the pool defers what it still
+        holds once, after the last round."""
         n = self.cfg.data.samples_per_prompt
         wanted = len(exp) // n
-        kept, dropped = [], []
+        kept, dropped = [], []  # (experience rows, pool entries or None) per part
         have = uniform_count = surplus = rounds = 0
         drawn = wanted
+        decoded = 0.0
         exp = dataclasses.replace(exp, groups=None)
         while True:
             rounds += 1
@@ -375,31 +394,53 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             differ = (scores.max(1).values != scores.min(1).values).tolist()
             informative = [g for g, d in enumerate(differ) if d]
             uniform = [g for g, d in enumerate(differ) if not d]
-            take = informative[:wanted - have]
-            surplus += len(informative) - len(take)
+            take, spare = informative[:wanted - have], informative[wanted - have:]
+            surplus += len(spare)
             uniform_count += len(uniform)
-            kept += [exp.select(_group_rows(take, n, exp.scores.device))] if take else []
-            dropped += [exp.select(_group_rows(uniform, n, exp.scores.device))] if uniform else []
+            if take:
+                kept.append((exp.select(_group_rows(take, n, exp.scores.device)),
+                             _group_entries(taken, take, n)))
+            if uniform:
+                dropped.append((exp.select(_group_rows(uniform, n, exp.scores.device)),
+                                _group_entries(taken, uniform, n)))
+            if spare and taken is not None:
+                self.pool.put_back(_group_entries(taken, spare, n))
             have += len(take)
             need = comm.all_reduce_ints([wanted - have], op=dist.ReduceOp.MAX, group=self.actor_group)[0]
             if need == 0 or rounds == self.cfg.ppo.filter_groups_max_rounds:
                 break
             drawn += need
             with timer.phase("generate"):
-                keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(need), chunk)
+                if taken is not None:
+                    keys, _, gen, streamed, _, more, _, taken = self.rollout_pool(
+                        chunk, batch=need * n, defer=False)
+                    decoded += more["pool/decoded_tokens"]
+                else:
+                    keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(need), chunk)
             with timer.phase("score"):
                 exp = self.make_experience(keys, gen, streamed)
         fallback = wanted - have
         if fallback:  # the rounds ran out: the first dropped prompts fill the batch
-            rest = concat_experiences(dropped, self.tokenizer.pad_token_id)
-            kept.append(rest.select(torch.arange(fallback * n, device=rest.scores.device)))
-        out = concat_experiences(kept, self.tokenizer.pad_token_id)
+            rest = concat_experiences([part for part, _ in dropped], self.tokenizer.pad_token_id)
+            kept.append((rest.select(torch.arange(fallback * n, device=rest.scores.device)),
+                         None if taken is None else
+                         [e for _, rows in dropped for e in rows][:fallback * n]))
+        out = concat_experiences([part for part, _ in kept], self.tokenizer.pad_token_id)
         out.groups = torch.arange(len(out), device=out.scores.device) // n
         totals = comm.all_reduce_ints([uniform_count - fallback, surplus, fallback, drawn],
                                       group=self.actor_group)
-        return out, {"filter/rounds": rounds, "filter/dropped_groups": totals[0],
-                     "filter/surplus_groups": totals[1], "filter/fallback_groups": totals[2],
-                     "filter/prompts_drawn": totals[3]}
+        metrics = {"filter/rounds": rounds, "filter/dropped_groups": totals[0],
+                   "filter/surplus_groups": totals[1], "filter/fallback_groups": totals[2],
+                   "filter/prompts_drawn": totals[3]}
+        if taken is not None:
+            trained = [e for _, rows in kept for e in rows]
+            self.pool.ledger.drop([e.key for _, rows in dropped for e in rows][fallback * n:])
+            self.pool.end_step()
+            self.pool.check()
+            metrics.update(staleness_metrics(comm.gather_lists(
+                staleness_rows(trained, self.policy_version), self.dp_group)))
+            metrics["filter/decoded_tokens"] = decoded  # the later rounds' (pool/: the first's)
+        return out, metrics
 
     def agreed_mean(self, value: float) -> float:
         """``value``'s mean over all actor ranks, the same number on each: what every rank must
@@ -417,24 +458,34 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                             self.sampling.eos_token_ids, self.sampling.max_new_tokens,
                             limit=self.cfg.logging.samples)
 
-    def rollout_pool(self, chunk: Optional[int]):
+    def rollout_pool(self, chunk: Optional[int], batch: Optional[int] = None, defer: bool = True):
         """One step of the rollout pool: top it up to B + Delta, decode every unfinished
         sequence (continuing the deferred ones) until this rank, and under data parallelism
-        every rank, has B finished, and take those B. Returns (prompt keys, generation of
-        the B, streamed results, stream timing or None, metrics, tokens decoded)."""
+        every rank, has B finished, and take those B. ``batch``: rows to take in place of B
+        (a later round of ``ppo.filter_groups``); ``defer``: defer what is left behind
+        (``RolloutPool.take``). Returns (prompt keys, group labels, generation of the B,
+        streamed results, stream timing or None, metrics, tokens decoded, the entries
+        taken)."""
         o, pool = self.cfg.oppo, self.pool
         delta = self.delta_ctl.delta if self.delta_ctl is not None else o.overcommit
-        size = self.cfg.ppo.batch_size + delta
+        size = (batch or self.cfg.ppo.batch_size) + delta
         # whole prompts, each data.samples_per_prompt rows: at least size rows
         n = self.cfg.data.samples_per_prompt
         drawn = repeat_samples(self.stream.take(-(-pool.needed(size) // n)), n)
         pool.top_up(drawn, len(pool) + len(drawn))
         running = pool.running()
         stop = pool.batch_stop(running, sync=self.world_size > 1, group=self.actor_group,
-                               blocks=self.sampling.sync_every > 1)
+                               blocks=self.sampling.sync_every > 1, batch=batch)
         before = [len(e.tokens) for e in running]
         timing, results = None, {}
-        if not stop(None) and running:
+        ready = stop(None)
+        if not ready and not running:
+            # nothing of its own to decode while another rank decodes: it enters the same
+            # contexts, whose ZeRO-3 gathers are collectives, and joins the stop checks there
+            # (a filtered step's later round can find a rank's pool all finished)
+            with self._decoding_contexts():
+                stop.wait(None)
+        elif not ready:
             inputs = pool.decode_inputs(running, self.tokenizer.pad_token_id, self.device)
             if o.streaming:
                 state, results, timing = self._stream_pool(running, inputs, chunk, stop)
@@ -453,14 +504,12 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             for entry in running:
                 entry.results.update({kind: per_row[entry.uid] for kind, per_row in results.items()
                                       if entry.uid in per_row})
-        else:
-            stop.wait(None)
         new_tokens = [len(e.tokens) - n for e, n in zip(running, before)]
         produced = float(sum(new_tokens))
         # decode slots left idle: rows that had ended while the others went on
         slots = len(running) * max(new_tokens, default=0)
         tail_waste = 1.0 - produced / slots if slots else 0.0
-        taken = pool.take()
+        taken = pool.take(batch, defer=defer)
         pool.check()
         gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
@@ -474,7 +523,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                         "pool/decoded_tokens": produced, "pool/sync_calls": calls[0],
                         "rollout/tail_waste_frac": tail_waste})
         groups = torch.tensor([e.group for e in taken]) if pool.group_size > 1 else None
-        return [e.key for e in taken], groups, gen, streamed, timing, metrics, produced
+        return [e.key for e in taken], groups, gen, streamed, timing, metrics, produced, taken
 
     def _stream_pool(self, running, inputs: dict, chunk: int, stop: BatchStop):
         """The pool's rollout with streaming scorers. The reward and reference scorers keep
@@ -492,13 +541,22 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                                              self.sample_gen, chunk, stop=stop,
                                              replica=self.replica)
         frozen = [k for k in self._streamed_kinds() if k in ("reward", "reference")]
-        with self.actor.generation_context() as actor, \
-                (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
+        with self._decoding_contexts() as (actor, critic):
             uids, scorers, setup = pool_stream_setup(
                 running, inputs, self._carried_scorer, frozen, device=self.device,
                 critic=StreamingScorer(critic, "critic") if critic is not None else None)
             return stream_continue(actor, scorers, setup, inputs, uids, self.sampling,
                                    self.sample_gen, chunk, placement=o.placement, stop=stop)
+
+    @contextmanager
+    def _decoding_contexts(self):
+        """(actor, critic or None) in the contexts a rollout decodes in on this rank: the
+        actor's generation context, and the critic's when it streams here (not on the stage)."""
+        o = self.cfg.oppo
+        critic = o.streaming and "critic" in o.stream_to and self.stage is None
+        with self.actor.generation_context() as actor, \
+                (self.critic.generation_context() if critic else nullcontext()) as critic_model:
+            yield actor, critic_model
 
     def _streamed_kinds(self) -> list[str]:
         """What streams: the scorers (``Config.streamed_scorers``) and the actor's own
@@ -568,8 +626,7 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
                                              self.sample_gen, chunk_size, targets=targets,
                                              replica=self.replica)
         temp = self.cfg.generation.temperature
-        with self.actor.generation_context() as actor, \
-                (self.critic.generation_context() if "critic" in o.stream_to else nullcontext()) as critic:
+        with self._decoding_contexts() as (actor, critic):
             scorers = [StreamingScorer(self.reward, "reward")] if self.reward_fn is None else []
             if "reference" in o.stream_to:
                 scorers.append(StreamingScorer(self.reference, "reference", temperature=temp))

@@ -135,22 +135,47 @@ def test_two_ranks_score_with_a_reward_function(tmp_path):
         assert len(r["response/lengths"]) == 2 * 4
 
 
-def test_two_ranks_filter_groups_in_lock_step(tmp_path):
+@pytest.mark.parametrize("overcommit", [0, 4], ids=["rounds", "pool"])
+def test_two_ranks_filter_groups_in_lock_step(tmp_path, overcommit):
     """ppo.filter_groups on 2 ZeRO-3 ranks whose prompts need different numbers of rounds (a
     prompt's responses all score 0 when it has an even number of words): every rank
     runs the rounds the neediest one asks for, so their collective forwards match (a rank
     running fewer would hang the other), and the prompts drawn on both ranks are each trained
-    on, dropped by the rule or a rank's surplus."""
+    on, dropped by the rule or a rank's surplus. With the pool a later round is a take from it
+    (the stop rule's all-reduces pair up across ranks), a rank's surplus goes back to it, and
+    each rank's ledger balances with the drops counted."""
     rule = tmp_path / "rule.py"
     rule.write_text("def parity(prompts, completions, **fields):\n"
                     "    return [0.0 if len(p.split()) % 2 == 0 else float(len(c))"
                     " for p, c in zip(prompts, completions)]\n")
     out, cache = tmp_path / "run", tmp_path / "cache"
-    launch(out, cache, "steps=4", "system.zero_stage=3", "checkpoint.export_hf=false",
+    # with the pool, 6 steps: step 5 leaves a rank's surplus in its pool, and in step 6's
+    # second round that rank's pool is all finished while the other rank decodes (it joins
+    # the other's ZeRO-3 gathers without decoding; before, the ranks' collectives diverged)
+    steps = 6 if overcommit else 4
+    launch(out, cache, f"steps={steps}", "system.zero_stage=3", "checkpoint.export_hf=false",
            f"model.reward_function={rule}:parity", "ppo.advantage_estimator=group_norm",
-           "data.samples_per_prompt=4", "ppo.filter_groups=true")
+           "data.samples_per_prompt=4", "ppo.filter_groups=true", f"oppo.overcommit={overcommit}",
+           f"checkpoint.every={steps}")
     history = read_history(str(out / "metrics.jsonl"))
-    assert len(history) == 4
+    assert len(history) == steps
+    if overcommit:
+        import torch
+
+        from oppo_ds.rollout.pool import RolloutPool
+
+        dropped = 0
+        for r in (0, 1):
+            state = torch.load(out / "checkpoints" / "trainer" / f"step{steps}" / f"rank{r}.pt",
+                               weights_only=False)
+            pool = RolloutPool(batch_size=4, max_defer_steps=2, group_size=4)
+            pool.load_state_dict(state["pool"])
+            pool.check()
+            assert sum(pool.ledger.trained.values()) == steps * 4
+            dropped += sum(pool.ledger.dropped.values())
+        assert dropped == 4 * sum(r["filter/dropped_groups"] for r in history)
+        assert sum(r["filter/surplus_groups"] for r in history[:5]) > 0
+    assert sum(r["filter/dropped_groups"] for r in history) > 0
     for r in history:
         trained = r["samples"] // 4  # prompts, both ranks
         assert trained == 2 and 1 <= r["filter/rounds"] <= 4

@@ -129,9 +129,71 @@ def test_filter_groups_resumes_exactly(cache_dir, rule, tmp_path):
             assert y[key] == pytest.approx(x[key], abs=1e-6), key
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["inter", "oppo"])
+def test_with_the_pool_later_rounds_take_from_it_and_its_ledger_counts_the_drops(
+        cache_dir, rule, tmp_path, streaming):
+    """ppo.filter_groups with overcommitment (and streaming: full OPPO): a later round is one
+    more take from the rollout pool. Every batch holds whole prompts, those whose scores
+    differ first; the pool's ledger shows every prompt drawn trained once, dropped by the rule
+    (each one a prompt of uniform scores) or still in the pool; the prompts drawn from the data
+    are each drawn once."""
+    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=5", "oppo.overcommit=8",
+                          f"model.reward_function={rule}:parity",
+                          *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []))
+    batches, drawn = recorded(trainer)
+    trainer.train()
+    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+    trained = []
+    for (keys, scores, groups), m in zip(batches, rows):
+        assert len(keys) == 16 and groups.tolist() == [i // N for i in range(16)]
+        prompts = [k.split("#")[0] for k in keys[::N]]
+        assert keys == [f"{p}#{k}" for p in prompts for k in range(N)]
+        by_group = scores.view(-1, N)
+        differs = (by_group.max(1).values != by_group.min(1).values).tolist()
+        fallback = m["filter/fallback_groups"]
+        assert differs == [True] * (4 - fallback) + [False] * fallback
+        assert [uniform_prompt(text[p]) for p in prompts] == [not d for d in differs]
+        assert m["filter/surplus_groups"] == 0  # one rank: it never takes more than it lacks
+        assert m["filter/prompts_drawn"] == 4 + m["filter/dropped_groups"]
+        trained += prompts
+    assert len(drawn) == len(set(drawn))  # the data's prompts, each drawn into the pool once
+    ledger = trainer.pool.ledger
+    trainer.pool.check()  # drawn == trained + dropped + in flight, per row
+    in_pool = {e.key.split("#")[0] for e in trainer.pool.entries}
+    for p in drawn:
+        rows_of = [f"{p}#{k}" for k in range(N)]
+        t, d = (sum(c[r] for r in rows_of) for c in (ledger.trained, ledger.dropped))
+        assert (t, d) in ((N, 0), (0, N), (0, 0)), p
+        assert (t == N) == (p in trained)
+        if d:
+            assert uniform_prompt(text[p]), p
+        if (t, d) == (0, 0):
+            assert p in in_pool, p
+    assert sum(ledger.dropped.values()) == N * sum(m["filter/dropped_groups"] for m in rows) > 0
+    assert max(m["filter/rounds"] for m in rows) >= 2
+
+
+def test_filter_groups_with_the_pool_resumes_exactly(cache_dir, rule, tmp_path):
+    """Stopped after its step-2 checkpoint (the pool, with the surplus and the ledger's drops,
+    in it) and resumed: the uninterrupted run's metrics (1e-6)."""
+    over = ("steps=4", "checkpoint.every=2", f"model.reward_function={rule}:parity",
+            "oppo.overcommit=8")
+    trainer_for(cache_dir, tmp_path / "full", *over).train()
+    trainer_for(cache_dir, tmp_path / "cut", *over[1:], "steps=2").train()
+    trainer_for(cache_dir, tmp_path / "cut", *over).train()
+    a, b = (read_history(str(tmp_path / d / "metrics.jsonl")) for d in ("full", "cut"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:]):
+        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
+                    "pool/deferrals", "response/lengths"):
+            assert x[key] == y[key], key
+        for key in ("reward/mean", "loss/policy", "kl/mean", "response/len_mean"):
+            assert y[key] == pytest.approx(x[key], abs=1e-6), key
+
+
 @pytest.mark.parametrize("extra, key, match", [
     (["ppo.advantage_estimator=gae", "data.samples_per_prompt=1"], "ppo.filter_groups", "needs a group baseline"),
-    (["oppo.overcommit=4"], "oppo.overcommit", "must be 0 with ppo.filter_groups"),
     (["oppo.streaming=true", "oppo.placement=stage"], "oppo.placement", "not stage"),
     (["system.backend=megatron"], "ppo.filter_groups", "not with system.backend megatron"),
     (["ppo.filter_groups_max_rounds=0"], "ppo.filter_groups_max_rounds", "must be >= 1"),

@@ -78,8 +78,8 @@ def test_ppo_on_the_length_oracle(tmp_path, extra):
     if trainer.pool is not None:
         real_take = trainer.pool.take
 
-        def take():
-            batch = real_take()
+        def take(*args, **kwargs):
+            batch = real_take(*args, **kwargs)
             trained.extend((e.key, len(e.tokens)) for e in batch)
             return batch
         trainer.pool.take = take

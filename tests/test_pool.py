@@ -145,7 +145,7 @@ def test_take_refuses_a_short_batch_and_the_ledger_catches_a_loss():
     with pytest.raises(RuntimeError, match="fewer than the batch of 3"):
         pool.take()
     pool.entries.pop()  # a sequence lost by a bug
-    with pytest.raises(AssertionError, match="p5: drawn 1, trained 0, in flight 0"):
+    with pytest.raises(AssertionError, match="p5: drawn 1, trained 0, dropped 0, in flight 0"):
         pool.check()
     ledger = PromptLedger()
     ledger.drawn["a"] += 1
@@ -154,6 +154,37 @@ def test_take_refuses_a_short_batch_and_the_ledger_catches_a_loss():
         ledger.check([])
     with pytest.raises(ValueError, match="does not reach 8"):
         RolloutPool(3, 2).top_up(_prompts(), 8)
+
+
+def test_a_step_of_rounds_defers_once_puts_back_and_drops_in_the_ledger():
+    """ppo.filter_groups with the pool: takes without deferring, a taken entry put back (a
+    rank's surplus: in flight again, first in the pool), one dropped by the rule (the ledger
+    counts it), then one deferral of what is left; the ledger balances throughout and
+    survives a save."""
+    pool = _finish_order_pool()
+    first = pool.take(batch=2, defer=False)
+    assert [t.key for t in first] == ["p3", "p0"]
+    assert all(e.deferrals == 0 for e in pool.entries) and pool.entries[-1].deferrals == 0
+    pool.check()
+    pool.put_back(first[1:])  # p0: surplus
+    assert [e.key for e in pool.entries][:2] == ["p0", "p1"]
+    pool.check()
+    second = pool.take(batch=1, defer=False)  # p0 again: it finished first
+    assert [t.key for t in second] == ["p0"]
+    pool.ledger.drop(["p3"])  # its responses all scored the same
+    pool.check()
+    pool.entries[0].results = {"reward": torch.tensor(1.0), "critic": torch.zeros(2)}
+    pool.end_step()
+    assert all(e.deferrals == 1 for e in pool.entries[:-1])
+    assert pool.entries[0].results.keys() == {"reward"}  # the critic trains: stale
+    assert (pool.ledger.trained["p3"], pool.ledger.dropped["p3"], pool.ledger.trained["p0"]) == (0, 1, 1)
+    other = RolloutPool(batch_size=3, max_defer_steps=2)
+    other.load_state_dict(pool.state_dict())
+    other.check()
+    assert other.ledger.dropped == pool.ledger.dropped
+    pool.ledger.drop(["p3"])  # dropped twice: it was trained -1 times
+    with pytest.raises(AssertionError, match="p3: drawn 1, trained -1, dropped 2"):
+        pool.check()
 
 
 def test_pool_state_survives_torch_save(tmp_path):

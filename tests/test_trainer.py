@@ -446,8 +446,8 @@ def _record_takes(trainer):
     """Wrap the pool's take to record the sequence ids each step trains on."""
     taken, real_take = [], trainer.pool.take
 
-    def take():
-        batch = real_take()
+    def take(*args, **kwargs):
+        batch = real_take(*args, **kwargs)
         taken.append([e.uid for e in batch])
         return batch
     trainer.pool.take = take

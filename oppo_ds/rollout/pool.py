@@ -62,29 +62,40 @@ class PoolEntry:
 
 
 class PromptLedger:
-    """Counts, per prompt id, how often it was drawn into the pool and trained on. At any
-    moment ``drawn == trained + in flight`` for every id; a mismatch is a lost or duplicated
-    sequence (``check``)."""
+    """Counts, per prompt id, how often it was drawn into the pool, trained on, and dropped
+    by the configured rule (``ppo.filter_groups``: a group whose responses all scored the
+    same). At any moment ``drawn == trained + dropped + in flight`` for every id; a mismatch
+    is a lost or duplicated sequence (``check``)."""
 
     def __init__(self):
         self.drawn: Counter = Counter()
         self.trained: Counter = Counter()
+        self.dropped: Counter = Counter()
+
+    def drop(self, keys: Sequence[str]) -> None:
+        """Taken rows of ``keys`` that the step did not train on after all: dropped."""
+        for k in keys:
+            self.trained[k] -= 1
+            self.dropped[k] += 1
 
     def check(self, in_flight: Sequence[str]) -> None:
         pending = Counter(in_flight)
-        bad = {k: (self.drawn[k], self.trained[k], pending[k])
-               for k in set(self.drawn) | set(self.trained) | set(pending)
-               if self.drawn[k] != self.trained[k] + pending[k]}
+        ids = set(self.drawn) | set(self.trained) | set(self.dropped) | set(pending)
+        bad = {k: (self.drawn[k], self.trained[k], self.dropped[k], pending[k]) for k in ids
+               if self.drawn[k] != self.trained[k] + self.dropped[k] + pending[k]
+               or self.trained[k] < 0}
         if bad:
-            detail = ", ".join(f"{k}: drawn {d}, trained {t}, in flight {p}"
-                               for k, (d, t, p) in sorted(bad.items())[:5])
+            detail = ", ".join(f"{k}: drawn {d}, trained {t}, dropped {x}, in flight {p}"
+                               for k, (d, t, x, p) in sorted(bad.items())[:5])
             raise AssertionError(f"prompt ledger out of balance for {len(bad)} id(s): {detail}")
 
     def state_dict(self) -> dict:
-        return {"drawn": dict(self.drawn), "trained": dict(self.trained)}
+        return {"drawn": dict(self.drawn), "trained": dict(self.trained),
+                "dropped": dict(self.dropped)}
 
     def load_state_dict(self, state: dict) -> None:
         self.drawn, self.trained = Counter(state["drawn"]), Counter(state["trained"])
+        self.dropped = Counter(state.get("dropped", {}))  # none before ppo.filter_groups
 
 
 class RolloutPool:
@@ -158,28 +169,44 @@ class RolloutPool:
             entries[row].finished = True
             entries[row].finished_at = (step, order)
 
-    def take(self) -> list[PoolEntry]:
-        """Remove and return the step's batch: forced entries first, then in finishing order;
-        every entry left behind is deferred once more."""
+    def take(self, batch: Optional[int] = None, defer: bool = True) -> list[PoolEntry]:
+        """Remove and return the step's batch of ``batch`` rows (default B): forced entries
+        first, then in finishing order; with ``defer`` every entry left behind is deferred
+        once more (``end_step``; a step of several rounds, ``ppo.filter_groups``, defers once,
+        after its last)."""
+        batch = self.batch_size if batch is None else batch
         if self.group_size > 1:
-            taken = self._take_groups()
+            taken = self._take_groups(batch)
         else:
             done = [e for e in self.entries if e.finished]
-            if len(done) < self.batch_size:
+            if len(done) < batch:
                 raise RuntimeError(f"the step ended with {len(done)} finished sequences, "
-                                   f"fewer than the batch of {self.batch_size}")
+                                   f"fewer than the batch of {batch}")
             done.sort(key=lambda e: (not e.forced(self.max_defer_steps), e.finished_at))
-            taken = done[:self.batch_size]
+            taken = done[:batch]
         chosen = {e.uid for e in taken}
         self.entries = [e for e in self.entries if e.uid not in chosen]
-        for e in self.entries:
-            e.deferrals += 1
-            # the models that train: their results are stale after this step's update
-            e.results.pop("critic", None)
-            e.results.pop("actor", None)
+        if defer:
+            self.end_step()
         for e in taken:
             self.ledger.trained[e.key] += 1
         return taken
+
+    def end_step(self) -> None:
+        """Every entry still in the pool was deferred once more; the results of the models
+        that train (critic, actor) are stale after the step's update."""
+        for e in self.entries:
+            e.deferrals += 1
+            e.results.pop("critic", None)
+            e.results.pop("actor", None)
+
+    def put_back(self, entries: Sequence[PoolEntry]) -> None:
+        """Return taken ``entries`` (finished, not trained after all: a rank's surplus under
+        ``ppo.filter_groups``) to the front of the pool, where the next take finds them
+        first (they finished earliest)."""
+        for e in entries:
+            self.ledger.trained[e.key] -= 1
+        self.entries = list(entries) + self.entries
 
     def groups(self) -> dict[int, list[PoolEntry]]:
         """The entries by group, in the pool's order (group_size > 1)."""
@@ -188,11 +215,11 @@ class RolloutPool:
             out.setdefault(e.group, []).append(e)
         return out
 
-    def _take_groups(self) -> list[PoolEntry]:
+    def _take_groups(self, batch: int) -> list[PoolEntry]:
         """The batch as whole groups: forced groups first, then by when their last entry
         finished; each group's entries in the order they were drawn."""
         done = [g for g in self.groups().values() if all(e.finished for e in g)]
-        need = self.batch_size // self.group_size
+        need = batch // self.group_size
         if len(done) < need:
             raise RuntimeError(f"the step ended with {len(done)} prompts whose {self.group_size} "
                                f"responses all finished, fewer than the batch's {need}")
@@ -201,21 +228,22 @@ class RolloutPool:
         return [e for g in done[:need] for e in g]
 
     def batch_stop(self, running: Sequence[PoolEntry], sync: bool, group=None,
-                   blocks: bool = False) -> "BatchStop":
+                   blocks: bool = False, batch: Optional[int] = None) -> "BatchStop":
         """The stop rule of a rollout over ``running`` (this pool's unfinished entries, in
-        the rollout's row order): B finished entries, or B / group_size finished groups,
-        and every forced entry ended. ``blocks``: for a decode that checks once a block
-        (``generation.sync_every`` > 1)."""
+        the rollout's row order): ``batch`` (default B) finished entries, or batch /
+        group_size finished groups, and every forced entry ended. ``blocks``: for a decode
+        that checks once a block (``generation.sync_every`` > 1)."""
+        batch = self.batch_size if batch is None else batch
         forced = [i for i, e in enumerate(running) if e.forced(self.max_defer_steps)]
         waiting = self.waiting()
         if self.group_size == 1:
-            return BatchStop(self.batch_size, len(waiting), forced, sync=sync, group=group,
+            return BatchStop(batch, len(waiting), forced, sync=sync, group=group,
                              blocks=blocks)
         labels = sorted({e.group for e in running})
         index = {g: i for i, g in enumerate(labels)}
         before = Counter(e.group for e in waiting)
         complete = sum(1 for g, n in before.items() if g not in index)
-        return BatchStop(self.batch_size // self.group_size, complete, forced, sync=sync,
+        return BatchStop(batch // self.group_size, complete, forced, sync=sync,
                          group=group, row_groups=[index[e.group] for e in running],
                          finished_before=[before[g] for g in labels], group_size=self.group_size,
                          blocks=blocks)
