@@ -86,7 +86,7 @@ def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming, syn
     forward, the other in the next all-reduce).
 
     Decoding in blocks (``generation.sync_every`` 3, chunks of 4: blocks of 3 and 1), the
-    stop rule is one all-reduce a block, rolled back to the token where it held on both."""
+    stop rule is one all-reduce a block, whose tokens are kept up to where it held on both."""
     import torch
 
     from oppo_ds.rollout.pool import RolloutPool

@@ -446,8 +446,8 @@ def _same_stop(a, b) -> None:
 @pytest.mark.parametrize("sync_every", [3, 8, 64])
 def test_the_stop_rule_in_blocks_stops_where_the_per_token_rule_stops(group_size, sync_every):
     """The pool's stop rule (B finished rows or groups, the forced ones among them) settled
-    once a block: the block is rolled back to the token at which the per-token rule stopped,
-    so the state (tokens, lengths, which rows ended and in which order), the batch taken and
+    once a block: the block's tokens are kept up to the one at which the per-token rule
+    stopped, so the state (tokens, lengths, which rows ended and in which order), the batch taken and
     the generator's state are the per-token loop's."""
     ref, ref_stop, ref_taken, ref_gen = _pool_rollout(1, group_size)
     out, stop, taken, gen = _pool_rollout(sync_every, group_size)

@@ -197,7 +197,7 @@ def test_stage_with_overcommitment_gives_the_inline_pool_run_and_resumes(cache_d
 
 def test_stage_with_overcommitment_decoding_in_blocks_gives_the_inline_run(cache_dir, tmp_path):
     """``generation.sync_every`` 4 over chunks of 3 (blocks of 3): the actor rank's stop rule
-    is settled once a block and the block rolled back to its stop token; the scorer rank
+    is settled once a block and the block kept up to its stop token; the scorer rank
     receives only what was kept: the same rows finish and are taken as in the inline pool
     run decoding in blocks, the same metrics (1e-4)."""
     common = ("steps=3", "checkpoint.export_hf=false", "generation.sync_every=4", *POOL)

@@ -374,9 +374,9 @@ def _decode_blocks(model, state: DecodeState, params: SamplingParams,
     """``decode_steps`` with one host check every ``params.sync_every`` tokens.
 
     Within a block no row leaves the batch: a row that ends stays in it, its further tokens
-    discarded (neither written nor counted; its position does not move), and at the block's
-    end the host reads, in one copy, at which token each row ended; then finished rows leave
-    the cache, in the order they ended (rows ending at the same token in cache order: the
+    discarded (its position does not move), and at the block's end the host reads, in one
+    copy, at which token each row ended; then each row's tokens up to its end go into the
+    state and finished rows leave the cache, in the order they ended (rows ending at the same token in cache order: the
     per-token loop's order). The cost is up to ``sync_every - 1`` forwards of rows that
     already ended; what is sampled does not change: tokens, log-probs, lengths, finish order
     and (with a CPU generator) the uniforms used are those of the per-token loop sampling by
@@ -385,9 +385,9 @@ def _decode_blocks(model, state: DecodeState, params: SamplingParams,
 
     ``stop`` (``BatchStop(blocks=True)``): evaluated on the device after every token
     (``local_device``); at the block's end ``resolve`` gets the first token at which it held
-    and returns the token every rank stops at (the latest of theirs), and the block is rolled
-    back to just after that token: the state is the per-token loop's when it stopped (its KV
-    cache is dropped: a stopped state is not decoded further)."""
+    and returns the token every rank stops at (the latest of theirs); the block's tokens
+    after it are not kept: the state is the per-token loop's when it stopped (its KV cache is
+    dropped: a stopped state is not decoded further)."""
     if stop is not None and not getattr(stop, "blocks", False):
         raise ValueError("sync_every > 1 asks the stop rule once per block: it must be a "
                          "BatchStop made with blocks=True")
@@ -404,62 +404,56 @@ def _decode_blocks(model, state: DecodeState, params: SamplingParams,
 def _decode_block(model, state: DecodeState, params: SamplingParams,
                   generator: Optional[torch.Generator], size: int, stop,
                   eos: torch.Tensor) -> int:
-    """One block of ``_decode_blocks``: ``size`` tokens, one host wait. Returns the tokens
-    appended."""
+    """One block of ``_decode_blocks``: ``size`` tokens, one host wait. The block's tokens
+    and log-probs go to buffers of their own and into the state at its end, up to each row's
+    end (or the stop token), so nothing has to be undone. Returns the tokens appended."""
     device, n = state.tokens.device, params.max_new_tokens
     rows = state.active
-    start = state.lengths[rows].clone()
-    running = torch.ones(rows.numel(), dtype=torch.bool, device=device)
-    ended_at = torch.full((rows.numel(),), size, dtype=torch.long, device=device)
+    count = rows.numel()
+    start = state.lengths[rows]
+    room = n - start  # tokens each row may still add: it ends at the one that fills it
+    if state.targets is not None:
+        room = torch.minimum(room, state.targets[rows] - start)
+    tokens = torch.empty(count, size, dtype=torch.long, device=device)
+    logprobs = torch.empty(count, size, dtype=torch.float32, device=device)
+    running = torch.ones(count, dtype=torch.bool, device=device)
+    ended_at = torch.full((count,), size, dtype=torch.long, device=device)
     first_ok = torch.full((), size, dtype=torch.long, device=device)
-    uniforms = None if params.greedy else _BlockUniforms(generator, rows.numel() * size, device)
+    uniforms = None if params.greedy else _BlockUniforms(generator, count * size, device)
     for t in range(size):
         u = None if uniforms is None else uniforms.take(running)
         tok, lp = sample_tokens(state.next_logits, params, generator, uniforms=u)
-        pos = state.lengths[rows]
-        at = pos.clamp(max=n - 1)
-        state.tokens[rows, at] = torch.where(running, tok, state.tokens[rows, at])
-        state.logprobs[rows, at] = torch.where(running, lp, state.logprobs[rows, at])
-        state.actor_logprobs[rows, at] = torch.where(running, lp, state.actor_logprobs[rows, at])
-        length = pos + running.long()
-        state.lengths[rows] = length
-        ended = torch.isin(tok, eos) | (length >= n)
-        if state.targets is not None:
-            ended |= length >= state.targets[rows]
-        ended &= running
+        tokens[:, t], logprobs[:, t] = tok, lp
+        ended = (torch.isin(tok, eos) | (room <= t + 1)) & running
         ended_at = torch.where(ended, t, ended_at)
         running = running & ~ended
-        state.finished[rows] = state.finished[rows] | ended
         if stop is not None:
-            ok = stop.local_device(state)
+            ok = stop.local_device(state.finished.index_put((rows,), ~running))
             first_ok = torch.where((first_ok == size) & ok, t, first_ok)
         if t < size - 1:
             _feed(model, state, tok, advance=running)
-    # the block's one host wait
-    *ends, first = torch.cat([ended_at, first_ok.view(1)]).tolist()
+    # the block's one host wait: where each row ended, and what indexes the writes below
+    info = torch.cat([ended_at, rows, start, first_ok.view(1)]).tolist()
+    ends, row_ids, starts, first = (info[:count], info[count:2 * count],
+                                    info[2 * count:3 * count], info[-1])
     last = size - 1
     if stop is not None:
         at_token = stop.resolve(first if first < size else None)
         if at_token is not None:
-            last = at_token
-            state.stopped = True
-    # per row, tokens written up to ``last``: one per token until the one it ended at
-    kept = [min(e, last) + 1 for e in ends]
+            last, state.stopped = at_token, True
+    kept = [min(e, last) + 1 for e in ends]  # per row: tokens up to its end or ``last``
     used = sum(kept)
     if uniforms is not None:
         uniforms.settle(used)
-    if last < size - 1:  # rolled back: what came after the stop token is undone
-        _roll_back(state, rows, start + torch.tensor(kept, device=device), ended_at <= last,
-                   params.pad_token_id)
-    ended_rows = [i for i, e in enumerate(ends) if e <= last]
-    ended_rows.sort(key=lambda i: ends[i])  # stable: same token, cache order
-    state.finish_order.extend(rows[torch.tensor(ended_rows, dtype=torch.long,
-                                                device=device)].tolist())
+    _write_block(state, row_ids, starts, tokens, logprobs, kept, [e <= last for e in ends])
+    # in the order they ended; rows ending at the same token in cache order (a stable sort)
+    ended_rows = sorted((i for i, e in enumerate(ends) if e <= last), key=lambda i: ends[i])
+    state.finish_order.extend(row_ids[i] for i in ended_rows)
     keep = torch.tensor([i for i, e in enumerate(ends) if e > last], dtype=torch.long,
                         device=device)
-    if state.stopped:  # its cache holds the undone tokens: nothing decodes a stopped state
+    if state.stopped:  # its cache holds tokens past the stop: nothing decodes a stopped state
         state.past_key_values, state.next_logits = None, None
-    if keep.numel() < rows.numel():
+    if keep.numel() < count:
         _select_rows(state, keep)
         tok = tok[keep]
     if state.over:
@@ -469,17 +463,26 @@ def _decode_block(model, state: DecodeState, params: SamplingParams,
     return used
 
 
-def _roll_back(state: DecodeState, rows: torch.Tensor, lengths: torch.Tensor,
-               finished: torch.Tensor, pad_id: int) -> None:
-    """Undo what a block decoded after its stop token: ``rows`` get back ``lengths`` and
-    ``finished``; tokens and log-probs past the lengths are cleared."""
-    cols = torch.arange(state.tokens.shape[1], device=state.tokens.device)
-    past = cols[None, :] >= lengths[:, None]
-    state.tokens[rows] = torch.where(past, pad_id, state.tokens[rows])
-    state.logprobs[rows] = torch.where(past, 0.0, state.logprobs[rows])
-    state.actor_logprobs[rows] = torch.where(past, 0.0, state.actor_logprobs[rows])
-    state.lengths[rows] = lengths
-    state.finished[rows] = finished
+def _write_block(state: DecodeState, rows: list[int], starts: list[int], tokens: torch.Tensor,
+                 logprobs: torch.Tensor, kept: list[int], finished: list[bool]) -> None:
+    """A block's first ``kept[i]`` tokens (of ``tokens`` (A, size)) of the state's row
+    ``rows[i]`` into it after its ``starts[i]`` tokens; the rows' lengths and which of them
+    ``finished``. Indexed from the host's lists: one copy to the device, no wait."""
+    size = tokens.shape[1]
+    at_rows, at_cols, src = [], [], []
+    for i, (row, begin, k) in enumerate(zip(rows, starts, kept)):
+        at_rows += [row] * k
+        at_cols += range(begin, begin + k)
+        src += range(i * size, i * size + k)
+    lengths = [b + k for b, k in zip(starts, kept)]
+    index = torch.tensor([at_rows, at_cols, src], dtype=torch.long).to(tokens.device)
+    per_row = torch.tensor([rows, lengths, finished], dtype=torch.long).to(tokens.device)
+    at = (index[0], index[1])
+    state.tokens[at] = tokens.view(-1)[index[2]]
+    state.logprobs[at] = logprobs.view(-1)[index[2]]
+    state.actor_logprobs[at] = logprobs.view(-1)[index[2]]  # sampled under these weights
+    state.lengths[per_row[0]] = per_row[1]
+    state.finished[per_row[0]] = per_row[2].bool()
 
 
 @dataclass

@@ -346,10 +346,11 @@ class BatchStop:
         done = self.finished_before.index_add(0, self.row_groups, state.finished.cpu().long())
         return int((done >= self.group_size).sum())
 
-    def local_device(self, state: DecodeState) -> torch.Tensor:
-        """``local`` as a 0-d bool tensor on the state's device, without a host wait (the
-        state's ``finished`` is current; rows that ended are still in the batch)."""
-        device = state.finished.device
+    def local_device(self, finished: torch.Tensor) -> torch.Tensor:
+        """``local`` as a 0-d bool tensor on the device, without a host wait, for a state
+        whose rows have ``finished`` (B,) so far (a block's rows that ended are still in its
+        batch)."""
+        device = finished.device
         if device not in self._on_device:
             self._on_device[device] = (
                 self.forced.to(device),
@@ -357,14 +358,14 @@ class BatchStop:
                 self.finished_before.to(device))
         forced, row_groups, before = self._on_device[device]
         if row_groups is None:
-            ended = state.finished.sum()
+            ended = finished.sum()
         else:
-            done = before.index_add(0, row_groups, state.finished.long())
+            done = before.index_add(0, row_groups, finished.long())
             ended = (done >= self.group_size).sum()
         ok = (ended + self.already) >= self.need
         if forced.numel():
-            ok = ok & state.finished[forced].all()
-        return ok | state.finished.all()
+            ok = ok & finished[forced].all()
+        return ok | finished.all()
 
     def resolve(self, first: Optional[int]) -> Optional[int]:
         """Block protocol: ``first``, the first token of this block at which the rule held
