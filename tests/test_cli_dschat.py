@@ -48,7 +48,7 @@ def test_help_lists_the_dschat_flags(capsys):
                  "--inference_tp_size", "--offload", "--offload_reference_model", "--dtype",
                  "--enable_tensorboard", "--tensorboard_path", "--output_dir", "--seed",
                  "--data_path", "--actor_lora_dim", "--only_optimize_lora", "--enable_ema",
-                 "--enable_oppo", "--oppo_chunk_size", "--oppo_overcommit"):
+                 "--enable_oppo", "--oppo_chunk_size", "--oppo_overcommit", "--oppo_sync_every"):
         assert flag in text, flag
     assert "[no effect]" in text and "[refused]" in text
 
@@ -58,9 +58,11 @@ def test_a_dschat_command_line_maps_onto_the_config():
                                         "--critic_model_name_or_path", "/c",
                                         "--output_dir", "/tmp/out", "--enable_oppo",
                                         "--oppo_chunk_size", "auto", "--oppo_overcommit", "2",
+                                        "--oppo_sync_every", "8",
                                         "--actor_lora_dim", "8", "--critic_lora_dim", "4",
                                         "--actor_lora_module_name", "decoder.layers.",
                                         "--only_optimize_lora", "--offload"])
+    assert cfg.generation.sync_every == 8
     assert cfg.model.actor == "/a"
     assert (cfg.ppo.batch_size, cfg.ppo.mini_batch_size, cfg.ppo.micro_batch_size) == (4, 2, 2)
     assert (cfg.ppo.actor_lr, cfg.ppo.critic_lr, cfg.ppo.weight_decay) == (9.65e-6, 5e-6, 0.1)

@@ -189,16 +189,17 @@ def assert_contract(exp, ref, pad):
     torch.testing.assert_close(ret, ret_ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3])
-def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size):
+@pytest.mark.parametrize("chunk_size, sync_every", [(1, 1), (3, 1), (3, 2)])
+def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, sync_every):
     """OPT (pad = eos = bos, DeepSpeed-Chat's main family), greedy as its generation config
     says, no overcommitment: the same sequences HF generate makes, and every field as
-    DeepSpeed-Chat computes it whole-sequence."""
+    DeepSpeed-Chat computes it whole-sequence; also decoding in blocks of 2
+    (--oppo_sync_every)."""
     vocab, width, answer = 24, 8, 10
     actor, ref, critic, reward, tok = build_engines("opt", vocab)
     prompts, mask = collated_prompts([3, 8, 5, 6], vocab, tok.pad_token_id, width, bos=2)
     oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=answer,
-                          chunk_size=chunk_size, overcommit=0)
+                          chunk_size=chunk_size, overcommit=0, sync_every=sync_every)
     exp = oppo.generate_experience(prompts, mask, step=0)
     with torch.no_grad():
         hf = actor.module.generate(prompts, attention_mask=mask, max_length=width + answer,
@@ -214,16 +215,18 @@ def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size):
     assert oppo.stats["scoring_hidden_frac"] > 0  # scoring happened between decode chunks
 
 
-def test_llama_overcommit_carries_sequences_and_keeps_the_contract():
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_llama_overcommit_carries_sequences_and_keeps_the_contract(sync_every):
     """Llama (its own pad token, EOS kept in the mask), Delta = 2 over three calls of four
     prompts: the first call returns 2, the others 4, two sequences are always carried,
     no prompt is returned twice, and every experience equals DeepSpeed-Chat's scoring of
     the same sequences (streamed reward / reference / critic across the deferral, and
-    whole-sequence scoring for rows whose streamed critic values went stale)."""
+    whole-sequence scoring for rows whose streamed critic values went stale). Decoding in
+    blocks of 3 (over chunks of 2) stops where the per-token loop stops."""
     vocab, width, answer = 16, 6, 10
     actor, ref, critic, reward, tok = build_engines("llama", vocab)
     oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=answer,
-                          chunk_size=2, overcommit=2, seed=3)
+                          chunk_size=2, overcommit=2, seed=3, sync_every=sync_every)
     given, returned = set(), []
     for step in range(3):
         prompts, mask = collated_prompts([2, 6, 4, 5], vocab, tok.pad_token_id, width, bos=1,
@@ -347,11 +350,14 @@ def test_patch_entry_points_parse_and_replace_generate_experience():
     """The two calls the patch adds to step 3's main.py."""
     parser = add_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--enable_oppo", "--oppo_chunk_size", "8",
-                              "--oppo_overcommit", "auto"])
-    assert (args.enable_oppo, args.oppo_chunk_size, args.oppo_overcommit) == (True, 8, "auto")
+                              "--oppo_overcommit", "auto", "--oppo_sync_every", "4"])
+    assert (args.enable_oppo, args.oppo_chunk_size, args.oppo_overcommit,
+            args.oppo_sync_every) == (True, 8, "auto", 4)
     assert parser.parse_args([]).oppo_chunk_size == "auto"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--oppo_overcommit", "-1"])
+    assert parser.parse_args([]).oppo_sync_every == 1
+    for bad in (["--oppo_overcommit", "-1"], ["--oppo_sync_every", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
     actor, ref, critic, reward, tok = build_engines("opt")
     trainer = SimpleNamespace(actor_model=actor, ref_model=ref, critic_model=critic,
                               reward_model=reward, tokenizer=tok, generate_time=0.0)
@@ -359,6 +365,7 @@ def test_patch_entry_points_parse_and_replace_generate_experience():
     assert enable_oppo(trainer, parser.parse_args([])) is None
     oppo = enable_oppo(trainer, args)
     assert trainer.generate_experience == oppo.generate_experience and trainer.oppo is oppo
+    assert oppo.sampling.sync_every == 4
     prompts, mask = collated_prompts([3, 5, 4, 6], 24, tok.pad_token_id, 6, bos=2)
     for step in range(3):
         exp = trainer.generate_experience(prompts, mask, step)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import time
 from types import SimpleNamespace
@@ -64,7 +65,7 @@ from ..rollout.generate import SamplingParams
 from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
 from ..rollout.scorer import StreamingScorer
 from ..rollout.streaming import stream_continue
-from .dschat_flags import auto_int
+from .dschat_flags import auto_int, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--oppo_placement", choices=("auto", "inline", "colocated"), default="auto",
                        help="Where scorer prefill runs: inline (between chunks) or colocated "
                             "(side CUDA stream); auto = colocated on GPU, inline on CPU.")
+    group.add_argument("--oppo_sync_every", type=positive_int, default=1,
+                       help="Tokens decoded between two host checks of which answers ended "
+                            "(1 = every token; N > 1: one wait for the GPU per N tokens, the "
+                            "same answers; see oppo_ds's generation.sync_every).")
     return parser
 
 
@@ -230,12 +235,14 @@ class OppoExperience:
     ``"auto"``; overcommit: Delta, int or ``"auto"`` (then within [0, ``delta_max``],
     default a quarter of the first batch); stream_to: which of reference / critic stream
     besides the reward (the others score whole sequences after decoding); placement:
-    ``inline`` or ``colocated``. ``stats`` holds the last call's figures."""
+    ``inline`` or ``colocated``; sync_every: tokens decoded between two host checks of
+    which answers ended (``generation.sync_every``). ``stats`` holds the last call's
+    figures."""
 
     def __init__(self, actor, ref, critic, reward, tokenizer, *, max_answer_seq_len: int,
                  chunk_size: Union[int, str] = "auto", overcommit: Union[int, str] = 0,
                  placement: str = "auto", stream_to: Sequence[str] = ("reference", "critic"),
-                 max_defer_steps: int = 2, delta_max: Optional[int] = None,
+                 max_defer_steps: int = 2, delta_max: Optional[int] = None, sync_every: int = 1,
                  compute_fp32_loss: bool = False, print_answers: bool = False,
                  print_answers_interval: int = 1, seed: Optional[int] = None, trainer=None):
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
@@ -257,7 +264,8 @@ class OppoExperience:
         self.placement = placement if placement != "auto" else \
             ("colocated" if device.type == "cuda" else "inline")
         self.stream_to = tuple(stream_to)
-        self.sampling = sampling_from_actor(actor, tokenizer, max_answer_seq_len)
+        self.sampling = dataclasses.replace(
+            sampling_from_actor(actor, tokenizer, max_answer_seq_len), sync_every=sync_every)
         self.compute_fp32_loss = compute_fp32_loss
         self.print_answers, self.print_every = print_answers, max(1, print_answers_interval)
         self.generator = torch.Generator().manual_seed((seed or 0) * 1000 + self.rank)
@@ -283,6 +291,7 @@ class OppoExperience:
                    chunk_size=getattr(args, "oppo_chunk_size", "auto"),
                    overcommit=getattr(args, "oppo_overcommit", 0),
                    placement=getattr(args, "oppo_placement", "auto"),
+                   sync_every=getattr(args, "oppo_sync_every", 1),
                    compute_fp32_loss=getattr(args, "compute_fp32_loss", False),
                    print_answers=getattr(args, "print_answers", False),
                    print_answers_interval=getattr(args, "print_answers_interval", 1),
@@ -359,7 +368,8 @@ class OppoExperience:
         pool.batch_size = need
         running, waiting = pool.running(), pool.waiting()
         forced = [i for i, e in enumerate(running) if e.forced(self.max_defer_steps)]
-        stop = BatchStop(need, len(waiting), forced, sync=False)
+        stop = BatchStop(need, len(waiting), forced, sync=False,
+                         blocks=self.sampling.sync_every > 1)
         chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl is not None \
             else int(self.chunk_size)
         before = sum(len(e.tokens) for e in running)

@@ -40,6 +40,17 @@ def _f(name, kind, note, type=None, **kw) -> Flag:
     return Flag(name, kind, note, type, **kw)
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (--oppo_sync_every)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def auto_int(text: str) -> Union[int, str]:
     """``auto`` or an integer >= 0 (--oppo_chunk_size, --oppo_overcommit)."""
     if str(text).strip().lower() == "auto":
@@ -139,6 +150,8 @@ FLAGS: tuple[Flag, ...] = (
        "--enable_oppo", auto_int),
     _f("oppo_placement", MAPPED, "oppo.placement (inline or colocated; auto = the config's), "
        "with --enable_oppo", str, choices=("auto", "inline", "colocated")),
+    _f("oppo_sync_every", MAPPED, "generation.sync_every (tokens between two host checks of "
+       "ended responses), with --enable_oppo", positive_int),
     _f("deepspeed", IGNORED, "oppo-train always runs on DeepSpeed"),
     _f("tensorboard_path", IGNORED, "TensorBoard events go to output_dir/tensorboard", str),
     _f("data_output_path", IGNORED, "oppo-train keeps no data index files", str),
@@ -309,7 +322,7 @@ def phase_weights(text: str) -> list[float]:
 
 def _oppo(flags: dict, put, warnings: list) -> None:
     knobs = {"oppo_chunk_size": "oppo.chunk_size", "oppo_overcommit": "oppo.overcommit",
-             "oppo_placement": "oppo.placement"}
+             "oppo_placement": "oppo.placement", "oppo_sync_every": "generation.sync_every"}
     if not flags.get("enable_oppo"):
         warnings += [f"--{name} has no effect without --enable_oppo" for name in knobs
                      if name in flags]
