@@ -42,25 +42,23 @@ def _f(name, kind, note, type=None, **kw) -> Flag:
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (--oppo_sync_every)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _bounded_int(text, 1)
 
 
 def auto_int(text: str) -> Union[int, str]:
     """``auto`` or an integer >= 0 (--oppo_chunk_size, --oppo_overcommit)."""
     if str(text).strip().lower() == "auto":
         return "auto"
+    return _bounded_int(text, 0, " or auto")
+
+
+def _bounded_int(text: str, least: int, alternative: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or auto, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer{alternative}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}{alternative}, got {value}")
     return value
 
 
