@@ -475,14 +475,15 @@ def _write_block(state: DecodeState, rows: list[int], starts: list[int], tokens:
         at_cols += range(begin, begin + k)
         src += range(i * size, i * size + k)
     lengths = [b + k for b, k in zip(starts, kept)]
-    index = torch.tensor([at_rows, at_cols, src], dtype=torch.long).to(tokens.device)
-    per_row = torch.tensor([rows, lengths, finished], dtype=torch.long).to(tokens.device)
-    at = (index[0], index[1])
-    state.tokens[at] = tokens.view(-1)[index[2]]
-    state.logprobs[at] = logprobs.view(-1)[index[2]]
-    state.actor_logprobs[at] = logprobs.view(-1)[index[2]]  # sampled under these weights
-    state.lengths[per_row[0]] = per_row[1]
-    state.finished[per_row[0]] = per_row[2].bool()
+    flat = torch.tensor(at_rows + at_cols + src + rows + lengths + list(finished),
+                        dtype=torch.long).to(tokens.device)  # one copy
+    at_rows_t, at_cols_t, src_t = flat[:3 * len(src)].view(3, -1)
+    rows_t, lengths_t, finished_t = flat[3 * len(src):].view(3, -1)
+    state.tokens[at_rows_t, at_cols_t] = tokens.view(-1)[src_t]
+    state.logprobs[at_rows_t, at_cols_t] = logprobs.view(-1)[src_t]
+    state.actor_logprobs[at_rows_t, at_cols_t] = logprobs.view(-1)[src_t]  # these weights'
+    state.lengths[rows_t] = lengths_t
+    state.finished[rows_t] = finished_t.bool()
 
 
 @dataclass
