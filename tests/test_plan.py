@@ -416,6 +416,18 @@ def test_simulator_predicts_measured_speedups_within_20_percent():
     for mode in ("inter", "oppo"):
         m = out["modes"][mode]
         assert abs(m["speedup_error"]) < 0.2, (mode, m)
+    assert out["machine"] == "2-core CPU"  # named from the benchmark's own record
+
+
+def test_calibration_names_the_machine_it_was_fitted_on():
+    """A fit to a GPU run says so (it was labelled "cpu device" whatever had run)."""
+    from oppo_ds.plan.calibrate import _machine
+
+    assert _machine({"cuda_device": "NVIDIA H200", "cuda_device_count": 1, "cpu_count": 16}) \
+        == "NVIDIA H200"
+    assert _machine({"cuda_device": "NVIDIA H100 80GB HBM3", "cuda_device_count": 8}) \
+        == "8 x NVIDIA H100 80GB HBM3"
+    assert _machine({}) == "the benchmark's machine"
 
 
 # ---------------------------------------------------------------- the planner and its CLI

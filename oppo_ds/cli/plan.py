@@ -117,7 +117,8 @@ def format_plan(out: dict, config: str) -> str:
 
 def format_calibration(out: dict) -> str:
     fit = out["fit"]
-    lines = [f"oppo-plan --calibrate {out['results']}: cpu device fitted to the sequential run",
+    lines = [f"oppo-plan --calibrate {out['results']}: costs fitted to the sequential run "
+             f"on {out['machine']}",
              "  " + ", ".join(f"{k} {v:.4g}" for k, v in out["device"].items()),
              "  sequential phases per step, measured / fitted (rms residual): " + ", ".join(
                  f"{k} {fit['measured_s'][k]:.4f} / {fit['fitted_s'][k]:.4f} s ({fit['rms_residual_s'][k]:.4f})"

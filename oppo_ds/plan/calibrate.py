@@ -127,7 +127,8 @@ def calibrate(results_path: str, seed: int = 0,
     lay = layout(cfg, 1, 1)
     device, fit = fit_cpu(cfg, read_steps(runs, "sequential", warmup=0), base=base, seed=seed)
     model = cost_model(cfg, shapes, device, lay)
-    out: dict = {"results": results_path, "fit": fit, "device": _device_json(device), "modes": {}}
+    out: dict = {"results": results_path, "fit": fit, "device": _device_json(device), "modes": {},
+                 "machine": _machine(results.get("machine") or {})}
     predicted = {}
     for mode in MODES:
         # replay the lengths the mode's own run generated, step by step (its policy drifted
@@ -170,6 +171,16 @@ def _measured_phases(runs: str, mode: str) -> dict:
     rows = read_steps(runs, mode)
     return {k: round(float(np.mean([r.get(f"time/phase/{k}", 0.0) for r in rows])), 5)
             for k in PHASES}
+
+
+def _machine(machine: dict) -> str:
+    """What the benchmark ran on, from oppo-bench's ``machine`` record: the GPU when there
+    was one (the fit describes whatever ran, a GPU's as well as this CPU's)."""
+    if machine.get("cuda_device"):
+        count = machine.get("cuda_device_count") or 1
+        return f"{count} x {machine['cuda_device']}" if count > 1 else str(machine["cuda_device"])
+    cores = machine.get("cpu_count")
+    return f"{cores}-core CPU" if cores else "the benchmark's machine"
 
 
 def _device_json(d: Device) -> dict:
