@@ -194,6 +194,12 @@ class PPOConfig:
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
     max_num_gen_batches)."""
+    filter_groups_oversample: float = 1.0
+    """Under ppo.filter_groups a later round generates this many times the prompts the batch
+    still lacks (rounded up), for fewer rounds when many prompts are dropped (verl generates
+    whole batches). The prompts it keeps beyond the batch are a surplus
+    (filter/surplus_groups): with oppo.overcommit they go back to the rollout pool, taken
+    first next step; without, they are not trained on."""
     advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm"] = "gae"
     """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
     critic. The others train no critic (none is built, checkpointed or exported; its keys are
@@ -287,6 +293,9 @@ class PPOConfig:
                  f"must be >= 0, got {self.overlong_penalty_factor}")
         _require(self.filter_groups_max_rounds >= 1, "filter_groups_max_rounds",
                  f"must be >= 1 (the first round included), got {self.filter_groups_max_rounds}")
+        _require(self.filter_groups_oversample >= 1.0, "filter_groups_oversample",
+                 f"must be >= 1 (a round generates at least what the batch lacks), got "
+                 f"{self.filter_groups_oversample}")
         _require(self.uses_critic or not self.freeze_actor_steps, "freeze_actor_steps",
                  f"must be 0 with advantage_estimator {self.advantage_estimator}: the frozen "
                  f"steps train the critic alone, and this estimator has none")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import random
 import time
@@ -409,14 +410,15 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
             need = comm.all_reduce_ints([wanted - have], op=dist.ReduceOp.MAX, group=self.actor_group)[0]
             if need == 0 or rounds == self.cfg.ppo.filter_groups_max_rounds:
                 break
-            drawn += need
+            ask = math.ceil(need * self.cfg.ppo.filter_groups_oversample)
+            drawn += ask
             with timer.phase("generate"):
                 if taken is not None:
                     keys, _, gen, streamed, _, more, _, taken = self.rollout_pool(
-                        chunk, batch=need * n, defer=False)
+                        chunk, batch=ask * n, defer=False)
                     decoded += more["pool/decoded_tokens"]
                 else:
-                    keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(need), chunk)
+                    keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(ask), chunk)
             with timer.phase("score"):
                 exp = self.make_experience(keys, gen, streamed)
         fallback = wanted - have

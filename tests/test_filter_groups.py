@@ -174,6 +174,42 @@ def test_with_the_pool_later_rounds_take_from_it_and_its_ledger_counts_the_drops
     assert max(m["filter/rounds"] for m in rows) >= 2
 
 
+@pytest.mark.parametrize("overcommit", [0, 8], ids=["rounds", "pool"])
+def test_oversampled_rounds_account_for_their_surplus(cache_dir, rule, tmp_path, overcommit):
+    """ppo.filter_groups_oversample 2: a later round generates twice the prompts the batch
+    lacks. Its informative extra ones are the surplus: with the pool they go back to it and
+    are trained in a later step (the ledger: every prompt trained once, dropped or in the
+    pool); without, they are drawn and not trained (drawn = trained + dropped + surplus)."""
+    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=4", f"oppo.overcommit={overcommit}",
+                          "ppo.filter_groups_oversample=2", f"model.reward_function={rule}:parity")
+    batches, drawn = recorded(trainer)
+    trainer.train()
+    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+    trained = []
+    for (keys, scores, _), m in zip(batches, rows):
+        prompts = [k.split("#")[0] for k in keys[::N]]
+        by_group = scores.view(-1, N)
+        differs = (by_group.max(1).values != by_group.min(1).values).tolist()
+        fallback = m["filter/fallback_groups"]
+        assert differs == [True] * (4 - fallback) + [False] * fallback
+        assert m["filter/prompts_drawn"] == (4 + m["filter/dropped_groups"]
+                                             + m["filter/surplus_groups"])
+        trained += prompts
+    assert sum(m["filter/surplus_groups"] for m in rows) > 0
+    assert len(trained) == len(set(trained))  # a surplus prompt is trained once at most
+    if overcommit:
+        trainer.pool.check()
+        in_pool = {e.key.split("#")[0] for e in trainer.pool.entries}
+        dropped = {k.split("#")[0] for k, c in trainer.pool.ledger.dropped.items() if c}
+        assert set(drawn) == set(trained) | dropped | in_pool
+        assert all(uniform_prompt(text[p]) for p in dropped)
+    else:
+        surplus = sum(m["filter/surplus_groups"] for m in rows)
+        dropped = sum(m["filter/dropped_groups"] for m in rows)
+        assert len(drawn) == len(trained) + dropped + surplus
+
+
 def test_filter_groups_with_the_pool_resumes_exactly(cache_dir, rule, tmp_path):
     """Stopped after its step-2 checkpoint (the pool, with the surplus and the ledger's drops,
     in it) and resumed: the uninterrupted run's metrics (1e-6)."""
@@ -197,6 +233,7 @@ def test_filter_groups_with_the_pool_resumes_exactly(cache_dir, rule, tmp_path):
     (["oppo.streaming=true", "oppo.placement=stage"], "oppo.placement", "not stage"),
     (["system.backend=megatron"], "ppo.filter_groups", "not with system.backend megatron"),
     (["ppo.filter_groups_max_rounds=0"], "ppo.filter_groups_max_rounds", "must be >= 1"),
+    (["ppo.filter_groups_oversample=0.5"], "ppo.filter_groups_oversample", "must be >= 1"),
 ])
 def test_filter_groups_refuses_what_it_cannot_do(extra, key, match):
     with pytest.raises(ConfigError, match=match) as err:
