@@ -65,6 +65,22 @@ def recorded(trainer):
     return batches, drawn
 
 
+def checked_batch(keys, scores, groups, m, text) -> list[str]:
+    """A trained batch's prompts, after checking it: whole prompts, each once, responses
+    #0..#3 in order; the prompts whose scores differ first, then (only when the rounds ran
+    out) dropped ones, whose prompts are the rule's uniform ones."""
+    assert len(keys) == 16 and groups.tolist() == [i // N for i in range(16)]
+    prompts = [k.split("#")[0] for k in keys[::N]]
+    assert keys == [f"{p}#{k}" for p in prompts for k in range(N)]
+    assert len(set(prompts)) == len(prompts)
+    by_group = scores.view(-1, N)
+    differs = (by_group.max(1).values != by_group.min(1).values).tolist()
+    fallback = m["filter/fallback_groups"]
+    assert differs == [True] * (4 - fallback) + [False] * fallback
+    assert [uniform_prompt(text[p]) for p in prompts] == [not d for d in differs]
+    return prompts
+
+
 def test_dropped_prompts_are_replaced_and_every_drawn_prompt_is_accounted_for(cache_dir, rule, tmp_path):
     trainer = trainer_for(cache_dir, tmp_path / "run", "steps=4", f"model.reward_function={rule}:parity")
     batches, drawn = recorded(trainer)
@@ -73,17 +89,8 @@ def test_dropped_prompts_are_replaced_and_every_drawn_prompt_is_accounted_for(ca
     text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
     trained, kept = [], []
     for (keys, scores, groups), m in zip(batches, rows):
-        assert len(keys) == 16 and groups.tolist() == [i // N for i in range(16)]
-        prompts = [k.split("#")[0] for k in keys[::N]]
-        # a batch holds whole prompts, each once, its responses #0..#3 in order
-        assert keys == [f"{p}#{k}" for p in prompts for k in range(N)]
-        assert len(set(prompts)) == len(prompts)
-        by_group = scores.view(-1, N)
-        differs = (by_group.max(1).values != by_group.min(1).values).tolist()
+        prompts = checked_batch(keys, scores, groups, m, text)
         fallback = m["filter/fallback_groups"]
-        # the prompts whose scores differ first, then (only when the rounds ran out) dropped ones
-        assert differs == [True] * (4 - fallback) + [False] * fallback
-        assert [uniform_prompt(text[p]) for p in prompts] == [not d for d in differs]
         assert 1 <= m["filter/rounds"] <= 4 and m["filter/surplus_groups"] == 0
         assert m["filter/prompts_drawn"] == 4 + m["filter/dropped_groups"]
         trained += prompts
@@ -146,14 +153,7 @@ def test_with_the_pool_later_rounds_take_from_it_and_its_ledger_counts_the_drops
     text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
     trained = []
     for (keys, scores, groups), m in zip(batches, rows):
-        assert len(keys) == 16 and groups.tolist() == [i // N for i in range(16)]
-        prompts = [k.split("#")[0] for k in keys[::N]]
-        assert keys == [f"{p}#{k}" for p in prompts for k in range(N)]
-        by_group = scores.view(-1, N)
-        differs = (by_group.max(1).values != by_group.min(1).values).tolist()
-        fallback = m["filter/fallback_groups"]
-        assert differs == [True] * (4 - fallback) + [False] * fallback
-        assert [uniform_prompt(text[p]) for p in prompts] == [not d for d in differs]
+        prompts = checked_batch(keys, scores, groups, m, text)
         assert m["filter/surplus_groups"] == 0  # one rank: it never takes more than it lacks
         assert m["filter/prompts_drawn"] == 4 + m["filter/dropped_groups"]
         trained += prompts
@@ -187,12 +187,8 @@ def test_oversampled_rounds_account_for_their_surplus(cache_dir, rule, tmp_path,
     rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
     text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
     trained = []
-    for (keys, scores, _), m in zip(batches, rows):
-        prompts = [k.split("#")[0] for k in keys[::N]]
-        by_group = scores.view(-1, N)
-        differs = (by_group.max(1).values != by_group.min(1).values).tolist()
-        fallback = m["filter/fallback_groups"]
-        assert differs == [True] * (4 - fallback) + [False] * fallback
+    for (keys, scores, groups), m in zip(batches, rows):
+        prompts = checked_batch(keys, scores, groups, m, text)
         assert m["filter/prompts_drawn"] == (4 + m["filter/dropped_groups"]
                                              + m["filter/surplus_groups"])
         trained += prompts
