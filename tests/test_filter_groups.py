@@ -65,6 +65,16 @@ def recorded(trainer):
     return batches, drawn
 
 
+def filtered_run(cache_dir, out_dir, *overrides):
+    """A trained run with SMALL's filter and ``overrides``: (trainer, each step's trained
+    batch, every prompt drawn, the metrics by step, each drawn prompt's text)."""
+    trainer = trainer_for(cache_dir, out_dir, *overrides)
+    batches, drawn = recorded(trainer)
+    trainer.train()
+    rows = read_history(str(out_dir / "metrics.jsonl"))
+    return trainer, batches, drawn, rows, {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+
+
 def checked_batch(keys, scores, groups, m, text) -> list[str]:
     """A trained batch's prompts, after checking it: whole prompts, each once, responses
     #0..#3 in order; the prompts whose scores differ first, then (only when the rounds ran
@@ -82,11 +92,8 @@ def checked_batch(keys, scores, groups, m, text) -> list[str]:
 
 
 def test_dropped_prompts_are_replaced_and_every_drawn_prompt_is_accounted_for(cache_dir, rule, tmp_path):
-    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=4", f"model.reward_function={rule}:parity")
-    batches, drawn = recorded(trainer)
-    trainer.train()
-    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
-    text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+    trainer, batches, drawn, rows, text = filtered_run(
+        cache_dir, tmp_path / "run", "steps=4", f"model.reward_function={rule}:parity")
     trained, kept = [], []
     for (keys, scores, groups), m in zip(batches, rows):
         prompts = checked_batch(keys, scores, groups, m, text)
@@ -107,11 +114,9 @@ def test_dropped_prompts_are_replaced_and_every_drawn_prompt_is_accounted_for(ca
 
 
 def test_when_the_rounds_run_out_dropped_prompts_fill_the_batch(cache_dir, rule, tmp_path):
-    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=2", f"model.reward_function={rule}:nothing",
-                          "ppo.filter_groups_max_rounds=2")
-    batches, drawn = recorded(trainer)
-    trainer.train()
-    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    _, batches, drawn, rows, _ = filtered_run(cache_dir, tmp_path / "run", "steps=2",
+                                              f"model.reward_function={rule}:nothing",
+                                              "ppo.filter_groups_max_rounds=2")
     for m in rows:  # 4 prompts a step; each round draws 4 more, all scoring 0
         assert (m["filter/rounds"], m["filter/fallback_groups"], m["filter/dropped_groups"]) == (2, 4, 4)
     # the batch is the first round's prompts, the second round's dropped
@@ -144,13 +149,10 @@ def test_with_the_pool_later_rounds_take_from_it_and_its_ledger_counts_the_drops
     differ first; the pool's ledger shows every prompt drawn trained once, dropped by the rule
     (each one a prompt of uniform scores) or still in the pool; the prompts drawn from the data
     are each drawn once."""
-    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=5", "oppo.overcommit=8",
-                          f"model.reward_function={rule}:parity",
-                          *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []))
-    batches, drawn = recorded(trainer)
-    trainer.train()
-    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
-    text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+    trainer, batches, drawn, rows, text = filtered_run(
+        cache_dir, tmp_path / "run", "steps=5", "oppo.overcommit=8",
+        f"model.reward_function={rule}:parity",
+        *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []))
     trained = []
     for (keys, scores, groups), m in zip(batches, rows):
         prompts = checked_batch(keys, scores, groups, m, text)
@@ -180,12 +182,9 @@ def test_oversampled_rounds_account_for_their_surplus(cache_dir, rule, tmp_path,
     lacks. Its informative extra ones are the surplus: with the pool they go back to it and
     are trained in a later step (the ledger: every prompt trained once, dropped or in the
     pool); without, they are drawn and not trained (drawn = trained + dropped + surplus)."""
-    trainer = trainer_for(cache_dir, tmp_path / "run", "steps=4", f"oppo.overcommit={overcommit}",
-                          "ppo.filter_groups_oversample=2", f"model.reward_function={rule}:parity")
-    batches, drawn = recorded(trainer)
-    trainer.train()
-    rows = read_history(str(tmp_path / "run" / "metrics.jsonl"))
-    text = {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+    trainer, batches, drawn, rows, text = filtered_run(
+        cache_dir, tmp_path / "run", "steps=4", f"oppo.overcommit={overcommit}",
+        "ppo.filter_groups_oversample=2", f"model.reward_function={rule}:parity")
     trained = []
     for (keys, scores, groups), m in zip(batches, rows):
         prompts = checked_batch(keys, scores, groups, m, text)
