@@ -189,11 +189,18 @@ class PPOConfig:
     from the rollout pool, whose deferred responses are part-decoded already: the pool is
     topped up to the prompts missing + Delta and decoded until that many finish; a rank's
     surplus goes back to the pool (taken first next step) and the pool's ledger counts the
-    dropped prompts. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
+    dropped prompts. ppo.filter_groups_reward_range chooses OpenRLHF's rule (the mean score
+    inside a range) instead. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
     group_norm); not with oppo.placement: stage or system.backend: megatron yet."""
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
     max_num_gen_batches)."""
+    filter_groups_reward_range: Optional[list[float]] = None
+    """Under ppo.filter_groups, OpenRLHF's rule instead of DAPO's (its
+    --dynamic_filtering_reward_range): [low, high] keeps a prompt whose responses' mean score
+    lies strictly between low and high, and drops the others. For 0/1 scores [0, 1] is DAPO's
+    rule; [0.1, 0.9] also drops the prompts that more than 90% of the responses get right, or
+    wrong. null: DAPO's rule (the scores not all equal)."""
     filter_groups_oversample: float = 1.0
     """Under ppo.filter_groups a later round generates this many times the prompts the batch
     still lacks (rounded up), for fewer rounds when many prompts are dropped (verl generates
@@ -293,6 +300,14 @@ class PPOConfig:
                  f"must be >= 0, got {self.overlong_penalty_factor}")
         _require(self.filter_groups_max_rounds >= 1, "filter_groups_max_rounds",
                  f"must be >= 1 (the first round included), got {self.filter_groups_max_rounds}")
+        _require(self.filter_groups_reward_range is None or (
+            len(self.filter_groups_reward_range) == 2
+            and self.filter_groups_reward_range[0] < self.filter_groups_reward_range[1]),
+            "filter_groups_reward_range",
+            f"must be [low, high] with low < high, or null, got {self.filter_groups_reward_range}")
+        _require(self.filter_groups_reward_range is None or self.filter_groups,
+                 "filter_groups_reward_range", "is the rule of ppo.filter_groups: set "
+                 "ppo.filter_groups: true with it, or leave it null")
         _require(self.filter_groups_oversample >= 1.0, "filter_groups_oversample",
                  f"must be >= 1 (a round generates at least what the batch lacks), got "
                  f"{self.filter_groups_oversample}")

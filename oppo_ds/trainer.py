@@ -8,9 +8,7 @@ update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import random
 import time
@@ -27,9 +25,10 @@ from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
-from .experience import (Experience, concat_experiences, response_logprobs, response_values,
+from .experience import (Experience, response_logprobs, response_values,
                          sequence_scores, used_widths)
 from .ema import ActorEMA
+from .filter_rounds import FilterRounds
 from .evaluation import Evaluating, text_records
 from .export import Exporting
 from .finite import NonFiniteError, check_experience, check_update
@@ -91,19 +90,7 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     return requested and hybrid_engine_path != HYBRID_KERNELS
 
 
-def _group_entries(entries: Optional[list], groups: list[int], n: int) -> Optional[list]:
-    """The rows' pool entries (None without a pool) of whole groups of ``n`` rows."""
-    if entries is None:
-        return None
-    return [e for g in groups for e in entries[g * n:(g + 1) * n]]
-
-
-def _group_rows(groups: list[int], n: int, device) -> torch.Tensor:
-    """Row indices of whole prompts ``groups`` in a batch of ``n`` rows per prompt."""
-    return torch.tensor([g * n + k for g in groups for k in range(n)], dtype=torch.long, device=device)
-
-
-class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
+class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting):
     def __init__(self, cfg: Config):
         from .engines import init_distributed_if_needed
         from .engines.factory import build_models
@@ -364,85 +351,6 @@ class PPOTrainer(PPOUpdate, StagePlacement, Resumable, Evaluating, Exporting):
         else:
             gen = self.generate([x.input_ids for x in batch], targets)
         return keys, groups, gen, streamed, timing, float(gen.lengths.sum())
-
-    def _filter_groups(self, exp: Experience, chunk: Optional[int], timer: PhaseTimer,
-                       taken: Optional[list] = None):
-        """DAPO's dynamic sampling (``ppo.filter_groups``) on a scored first round ``exp``:
-        drop the prompts whose responses all scored the same, generate and score more prompts
-        in their place, and return a batch of exactly ``ppo.batch_size`` rows (the kept
-        prompts in the order they were drawn, then, if the rounds ran out, dropped ones) with
-        the step's filter/ counts summed over the actor ranks. The rounds are agreed over the
-        actor ranks: each runs as many as the rank that needs most, so that all run the same
-        collective forwards (ZeRO-3); a rank that needs fewer prompts generates the others'
-        number and trains on none of its extra ones (its surplus).
-
-        With the rollout pool (``taken``: the pool entries of ``exp``'s rows) a later round is
-        one more take from the pool, whose deferred rows are part-decoded already: the pool is
-        topped up to the prompts missing + Delta and decoded until that many finish. A rank's
-        surplus goes back to the pool, where the next step takes it first; the dropped
-        prompts are entered in the pool's ledger as dropped, and the pool defers what it still
-        holds once, after the last round."""
-        n = self.cfg.data.samples_per_prompt
-        wanted = len(exp) // n
-        kept, dropped = [], []  # (experience rows, pool entries or None) per part
-        have = uniform_count = surplus = rounds = 0
-        drawn = wanted
-        decoded = 0.0
-        exp = dataclasses.replace(exp, groups=None)
-        while True:
-            rounds += 1
-            scores = exp.scores.view(-1, n)
-            differ = (scores.max(1).values != scores.min(1).values).tolist()
-            informative = [g for g, d in enumerate(differ) if d]
-            uniform = [g for g, d in enumerate(differ) if not d]
-            take, spare = informative[:wanted - have], informative[wanted - have:]
-            surplus += len(spare)
-            uniform_count += len(uniform)
-            if take:
-                kept.append((exp.select(_group_rows(take, n, exp.scores.device)),
-                             _group_entries(taken, take, n)))
-            if uniform:
-                dropped.append((exp.select(_group_rows(uniform, n, exp.scores.device)),
-                                _group_entries(taken, uniform, n)))
-            if spare and taken is not None:
-                self.pool.put_back(_group_entries(taken, spare, n))
-            have += len(take)
-            need = comm.all_reduce_ints([wanted - have], op=dist.ReduceOp.MAX, group=self.actor_group)[0]
-            if need == 0 or rounds == self.cfg.ppo.filter_groups_max_rounds:
-                break
-            ask = math.ceil(need * self.cfg.ppo.filter_groups_oversample)
-            drawn += ask
-            with timer.phase("generate"):
-                if taken is not None:
-                    keys, _, gen, streamed, _, more, _, taken = self.rollout_pool(
-                        chunk, batch=ask * n, defer=False)
-                    decoded += more["pool/decoded_tokens"]
-                else:
-                    keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(ask), chunk)
-            with timer.phase("score"):
-                exp = self.make_experience(keys, gen, streamed)
-        fallback = wanted - have
-        if fallback:  # the rounds ran out: the first dropped prompts fill the batch
-            rest = concat_experiences([part for part, _ in dropped], self.tokenizer.pad_token_id)
-            kept.append((rest.select(torch.arange(fallback * n, device=rest.scores.device)),
-                         None if taken is None else
-                         [e for _, rows in dropped for e in rows][:fallback * n]))
-        out = concat_experiences([part for part, _ in kept], self.tokenizer.pad_token_id)
-        out.groups = torch.arange(len(out), device=out.scores.device) // n
-        totals = comm.all_reduce_ints([uniform_count - fallback, surplus, fallback, drawn],
-                                      group=self.actor_group)
-        metrics = {"filter/rounds": rounds, "filter/dropped_groups": totals[0],
-                   "filter/surplus_groups": totals[1], "filter/fallback_groups": totals[2],
-                   "filter/prompts_drawn": totals[3]}
-        if taken is not None:
-            trained = [e for _, rows in kept for e in rows]
-            self.pool.ledger.drop([e.key for _, rows in dropped for e in rows][fallback * n:])
-            self.pool.end_step()
-            self.pool.check()
-            metrics.update(staleness_metrics(comm.gather_lists(
-                staleness_rows(trained, self.policy_version), self.dp_group)))
-            metrics["filter/decoded_tokens"] = decoded  # the later rounds' (pool/: the first's)
-        return out, metrics
 
     def agreed_mean(self, value: float) -> float:
         """``value``'s mean over all actor ranks, the same number on each: what every rank must

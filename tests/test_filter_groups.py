@@ -9,6 +9,7 @@ import torch
 
 from oppo_ds.config import ConfigError, load_config
 from oppo_ds.experience import Experience, concat_experiences
+from oppo_ds.filter_rounds import informative_groups
 from oppo_ds.telemetry import read_history
 
 SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
@@ -223,12 +224,58 @@ def test_filter_groups_with_the_pool_resumes_exactly(cache_dir, rule, tmp_path):
             assert y[key] == pytest.approx(x[key], abs=1e-6), key
 
 
+def test_the_informative_rules_by_hand():
+    """DAPO's rule (scores not all equal) and OpenRLHF's (low < mean < high, both excluded),
+    on 4 prompts of 3 responses each."""
+    scores = torch.tensor([0., 0., 0.,  1., 1., 0.,  1., 1., 1.,  .5, .5, .5])
+    assert informative_groups(scores, 3) == [False, True, False, False]
+    # the means are 0, 2/3, 1, 0.5
+    assert informative_groups(scores, 3, [0, 1]) == [False, True, False, True]
+    assert informative_groups(scores, 3, [0.5, 1]) == [False, True, False, False]  # 0.5 excluded
+    assert informative_groups(scores, 3, [0.7, 1.5]) == [False, False, True, False]
+    # for 0/1 scores the range (0, 1) is DAPO's rule
+    binary = torch.tensor([float(b) for b in "0000" "0100" "1111" "1011" "0110"])
+    assert informative_groups(binary, 4, [0, 1]) == informative_groups(binary, 4)
+    assert informative_groups(binary, 4, [0.3, 0.9]) == [False, False, False, True, True]
+
+
+@pytest.mark.parametrize("low", [-1.0, 0.5], ids=["keeps-all", "drops-zero-means"])
+def test_the_reward_range_rule_keeps_the_prompts_whose_mean_is_inside(cache_dir, rule, tmp_path, low):
+    """ppo.filter_groups_reward_range [low, 1e9] with the parity rule (even-word prompts score
+    0 each, the others their responses' lengths). low -1: every prompt is inside, although
+    DAPO's rule would drop the even-word ones: one round a step, nothing dropped. low 0.5: the
+    even-word prompts (mean 0) are dropped and replaced; every kept prompt's mean is inside,
+    every fallback one's outside; each prompt drawn is trained or dropped."""
+    _, batches, drawn, rows, text = filtered_run(
+        cache_dir, tmp_path / "run", "steps=3", f"model.reward_function={rule}:parity",
+        f"ppo.filter_groups_reward_range=[{low},1e9]")
+    trained, kept = [], []
+    for (keys, scores, groups), m in zip(batches, rows):
+        means = scores.view(-1, N).double().mean(1).tolist()
+        inside = 4 - m["filter/fallback_groups"]
+        assert all(x > low for x in means[:inside]) and all(x <= low for x in means[inside:])
+        trained += [k.split("#")[0] for k in keys[::N]]
+        kept += trained[-4:][:inside]
+    assert len(trained) == len(set(trained))
+    assert len(drawn) == len(trained) + sum(m["filter/dropped_groups"] for m in rows)
+    if low < 0:
+        assert all(m["filter/rounds"] == 1 and m["filter/dropped_groups"] == 0 for m in rows)
+        assert any(uniform_prompt(text[p]) for p in trained)
+    else:
+        assert kept and not any(uniform_prompt(text[p]) for p in kept)
+        assert sum(m["filter/dropped_groups"] for m in rows) > 0
+
+
 @pytest.mark.parametrize("extra, key, match", [
     (["ppo.advantage_estimator=gae", "data.samples_per_prompt=1"], "ppo.filter_groups", "needs a group baseline"),
     (["oppo.streaming=true", "oppo.placement=stage"], "oppo.placement", "not stage"),
     (["system.backend=megatron"], "ppo.filter_groups", "not with system.backend megatron"),
     (["ppo.filter_groups_max_rounds=0"], "ppo.filter_groups_max_rounds", "must be >= 1"),
     (["ppo.filter_groups_oversample=0.5"], "ppo.filter_groups_oversample", "must be >= 1"),
+    (["ppo.filter_groups_reward_range=[1,0]"], "ppo.filter_groups_reward_range", "low < high"),
+    (["ppo.filter_groups_reward_range=[0]"], "ppo.filter_groups_reward_range", r"\[low, high\]"),
+    (["ppo.filter_groups=false", "ppo.filter_groups_reward_range=[0,1]"],
+     "ppo.filter_groups_reward_range", "set ppo.filter_groups: true"),
 ])
 def test_filter_groups_refuses_what_it_cannot_do(extra, key, match):
     with pytest.raises(ConfigError, match=match) as err:
