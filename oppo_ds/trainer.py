@@ -92,14 +92,36 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
 
 class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting):
     def __init__(self, cfg: Config):
-        from .engines import init_distributed_if_needed
-        from .engines.factory import build_models
-
         self.cfg = cfg
         self.preempted: Optional[str] = None  # the signal that stopped training early
         self.kl_coef = cfg.ppo.kl_coef  # adapted after every step with ppo.kl_target
         if cfg.system.torch_threads:
             torch.set_num_threads(cfg.system.torch_threads)
+        scorer_rank = self._join_world()
+        src, eos = self._read_inputs(scorer_rank)
+        s = cfg.system
+        common = dict(vocab_size=len(self.tokenizer), dtype=s.dtype,
+                      trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed)
+        if scorer_rank:
+            self._init_scorer_rank(src, common)
+            return
+        self._build_engines(src, common)
+        g = cfg.generation
+        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
+                                       pad_token_id=self.tokenizer.pad_token_id,
+                                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                                       sync_every=g.sync_every)
+        self._build_rollout_state()
+        self._resume_and_announce(src)
+
+    # ------------------------------------------------------------------ setup phases
+
+    def _join_world(self) -> bool:
+        """Join torch.distributed (or, on the stage's scorer process, link to the actor ranks)
+        and seed; whether this process is the stage's scorer rank."""
+        from .engines import init_distributed_if_needed
+
+        cfg = self.cfg
         # oppo.placement=stage: the last process scores, outside torch.distributed's world;
         # the others, the actor ranks, form the world by themselves (stage_placement.py)
         self.stage = self._stage_layout() if cfg.oppo.placement == "stage" else None
@@ -120,7 +142,12 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
                 raise err.under("system") from None
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
+        return scorer_rank
 
+    def _read_inputs(self, scorer_rank: bool):
+        """Everything read before any engine loads, so that a bad path, prompt row, token id or
+        evaluation set stops the run at once: (the sources, the ids that end a response)."""
+        cfg = self.cfg
         src = self.sources = resolve_sources(cfg, self.rank)
         check_paths(cfg, src)
         self.tokenizer = run_tokenizer(cfg, src)
@@ -138,19 +165,20 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         # read before any engine loads, so that a bad evaluation set stops the run at once
         self.eval_prompts = self._load_eval_prompts() if cfg.eval.enabled and not scorer_rank else []
         self.ptx_blocks = self._load_ptx() if cfg.data.ptx is not None and not scorer_rank else None
-
-        p, s, g = cfg.ppo, cfg.system, cfg.generation
-        vocab = len(self.tokenizer)
         check_sources(cfg, src, self.tokenizer, log=self.is_main)  # every rank: all stop alike
         # before any engine, so that a bad id stops the run at once; under the length oracle
         # only the targets end a response: a random model's EOS is noise
         eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
         self.reward_norm = reward_normalization(cfg, src)
-        common = dict(vocab_size=vocab, dtype=s.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                      seed=cfg.seed)
-        if scorer_rank:
-            self._init_scorer_rank(src, common)
-            return
+        return src, eos
+
+    def _build_engines(self, src, common: dict) -> None:
+        """The actor rank's engines (actor, critic, reference, reward, as configured), the
+        groups every actor rank decides over, and the stage's senders."""
+        from .engines.factory import build_models
+
+        cfg = self.cfg
+        p, s = cfg.ppo, cfg.system
         updates = cfg.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
         engine_args = dict(total_steps=updates, weight_decay=p.weight_decay, warmup_steps=p.warmup_steps,
                            scheduler=p.lr_schedule, micro_batch_size=p.micro_batch_size,
@@ -180,7 +208,6 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         # overcommit exactly as it does (their collectives pair up token by token)
         self.actor_group = None  # the world
         self.actor_ranks = dist.get_world_size()
-        data_rank = self.actor.rank
         # stage: one rank per model replica streams (Megatron: its first), and shares the scores
         self.remote = self.replica = None
         if self.stage is not None:
@@ -194,10 +221,12 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
             if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
                 self.replica = self._stage_replica()
 
-        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
-                                       pad_token_id=self.tokenizer.pad_token_id,
-                                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                                       sync_every=g.sync_every)
+    def _build_rollout_state(self) -> None:
+        """The sampling generators, the prompt streams, the chunk-size controller, the rollout
+        pool and Delta's controller."""
+        cfg = self.cfg
+        p = cfg.ppo
+        data_rank = self.actor.rank
         # Separate generators, so that e.g. a different number of PPO epochs does not
         # change which responses are sampled.
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 1000 + data_rank)
@@ -221,6 +250,11 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
         self.step_count = 0
+
+    def _resume_and_announce(self, src) -> None:
+        """Resume from the latest checkpoint (checkpoint.resume), then open the telemetry and
+        save and log the run's configuration."""
+        cfg, p = self.cfg, self.cfg.ppo
         self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
                                       rank=self.rank, world_size=self.actor_ranks,  # a file each
                                       keep_last=cfg.checkpoint.keep_last)
