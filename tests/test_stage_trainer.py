@@ -156,6 +156,28 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
             assert b[step][key] == pytest.approx(a[step][key], abs=tol), (step, key)
 
 
+def test_stage_with_dynamic_sampling_serves_every_round_and_gives_the_inline_run(cache_dir, tmp_path):
+    """ppo.filter_groups under the stage placement (no pool), with OpenRLHF's reward-range
+    rule on the reward model's scores: each later round is one more rollout the scorer rank
+    serves (it serves as many as the steps' rounds add up to), and the run repeats the inline
+    one: the same rounds, drops and fallbacks, the same metrics (1e-4, as above)."""
+    dapo = ("steps=3", "checkpoint.export_hf=false", "ppo.advantage_estimator=group_norm",
+            "data.samples_per_prompt=2", "ppo.filter_groups=true",
+            "ppo.filter_groups_reward_range=[0.5,1e9]")
+    run_in_process(cache_dir, tmp_path / "inline", *dapo)
+    proc = launch(tmp_path / "stage", cache_dir, *dapo)
+    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
+    for step in (1, 2, 3):
+        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
+                    "filter/prompts_drawn", "response/lengths"):
+            assert b[step][key] == a[step][key], (step, key)
+        for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "policy/clip_frac"):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+    rounds = sum(b[step]["filter/rounds"] for step in (1, 2, 3))
+    assert rounds > 3 and sum(b[step]["filter/dropped_groups"] for step in (1, 2, 3)) > 0
+    assert f"served {rounds} rollouts" in proc.stdout + proc.stderr
+
+
 def test_stage_config_errors():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["oppo.placement=stage"])
