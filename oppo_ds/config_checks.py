@@ -86,17 +86,13 @@ def _check_reward_function(cfg) -> None:
 def _check_filter_groups(cfg) -> None:
     """Dynamic sampling drops prompts by their group's scores: it needs a group baseline, and
     runs its extra rounds in the actor processes (one rollout or one take from the pool per
-    round). The stage's scorer rank serves one rollout of every actor rank per round: without
-    the pool every rank has one to send (each generates the neediest rank's number of
-    prompts), with it not always. Megatron's model-parallel ranks do not follow the rounds."""
+    round; under the stage placement each is one rollout of every actor rank, an empty one
+    from a rank with nothing to decode). Megatron's model-parallel ranks do not follow the
+    rounds."""
     require(cfg.ppo.group_baseline, "ppo.filter_groups", (
         f"needs a group baseline (ppo.advantage_estimator rloo, reinforce_baseline or "
         f"group_norm), got {cfg.ppo.advantage_estimator}: it drops the prompts whose responses "
         f"would all get an advantage of 0 from their group"))
-    require(cfg.oppo.placement != "stage" or not cfg.oppo.overcommits, "oppo.placement", (
-        "not stage with ppo.filter_groups and oppo.overcommit yet (the scorer rank serves one "
-        "rollout of every actor rank per round, and a later round can find a rank's pool all "
-        "finished, with nothing to send): use inline or colocated, or oppo.overcommit: 0"))
     require(cfg.system.backend == "deepspeed", "ppo.filter_groups",
             f"not with system.backend {cfg.system.backend} yet: use system.backend: deepspeed")
 

@@ -108,8 +108,7 @@ class PPOConfig:
     surplus goes back to the pool (taken first next step) and the pool's ledger counts the
     dropped prompts. ppo.filter_groups_reward_range chooses OpenRLHF's rule (the mean score
     inside a range) instead. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
-    group_norm); not with system.backend: megatron, nor with oppo.placement: stage and
-    oppo.overcommit together, yet (the stage without the pool serves every round)."""
+    group_norm); not with system.backend: megatron yet."""
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
     max_num_gen_batches)."""

@@ -65,6 +65,7 @@ class _Rounds:
     surplus: int = 0  # informative prompts beyond the batch
     rounds: int = 0
     decoded: float = 0.0  # tokens the later rounds decoded from the pool
+    idle: int = 0  # ranks the later rounds found with nothing to decode, summed
 
 
 class FilterRounds:
@@ -132,6 +133,7 @@ class FilterRounds:
                 keys, _, gen, streamed, _, more, _, taken = self.rollout_pool(
                     chunk, batch=ask * n, defer=False)
                 state.decoded += more["pool/decoded_tokens"]
+                state.idle += more["pool/idle_ranks"]
             else:
                 keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(ask), chunk)
         with timer.phase("score"):
@@ -162,5 +164,6 @@ class FilterRounds:
             self.pool.check()
             metrics.update(staleness_metrics(comm.gather_lists(
                 staleness_rows(trained, self.policy_version), self.dp_group)))
-            metrics["filter/decoded_tokens"] = state.decoded  # the later rounds' (pool/: the first's)
+            # the later rounds' (pool/: the first round's)
+            metrics.update({"filter/decoded_tokens": state.decoded, "filter/idle_ranks": state.idle})
         return out, metrics

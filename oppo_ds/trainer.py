@@ -423,11 +423,17 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         before = [len(e.tokens) for e in running]
         timing, results = None, {}
         ready = stop(None)
-        if not ready and not running:
+        idle = not ready and not running
+        if idle:
             # nothing of its own to decode while another rank decodes: it enters the same
             # contexts, whose ZeRO-3 gathers are collectives, and joins the stop checks there
-            # (a filtered step's later round can find a rank's pool all finished)
+            # (a filtered step's later round can find a rank's pool all finished); the stage
+            # serves one rollout of every rank a round: this rank's is empty
+            if self.stage is not None:
+                self._send_critic_to_stage()
             with self._decoding_contexts():
+                if self.remote is not None:
+                    self.remote.empty_rollout()
                 stop.wait(None)
         elif not ready:
             inputs = pool.decode_inputs(running, self.tokenizer.pad_token_id, self.device)
@@ -459,12 +465,13 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
         metrics = staleness_metrics(comm.gather_lists(staleness_rows(taken, self.policy_version),
                                                   self.dp_group))
-        calls = comm.gather_lists([stop.calls], self.dp_group)
+        calls, idle_ranks = zip(*comm.gather_lists([(stop.calls, int(idle))], self.dp_group))
         if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
             raise RuntimeError(f"ranks stopped decoding after different numbers of stop "
-                               f"checks: {calls}")
+                               f"checks: {list(calls)}")
         metrics.update({"pool/delta": delta, "pool/size": size, "pool/carried": len(pool),
                         "pool/decoded_tokens": produced, "pool/sync_calls": calls[0],
+                        "pool/idle_ranks": sum(idle_ranks),
                         "rollout/tail_waste_frac": tail_waste})
         groups = torch.tensor([e.group for e in taken]) if pool.group_size > 1 else None
         return [e.key for e in taken], groups, gen, streamed, timing, metrics, produced, taken

@@ -201,6 +201,22 @@ def _continue_carried(actor, reference, reward, critic, remote):
         lengths = {r: gen.response_ids[i, :int(gen.lengths[i])].tolist()
                    for i, r in enumerate(rows) if not bool(state.finished[i])}
         rows = [r for i, r in enumerate(rows) if not bool(state.finished[i])]
+    # an empty rollout (a rank with nothing to decode while others do): no results, and the
+    # stage drops the rows it held; the still unfinished rows then go again as new rows
+    held_before_empty = sorted(remote.held)
+    remote.empty_rollout()
+    idx = torch.tensor(rows)
+    inputs = dict(prompt_ids=all_ids[idx], prompt_mask=all_mask[idx])
+    state, got, timing = stage_stream_continue(actor, remote, inputs, idx + 100, params,
+                                               torch.Generator().manual_seed(SEED + 3), 3,
+                                               stop=_StopAt(2))
+    scorers = [StreamingScorer(reward, "reward"), StreamingScorer(reference, "reference"),
+               StreamingScorer(critic, "critic")]
+    after_empty = {**_against_fresh_inline(actor, scorers, inputs, idx + 100, params, 3, state, got),
+                   "held_before_empty": held_before_empty, "n_rows": len(rows),
+                   "stage_begins": {k: sum(e.name == "begin" and e.lane == k for e in timing.events)
+                                    for k in ("reward", "reference", "critic")}}
+    report.append(after_empty)
     from oppo_ds.models import build_value_model
     from oppo_ds.rollout.stage import RemoteScorerError
 
@@ -319,8 +335,8 @@ def test_a_carrying_stage_keeps_the_deferred_rows_between_rollouts():
     rollout."""
     messages = _spawn("carry")
     (report, (never_sent, refused)) = [m for kind, _, m in messages if kind == "carry"][0]
-    first, second, third = report
-    for r in report:
+    first, second, third, after_empty = report
+    for r in report[:3]:
         assert r["same_tokens"] and r["diff"] < 1e-5, r
         assert r["rows"]["critic"] == r["ended"], r
         assert all(rows == r["ended"] for rows in r["rows"].values()), r
@@ -332,10 +348,16 @@ def test_a_carrying_stage_keeps_the_deferred_rows_between_rollouts():
     assert second["stage_begins"] == dict.fromkeys(frozen + ("critic",), 1)
     assert third["carried"] == second["held_after"][1:]  # the first one left the rollout
     assert third["stage_begins"] == {"reward": 0, "reference": 0, "critic": 1}
+    # after an empty rollout the stage held nothing: the unfinished rows were prefilled anew
+    # (one begin in every scorer), and every score is fresh inline scoring's
+    assert after_empty["held_before_empty"] == third["held_after"] != []
+    assert after_empty["n_rows"] == len(third["held_after"])
+    assert after_empty["stage_begins"] == dict.fromkeys(frozen + ("critic",), 1)
+    assert after_empty["same_tokens"] and after_empty["diff"] < 1e-5, after_empty
     assert never_sent is not None and "awaited the critic's weights version 42" in never_sent
     assert "serves one actor rank's link alone" in never_sent, never_sent
     assert refused is not None and "is not the stage's copy" in refused, refused
-    assert [n for kind, _, n in messages if kind == "served"] == [5]
+    assert [n for kind, _, n in messages if kind == "served"] == [7]
 
 
 def test_scorer_failure_reaches_the_actor_and_the_stage_recovers():

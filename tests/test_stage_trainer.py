@@ -321,6 +321,29 @@ def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tm
         assert y["reward"] == pytest.approx(x["reward"], abs=1e-5 if x["step"] == 0 else 1e-4)
 
 
+def test_two_actor_ranks_with_dynamic_sampling_in_the_pool_give_the_inline_run(cache_dir, tmp_path):
+    """ppo.filter_groups with the rollout pool on 2 actor ranks and a scorer rank: in step 2
+    one rank's pool holds only finished rows (its surplus of step 1) while the other decodes;
+    it sends the stage an empty rollout (the stage serves one rollout of each rank a round),
+    and the run goes on as 2 ranks inline: the same rounds, drops, idle ranks and metrics
+    (1e-4, as above)."""
+    dapo = ("steps=3", "checkpoint.export_hf=false", "ppo.advantage_estimator=group_norm",
+            "data.samples_per_prompt=2", "ppo.filter_groups=true", "oppo.overcommit=2",
+            "ppo.filter_groups_reward_range=[0.9,1e9]")
+    launch(tmp_path / "inline", cache_dir, *dapo, placement="inline")
+    launch(tmp_path / "stage", cache_dir, *dapo, ranks=3)
+    a = _by_step(tmp_path / "inline" / "metrics.jsonl")
+    b = _by_step(tmp_path / "stage" / "metrics.jsonl")
+    for step in (1, 2, 3):
+        for key in ("filter/rounds", "filter/dropped_groups", "filter/surplus_groups",
+                    "filter/fallback_groups", "pool/idle_ranks", "filter/idle_ranks",
+                    "response/lengths"):
+            assert b[step][key] == a[step][key], (step, key)
+        for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy") + POOL_KEYS:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+    assert sum(b[s]["pool/idle_ranks"] + b[s]["filter/idle_ranks"] for s in (1, 2, 3)) > 0
+
+
 ZERO3_HYBRID = ["system.zero_stage=3", "system.hybrid_engine=true"]
 
 

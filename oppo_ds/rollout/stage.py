@@ -78,7 +78,11 @@ stage keeps the rows that did not finish in its frozen scorers' caches (the rewa
 reference models, whose prefix state an update does not change), and the next BEGIN sends
 only the rows the stage does not hold; rows it holds that the next rollout does not list are
 dropped. Both ends follow the same rule (the actor's ``RemoteScorers.held`` is what the stage
-holds), and both forget everything after an ABORT or an ERROR. Without ``carry`` the stage
+holds), and both forget everything after an ABORT or an ERROR. A BEGIN of no rows (N = 0, no
+payload) begins an empty rollout: an actor rank whose pool has nothing left to decode while
+the other ranks decode sends one (``RemoteScorers.empty_rollout``), since ``serve_round``
+serves one rollout of every actor rank per round; the stage drops what it held for that
+rank and replies with no results. Without ``carry`` the stage
 resets after every rollout and every row is new. CONSUME names rows by their place
 in the rollout (0..N-1); the stage maps them to its row ids.
 
@@ -280,7 +284,8 @@ class ScorerStage:
 
     def _recv_tensor(self, shape, dtype=torch.long) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.wire)
-        _wait(self.link.irecv(t), self.timeout)
+        if t.numel():  # an empty payload is never sent (an empty rollout's BEGIN)
+            _wait(self.link.irecv(t), self.timeout)
         return t.to(self.device)
 
     def _take_weights(self, head) -> None:
@@ -332,7 +337,7 @@ class ScorerStage:
             gone = sorted(held - listed)  # rows the actor no longer decodes
             if gone:
                 scorer.drop(gone)
-        if prompts is None:  # every row is carried
+        if prompts is None or not self._batch:  # every row is carried, or none is listed
             return
         ids = prompts[0].to(_DTYPES[head[3]])
         mask = prompts[1].to(_DTYPES[head[4]])
@@ -515,6 +520,15 @@ class RemoteScorers:
                             0 if prefix is None else prefix.shape[1] - 1, int(partial), batch,
                             device=self.wire), flat)
         return sent
+
+    def empty_rollout(self) -> None:
+        """A rollout of no rows, begun and ended: what an actor rank with nothing to decode
+        sends while the other actor ranks decode, since the scorer rank serves one rollout of
+        each of them per round (``serve_round``). The stage drops the rows it held for this
+        rank (none of them is decoded any more) and replies with no results."""
+        none = torch.zeros(0, 0, dtype=torch.long)
+        self.begin(none, none, partial=True, row_ids=[])
+        self.results()
 
     def send_weights(self, module: torch.nn.Module, version: int,
                      bucket: int = WEIGHTS_BUCKET) -> None:
