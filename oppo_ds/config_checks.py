@@ -93,8 +93,6 @@ def _check_filter_groups(cfg) -> None:
         f"needs a group baseline (ppo.advantage_estimator rloo, reinforce_baseline or "
         f"group_norm), got {cfg.ppo.advantage_estimator}: it drops the prompts whose responses "
         f"would all get an advantage of 0 from their group"))
-    require(cfg.system.backend == "deepspeed", "ppo.filter_groups",
-            f"not with system.backend {cfg.system.backend} yet: use system.backend: deepspeed")
 
 
 def _check_reference_free(cfg) -> None:

@@ -152,8 +152,10 @@ class FilterRounds:
                          if pooled else None))
         out = concat_experiences([part for part, _ in kept], self.tokenizer.pad_token_id)
         out.groups = torch.arange(len(out), device=out.scores.device) // n
+        # summed over the data-parallel ranks: a model replica's ranks (Megatron) hold the same
+        # prompts and count them once
         totals = comm.all_reduce_ints([state.uniform - fallback, state.surplus, fallback, state.drawn],
-                                      group=self.actor_group)
+                                      group=self.dp_group)
         metrics = {"filter/rounds": state.rounds, "filter/dropped_groups": totals[0],
                    "filter/surplus_groups": totals[1], "filter/fallback_groups": totals[2],
                    "filter/prompts_drawn": totals[3]}

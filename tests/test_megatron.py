@@ -592,6 +592,30 @@ def test_critic_free_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["actor", "latest", "trainer"]
 
 
+@pytest.mark.parametrize("parallel, overcommit", [
+    ("system.tensor_parallel=2", 0), ("system.tensor_parallel=2", 2), ("system.pipeline_parallel=2", 2)],
+    ids=["tp-rounds", "tp-pool", "pp-pool"])
+def test_dynamic_sampling_under_model_parallel_equals_one_rank(cache_dir, tmp_path, parallel, overcommit):
+    """ppo.filter_groups on the Megatron engine with OpenRLHF's reward-range rule on the
+    reward model's scores, without and with the rollout pool: the two ranks of one replica
+    (tensor or pipeline parallel) drop the same prompts and run the same rounds (their
+    collectives pair up), count the replica's prompts once, and repeat the one-rank run
+    (1e-4, as above)."""
+    dapo = ("ppo.advantage_estimator=group_norm", "data.samples_per_prompt=2", "steps=3",
+            "ppo.filter_groups=true", "ppo.filter_groups_reward_range=[0.5,1e9]",
+            f"oppo.overcommit={overcommit}")
+    one, _ = _train(str(tmp_path / "one"), cache_dir, 1, *dapo)
+    two, _ = _train(str(tmp_path / "two"), cache_dir, 2, parallel, *dapo)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
+                    "filter/prompts_drawn", "response/lengths"):
+            assert a[key] == b[key], (a["step"], key)
+        for key in (k for k in SAME if "value" not in k and "critic" not in k):
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+    assert sum(r["filter/dropped_groups"] for r in two) > 0 and max(r["filter/rounds"] for r in two) > 1
+
+
 def test_the_kl_off_builds_no_reference_on_the_megatron_engine(cache_dir, tmp_path):
     """ppo.kl_coef=0 under backend megatron: the run names no reference, logs no KL, trains."""
     rows, summary = _train(str(tmp_path / "run"), cache_dir, 1, "ppo.kl_coef=0", "steps=2")
