@@ -68,6 +68,27 @@ class Resumable:
         state = self.ckpt.load(tag, engines=self.trained_engines,
                                check=partial(self._check_checkpoint_settings, tag))
         self.step_count = state["step"]
+        self._resume_streams(state, tag)
+        self._resume_ema(state, tag)
+        self.sample_gen.set_state(state["sample_gen"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        notes = []
+        if self.chunk_ctl is not None and state.get("chunk_ctl"):
+            notes.append(self.chunk_ctl.load_state_dict(state["chunk_ctl"]))
+        self._resume_pool(state, tag)
+        if self.cfg.ppo.kl_target is not None:
+            if state.get("kl_coef") is not None:
+                self.kl_coef = state["kl_coef"]
+            else:
+                logger.info("checkpoint %s holds no adaptive KL coefficient (written without "
+                            "ppo.kl_target): it starts from ppo.kl_coef=%g", tag, self.kl_coef)
+        if self.delta_ctl is not None and state.get("delta_ctl"):
+            notes.append(self.delta_ctl.load_state_dict(state["delta_ctl"]))
+        if self.is_main:
+            self._log_resumed(state, tag, notes)
+
+    def _resume_streams(self, state: dict, tag: str) -> None:
+        """The prompt stream's position (and PPO-ptx's), refused when the order would differ."""
         try:
             self.stream.load_state_dict(state["stream"])
         except StreamMismatch as err:  # the prompt order would differ: neither exact nor once each
@@ -79,17 +100,6 @@ class Resumable:
                 + ": the prompts handed out, and their order, follow them; resume with the "
                   "prompts and settings it was written with, or start afresh with "
                   "checkpoint.resume=never")) from None
-        if self.ema is not None:
-            if state.get("actor_ema") is not None:
-                try:
-                    self.ema.load_state_dict(state["actor_ema"])
-                except ValueError as err:
-                    raise ConfigError("model.actor_ema", f"checkpoint {tag}: {err}; start "
-                                      "afresh with checkpoint.resume=never") from None
-            else:
-                logger.info("checkpoint %s holds no average of the actor (written without "
-                            "model.actor_ema): it starts from the resumed weights", tag)
-                self.ema = ActorEMA(self.actor.module, self.cfg.model.actor_ema_beta)
         if self.ptx_stream is not None:
             if state.get("ptx_stream"):
                 try:
@@ -104,11 +114,23 @@ class Resumable:
             else:
                 logger.info("checkpoint %s has no PPO-ptx data position (written without "
                             "data.ptx): pretraining blocks start from the first", tag)
-        self.sample_gen.set_state(state["sample_gen"])
-        self.shuffle_gen.set_state(state["shuffle_gen"])
-        notes = []
-        if self.chunk_ctl is not None and state.get("chunk_ctl"):
-            notes.append(self.chunk_ctl.load_state_dict(state["chunk_ctl"]))
+
+    def _resume_ema(self, state: dict, tag: str) -> None:
+        """The actor's weight average, or a new one from the resumed weights."""
+        if self.ema is not None:
+            if state.get("actor_ema") is not None:
+                try:
+                    self.ema.load_state_dict(state["actor_ema"])
+                except ValueError as err:
+                    raise ConfigError("model.actor_ema", f"checkpoint {tag}: {err}; start "
+                                      "afresh with checkpoint.resume=never") from None
+            else:
+                logger.info("checkpoint %s holds no average of the actor (written without "
+                            "model.actor_ema): it starts from the resumed weights", tag)
+                self.ema = ActorEMA(self.actor.module, self.cfg.model.actor_ema_beta)
+
+    def _resume_pool(self, state: dict, tag: str) -> None:
+        """The rollout pool with its deferred rows, and the frozen scorers' caches of them."""
         held = len(state["pool"]["entries"]) if state.get("pool") else 0
         if self.pool is None and held:
             raise ConfigError("oppo.overcommit", (
@@ -136,33 +158,28 @@ class Resumable:
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)
-        if self.cfg.ppo.kl_target is not None:
-            if state.get("kl_coef") is not None:
-                self.kl_coef = state["kl_coef"]
-            else:
-                logger.info("checkpoint %s holds no adaptive KL coefficient (written without "
-                            "ppo.kl_target): it starts from ppo.kl_coef=%g", tag, self.kl_coef)
-        if self.delta_ctl is not None and state.get("delta_ctl"):
-            notes.append(self.delta_ctl.load_state_dict(state["delta_ctl"]))
-        if self.is_main:
-            logger.info("resumed from %s at step %d", tag, self.step_count)
-            for note in filter(None, notes):
-                logger.info("%s", note)
-            keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
-                    ("actor", "weight_decay"): "ppo.weight_decay"}  # one key for both decays
-            for (name, setting), key in keys.items():
-                engine = self.trained_engines.get(name)
-                if engine is not None and setting in engine.resumed_changes:
-                    saved, now = engine.resumed_changes[setting]
-                    logger.info("%s: %g, not the %g checkpoint %s was written with", key, now,
-                                saved, tag)
-            saved = state.get("objective") or {}  # none in checkpoints before 2026-11-25
-            now = objective_settings(self.cfg.to_dict())
-            if state.get("kl_coef") is not None and self.cfg.ppo.kl_target is not None:
-                now.pop("ppo.kl_coef")  # only the start: the adaptive coefficient goes on as saved
-            for key in (k for k in now if k in saved and saved[k] != now[k]):
-                shown = ["null" if v is None else v for v in (now[key], saved[key])]  # as YAML
-                logger.info("%s: %s, not the %s checkpoint %s was written with", key, *shown, tag)
+
+    def _log_resumed(self, state: dict, tag: str, notes: list) -> None:
+        """Say where the run resumed, the controllers' notes, and every optimizer or objective
+        setting that differs from the checkpoint's."""
+        logger.info("resumed from %s at step %d", tag, self.step_count)
+        for note in filter(None, notes):
+            logger.info("%s", note)
+        keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
+                ("actor", "weight_decay"): "ppo.weight_decay"}  # one key for both decays
+        for (name, setting), key in keys.items():
+            engine = self.trained_engines.get(name)
+            if engine is not None and setting in engine.resumed_changes:
+                saved, now = engine.resumed_changes[setting]
+                logger.info("%s: %g, not the %g checkpoint %s was written with", key, now,
+                            saved, tag)
+        saved = state.get("objective") or {}  # none in checkpoints before 2026-11-25
+        now = objective_settings(self.cfg.to_dict())
+        if state.get("kl_coef") is not None and self.cfg.ppo.kl_target is not None:
+            now.pop("ppo.kl_coef")  # only the start: the adaptive coefficient goes on as saved
+        for key in (k for k in now if k in saved and saved[k] != now[k]):
+            shown = ["null" if v is None else v for v in (now[key], saved[key])]  # as YAML
+            logger.info("%s: %s, not the %s checkpoint %s was written with", key, *shown, tag)
 
     def _checkpoint_settings(self) -> dict:
         values = self.cfg.to_dict()
