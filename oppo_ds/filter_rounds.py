@@ -31,13 +31,18 @@ def informative_groups(scores: torch.Tensor, n: int,
     ``reward_range = (low, high)`` (OpenRLHF's ``--dynamic_filtering_reward_range``) it is
     informative when ``low < mean score < high``, both bounds excluded; for 0/1 scores the
     range (0, 1) is DAPO's rule, and a narrower one also drops the prompts that nearly every
-    response gets right or wrong. Returns G booleans."""
+    response gets right or wrong. Returns G booleans.
+
+    A prompt with a NaN or infinite score counts as informative under either rule, so that
+    it is trained on and the step's finite check stops the run, rather than the filter
+    dropping it unseen."""
     groups = scores.view(-1, n)
+    broken = ~torch.isfinite(groups).all(1)
     if reward_range is None:
-        return (groups.max(1).values != groups.min(1).values).tolist()
+        return ((groups.max(1).values != groups.min(1).values) | broken).tolist()
     low, high = reward_range
     mean = groups.double().mean(1)
-    return ((mean > low) & (mean < high)).tolist()
+    return ((mean > low) & (mean < high) | broken).tolist()
 
 
 def _group_entries(entries: Optional[list], groups: list[int], n: int) -> Optional[list]:

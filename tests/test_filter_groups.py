@@ -237,6 +237,10 @@ def test_the_informative_rules_by_hand():
     binary = torch.tensor([float(b) for b in "0000" "0100" "1111" "1011" "0110"])
     assert informative_groups(binary, 4, [0, 1]) == informative_groups(binary, 4)
     assert informative_groups(binary, 4, [0.3, 0.9]) == [False, False, False, True, True]
+    # a non-finite score is kept under either rule: the step's finite check then stops the run
+    broken = torch.tensor([0., float("nan"), 1., 1.,  float("inf"), float("inf")])
+    assert informative_groups(broken, 2) == [True, False, True]
+    assert informative_groups(broken, 2, [0, 0.9]) == [True, False, True]
 
 
 @pytest.mark.parametrize("low", [-1.0, 0.5], ids=["keeps-all", "drops-zero-means"])
