@@ -42,6 +42,16 @@ def all_reduce_ints(values: Sequence[int], *, op=None, group=None) -> list[int]:
     return all_reduce(torch.tensor(list(values), dtype=torch.long), op=op, group=group).tolist()
 
 
+def broadcast(t: torch.Tensor, src: int, *, group=None) -> torch.Tensor:
+    """Global rank ``src``'s ``t`` on every rank of ``group`` (default: the world), on each
+    rank's ``t``'s device and of its shape and dtype; ``t`` itself is left as it was."""
+    if not active(group):
+        return t
+    out = t.detach().to(comm_device(group), copy=True)
+    dist.broadcast(out, src, group=group)
+    return out.to(t.device)
+
+
 def gather_lists(values: list, group=None) -> list:
     """A per-rank list (of floats, rows of floats, small records) concatenated over the ranks
     of ``group`` (default: the world), in rank order, on every rank: per-sequence stats."""

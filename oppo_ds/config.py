@@ -44,8 +44,9 @@ class ModelConfig:
     response; prompts as the data file holds them, completions as decoded text, and one list
     per other field of the prompt rows (e.g. answer=[...], None where a row lacks it). No
     reward model is then built or streamed (model.reward is only where the critic starts,
-    with model.critic null). `oppo_ds.workload:gold_reward` is the built-in task's hidden
-    rule. Null: the reward model scores."""
+    with model.critic null). Under system.backend: megatron every rank of a model replica
+    calls it and the replica trains on its first rank's scores. `oppo_ds.workload:gold_reward`
+    is the built-in task's hidden rule. Null: the reward model scores."""
     reward_normalize: bool = False
     """Score with the reward model's own normalisation, (score - mean) / std, from the `mean`
     and `std` its config.json holds: what OpenRLHF's reward-model training writes with

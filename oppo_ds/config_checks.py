@@ -68,8 +68,6 @@ def _check_reward_function(cfg) -> None:
     require(cfg.workload.kind != "length_oracle", "model.reward_function",
             "the length oracle's responses are random tokens that end at drawn lengths: there "
             "is no text to score; set it to null")
-    require(cfg.system.backend == "deepspeed", "model.reward_function",
-            f"not with system.backend {cfg.system.backend} yet: use system.backend: deepspeed")
     require(cfg.oppo.placement != "stage", "oppo.placement",
             f"stage puts the reward model on a scorer rank, and {none}: use inline or colocated")
     require(not cfg.oppo.streaming or cfg.oppo.stream_to, "oppo.stream_to", (

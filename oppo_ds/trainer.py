@@ -619,7 +619,8 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
         if self.reward_fn is not None:
-            scores = self.function_scores(keys, gen, self.prompt_rows).to(gen.response_ids.device)
+            scores = self._replica_scores(
+                self.function_scores(keys, gen, self.prompt_rows).to(gen.response_ids.device))
         else:
             scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
         gold = None
@@ -639,6 +640,17 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         completions = [self.tokenizer.decode(r[:length], skip_special_tokens=True)
                        for r, length in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
         return self.reward_fn([p for p, _ in info], completions, [f for _, f in info])
+
+    def _replica_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """The reward function's scores of the replica's first rank, on every rank of it
+        (system.backend: megatron). Each rank of a model replica decodes the same responses
+        and runs the function; one that draws random numbers, or reads its rank, would give
+        the ranks different advantages, which their tensor/pipeline collectives would mix."""
+        groups = getattr(self.actor, "groups", None)  # megatron's ParallelGroups
+        if groups is None or not comm.active(groups.mp_group):
+            return scores
+        first = min(dist.get_process_group_ranks(groups.mp_group))
+        return comm.broadcast(scores, first, group=groups.mp_group)
 
     def normalized(self, scores: torch.Tensor) -> torch.Tensor:
         """The reward model's scores under model.reward_normalize: (score - mean) / std."""

@@ -299,8 +299,6 @@ def test_value_outside_literal_lists_allowed(override, allowed):
      "reward model is built"),
     (["model.reward_function=m:f", "workload.kind=length_oracle"], "model.reward_function",
      "there is no text to score"),
-    (["model.reward_function=m:f", "system.backend=megatron"], "model.reward_function",
-     "not with system.backend megatron yet"),
     (["model.reward_function=m:f", "oppo.streaming=true", "oppo.placement=stage"], "oppo.placement",
      "stage puts the reward model on a scorer rank"),
     (["model.reward_function=m:f", "oppo.streaming=true", "oppo.stream_to=[]"], "oppo.stream_to",

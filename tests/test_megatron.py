@@ -616,6 +616,40 @@ def test_dynamic_sampling_under_model_parallel_equals_one_rank(cache_dir, tmp_pa
     assert sum(r["filter/dropped_groups"] for r in two) > 0 and max(r["filter/rounds"] for r in two) > 1
 
 
+# the gold rule on rank 0, its scores in reverse order elsewhere: a function whose ranks
+# disagree (a shift or a scale would not do: group_norm's advantages ignore both)
+RANKED_RULE = """
+import os
+from oppo_ds.workload import gold_reward
+
+
+def ranked(prompts, completions, **fields):
+    scores = gold_reward(prompts, completions, **fields)
+    return scores if int(os.environ.get("RANK", "0")) == 0 else scores[::-1]
+"""
+
+
+@pytest.mark.parametrize("parallel", ["system.tensor_parallel=2", "system.pipeline_parallel=2"])
+def test_a_reward_function_under_model_parallel_takes_the_replicas_first_rank(
+        cache_dir, tmp_path, parallel):
+    """model.reward_function on the Megatron engine: no reward model is built, and a
+    replica's ranks train on its first rank's scores. The function here gives rank 1 the
+    gold rule's scores in reverse order; the run repeats the one-rank run (rank 0's scores,
+    1e-4 as above), whose reward is the gold rule's."""
+    rule = tmp_path / "rule.py"
+    rule.write_text(RANKED_RULE)
+    grpo = ("ppo.advantage_estimator=group_norm", "data.samples_per_prompt=2", "steps=2",
+            f"model.reward_function={rule}:ranked")
+    one, _ = _train(str(tmp_path / "one"), cache_dir, 1, *grpo)
+    two, _ = _train(str(tmp_path / "two"), cache_dir, 2, parallel, *grpo)
+    assert "reward the function" in open(tmp_path / "two" / "launcher.log").read()
+    for a, b in zip(one, two):
+        assert a["response/lengths"] == b["response/lengths"]
+        assert b["reward/mean"] == pytest.approx(b["gold/mean"], abs=1e-6)
+        for key in (k for k in SAME if "value" not in k and "critic" not in k):
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+
+
 def test_the_kl_off_builds_no_reference_on_the_megatron_engine(cache_dir, tmp_path):
     """ppo.kl_coef=0 under backend megatron: the run names no reference, logs no KL, trains."""
     rows, summary = _train(str(tmp_path / "run"), cache_dir, 1, "ppo.kl_coef=0", "steps=2")
