@@ -68,8 +68,10 @@ def _check_reward_function(cfg) -> None:
     require(cfg.workload.kind != "length_oracle", "model.reward_function",
             "the length oracle's responses are random tokens that end at drawn lengths: there "
             "is no text to score; set it to null")
-    require(cfg.oppo.placement != "stage", "oppo.placement",
-            f"stage puts the reward model on a scorer rank, and {none}: use inline or colocated")
+    require(cfg.oppo.placement != "stage" or {"reference", "critic"} & set(cfg.oppo.stream_to),
+            "oppo.stream_to", (f"{cfg.oppo.stream_to} leaves the stage's scorer rank nothing to "
+                               f"score ({none}): add reference or critic, or use oppo.placement "
+                               f"inline or colocated"))
     require(not cfg.oppo.streaming or cfg.oppo.stream_to, "oppo.stream_to", (
         f"nothing would stream ({none}): add reference or critic, or set oppo.streaming: false "
         "(the rollout pool, oppo.overcommit, works without it)"))

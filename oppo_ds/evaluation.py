@@ -158,7 +158,7 @@ class Evaluating:
             for i in range(0, len(mine), batch):
                 prompts = mine[i:i + batch]
                 ids, mask = left_pad([p.input_ids for p in prompts], self.tokenizer.pad_token_id)
-                if self.stage is not None:
+                if self.stage is not None and self.reward_fn is None:
                     gen, scores = self._stage_scores(model, ids.to(self.device),
                                                      mask.to(self.device), params, rng)
                 else:

@@ -48,7 +48,8 @@ class StagePlacement:
         os.environ.update(stage.env_updates(dict(os.environ)))
         if stage.rank == 0:
             stream_to = self.cfg.oppo.stream_to
-            kinds = ["reward"] + [k for k in stream_to if k == "reference"] + \
+            kinds = ["reward"] * self.cfg.model.uses_reward_model + \
+                [k for k in stream_to if k == "reference"] + \
                 (["critic"] if self.critic_on_stage else [])
             senders = "" if stage.senders == stage.actor_ranks else \
                 f" (streamed by ranks {stage.senders}, one per model replica)"
@@ -129,7 +130,10 @@ class StagePlacement:
         s = self.cfg.system
         # HF models on this rank (either backend): one whole copy of each frozen scorer
         dtype, temp = s.dtype, self.cfg.generation.temperature
-        self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common), dtype)
+        self.reward = None  # with model.reward_function the actor ranks score finished text
+        if self.cfg.model.uses_reward_model:
+            self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common),
+                                         dtype)
         self.reference = None
         if "reference" in self.cfg.oppo.stream_to:
             self.reference = prepare_frozen(build_causal_lm(src.reference, **common), dtype)
@@ -140,7 +144,7 @@ class StagePlacement:
             weights = StageWeights(prepare_frozen(critic, dtype))
 
         def scorers():  # one set per actor rank: their rollouts are served at the same time
-            out = [StreamingScorer(self.reward, "reward")]
+            out = [StreamingScorer(self.reward, "reward")] if self.reward is not None else []
             if self.reference is not None:
                 out.append(StreamingScorer(self.reference, "reference", temperature=temp))
             if weights is not None:

@@ -67,16 +67,22 @@ def _by_step(path):
     return {r["step"]: r for r in read_history(str(path))}
 
 
+def inline_and_stage(cache_dir, tmp_path, *overrides):
+    """The same run in process with the inline placement and launched on the stage (an actor
+    rank and a scorer rank): (the launch's process, each run's metrics by step)."""
+    run_in_process(cache_dir, tmp_path / "inline", *overrides)
+    proc = launch(tmp_path / "stage", cache_dir, *overrides)
+    return proc, _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
+
+
 def test_stage_critic_free_with_the_group_pool_gives_the_inline_run(cache_dir, tmp_path):
     """GRPO's estimator with the group pool under the stage placement: no critic copy goes
     to the scorer rank, and the run repeats the inline one (1e-4, as below)."""
     grpo = ("steps=3", "checkpoint.export_hf=false", "ppo.advantage_estimator=group_norm",
             "data.samples_per_prompt=2", "oppo.overcommit=2")
-    run_in_process(cache_dir, tmp_path / "inline", *grpo)
-    proc = launch(tmp_path / "stage", cache_dir, *grpo)
+    proc, a, b = inline_and_stage(cache_dir, tmp_path, *grpo)
     assert "scores (reward, reference)" in proc.stdout + proc.stderr
     assert "critic's weights" not in proc.stdout + proc.stderr
-    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
     for step in (1, 2, 3):
         assert b[step]["response/lengths"] == a[step]["response/lengths"], step
         assert b[step]["pool/deferrals"] == a[step]["pool/deferrals"], step
@@ -89,10 +95,8 @@ def test_stage_with_the_kl_off_holds_no_reference_and_gives_the_inline_run(cache
     """ppo.kl_coef=0 under the stage placement: the scorer rank builds and streams the reward
     model and the critic only, and the run repeats the inline one (1e-4, as above)."""
     no_kl = ("steps=2", "checkpoint.export_hf=false", "ppo.kl_coef=0", "oppo.overcommit=2")
-    run_in_process(cache_dir, tmp_path / "inline", *no_kl)
-    proc = launch(tmp_path / "stage", cache_dir, *no_kl)
+    proc, a, b = inline_and_stage(cache_dir, tmp_path, *no_kl)
     assert "scores (reward, critic)" in proc.stdout + proc.stderr
-    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
     for step in (1, 2):
         assert b[step]["response/lengths"] == a[step]["response/lengths"], step
         for key in ("reward/mean", "gold/mean", "loss/policy", "loss/value"):
@@ -164,9 +168,7 @@ def test_stage_with_dynamic_sampling_serves_every_round_and_gives_the_inline_run
     dapo = ("steps=3", "checkpoint.export_hf=false", "ppo.advantage_estimator=group_norm",
             "data.samples_per_prompt=2", "ppo.filter_groups=true",
             "ppo.filter_groups_reward_range=[0.5,1e9]")
-    run_in_process(cache_dir, tmp_path / "inline", *dapo)
-    proc = launch(tmp_path / "stage", cache_dir, *dapo)
-    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(tmp_path / "stage" / "metrics.jsonl")
+    proc, a, b = inline_and_stage(cache_dir, tmp_path, *dapo)
     for step in (1, 2, 3):
         for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
                     "filter/prompts_drawn", "response/lengths"):
@@ -342,6 +344,27 @@ def test_two_actor_ranks_with_dynamic_sampling_in_the_pool_give_the_inline_run(c
         for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy") + POOL_KEYS:
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
     assert sum(b[s]["pool/idle_ranks"] + b[s]["filter/idle_ranks"] for s in (1, 2, 3)) > 0
+
+
+def test_stage_with_a_reward_function_scores_the_rest_and_gives_the_inline_run(cache_dir, tmp_path):
+    """model.reward_function under the stage placement, with the rollout pool and a held-out
+    evaluation: the scorer rank builds no reward model and streams the reference and the
+    critic; the actor ranks score finished text with the function (the evaluation's answers
+    too, without the stage). The run repeats the inline one (1e-4, as above), its reward the
+    gold rule's."""
+    rule = ("steps=2", "checkpoint.export_hf=false", "oppo.overcommit=2",
+            "model.reward_function=oppo_ds.workload:gold_reward", *EVAL)
+    proc, a, b = inline_and_stage(cache_dir, tmp_path, *rule)
+    assert "scores (reference, critic)" in proc.stdout + proc.stderr
+    for step in (1, 2):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"], step
+        assert b[step]["reward/mean"] == pytest.approx(b[step]["gold/mean"], abs=1e-6)
+        for key in DETERMINISTIC + POOL_KEYS:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (step, key)
+    inline, stage = (read_history(str(tmp_path / run / "eval.jsonl")) for run in ("inline", "stage"))
+    assert [r["step"] for r in stage] == [0, 1, 2]
+    for x, y in zip(inline, stage):
+        assert y["eval/reward_mean"] == pytest.approx(x["eval/reward_mean"], abs=1e-4)
 
 
 ZERO3_HYBRID = ["system.zero_stage=3", "system.hybrid_engine=true"]
