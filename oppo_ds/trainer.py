@@ -4,7 +4,7 @@ same step (streaming replaces generate+score, overcommitment changes which seque
 step keeps), so every speedup is measured against this code. The advantages and the
 update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-out evaluation
 ``evaluation.py``'s, the final export ``export.py``'s, the stage placement's side
-``stage_placement.py``'s.
+``stage_placement.py``'s, DAPO's dynamic sampling rounds ``filter_rounds.py``'s.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from .datafiles import DataError, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values,
                          sequence_scores, used_widths)
 from .ema import ActorEMA
-from .filter_rounds import FilterRounds
 from .evaluation import Evaluating, text_records
 from .export import Exporting
+from .filter_rounds import FilterRounds
 from .finite import NonFiniteError, check_experience, check_update
 from .rollout.generate import (Generation, SamplingParams, decode_steps, generate, start_decode,
                                target_lengths)
