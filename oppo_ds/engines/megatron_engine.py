@@ -306,7 +306,7 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     critic = trained(sources.critic, "value", p.critic_lr) if p.uses_critic else None
     reference = None if "reference" in on_stage or not p.uses_reference else \
         _frozen(load(sources.reference, "lm"))
-    reward = None if "reward" in on_stage or not sources.reward_model else \
+    reward = None if "reward" in on_stage or not cfg.model.uses_reward_model else \
         _frozen(load(sources.reward, "value", require_head=True))
     if first_rank:
         logger.info("Megatron-core backend: tensor_parallel=%d pipeline_parallel=%d "
