@@ -87,8 +87,7 @@ def _check_filter_groups(cfg) -> None:
     """Dynamic sampling drops prompts by their group's scores: it needs a group baseline, and
     runs its extra rounds in the actor processes (one rollout or one take from the pool per
     round; under the stage placement each is one rollout of every actor rank, an empty one
-    from a rank with nothing to decode). Megatron's model-parallel ranks do not follow the
-    rounds."""
+    from a rank with nothing to decode)."""
     require(cfg.ppo.group_baseline, "ppo.filter_groups", (
         f"needs a group baseline (ppo.advantage_estimator rloo, reinforce_baseline or "
         f"group_norm), got {cfg.ppo.advantage_estimator}: it drops the prompts whose responses "

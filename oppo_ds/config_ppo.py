@@ -107,8 +107,8 @@ class PPOConfig:
     topped up to the prompts missing + Delta and decoded until that many finish; a rank's
     surplus goes back to the pool (taken first next step) and the pool's ledger counts the
     dropped prompts. ppo.filter_groups_reward_range chooses OpenRLHF's rule (the mean score
-    inside a range) instead. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
-    group_norm). A model replica's ranks (system.backend: megatron) drop the same prompts
+    inside a range) instead. Needs a group baseline (advantage_estimator rloo,
+    reinforce_baseline or group_norm). A model replica's ranks (system.backend: megatron) drop the same prompts
     and count them once."""
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
@@ -117,7 +117,7 @@ class PPOConfig:
     """Under ppo.filter_groups, OpenRLHF's rule instead of DAPO's (its
     --dynamic_filtering_reward_range): [low, high] keeps a prompt whose responses' mean score
     lies strictly between low and high, and drops the others. For 0/1 scores [0, 1] is DAPO's
-    rule; [0.1, 0.9] also drops the prompts that more than 90% of the responses get right, or
+    rule; [0.1, 0.9] also drops the prompts that 90% or more of the responses get right, or
     wrong. null: DAPO's rule (the scores not all equal)."""
     filter_groups_oversample: float = 1.0
     """Under ppo.filter_groups a later round generates this many times the prompts the batch

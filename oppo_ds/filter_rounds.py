@@ -150,11 +150,11 @@ class FilterRounds:
         n = self.cfg.data.samples_per_prompt
         fallback = state.wanted - state.have
         kept = list(state.kept)
+        dropped_entries = [e for _, rows in state.dropped for e in rows] if pooled else None
         if fallback:  # the rounds ran out: the first dropped prompts fill the batch
             rest = concat_experiences([part for part, _ in state.dropped], self.tokenizer.pad_token_id)
             kept.append((rest.select(torch.arange(fallback * n, device=rest.scores.device)),
-                         [e for _, rows in state.dropped for e in rows][:fallback * n]
-                         if pooled else None))
+                         dropped_entries[:fallback * n] if pooled else None))
         out = concat_experiences([part for part, _ in kept], self.tokenizer.pad_token_id)
         out.groups = torch.arange(len(out), device=out.scores.device) // n
         # summed over the data-parallel ranks: a model replica's ranks (Megatron) hold the same
@@ -166,7 +166,7 @@ class FilterRounds:
                    "filter/prompts_drawn": totals[3]}
         if pooled:
             trained = [e for _, rows in kept for e in rows]
-            self.pool.ledger.drop([e.key for _, rows in state.dropped for e in rows][fallback * n:])
+            self.pool.ledger.drop([e.key for e in dropped_entries[fallback * n:]])
             self.pool.end_step()
             self.pool.check()
             metrics.update(staleness_metrics(comm.gather_lists(

@@ -47,10 +47,7 @@ class StagePlacement:
             raise ConfigError("oppo.placement", str(err)) from None
         os.environ.update(stage.env_updates(dict(os.environ)))
         if stage.rank == 0:
-            stream_to = self.cfg.oppo.stream_to
-            kinds = ["reward"] * self.cfg.model.uses_reward_model + \
-                [k for k in stream_to if k == "reference"] + \
-                (["critic"] if self.critic_on_stage else [])
+            kinds = self.cfg.streamed_scorers  # the stage streams: all of them are its
             senders = "" if stage.senders == stage.actor_ranks else \
                 f" (streamed by ranks {stage.senders}, one per model replica)"
             critic = ""

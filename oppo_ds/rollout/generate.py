@@ -377,8 +377,8 @@ def _decode_blocks(model, state: DecodeState, params: SamplingParams,
     discarded (its position does not move), and at the block's end the host reads, in one
     copy, at which token each row ended; then each row's tokens up to its end go into the
     state and finished rows leave the cache, in the order they ended (rows ending at the same
-    token in cache order: the per-token loop's order). The cost is up to ``sync_every - 1`` forwards of rows that
-    already ended; what is sampled does not change: tokens, log-probs, lengths, finish order
+    token in cache order: the per-token loop's order). The cost is up to ``sync_every - 1``
+    forwards of rows that already ended; what is sampled does not change: tokens, log-probs, lengths, finish order
     and (with a CPU generator) the uniforms used are those of the per-token loop sampling by
     ``inverse_cdf_sample`` from ``torch.rand`` of the running rows, which is what that loop
     does on a GPU (on a CPU it samples with ``torch.multinomial``, a different stream).
