@@ -4,7 +4,8 @@ same step (streaming replaces generate+score, overcommitment changes which seque
 step keeps), so every speedup is measured against this code. The advantages and the
 update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-out evaluation
 ``evaluation.py``'s, the final export ``export.py``'s, the stage placement's side
-``stage_placement.py``'s, DAPO's dynamic sampling rounds ``filter_rounds.py``'s.
+``stage_placement.py``'s, DAPO's dynamic sampling rounds ``filter_rounds.py``'s, the rollout
+pool's take ``pool_rollout.py``'s.
 """
 from __future__ import annotations
 
@@ -32,15 +33,13 @@ from .evaluation import Evaluating, text_records
 from .export import Exporting
 from .filter_rounds import FilterRounds
 from .finite import NonFiniteError, check_experience, check_update
-from .rollout.generate import (Generation, SamplingParams, decode_steps, generate, start_decode,
-                               target_lengths)
+from .rollout.generate import Generation, SamplingParams, generate, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
-from .rollout.pool import (BatchStop, RolloutPool, entries_to_generation, pool_stream_setup,
-                           staleness_metrics, staleness_rows)
+from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
-from .rollout.stage_stream import stage_stream_continue, stage_stream_generate
-from .rollout.streaming import (StreamingScorer, TimelineEvent, chrome_trace, stream_continue,
-                                stream_generate)
+from .rollout.stage_stream import stage_stream_generate
+from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, stream_generate
+from .pool_rollout import PoolRollout
 from .ppo_update import PPOUpdate
 from .ptx import ptx_block_len, ptx_blocks
 from .preemption import StopOnSignal, signal_name, signal_number
@@ -90,7 +89,7 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     return requested and hybrid_engine_path != HYBRID_KERNELS
 
 
-class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting):
+class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.preempted: Optional[str] = None  # the signal that stopped training early
@@ -402,103 +401,6 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
                             self.sampling.eos_token_ids, self.sampling.max_new_tokens,
                             limit=self.cfg.logging.samples)
 
-    def rollout_pool(self, chunk: Optional[int], batch: Optional[int] = None, defer: bool = True):
-        """One step of the rollout pool: top it up to B + Delta, decode every unfinished
-        sequence (continuing the deferred ones) until this rank, and under data parallelism
-        every rank, has B finished, and take those B. ``batch``: rows to take in place of B
-        (a later round of ``ppo.filter_groups``); ``defer``: defer what is left behind
-        (``RolloutPool.take``). Returns (prompt keys, group labels, generation of the B,
-        streamed results, stream timing or None, metrics, tokens decoded, the entries
-        taken)."""
-        o, pool = self.cfg.oppo, self.pool
-        delta = self.delta_ctl.delta if self.delta_ctl is not None else o.overcommit
-        size = (batch or self.cfg.ppo.batch_size) + delta
-        # whole prompts, each data.samples_per_prompt rows: at least size rows
-        n = self.cfg.data.samples_per_prompt
-        drawn = repeat_samples(self.stream.take(-(-pool.needed(size) // n)), n)
-        pool.top_up(drawn, len(pool) + len(drawn))
-        running = pool.running()
-        stop = pool.batch_stop(running, sync=self.world_size > 1, group=self.actor_group,
-                               blocks=self.sampling.sync_every > 1, batch=batch)
-        before = [len(e.tokens) for e in running]
-        timing, results = None, {}
-        ready = stop(None)
-        idle = not ready and not running
-        if idle:
-            # nothing of its own to decode while another rank decodes: it enters the same
-            # contexts, whose ZeRO-3 gathers are collectives, and joins the stop checks there
-            # (a filtered step's later round can find a rank's pool all finished); the stage
-            # serves one rollout of every rank a round: this rank's is empty
-            if self.stage is not None:
-                self._send_critic_to_stage()
-            with self._decoding_contexts():
-                if self.remote is not None:
-                    self.remote.empty_rollout()
-                stop.wait(None)
-        elif not ready:
-            inputs = pool.decode_inputs(running, self.tokenizer.pad_token_id, self.device)
-            if o.streaming:
-                state, results, timing = self._stream_pool(running, inputs, chunk, stop)
-            else:
-                with self.actor.generation_context() as model:
-                    state = start_decode(model, params=self.sampling, **inputs)
-                    decode_steps(model, state, self.sampling, self.sample_gen, stop=stop)
-            stop.wait(state)
-            pool.absorb(running, state, version=self.policy_version, step=self.step_count)
-            if self.actor_streams:
-                # the current weights' log-probs of a row that finished now: its carried tokens
-                # from the prefill that rebuilt its cache, the rest as sampled
-                for row in state.finish_order:
-                    results.setdefault("actor", {})[running[row].uid] = \
-                        state.actor_logprobs[row, :int(state.lengths[row])]
-            for entry in running:
-                entry.results.update({kind: per_row[entry.uid] for kind, per_row in results.items()
-                                      if entry.uid in per_row})
-        new_tokens = [len(e.tokens) - n for e, n in zip(running, before)]
-        produced = float(sum(new_tokens))
-        # decode slots left idle: rows that had ended while the others went on
-        slots = len(running) * max(new_tokens, default=0)
-        tail_waste = 1.0 - produced / slots if slots else 0.0
-        taken = pool.take(batch, defer=defer)
-        pool.check()
-        gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
-        streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
-        metrics = staleness_metrics(comm.gather_lists(staleness_rows(taken, self.policy_version),
-                                                  self.dp_group))
-        calls, idle_ranks = zip(*comm.gather_lists([(stop.calls, int(idle))], self.dp_group))
-        if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
-            raise RuntimeError(f"ranks stopped decoding after different numbers of stop "
-                               f"checks: {list(calls)}")
-        metrics.update({"pool/delta": delta, "pool/size": size, "pool/carried": len(pool),
-                        "pool/decoded_tokens": produced, "pool/sync_calls": calls[0],
-                        "pool/idle_ranks": sum(idle_ranks),
-                        "rollout/tail_waste_frac": tail_waste})
-        groups = torch.tensor([e.group for e in taken]) if pool.group_size > 1 else None
-        return [e.key for e in taken], groups, gen, streamed, timing, metrics, produced, taken
-
-    def _stream_pool(self, running, inputs: dict, chunk: int, stop: BatchStop):
-        """The pool's rollout with streaming scorers. The reward and reference scorers keep
-        their caches from step to step (frozen models: a deferred row's prefix stays valid),
-        so only rows they do not hold yet are added, with whatever response those rows
-        already have; the critic trains, so its scorer is new each step and prefills every
-        row's prompt + partial response. Under the stage placement the scorer rank does the
-        same with its copies (the critic's sent to it when it trained)."""
-        o = self.cfg.oppo
-        if self.stage is not None:
-            uids = torch.tensor([e.uid for e in running], dtype=torch.long)
-            self._send_critic_to_stage()
-            with self.actor.generation_context() as actor:
-                return stage_stream_continue(actor, self.remote, inputs, uids, self.sampling,
-                                             self.sample_gen, chunk, stop=stop,
-                                             replica=self.replica)
-        frozen = [k for k in self._streamed_kinds() if k in ("reward", "reference")]
-        with self._decoding_contexts() as (actor, critic):
-            uids, scorers, setup = pool_stream_setup(
-                running, inputs, self._carried_scorer, frozen, device=self.device,
-                critic=StreamingScorer(critic, "critic") if critic is not None else None)
-            return stream_continue(actor, scorers, setup, inputs, uids, self.sampling,
-                                   self.sample_gen, chunk, placement=o.placement, stop=stop)
-
     @contextmanager
     def _decoding_contexts(self):
         """(actor, critic or None) in the contexts a rollout decodes in on this rank: the
@@ -513,14 +415,6 @@ class PPOTrainer(PPOUpdate, FilterRounds, StagePlacement, Resumable, Evaluating,
         """What streams: the scorers (``Config.streamed_scorers``) and the actor's own
         log-probs when it streams them."""
         return self.cfg.streamed_scorers + ["actor"] * self.cfg.oppo.streams_actor
-
-    def _carried_scorer(self, kind: str) -> StreamingScorer:
-        """The reward / reference streaming scorer whose cache lives across steps."""
-        if kind not in self.carried_scorers:
-            model = self.reward if kind == "reward" else self.reference
-            self.carried_scorers[kind] = StreamingScorer(
-                model, kind, temperature=self.cfg.generation.temperature)
-        return self.carried_scorers[kind]
 
     def generate(self, prompt_id_lists, targets: Optional[torch.Tensor] = None):
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)
