@@ -19,22 +19,44 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Mode:
-    overrides: tuple[str, ...]
-    """Config overrides that select this schedule (applied before the user's)."""
     streams: bool
-    """Whether scoring overlaps decoding; a mode that does not hides no scoring time."""
+    """Whether scoring overlaps decoding (``oppo.streaming``); a mode that does not hides no
+    scoring time."""
+    overcommits: bool
+    """Whether the step overcommits (``oppo.overcommit``, ``auto`` unless the user sets a
+    Delta); a mode that does not runs with Delta = 0 whatever the user gives."""
+    extra: tuple[str, ...] = ()
+    """Further overrides of the mode, applied before the user's."""
+
+    @property
+    def defaults(self) -> tuple[str, ...]:
+        """Overrides applied before the user's: the settings a user may tune for this mode
+        (the streaming modes choose their chunk size online, as OPPO does; the overcommitting
+        ones adapt Delta)."""
+        return ((("oppo.chunk_size=auto",) if self.streams else ())
+                + (("oppo.overcommit=auto",) if self.overcommits else ()) + self.extra)
+
+    @property
+    def pinned(self) -> tuple[str, ...]:
+        """Overrides applied after the user's: what makes this mode this mode. A user's
+        ``oppo.overcommit=16`` reaches the overcommitting modes only; without this an
+        ``intra`` run given it overcommitted too and was oppo under another name (the first
+        H100 run, 2026-11-26)."""
+        return ((f"oppo.streaming={'true' if self.streams else 'false'}",)
+                + (() if self.overcommits else ("oppo.overcommit=0",)))
 
 
-# The one table of schedules oppo-bench can run: adding a mode is one line here.
+# The one table of schedules oppo-bench can run: adding a mode is one line here. Each mode
+# sets both techniques, so a config that turns one on (llama3_70b.yaml overcommits) still gives
+# a true baseline.
 MODES: dict[str, Mode] = {
-    # each mode sets both techniques, so a config that turns one on (llama3_70b.yaml
-    # overcommits) still gives a true baseline
-    "sequential": Mode(("oppo.streaming=false", "oppo.overcommit=0"), streams=False),
-    # the streaming modes choose their chunk size online, as OPPO does (chunk_size: auto)
-    "intra": Mode(("oppo.streaming=true", "oppo.chunk_size=auto", "oppo.overcommit=0"), streams=True),
-    "inter": Mode(("oppo.streaming=false", "oppo.overcommit=auto"), streams=False),
-    "oppo": Mode(("oppo.streaming=true", "oppo.chunk_size=auto", "oppo.overcommit=auto"), streams=True),
+    "sequential": Mode(streams=False, overcommits=False),
+    "intra": Mode(streams=True, overcommits=False),
+    "inter": Mode(streams=False, overcommits=True),
+    "oppo": Mode(streams=True, overcommits=True),
 }
+# A user override of these keys would turn one mode into another: refused up front.
+MODE_KEYS = ("oppo.streaming",)
 # Other systems run on the same workload for comparison: name -> the module whose CLI takes
 # [--config FILE] --steps N --seed S --out DIR [KEY=VALUE ...] and writes DIR/metrics.jsonl in
 # our format (oppo_ds/peers/).
@@ -85,7 +107,18 @@ def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[s
     trace = [f"logging.trace_every={trace_step}"] if trace_step else []
     placement = [] if MODES[mode].streams else ["oppo.placement=inline"]
     return [f"steps={steps}", f"seed={seed}", f"logging.output_dir={run_dir}", *BASE_OVERRIDES,
-            *trace, *MODES[mode].overrides, *user, *placement]
+            *trace, *MODES[mode].defaults, *user, *MODES[mode].pinned, *placement]
+
+
+def check_user_overrides(user: list[str]) -> None:
+    """Refuse (BenchError, code 2) a user override that would make every mode the same
+    schedule: each mode sets ``oppo.streaming`` itself."""
+    for item in user:
+        key = item.split("=", 1)[0].strip()
+        if key in MODE_KEYS:
+            raise BenchError(f"{item!r}: {key} is set by each mode (sequential and inter: false, "
+                             f"intra and oppo: true); choose the modes with --modes instead",
+                             code=2)
 
 
 def trace_step(steps: int, warmup: int) -> int:

@@ -6,12 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from oppo_ds import bench
+from oppo_ds.config import load_config
 from oppo_ds.cli import bench as bench_cli
+
+ROOT = Path(__file__).resolve().parent.parent
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "examples", "configs", "tiny.yaml")
@@ -205,8 +209,8 @@ def test_sequential_run_writes_json_table_and_plot(cache_dir, tmp_path):
 def test_each_mode_gets_its_overrides_and_own_run(cache_dir, tmp_path, monkeypatch):
     # a second mode from the table: the same schedule with a different KL coefficient, so the
     # child's saved config shows that the mode's overrides reached it
-    monkeypatch.setitem(bench.MODES, "strongkl", bench.Mode(("oppo.streaming=false", "ppo.kl_coef=0.7"),
-                                                            streams=False))
+    monkeypatch.setitem(bench.MODES, "strongkl", bench.Mode(streams=False, overcommits=False,
+                                                            extra=("ppo.kl_coef=0.7",)))
     out = tmp_path / "b.json"
     code = bench_cli.main(["--config", TINY, "--modes", "strongkl,sequential", "--steps", "2",
                            "--json", str(out), "--workdir", str(tmp_path / "runs"),
@@ -226,7 +230,7 @@ def test_each_mode_gets_its_overrides_and_own_run(cache_dir, tmp_path, monkeypat
 
 def test_failing_mode_names_mode_and_log(cache_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(bench.MODES, "broken", bench.Mode(
-        ("oppo.streaming=false", f"data.prompts={tmp_path / 'missing.jsonl'}"), streams=False))
+        streams=False, overcommits=False, extra=(f"data.prompts={tmp_path / 'missing.jsonl'}",)))
     code = bench_cli.main(["--config", TINY, "--modes", "broken", "--steps", "2",
                            "--json", str(tmp_path / "b.json"), *SMALL, f"workload.cache_dir={cache_dir}"])
     err = capsys.readouterr().err
@@ -318,10 +322,29 @@ def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path, monke
 
 def test_every_mode_sets_both_techniques():
     """A config that switches a technique on (llama3_70b.yaml overcommits) must not leak it
-    into a mode that compares against it: each mode states streaming and overcommit."""
-    for name, mode in bench.MODES.items():
-        keys = {o.split("=", 1)[0] for o in mode.overrides}
-        assert {"oppo.streaming", "oppo.overcommit"} <= keys, name
+    into a mode that compares against it, and a user's Delta must reach the overcommitting
+    modes only: on the first H100 run ``oppo.overcommit=16`` given for oppo also made
+    ``intra`` overcommit. The resolved configs say what each mode runs."""
+    expected = {"sequential": (False, 0), "intra": (True, 0), "inter": (False, 16),
+                "oppo": (True, 16)}
+    for user, auto_delta in (([], "auto"), (["oppo.overcommit=16"], 16)):
+        for name, (streams, delta) in expected.items():
+            cfg = load_config(str(ROOT / "examples" / "configs" / "llama3_70b.yaml"),
+                              bench.child_overrides(name, 2, 0, "/tmp/r", user))
+            assert cfg.oppo.streaming is streams, (name, user)
+            assert cfg.oppo.overcommit == (delta and auto_delta), (name, user)
+            if streams:
+                assert cfg.oppo.chunk_size == "auto", name
+
+
+def test_a_user_override_of_streaming_is_refused(tmp_path, capsys):
+    """``oppo.streaming`` selects the mode; set by the user it would make sequential and intra
+    the same run under two names."""
+    code = bench_cli.main(["--modes", "sequential,intra", "--steps", "2", "--json",
+                           str(tmp_path / "x.json"), "oppo.streaming=true"])
+    err = capsys.readouterr().err
+    assert code == 2 and "oppo.streaming is set by each mode" in err and "--modes" in err
+    assert not (tmp_path / "x.runs").exists()
 
 
 def test_launch_command_and_overrides_for_several_ranks():
@@ -338,8 +361,9 @@ def test_launch_command_and_overrides_for_several_ranks():
         bench.launch_command("oppo_ds.train", [], ranks=0)
     user = ["oppo.placement=stage"]
     seq = bench.child_overrides("sequential", 2, 0, "/tmp/r", user)
-    assert seq[-2:] == ["oppo.placement=stage", "oppo.placement=inline"]
-    assert bench.child_overrides("oppo", 2, 0, "/tmp/r", user)[-1] == "oppo.placement=stage"
+    assert seq[-1] == "oppo.placement=inline" and "oppo.placement=stage" in seq
+    oppo = bench.child_overrides("oppo", 2, 0, "/tmp/r", user)
+    assert "oppo.placement=stage" in oppo and "oppo.placement=inline" not in oppo
 
 
 def test_stage_modes_need_several_ranks_and_peers_one(tmp_path, capsys):

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "round) and report medians over the rounds; a speedup is the "
                              "median of the rounds' own speedups (default 1)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="config overrides applied to every mode, e.g. ppo.batch_size=32")
+                        help="config overrides applied to every mode, e.g. ppo.batch_size=32; "
+                             "oppo.overcommit=N sets Delta for inter and oppo only, and "
+                             "oppo.streaming is each mode's own (refused)")
     return parser
 
 
@@ -82,6 +84,7 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
     if args.ranks > 1 and args.peers:
         raise bench.BenchError("--peers runs one process (TRL's PPO here is single-process); "
                                "leave --ranks at 1 to compare with a peer", code=2)
+    bench.check_user_overrides(args.overrides)
     for mode in modes:
         overrides = bench.child_overrides(mode, args.steps, args.seed, os.path.join(workdir, mode),
                                           args.overrides)
