@@ -6,7 +6,11 @@ On the first GPU run (an H200, 2026-11-26, docs/benchmarks.md) the actor decoded
 36 ms a token for a 2-layer tiny model and 38 ms for Qwen2.5-0.5B shapes, with the GPU's
 multiprocessors about 10% busy: a cost per token that does not grow with the model, which a
 forward pass cannot explain. This probe times, on one actor built from config with random
-weights, each piece of a decode step alone, so one short run on a GPU says which it is:
+weights, each piece of a decode step alone, so one short run on a GPU says which it is. On the
+second (an H100, 2026-11-26) it said: not the host waits (a sync 0.02 ms, a copy 0.02 ms,
+decoding in blocks no faster), but the forward itself, 15.7 ms a token for Qwen2.5-0.5B at
+batch 32 (the host's launches, not the GPU's work); the trainer still took 37-48 ms a token
+there, which ``--trainer`` (below) is for. The pieces:
 
 - ``forward``: the model's forward with its KV cache and a greedy next token chosen on the
   device, no host sync until the end (launch and compute alone);
@@ -27,6 +31,10 @@ weights, each piece of a decode step alone, so one short run on a GPU says which
   kernel, a copy to pageable host memory and the wait); one copy of ``batch`` float64
   uniforms from pageable host memory (the sampler's), and the same from pinned memory with
   ``non_blocking`` and a wait, each on its own.
+
+With ``--trainer KEY=VALUE ...`` it also builds a ``PPOTrainer`` from those overrides and
+times its own decode: its actor on the probe's prompts, ``PPOTrainer.generate`` on its
+workload's prompts, and that again after one PPO step (``probe_trainer``).
 
 Figures are milliseconds per decode step (one token for every row), medians of ``--repeat``
 timed runs after one warm-up. On a CPU the syncs cost nothing and the probe shows only
@@ -162,6 +170,66 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
             "ms_per_token": ms}
 
 
+TRAINER_PIECES = ("trainer's actor, probe prompts", "trainer generate", "trainer generate, after a step")
+
+
+def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int,
+                  repeat: int = 3, seed: int = 0) -> dict:
+    """The trainer's own decode, ms per decode step: its actor (a DeepSpeed engine's module)
+    on the probe's prompts; ``PPOTrainer.generate`` on its workload's prompts (left-padded,
+    every row held to ``tokens`` tokens by a length target); and the same after one PPO step
+    (the optimizer's state and the training's allocations in place). On the first H100 run
+    (2026-11-26) the sequential trainer decoded at 37-48 ms a token where the probe's
+    ``decode (cpu generator)`` took 16.9 ms on the same shapes: this says which of model,
+    prompts or the state a step leaves behind makes the difference. ``overrides`` build the
+    trainer (``workload.kind=length_oracle model.builtin_arch=...``); its run directory is a
+    temporary one and nothing is saved."""
+    import shutil
+    import tempfile
+
+    from .config import load_config
+    from .trainer import PPOTrainer
+
+    out_dir = tempfile.mkdtemp(prefix="oppo-probe-")
+    cfg = load_config(None, [*overrides, f"ppo.batch_size={batch}", f"seed={seed}",
+                             f"generation.max_new_tokens={max(tokens, 2)}",
+                             "checkpoint.resume=never", "checkpoint.final=false",
+                             "checkpoint.export_hf=false", "logging.progress=false",
+                             "eval.prompts=null", f"logging.output_dir={out_dir}"])
+    trainer = PPOTrainer(cfg)
+    dev = trainer.device
+    sync = _sync_fn(dev)
+    vocab = trainer.actor.module.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(dev)
+    mask = torch.ones_like(prompt)
+    params = SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
+                            temperature=1.0, top_k=0, top_p=1.0)
+
+    def own_model() -> int:
+        with trainer.actor.generation_context() as model:
+            state = start_decode(model, prompt, mask, params)
+            return decode_steps(model, state, params, gen) // batch - 1
+
+    prompts = [p.input_ids for p in trainer.stream.take(batch)]
+    targets = torch.full((batch,), tokens, dtype=torch.long)
+
+    def own_generate() -> int:
+        trainer.generate(prompts, targets)
+        return tokens
+
+    try:
+        ms = {TRAINER_PIECES[0]: _median_ms(own_model, sync, repeat),
+              TRAINER_PIECES[1]: _median_ms(own_generate, sync, repeat)}
+        trainer.step()
+        ms[TRAINER_PIECES[2]] = _median_ms(own_generate, sync, repeat)
+    finally:
+        trainer.telemetry.close()
+        trainer.close()
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return ms
+
+
 def format_report(report: dict) -> str:
     lines = [f"{report['arch']} {report['dtype']} on {report['device']}: batch {report['batch']}, "
              f"prompt {report['prompt_len']}, {report['tokens']} tokens, median of "
@@ -169,8 +237,9 @@ def format_report(report: dict) -> str:
              f"step; sync, launch, d2h and h2d: ms per call)"]
     base = report["ms_per_token"]["forward"]
     for name, value in report["ms_per_token"].items():
-        ratio = f"{value / base:6.2f}x forward" if name in DECODE_PIECES and base else ""
-        lines.append(f"  {name:<28}{value:10.3f}  {ratio}")
+        ratio = (f"{value / base:6.2f}x forward"
+                 if (name in DECODE_PIECES or name in TRAINER_PIECES) and base else "")
+        lines.append(f"  {name:<32}{value:10.3f}  {ratio}")
     return "\n".join(lines)
 
 
@@ -187,6 +256,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sync-every", type=int, default=16,
                         help="generation.sync_every of the 'decode (in blocks)' piece (>= 2)")
     parser.add_argument("--json", metavar="OUT.json", help="also write the figures as JSON")
+    parser.add_argument("--trainer", nargs="*", metavar="KEY=VALUE",
+                        help="also time the trainer's own decode (a PPOTrainer built from these "
+                             "config overrides, e.g. workload.kind=length_oracle "
+                             "model.builtin_arch=qwen2.5-0.5b system.dtype=bf16), before and "
+                             "after one PPO step")
     args = parser.parse_args(argv)
     if (args.tokens < 2 or args.batch < 1 or args.prompt_len < 1 or args.repeat < 1
             or args.sync_every < 2):
@@ -194,6 +268,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "--repeat >= 1")
     report = probe(args.arch, args.batch, args.prompt_len, args.tokens, args.dtype, args.device,
                    args.repeat, sync_every=args.sync_every)
+    if args.trainer is not None:
+        report["trainer_overrides"] = list(args.trainer)
+        report["ms_per_token"].update(probe_trainer(args.trainer, args.batch, args.prompt_len,
+                                                    args.tokens, args.repeat))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 
 import pytest
 import torch
@@ -28,6 +30,28 @@ def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "tiny-qwen2 fp32 on cpu: batch 4" in shown and "blocks of 4 tokens" in shown
     assert all(piece in shown for piece in PIECES)
+
+
+def test_probe_times_the_trainers_own_decode(tmp_path, capsys):
+    """--trainer builds a PPOTrainer from the overrides and times its decode three ways (its
+    actor on the probe's prompts, its generate on its own prompts, the same after a PPO step),
+    beside the probe's pieces, and leaves no run directory behind."""
+    out = tmp_path / "probe.json"
+    before = set(os.listdir(tempfile.gettempdir()))
+    assert decode_probe.main(["--arch", "tiny-qwen2", "--batch", "4", "--tokens", "5",
+                              "--prompt-len", "5", "--dtype", "fp32", "--device", "cpu",
+                              "--repeat", "1", "--json", str(out), "--trainer",
+                              "workload.kind=length_oracle", "model.builtin_arch=tiny-qwen2",
+                              "ppo.mini_batch_size=4", "ppo.micro_batch_size=4"]) == 0
+    report = json.loads(out.read_text())
+    assert report["trainer_overrides"][0] == "workload.kind=length_oracle"
+    assert set(report["ms_per_token"]) == PIECES | set(decode_probe.TRAINER_PIECES)
+    assert all(math.isfinite(v) and v > 0 for v in report["ms_per_token"].values())
+    shown = capsys.readouterr().out
+    assert all(piece in shown for piece in decode_probe.TRAINER_PIECES)
+    left = {n for n in set(os.listdir(tempfile.gettempdir())) - before
+            if n.startswith("oppo-probe-")}
+    assert not left
 
 
 def test_probe_decodes_every_row_to_the_end():
