@@ -34,7 +34,9 @@ there, which ``--trainer`` (below) is for. The pieces:
 
 With ``--trainer KEY=VALUE ...`` it also builds a ``PPOTrainer`` from those overrides and
 times its own decode: its actor on the probe's prompts, ``PPOTrainer.generate`` on its
-workload's prompts, and that again after one PPO step (``probe_trainer``).
+workload's prompts (split into a cost per token and a fixed cost per call; and with its rows
+ending one after another, as a rollout's do), and its first call after a PPO step
+(``probe_trainer``).
 
 Figures are milliseconds per decode step (one token for every row), medians of ``--repeat``
 timed runs after one warm-up. On a CPU the syncs cost nothing and the probe shows only
@@ -170,19 +172,30 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
             "ms_per_token": ms}
 
 
-TRAINER_PIECES = ("trainer's actor, probe prompts", "trainer generate", "trainer generate, after a step")
+# ms per decode step, beside the probe's own pieces; the fixed cost is ms per call
+TRAINER_PIECES = ("trainer's actor, probe prompts", "trainer generate",
+                  "trainer generate, per token", "trainer generate, rows ending",
+                  "trainer generate, first after a step")
+TRAINER_FIXED = "trainer generate, fixed per call"
 
 
 def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int,
                   repeat: int = 3, seed: int = 0) -> dict:
-    """The trainer's own decode, ms per decode step: its actor (a DeepSpeed engine's module)
-    on the probe's prompts; ``PPOTrainer.generate`` on its workload's prompts (left-padded,
-    every row held to ``tokens`` tokens by a length target); and the same after one PPO step
-    (the optimizer's state and the training's allocations in place). On the first H100 run
-    (2026-11-26) the sequential trainer decoded at 37-48 ms a token where the probe's
-    ``decode (cpu generator)`` took 16.9 ms on the same shapes: this says which of model,
-    prompts or the state a step leaves behind makes the difference. ``overrides`` build the
-    trainer (``workload.kind=length_oracle model.builtin_arch=...``); its run directory is a
+    """The trainer's own decode: its actor (a DeepSpeed engine's module) on the probe's
+    prompts; ``PPOTrainer.generate`` on its workload's prompts (left-padded, every row held to
+    ``tokens`` tokens by a length target), as ms per decode step and split into a cost per
+    token and a fixed cost per call (from the same call at ``tokens`` and at 1 token); the
+    same with the rows ending one after another through the decode (ms per forward: the
+    batch shrinks as a rollout's does, which the probe's pieces never do); and the first call
+    after each of ``repeat`` PPO steps (a cost that a step leaves to the next
+    decode, which a median after a warm-up call would hide).
+
+    On the first H100 run (2026-11-26) the probe's ``decode (cpu generator)`` took 16.9 ms a
+    token for Qwen2.5-0.5B at batch 32, while the trainer's sequential steps took 37-48 ms a
+    token of their longest response; fitted over the steps, that is about 18 ms a token plus
+    about 3 s a step. This says whether the 3 s are in ``generate`` itself, and which of
+    model, prompts or the step before puts them there. ``overrides`` build the trainer
+    (``workload.kind=length_oracle model.builtin_arch=...``); its run directory is a
     temporary one and nothing is saved."""
     import shutil
     import tempfile
@@ -192,7 +205,7 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
 
     out_dir = tempfile.mkdtemp(prefix="oppo-probe-")
     cfg = load_config(None, [*overrides, f"ppo.batch_size={batch}", f"seed={seed}",
-                             f"generation.max_new_tokens={max(tokens, 2)}",
+                             f"generation.max_new_tokens={tokens}",
                              "checkpoint.resume=never", "checkpoint.final=false",
                              "checkpoint.export_hf=false", "logging.progress=false",
                              "eval.prompts=null", f"logging.output_dir={out_dir}"])
@@ -212,17 +225,35 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
             return decode_steps(model, state, params, gen) // batch - 1
 
     prompts = [p.input_ids for p in trainer.stream.take(batch)]
-    targets = torch.full((batch,), tokens, dtype=torch.long)
 
-    def own_generate() -> int:
-        trainer.generate(prompts, targets)
-        return tokens
+    def own_generate(n: int, ending: bool = False) -> Callable[[], int]:
+        # ending: row i ends after ceil((i + 1) n / batch) tokens, so the batch shrinks
+        # through the decode as a real rollout's does (new shapes, rows leaving the cache)
+        targets = (torch.full((batch,), n, dtype=torch.long) if not ending else
+                   (torch.arange(1, batch + 1) * n + batch - 1) // batch)
+
+        def run() -> int:
+            trainer.generate(prompts, targets)
+            return n
+        return run
+
+    def first_after_a_step() -> float:
+        trainer.step()
+        sync()
+        start = time.perf_counter()
+        trainer.generate(prompts, torch.full((batch,), tokens, dtype=torch.long))
+        sync()
+        return (time.perf_counter() - start) * 1e3 / tokens
 
     try:
+        whole = _median_ms(own_generate(tokens), sync, repeat)
+        one = _median_ms(own_generate(1), sync, repeat)
+        per_token = (whole * tokens - one) / (tokens - 1)
         ms = {TRAINER_PIECES[0]: _median_ms(own_model, sync, repeat),
-              TRAINER_PIECES[1]: _median_ms(own_generate, sync, repeat)}
-        trainer.step()
-        ms[TRAINER_PIECES[2]] = _median_ms(own_generate, sync, repeat)
+              TRAINER_PIECES[1]: whole, TRAINER_PIECES[2]: per_token,
+              TRAINER_PIECES[3]: _median_ms(own_generate(tokens, ending=True), sync, repeat),
+              TRAINER_PIECES[4]: statistics.median(first_after_a_step() for _ in range(repeat)),
+              TRAINER_FIXED: one - per_token}
     finally:
         trainer.telemetry.close()
         trainer.close()
@@ -239,7 +270,7 @@ def format_report(report: dict) -> str:
     for name, value in report["ms_per_token"].items():
         ratio = (f"{value / base:6.2f}x forward"
                  if (name in DECODE_PIECES or name in TRAINER_PIECES) and base else "")
-        lines.append(f"  {name:<32}{value:10.3f}  {ratio}")
+        lines.append(f"  {name:<38}{value:10.3f}  {ratio}")
     return "\n".join(lines)
 
 

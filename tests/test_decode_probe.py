@@ -33,9 +33,10 @@ def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
 
 
 def test_probe_times_the_trainers_own_decode(tmp_path, capsys):
-    """--trainer builds a PPOTrainer from the overrides and times its decode three ways (its
-    actor on the probe's prompts, its generate on its own prompts, the same after a PPO step),
-    beside the probe's pieces, and leaves no run directory behind."""
+    """--trainer builds a PPOTrainer from the overrides and times its decode: its actor on the
+    probe's prompts, its generate on its own prompts (split into a cost per token and a fixed
+    cost per call), its first generate after a PPO step; beside the probe's pieces, leaving no
+    run directory behind."""
     out = tmp_path / "probe.json"
     before = set(os.listdir(tempfile.gettempdir()))
     assert decode_probe.main(["--arch", "tiny-qwen2", "--batch", "4", "--tokens", "5",
@@ -45,8 +46,14 @@ def test_probe_times_the_trainers_own_decode(tmp_path, capsys):
                               "ppo.mini_batch_size=4", "ppo.micro_batch_size=4"]) == 0
     report = json.loads(out.read_text())
     assert report["trainer_overrides"][0] == "workload.kind=length_oracle"
-    assert set(report["ms_per_token"]) == PIECES | set(decode_probe.TRAINER_PIECES)
-    assert all(math.isfinite(v) and v > 0 for v in report["ms_per_token"].values())
+    figures = report["ms_per_token"]
+    assert set(figures) == PIECES | set(decode_probe.TRAINER_PIECES) | {decode_probe.TRAINER_FIXED}
+    # the fixed cost is a difference of two timings: finite, of either sign on a noisy machine
+    assert all(math.isfinite(v) for v in figures.values())
+    assert all(v > 0 for k, v in figures.items() if k != decode_probe.TRAINER_FIXED)
+    # the split adds up: 5 tokens = the fixed cost + 5 times the cost per token
+    per_token, fixed = figures["trainer generate, per token"], figures[decode_probe.TRAINER_FIXED]
+    assert figures["trainer generate"] * 5 == pytest.approx(fixed + 5 * per_token, rel=1e-9)
     shown = capsys.readouterr().out
     assert all(piece in shown for piece in decode_probe.TRAINER_PIECES)
     left = {n for n in set(os.listdir(tempfile.gettempdir())) - before
