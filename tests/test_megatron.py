@@ -759,6 +759,32 @@ def test_stage_placement_with_overcommitment_and_tensor_parallel(cache_dir, tmp_
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
 
 
+def test_stage_placement_with_dynamic_sampling_and_tensor_parallel(cache_dir, tmp_path):
+    """Everything at once: a tp=2 replica, the scorer rank, the rollout pool and
+    ppo.filter_groups with the reward-range rule. A filter round is one rollout of rank 0's
+    to the stage (rank 1 takes rank 0's scores), so the stage serves exactly the rounds the
+    run logs, and the run repeats the one-rank run (group_norm: no critic; reward and
+    reference streamed in that process): the same rounds and drops, the rest at 1e-4 for the
+    2 steps tp=2 repeats (see above)."""
+    args = ["oppo.streaming=true", "oppo.chunk_size=3", "oppo.stream_to=[reference]",
+            "oppo.overcommit=2", "steps=2", "ppo.advantage_estimator=group_norm",
+            "data.samples_per_prompt=2", "ppo.filter_groups=true",
+            "ppo.filter_groups_reward_range=[0.5,1e9]"]
+    want, _ = _train(str(tmp_path / "one"), cache_dir, 1, *args)
+    got, _ = _train(str(tmp_path / "stage"), cache_dir, 3, "system.tensor_parallel=2",
+                    "oppo.placement=stage", *args)
+    rounds = sum(r["filter/rounds"] for r in got)
+    assert rounds > len(got) and sum(r["filter/dropped_groups"] for r in got) > 0
+    log = (tmp_path / "stage" / "launcher.log").read_text()
+    assert f"scorer rank 2: served {rounds} rollouts from actor ranks [0]" in log
+    for a, b in zip(want, got):
+        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
+                    "filter/prompts_drawn", "response/lengths"):
+            assert a[key] == b[key], (a["step"], key)
+        for key in (*(k for k in SAME if "value" not in k and "critic" not in k), "pool/carried"):
+            assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+
+
 def _rank_process(rank, world, port, out_dir, cache_dir, *overrides):
     """One rank of a run started without a launcher (the test needs each rank's pid)."""
     from _builders import rank_process
