@@ -179,6 +179,16 @@ TRAINER_PIECES = ("trainer's actor, probe prompts", "trainer generate",
 TRAINER_FIXED = "trainer generate, fixed per call"
 
 
+def trainer_overrides(overrides: list[str], batch: int, tokens: int, seed: int,
+                      out_dir: str) -> list[str]:
+    """The probe's trainer: the user's overrides, then its batch, length and a run that
+    saves nothing."""
+    return [*overrides, f"ppo.batch_size={batch}", f"seed={seed}",
+            f"generation.max_new_tokens={tokens}", "checkpoint.resume=never",
+            "checkpoint.final=false", "checkpoint.export_hf=false", "logging.progress=false",
+            "eval.prompts=null", f"logging.output_dir={out_dir}"]
+
+
 def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int,
                   repeat: int = 3, seed: int = 0) -> dict:
     """The trainer's own decode: its actor (a DeepSpeed engine's module) on the probe's
@@ -204,11 +214,7 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
     from .trainer import PPOTrainer
 
     out_dir = tempfile.mkdtemp(prefix="oppo-probe-")
-    cfg = load_config(None, [*overrides, f"ppo.batch_size={batch}", f"seed={seed}",
-                             f"generation.max_new_tokens={tokens}",
-                             "checkpoint.resume=never", "checkpoint.final=false",
-                             "checkpoint.export_hf=false", "logging.progress=false",
-                             "eval.prompts=null", f"logging.output_dir={out_dir}"])
+    cfg = load_config(None, trainer_overrides(overrides, batch, tokens, seed, out_dir))
     trainer = PPOTrainer(cfg)
     dev = trainer.device
     sync = _sync_fn(dev)
@@ -297,6 +303,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             or args.sync_every < 2):
         parser.error("--tokens and --sync-every must be >= 2 and --batch, --prompt-len, "
                      "--repeat >= 1")
+    if args.trainer is not None:  # a wrong key fails now, not after the probe's own pieces
+        from .config import ConfigError, load_config
+
+        try:
+            load_config(None, trainer_overrides(args.trainer, args.batch, args.tokens, 0, "."))
+        except ConfigError as err:
+            parser.error(f"--trainer: {err}")
     report = probe(args.arch, args.batch, args.prompt_len, args.tokens, args.dtype, args.device,
                    args.repeat, sync_every=args.sync_every)
     if args.trainer is not None:

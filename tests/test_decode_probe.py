@@ -82,3 +82,13 @@ def test_probe_refuses_sizes_it_cannot_time(bad, capsys):
     with pytest.raises(SystemExit) as err:
         decode_probe.main(["--arch", "tiny-qwen2", "--device", "cpu", *bad])
     assert err.value.code == 2 and "--tokens and --sync-every must be >= 2" in capsys.readouterr().err
+
+
+def test_probe_refuses_a_wrong_trainer_key_before_it_starts(capsys):
+    """A wrong --trainer override is named at once, before the probe's own pieces run."""
+    with pytest.raises(SystemExit) as err:
+        decode_probe.main(["--arch", "tiny-qwen2", "--device", "cpu", "--trainer",
+                           "workload.kind=length_oracle", "ppo.batchsize=4"])
+    shown = capsys.readouterr()
+    assert err.value.code == 2 and "--trainer: ppo.batchsize: unknown key" in shown.err
+    assert "forward" not in shown.out
