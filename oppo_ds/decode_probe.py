@@ -24,6 +24,14 @@ there, which ``--trainer`` (below) is for. The pieces:
 - ``decode (in blocks)``: ``decode_steps`` with ``generation.sync_every`` = ``--sync-every``
   (16), the trainer's CPU generator: one host check of ended rows and one copy of uniforms
   a block instead of a token (no row ends in the probe, so no forward is wasted);
+- ``decode, left-padded``: ``decode (cpu generator)`` on prompts of random lengths padded on
+  the left, as the trainer's are (an attention mask with zeros: attention kernels that take
+  a mask, where full prompts take the causal ones);
+- ``decode, left-padded, new shapes``: the same, each run at a batch size not decoded
+  before in the process (``new_shape_batches``): the pieces above pay any cost per new shape
+  (an attention backend's plan, say) in their warm-up run, a rollout pays it whenever its
+  batch shrinks or its prompts change width; ``decode, new shapes, no cuDNN attention`` the
+  same with torch's cuDNN attention backend left out (cuDNN plans each shape it sees);
 - ``launch``: one one-element kernel queued without a wait (what each of a forward's
   kernels costs the host to start);
 - ``sync``, ``d2h item``, ``h2d copy`` and ``h2d pinned``: one ``synchronize`` after a
@@ -34,9 +42,9 @@ there, which ``--trainer`` (below) is for. The pieces:
 
 With ``--trainer KEY=VALUE ...`` it also builds a ``PPOTrainer`` from those overrides and
 times its own decode: its actor on the probe's prompts, ``PPOTrainer.generate`` on its
-workload's prompts (split into a cost per token and a fixed cost per call; and with its rows
-ending one after another, as a rollout's do), and its first call after a PPO step
-(``probe_trainer``).
+workload's prompts (split into a cost per token and a fixed cost per call; with its rows
+ending one after another, as a rollout's do; at new batch sizes), and its first call after a
+PPO step (``probe_trainer``).
 
 Figures are milliseconds per decode step (one token for every row), medians of ``--repeat``
 timed runs after one warm-up. On a CPU the syncs cost nothing and the probe shows only
@@ -45,6 +53,7 @@ the loop's own overhead beside the forward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -60,7 +69,8 @@ from .rollout.generate import SamplingParams, decode_steps, start_decode
 TINY_VOCAB = 512  # the tiny architectures' vocabulary here (the real shapes keep their own)
 # timed per decode step; the other pieces are timed per call
 DECODE_PIECES = ("forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
-                 "decode (in blocks)")
+                 "decode (in blocks)", "decode, left-padded", "decode, left-padded, new shapes",
+                 "decode, new shapes, no cuDNN attention")
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -78,6 +88,50 @@ def _median_ms(fn: Callable[[], int], sync: Callable[[], None], repeat: int) -> 
         units = fn()
         sync()
         per_unit.append((time.perf_counter() - start) * 1e3 / max(units, 1))
+    return statistics.median(per_unit)
+
+
+def _left_padded(vocab: int, rows: int, width: int, gen: torch.Generator, device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of ``rows`` random lengths in [width / 4, width], left-padded with id 0 to
+    ``width``, as the trainer's are: (ids, mask) on ``device``."""
+    lengths = torch.randint(max(1, width // 4), width + 1, (rows,), generator=gen)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+    ids = torch.randint(3, vocab, (rows, width), generator=gen) * mask
+    return ids.to(device), mask.to(device)
+
+
+def _no_cudnn_attention():
+    """torch's scaled-dot-product attention with every backend but cuDNN's (which plans
+    each new shape); a no-op context where torch has no such backend."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
+
+
+def new_shape_batches(batch: int, repeat: int, skip: int = 0) -> list[int]:
+    """Batch sizes ``batch - 1 - skip``, ``batch - 2 - skip``, ... (``repeat`` + 1 of them,
+    the first a warm-up; never below 1): decoding at a batch size the process has not used
+    yet gives every forward a shape of its own, so a cost paid once per new shape (an
+    attention backend's plan, an allocator's new block) shows, where the probe's other
+    pieces pay it in their warm-up run."""
+    return [max(1, batch - 1 - skip - i) for i in range(repeat + 1)]
+
+
+def _cold_ms(run: Callable[[int], int], batches: list[int], sync: Callable[[], None]) -> float:
+    """Median ms per unit of ``run(rows)`` over ``batches[1:]`` (``batches[0]`` warms up the
+    code, at a shape of its own)."""
+    per_unit = []
+    for i, rows in enumerate(batches):
+        sync()
+        start = time.perf_counter()
+        units = run(rows)
+        sync()
+        if i:
+            per_unit.append((time.perf_counter() - start) * 1e3 / max(units, 1))
     return statistics.median(per_unit)
 
 
@@ -153,12 +207,31 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
         sync()
         return 1
 
+    padded_ids, padded_mask = _left_padded(vocab, batch, prompt_len, gen, dev)
+
+    def padded() -> int:
+        state = start_decode(model, padded_ids, padded_mask, params)
+        return decode_steps(model, state, params, gen) // batch - 1
+
+    def new_shape(no_cudnn: bool) -> Callable[[int], int]:
+        def run(rows: int) -> int:
+            ids, am = _left_padded(vocab, rows, prompt_len, gen, dev)
+            with _no_cudnn_attention() if no_cudnn else contextlib.nullcontext():
+                state = start_decode(model, ids, am, params)
+                return decode_steps(model, state, params, gen) // rows - 1
+        return run
+
     ms = {
         "forward": _median_ms(lambda: forward_loop(False), sync, repeat),
         "forward + sync": _median_ms(lambda: forward_loop(True), sync, repeat),
         "decode (cpu generator)": _median_ms(decode(gen), sync, repeat),
         "decode (device generator)": _median_ms(decode(device_gen), sync, repeat),
         "decode (in blocks)": _median_ms(decode(gen, blocks), sync, repeat),
+        "decode, left-padded": _median_ms(padded, sync, repeat),
+        "decode, left-padded, new shapes": _cold_ms(new_shape(False),
+                                                    new_shape_batches(batch, repeat), sync),
+        "decode, new shapes, no cuDNN attention": _cold_ms(
+            new_shape(True), new_shape_batches(batch, repeat, skip=repeat + 1), sync),
         "launch": _median_ms(launches, sync, repeat),
         "sync": _median_ms(one_sync, sync, repeat * 20),
         "d2h item": _median_ms(one_item, sync, repeat * 20),
@@ -175,7 +248,7 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
 # ms per decode step, beside the probe's own pieces; the fixed cost is ms per call
 TRAINER_PIECES = ("trainer's actor, probe prompts", "trainer generate",
                   "trainer generate, per token", "trainer generate, rows ending",
-                  "trainer generate, first after a step")
+                  "trainer generate, new shapes", "trainer generate, first after a step")
 TRAINER_FIXED = "trainer generate, fixed per call"
 
 
@@ -243,6 +316,11 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
             return n
         return run
 
+    def new_shape(rows: int) -> int:  # fresh prompts, a batch size not decoded before
+        fresh = [p.input_ids for p in trainer.stream.take(rows)]
+        trainer.generate(fresh, torch.full((rows,), tokens, dtype=torch.long))
+        return tokens
+
     def first_after_a_step() -> float:
         trainer.step()
         sync()
@@ -258,7 +336,10 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
         ms = {TRAINER_PIECES[0]: _median_ms(own_model, sync, repeat),
               TRAINER_PIECES[1]: whole, TRAINER_PIECES[2]: per_token,
               TRAINER_PIECES[3]: _median_ms(own_generate(tokens, ending=True), sync, repeat),
-              TRAINER_PIECES[4]: statistics.median(first_after_a_step() for _ in range(repeat)),
+              # batch sizes past those the probe's own new-shape pieces used
+              TRAINER_PIECES[4]: _cold_ms(new_shape, new_shape_batches(
+                  batch, repeat, skip=2 * (repeat + 1)), sync),
+              TRAINER_PIECES[5]: statistics.median(first_after_a_step() for _ in range(repeat)),
               TRAINER_FIXED: one - per_token}
     finally:
         trainer.telemetry.close()

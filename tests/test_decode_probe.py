@@ -14,7 +14,9 @@ import torch
 from oppo_ds import decode_probe
 
 PIECES = {"forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
-          "decode (in blocks)", "sync", "launch", "d2h item", "h2d copy", "h2d pinned"}
+          "decode (in blocks)", "decode, left-padded", "decode, left-padded, new shapes",
+          "decode, new shapes, no cuDNN attention", "sync", "launch", "d2h item", "h2d copy",
+          "h2d pinned"}
 
 
 def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
@@ -92,3 +94,48 @@ def test_probe_refuses_a_wrong_trainer_key_before_it_starts(capsys):
     shown = capsys.readouterr()
     assert err.value.code == 2 and "--trainer: ppo.batchsize: unknown key" in shown.err
     assert "forward" not in shown.out
+
+
+def test_new_shape_batches_never_repeat_a_size_while_there_is_room():
+    """The new-shape pieces decode at batch sizes the probe has not used: below --batch,
+    each piece's sizes after the last piece's, and never below 1."""
+    first = decode_probe.new_shape_batches(32, 3)
+    second = decode_probe.new_shape_batches(32, 3, skip=4)
+    third = decode_probe.new_shape_batches(32, 3, skip=8)
+    assert first == [31, 30, 29, 28] and second == [27, 26, 25, 24] and third[0] == 23
+    assert len(set(first + second + third)) == 12
+    assert decode_probe.new_shape_batches(3, 3) == [2, 1, 1, 1]
+
+
+def test_left_padded_prompts_are_the_trainers_kind():
+    """Prompts of random lengths in [width / 4, width], padded on the left with id 0."""
+    gen = torch.Generator().manual_seed(0)
+    ids, mask = decode_probe._left_padded(100, 64, 12, gen, torch.device("cpu"))
+    lengths = mask.sum(1)
+    assert ids.shape == mask.shape == (64, 12)
+    assert int(lengths.min()) >= 3 and int(lengths.max()) <= 12 and len(set(lengths.tolist())) > 3
+    for row, n in zip(range(64), lengths.tolist()):
+        assert mask[row].tolist() == [0] * (12 - n) + [1] * n
+        assert (ids[row, : 12 - n] == 0).all() and (ids[row, 12 - n:] >= 3).all()
+
+
+def test_attention_without_cudnn_samples_the_same_tokens():
+    """The no-cuDNN piece changes only which attention kernel runs: on this CPU the tokens,
+    log-probs and generator state are those of the default."""
+    from oppo_ds.models import build_causal_lm
+    from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
+
+    model = build_causal_lm("tiny-qwen2", vocab_size=decode_probe.TINY_VOCAB, seed=0).eval()
+    params = SamplingParams(max_new_tokens=6, eos_token_ids=(), pad_token_id=0, temperature=1.0,
+                            top_k=0, top_p=1.0)
+    ids, mask = decode_probe._left_padded(decode_probe.TINY_VOCAB, 3, 7,
+                                          torch.Generator().manual_seed(1), torch.device("cpu"))
+    runs = []
+    for context in (None, decode_probe._no_cudnn_attention()):
+        gen = torch.Generator().manual_seed(0)
+        with context or torch.no_grad():
+            state = start_decode(model, ids, mask, params)
+            decode_steps(model, state, params, gen)
+        runs.append((state.tokens, state.logprobs, gen.get_state()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-6)
