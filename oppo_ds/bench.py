@@ -195,7 +195,16 @@ def add_speedups(modes: dict[str, dict]) -> None:
 # timing fields of a mode that differ from round to round; the rest (reward, gold, tail waste)
 # is the same in every round (same code, workload and seeds)
 ROUND_FIELDS = ("step_time_s", "samples_per_s", "speedup", "scoring_hidden_frac",
-                "ideal_step_time_s", "of_ideal")
+                "ideal_step_time_s", "of_ideal", "process_s", "outside_steps_s")
+
+
+def add_process_time(fields: dict, steps: list[dict], process_s: float) -> None:
+    """``process_s``: the mode's child process(es) from launch to exit; ``outside_steps_s``:
+    the part of it no step took (imports, building the models and engines, the exit): on a
+    GPU at Qwen2.5-0.5B shapes about 90 s a mode, which a benchmark of few steps spends mostly
+    there."""
+    fields["process_s"] = process_s
+    fields["outside_steps_s"] = process_s - sum(r.get("time/step_s", 0.0) for r in steps)
 
 
 def round_dir(workdir: str, name: str, round_index: int) -> str:

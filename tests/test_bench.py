@@ -199,6 +199,12 @@ def test_sequential_run_writes_json_table_and_plot(cache_dir, tmp_path):
     check_mode_fields(seq, 3)
     assert seq["speedup"] == 1.0 and seq["scoring_hidden_frac"] == 0.0
     assert "sequential" in proc.stdout and "1.00x" in proc.stdout
+    # the child process's time: its steps, and what is not a step (imports, building, exit)
+    steps = [json.loads(line) for line in
+             (tmp_path / "bench.runs" / "sequential" / "metrics.jsonl").read_text().splitlines()]
+    assert seq["outside_steps_s"] > 0
+    assert seq["process_s"] == pytest.approx(seq["outside_steps_s"]
+                                             + sum(r["time/step_s"] for r in steps))
     run_dir = tmp_path / "bench.runs" / "sequential"
     assert (run_dir / "stdout.log").is_file() and (run_dir / "metrics.jsonl").is_file()
     # a timed run writes no checkpoint after its last step (at 0.5B one was 13 GB on a GPU)

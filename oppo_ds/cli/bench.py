@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 from .. import bench
 from ..config import ConfigError, load_config
@@ -115,14 +116,17 @@ def run_round(args, modes: list[str], workdir: str, round_index: int, traced) ->
               file=sys.stderr, flush=True)
         overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides,
                                           trace_step=traced)
+        start = time.perf_counter()
         histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir,
                                          ranks=bench.mode_ranks(mode, args.ranks,
                                                                 args.baseline_ranks))
+        process_s = time.perf_counter() - start
         trace = bench.read_trace(run_dir, traced) if traced else None
         if trace is not None:
             traces[mode] = trace
         hidden_default = None if bench.MODES[mode].streams else 0.0
         results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
+        bench.add_process_time(results[mode], histories[mode], process_s)
     peers, peer_histories = {}, {}
     for peer in bench.parse_peers(args.peers):
         run_dir = bench.round_dir(workdir, f"peer-{peer}", round_index)
