@@ -122,17 +122,24 @@ def new_shape_batches(batch: int, repeat: int, skip: int = 0) -> list[int]:
 
 
 def _cold_ms(run: Callable[[int], int], batches: list[int], sync: Callable[[], None]) -> float:
-    """Median ms per unit of ``run(rows)`` over ``batches[1:]`` (``batches[0]`` warms up the
-    code, at a shape of its own)."""
-    per_unit = []
-    for i, rows in enumerate(batches):
-        sync()
-        start = time.perf_counter()
-        units = run(rows)
-        sync()
-        if i:
-            per_unit.append((time.perf_counter() - start) * 1e3 / max(units, 1))
-    return statistics.median(per_unit)
+    """``_median_ms`` of ``run(rows)``, one call per batch size: ``batches[0]`` warms up the
+    code (at a shape of its own), the rest are timed."""
+    sizes = iter(batches)
+    return _median_ms(lambda: run(next(sizes)), sync, len(batches) - 1)
+
+
+def _params(tokens: int, sync_every: int = 1) -> SamplingParams:
+    """Sampling that no end id can stop: every row decodes ``tokens`` tokens."""
+    return SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
+                          temperature=1.0, top_k=0, top_p=1.0, sync_every=sync_every)
+
+
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+            generator: Optional[torch.Generator]) -> int:
+    """``start_decode`` and ``decode_steps`` as the trainer runs them; returns the decode
+    steps after the prefill's token (the unit the pieces are timed in)."""
+    state = start_decode(model, ids, mask, params)
+    return decode_steps(model, state, params, generator) // ids.shape[0] - 1
 
 
 def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, device: str,
@@ -146,9 +153,7 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(dev)
     mask = torch.ones_like(prompt)
     sync = _sync_fn(dev)
-    # no end id can end a row early: every row decodes ``tokens`` tokens
-    params = SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
-                            temperature=1.0, top_k=0, top_p=1.0)
+    params = _params(tokens)
 
     @torch.no_grad()
     def forward_loop(sync_each: bool) -> int:
@@ -166,15 +171,11 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
                 sync()
         return tokens - 1
 
-    blocks = SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
-                            temperature=1.0, top_k=0, top_p=1.0, sync_every=sync_every)
+    blocks = _params(tokens, sync_every)
 
     def decode(generator: Optional[torch.Generator], how: SamplingParams = params
                ) -> Callable[[], int]:
-        def run() -> int:
-            state = start_decode(model, prompt, mask, how)
-            return decode_steps(model, state, how, generator) // batch - 1
-        return run
+        return lambda: _decode(model, prompt, mask, how, generator)
 
     device_gen = torch.Generator(dev).manual_seed(seed)
     uniforms = torch.zeros(batch, dtype=torch.float64)
@@ -209,16 +210,11 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
 
     padded_ids, padded_mask = _left_padded(vocab, batch, prompt_len, gen, dev)
 
-    def padded() -> int:
-        state = start_decode(model, padded_ids, padded_mask, params)
-        return decode_steps(model, state, params, gen) // batch - 1
-
     def new_shape(no_cudnn: bool) -> Callable[[int], int]:
         def run(rows: int) -> int:
             ids, am = _left_padded(vocab, rows, prompt_len, gen, dev)
             with _no_cudnn_attention() if no_cudnn else contextlib.nullcontext():
-                state = start_decode(model, ids, am, params)
-                return decode_steps(model, state, params, gen) // rows - 1
+                return _decode(model, ids, am, params, gen)
         return run
 
     ms = {
@@ -227,7 +223,8 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
         "decode (cpu generator)": _median_ms(decode(gen), sync, repeat),
         "decode (device generator)": _median_ms(decode(device_gen), sync, repeat),
         "decode (in blocks)": _median_ms(decode(gen, blocks), sync, repeat),
-        "decode, left-padded": _median_ms(padded, sync, repeat),
+        "decode, left-padded": _median_ms(
+            lambda: _decode(model, padded_ids, padded_mask, params, gen), sync, repeat),
         "decode, left-padded, new shapes": _cold_ms(new_shape(False),
                                                     new_shape_batches(batch, repeat), sync),
         "decode, new shapes, no cuDNN attention": _cold_ms(
@@ -295,13 +292,10 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(dev)
     mask = torch.ones_like(prompt)
-    params = SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
-                            temperature=1.0, top_k=0, top_p=1.0)
 
     def own_model() -> int:
         with trainer.actor.generation_context() as model:
-            state = start_decode(model, prompt, mask, params)
-            return decode_steps(model, state, params, gen) // batch - 1
+            return _decode(model, prompt, mask, _params(tokens), gen)
 
     prompts = [p.input_ids for p in trainer.stream.take(batch)]
 
@@ -325,9 +319,9 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
         trainer.step()
         sync()
         start = time.perf_counter()
-        trainer.generate(prompts, torch.full((batch,), tokens, dtype=torch.long))
+        units = own_generate(tokens)()
         sync()
-        return (time.perf_counter() - start) * 1e3 / tokens
+        return (time.perf_counter() - start) * 1e3 / units
 
     try:
         whole = _median_ms(own_generate(tokens), sync, repeat)
