@@ -108,8 +108,8 @@ class PPOConfig:
     surplus goes back to the pool (taken first next step) and the pool's ledger counts the
     dropped prompts. ppo.filter_groups_reward_range chooses OpenRLHF's rule (the mean score
     inside a range) instead. Needs a group baseline (advantage_estimator rloo,
-    reinforce_baseline or group_norm). A model replica's ranks (system.backend: megatron) drop the same prompts
-    and count them once."""
+    reinforce_baseline or group_norm). A model replica's ranks (system.backend: megatron)
+    drop the same prompts and count them once."""
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
     max_num_gen_batches)."""

@@ -439,6 +439,11 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
          "checkpoint.export_hf=false", "steps=2"]
 SAME = ("reward/mean", "gold/mean", "kl/mean", "value/mean", "loss/policy", "loss/value",
         "policy/entropy", "response/len_mean", "grad_norm/actor", "grad_norm/critic")
+# a critic-free run (group_norm) logs no value or critic figure
+SAME_WITHOUT_CRITIC = tuple(k for k in SAME if "value" not in k and "critic" not in k)
+# what a replica's ranks must agree on exactly under ppo.filter_groups
+FILTER_SAME = ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
+               "filter/prompts_drawn", "response/lengths")
 
 
 def _train(out_dir, cache_dir, ranks, *overrides):
@@ -586,7 +591,7 @@ def test_critic_free_under_tensor_parallel_equals_one_rank(cache_dir, tmp_path):
     for a, b in zip(one, two):
         assert a["response/lengths"] == b["response/lengths"]
         assert a["pool/deferrals"] == b["pool/deferrals"]
-        for key in (k for k in SAME if "value" not in k and "critic" not in k):
+        for key in SAME_WITHOUT_CRITIC:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
         assert "loss/value" not in b and "grad_norm/critic" not in b
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["actor", "latest", "trainer"]
@@ -608,10 +613,9 @@ def test_dynamic_sampling_under_model_parallel_equals_one_rank(cache_dir, tmp_pa
     two, _ = _train(str(tmp_path / "two"), cache_dir, 2, parallel, *dapo)
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two):
-        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
-                    "filter/prompts_drawn", "response/lengths"):
+        for key in FILTER_SAME:
             assert a[key] == b[key], (a["step"], key)
-        for key in (k for k in SAME if "value" not in k and "critic" not in k):
+        for key in SAME_WITHOUT_CRITIC:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
     assert sum(r["filter/dropped_groups"] for r in two) > 0 and max(r["filter/rounds"] for r in two) > 1
 
@@ -646,7 +650,7 @@ def test_a_reward_function_under_model_parallel_takes_the_replicas_first_rank(
     for a, b in zip(one, two):
         assert a["response/lengths"] == b["response/lengths"]
         assert b["reward/mean"] == pytest.approx(b["gold/mean"], abs=1e-6)
-        for key in (k for k in SAME if "value" not in k and "critic" not in k):
+        for key in SAME_WITHOUT_CRITIC:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
 
 
@@ -778,10 +782,9 @@ def test_stage_placement_with_dynamic_sampling_and_tensor_parallel(cache_dir, tm
     log = (tmp_path / "stage" / "launcher.log").read_text()
     assert f"scorer rank 2: served {rounds} rollouts from actor ranks [0]" in log
     for a, b in zip(want, got):
-        for key in ("filter/rounds", "filter/dropped_groups", "filter/fallback_groups",
-                    "filter/prompts_drawn", "response/lengths"):
+        for key in FILTER_SAME:
             assert a[key] == b[key], (a["step"], key)
-        for key in (*(k for k in SAME if "value" not in k and "critic" not in k), "pool/carried"):
+        for key in (*SAME_WITHOUT_CRITIC, "pool/carried"):
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
 
 

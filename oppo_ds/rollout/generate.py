@@ -378,10 +378,10 @@ def _decode_blocks(model, state: DecodeState, params: SamplingParams,
     copy, at which token each row ended; then each row's tokens up to its end go into the
     state and finished rows leave the cache, in the order they ended (rows ending at the same
     token in cache order: the per-token loop's order). The cost is up to ``sync_every - 1``
-    forwards of rows that already ended; what is sampled does not change: tokens, log-probs, lengths, finish order
-    and (with a CPU generator) the uniforms used are those of the per-token loop sampling by
-    ``inverse_cdf_sample`` from ``torch.rand`` of the running rows, which is what that loop
-    does on a GPU (on a CPU it samples with ``torch.multinomial``, a different stream).
+    forwards of rows that already ended; what is sampled does not change: tokens, log-probs,
+    lengths, finish order and (with a CPU generator) the uniforms used are those of the
+    per-token loop sampling by ``inverse_cdf_sample`` from ``torch.rand`` of the running
+    rows, which is what that loop does on a GPU (on a CPU it samples with ``torch.multinomial``, a different stream).
 
     ``stop`` (``BatchStop(blocks=True)``): evaluated on the device after every token
     (``local_device``); at the block's end ``resolve`` gets the first token at which it held
