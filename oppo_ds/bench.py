@@ -116,9 +116,9 @@ def check_user_overrides(user: list[str]) -> None:
     for item in user:
         key = item.split("=", 1)[0].strip()
         if key in MODE_KEYS:
-            raise BenchError(f"{item!r}: {key} is set by each mode (sequential and inter: false, "
-                             f"intra and oppo: true); choose the modes with --modes instead",
-                             code=2)
+            each = ", ".join(f"{name}: {str(mode.streams).lower()}" for name, mode in MODES.items())
+            raise BenchError(f"{item!r}: {key} is set by each mode ({each}); choose the modes "
+                             f"with --modes instead", code=2)
 
 
 def trace_step(steps: int, warmup: int) -> int:
