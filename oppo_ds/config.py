@@ -123,10 +123,26 @@ class GenerationConfig:
     samples, on a CPU a different stream (inverse-CDF sampling from the same generator
     instead of `torch.multinomial`). On an H100 a wait cost 0.02 ms and blocks of 16 decoded
     3% faster (docs/benchmarks.md, "The second GPU run"), hence the default."""
+    static_cache: bool = False
+    """Decode at one shape: a KV cache of fixed length (prompt width + max_new_tokens, rounded
+    up to 64) and a batch that keeps the responses that ended (fed again, their outputs
+    unread), so that every decode forward of a rollout has the same shapes, and with
+    `cuda_graph` can be replayed as one CUDA graph. The same tokens and log-probs up to float
+    rounding. Costs the ended rows' share of each forward: little where decoding is host-bound
+    (as on the GPUs measured so far), a slower long tail on a CPU. Needs the actor's own
+    Hugging Face forward with sdpa or eager attention: not with system.hybrid_engine or
+    backend megatron."""
+    cuda_graph: bool = False
+    """Capture the actor's one-token forward as a CUDA graph once per batch size and cache
+    length, and replay it for every token (one launch a token instead of one per kernel;
+    captured again when the weights move in memory). Needs static_cache and the actor on a
+    CUDA GPU."""
 
     def __post_init__(self):
         _require(self.max_prompt_len >= 1, "max_prompt_len", "must be >= 1")
         _require(self.sync_every >= 1, "sync_every", "must be >= 1")
+        _require(not self.cuda_graph or self.static_cache, "cuda_graph",
+                 "needs static_cache: true (a graph replays one shape)")
         _require(self.eos_token_ids == "auto" or (len(self.eos_token_ids) > 0
                                                   and min(self.eos_token_ids) >= 0),
                  "eos_token_ids", "must be auto or a non-empty list of token ids (>= 0)")

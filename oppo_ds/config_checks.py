@@ -33,6 +33,13 @@ def check_across_sections(cfg) -> None:
     require(cfg.ppo.overlong_buffer_len <= cfg.generation.max_new_tokens,
             "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
             f"({cfg.generation.max_new_tokens}), got {cfg.ppo.overlong_buffer_len}")
+    if cfg.generation.static_cache:
+        for key, on in (("system.hybrid_engine", cfg.system.hybrid_engine),
+                        ("system.backend", cfg.system.backend == "megatron")):
+            require(not on, "generation.static_cache", (
+                f"needs the actor's own Hugging Face forward, which {key}: "
+                f"{getattr(cfg.system, key.split('.')[1])} replaces (its decode keeps a cache "
+                f"of its own); set generation.static_cache: false"))
     if not cfg.ppo.uses_critic:
         _check_critic_free(cfg)
     if cfg.ppo.group_baseline and cfg.oppo.overcommits:

@@ -24,6 +24,7 @@ from . import workload as wl
 from .algo import masked_mean, overlong_penalty
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
+from .config_types import require
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values,
@@ -109,7 +110,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
                                        pad_token_id=self.tokenizer.pad_token_id,
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                                       sync_every=g.sync_every)
+                                       sync_every=g.sync_every, static_cache=g.static_cache,
+                                       cuda_graph=g.cuda_graph)
         self._build_rollout_state()
         self._resume_and_announce(src)
 
@@ -147,6 +149,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         """Everything read before any engine loads, so that a bad path, prompt row, token id or
         evaluation set stops the run at once: (the sources, the ids that end a response)."""
         cfg = self.cfg
+        require(not cfg.generation.cuda_graph or torch.cuda.is_available(), "generation.cuda_graph",
+                "needs a CUDA GPU, and this process sees none: set generation.cuda_graph: false")
         src = self.sources = resolve_sources(cfg, self.rank)
         check_paths(cfg, src)
         self.tokenizer = run_tokenizer(cfg, src)

@@ -273,3 +273,18 @@ class LikeAGpuGenerator(torch.Generator):
     @property
     def device(self):
         return torch.device("cuda")
+
+
+def assert_same_decode(state, produced: int, ref_state, ref_produced: int, atol: float) -> None:
+    """Two decodes (``DecodeState`` and tokens counted) sampled the same: tokens, lengths,
+    finished rows, finish order and count equal; log-probs within ``atol`` (the same
+    forwards over other shapes sum in another order)."""
+    import torch
+
+    assert torch.equal(state.tokens, ref_state.tokens)
+    assert torch.equal(state.lengths, ref_state.lengths)
+    assert torch.equal(state.finished, ref_state.finished)
+    assert state.finish_order == ref_state.finish_order
+    assert produced == ref_produced
+    torch.testing.assert_close(state.logprobs, ref_state.logprobs, atol=atol, rtol=0)
+    torch.testing.assert_close(state.actor_logprobs, ref_state.actor_logprobs, atol=atol, rtol=0)

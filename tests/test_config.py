@@ -338,6 +338,11 @@ def test_value_outside_literal_lists_allowed(override, allowed):
      "oppo.delta_max", "got 8 (e.g. 0 or 16)"),
     (["ppo.advantage_estimator=group_norm", "data.samples_per_prompt=4", "oppo.overcommit=auto",
       "oppo.delta_min=2"], "oppo.delta_min", "got 2 (e.g. 0 or 4)"),
+    (["generation.cuda_graph=true"], "generation.cuda_graph", "needs static_cache: true"),
+    (["generation.static_cache=true", "system.hybrid_engine=true"], "generation.static_cache",
+     "which system.hybrid_engine: True replaces"),
+    (["generation.static_cache=true", "system.backend=megatron"], "generation.static_cache",
+     "which system.backend: megatron replaces"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

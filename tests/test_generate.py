@@ -5,7 +5,7 @@ uninterrupted decode."""
 import pytest
 import torch
 
-from _builders import LikeAGpuGenerator, left_padded_prompts, random_lm
+from _builders import LikeAGpuGenerator, assert_same_decode, left_padded_prompts, random_lm
 
 from oppo_ds.rollout.generate import (
     SamplingParams,
@@ -364,15 +364,9 @@ def _decode_all(model, params, generator, max_steps=None, targets=None, lens=PRO
 
 def _assert_same_decode(block, ref, atol=1e-5):
     (state, produced, gen), (ref_state, ref_produced, ref_gen) = block, ref
-    assert torch.equal(state.tokens, ref_state.tokens)
-    assert torch.equal(state.lengths, ref_state.lengths)
-    assert torch.equal(state.finished, ref_state.finished)
-    assert state.finish_order == ref_state.finish_order
-    assert produced == ref_produced
     # rows that ended ride along in the block's forwards: other batch shapes, so the same
     # log-probs up to float rounding, not bit for bit
-    torch.testing.assert_close(state.logprobs, ref_state.logprobs, atol=atol, rtol=0)
-    torch.testing.assert_close(state.actor_logprobs, ref_state.actor_logprobs, atol=atol, rtol=0)
+    assert_same_decode(state, produced, ref_state, ref_produced, atol)
     if gen is not None:  # the generator left where the per-token loop leaves it
         assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=ref_gen))
 

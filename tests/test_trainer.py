@@ -1014,6 +1014,41 @@ def test_decoding_in_blocks_trains_what_it_trains_with_any_block(cache_dir, tmp_
         assert max(r["pool/deferred_frac"] for r in b.values()) > 0
 
 
+@pytest.mark.parametrize("overcommit", [0, 4])
+def test_static_cache_trains_what_the_default_decode_trains(cache_dir, tmp_path, overcommit):
+    """``generation.static_cache`` (every decode forward of one shape, ended rows kept in the
+    batch; its buffers reused from step to step) samples and trains what the default decode
+    does: the sequential run, and full OPPO whose pool continues deferred prefixes in the
+    static cache (``_assert_same_training``)."""
+    over = ("steps=3", "checkpoint.export_hf=false", f"oppo.overcommit={overcommit}",
+            *(("oppo.streaming=true", "oppo.chunk_size=5") if overcommit else ()))
+    run(cache_dir, tmp_path / "default", *over)
+    trainer, _ = run(cache_dir, tmp_path / "static", *over, "generation.static_cache=true")
+    from oppo_ds.rollout import static_decode
+
+    kept = static_decode._KEPT[trainer.actor.module]  # the actor decoded in static buffers
+    assert kept.length % static_decode.LENGTH_ROUND == 0 and not kept.cuda_graph
+    a = _metrics_by_step(tmp_path / "default" / "metrics.jsonl")
+    b = _metrics_by_step(tmp_path / "static" / "metrics.jsonl")
+    _assert_same_training(a, b, steps=(1, 2, 3))
+    if overcommit:
+        assert max(r["pool/deferred_frac"] for r in b.values()) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is seen")
+def test_cuda_graph_without_a_gpu_stops_before_anything_is_built(tmp_path, monkeypatch):
+    """Refused before the workload is prepared or any engine built (a ConfigError, not the
+    AssertionError of the patched preparation)."""
+    from oppo_ds.config import ConfigError
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the workload was prepared before the refusal")
+    monkeypatch.setattr("oppo_ds.trainer.resolve_sources", no_build)
+    with pytest.raises(ConfigError, match="generation.cuda_graph: needs a CUDA GPU"):
+        run(str(tmp_path / "cache"), tmp_path / "out", "generation.static_cache=true",
+            "generation.cuda_graph=true")
+
+
 def test_streaming_pool_resume_continues(cache_dir, tmp_path):
     """The frozen scorers' caches of deferred rows are saved with the pool and loaded back.
     Tolerance 1e-5: the loaded caches hold each row's positions packed (no padding columns),

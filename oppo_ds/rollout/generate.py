@@ -27,6 +27,7 @@ import torch
 
 from ..finite import FP16_RANGE, LARGE_UPDATE, NonFiniteError
 from ..kv_cache import cache_kwargs, output_cache
+from .static_decode import StaticDecode, cache_length
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,14 @@ class SamplingParams:
     top_p: float = 1.0        # 1 = off
     sync_every: int = 1       # tokens between two host checks of which rows ended (see
                               # ``decode_steps``); 1 = after every token
+    static_cache: bool = False  # every decode forward of one shape (``StaticDecode``)
+    cuda_graph: bool = False    # replay that forward as a CUDA graph (needs static_cache)
 
     def __post_init__(self):
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.cuda_graph and not self.static_cache:
+            raise ValueError("cuda_graph needs static_cache: a graph replays one shape")
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +136,8 @@ class DecodeState:
     targets: Optional[torch.Tensor] = None  # (B,) per-row length limit (a length oracle)
     finish_order: list = field(default_factory=list)  # rows in the order they finished
     stopped: bool = False           # a stop rule ended decoding before every row finished
+    static: Optional[StaticDecode] = None  # generation.static_cache: the fixed-shape buffers
+                                    # (then every row stays in the cache, ``cache_mask`` None)
 
     @property
     def done(self) -> bool:
@@ -192,23 +199,33 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                                                  in_prefix[:, :width].to(prompt_mask.dtype),
                                                  params.pad_token_id)
     positions = position_ids_from_mask(context_mask)
-    out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
-                use_cache=True)
+    static = None
+    if params.static_cache:
+        length = cache_length(context_ids.shape[1], n, params.sync_every)
+        static = StaticDecode.get(model, batch, length, device, params.cuda_graph)
+        out = static.prefill(model, context_ids, context_mask, positions)
+    else:
+        out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
+                    use_cache=True)
     actor_logprobs = logprobs.clone()
     if prefix_ids is not None and prefix_ids.shape[1] > 0:
         width = prefix_ids.shape[1]
         actor_logprobs[:, :width] = _prefix_logprobs(out.logits, tokens[:, :width], lengths, params)
-    return DecodeState(
+    state = DecodeState(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
         actor_logprobs=actor_logprobs, lengths=lengths,
         finished=torch.zeros(batch, dtype=torch.bool, device=device),
         active=torch.arange(batch, device=device),
         past_key_values=output_cache(out),
-        cache_mask=context_mask.clone(),
+        cache_mask=None if static is not None else context_mask.clone(),
         next_position=positions[:, -1] + 1,
         next_logits=out.logits[:, -1, :],
         targets=None if targets is None else targets.to(device=device, dtype=torch.long),
+        static=static,
     )
+    if static is not None:
+        static.hold(state)
+    return state
 
 
 def _policy_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -308,8 +325,10 @@ def decode_steps(model, state: DecodeState, params: SamplingParams,
 def _select_rows(state: DecodeState, keep: torch.Tensor) -> None:
     """Keep only the rows ``keep`` (indices into the active set) in the cache."""
     state.active = state.active[keep]
-    state.cache_mask = state.cache_mask[keep]
     state.next_position = state.next_position[keep]
+    if state.static is not None:  # the row stays in the static cache, unread
+        return
+    state.cache_mask = state.cache_mask[keep]
     if keep.numel() > 0 and state.past_key_values is not None:
         state.past_key_values.batch_select_indices(keep)
 
@@ -320,14 +339,17 @@ def _feed(model, state: DecodeState, tok: torch.Tensor,
     rows whose position moves on (default all); the others (rows of a block that ended) feed
     their token at the same position again, so no row goes past the positions its response
     may use."""
-    ones = torch.ones(tok.shape[0], 1, dtype=state.cache_mask.dtype, device=tok.device)
-    state.cache_mask = torch.cat([state.cache_mask, ones], dim=1)
-    out = model(input_ids=tok[:, None], attention_mask=state.cache_mask,
-                position_ids=state.next_position[:, None], use_cache=True,
-                **cache_kwargs(model, state.past_key_values))
-    state.past_key_values = output_cache(out)
+    if state.static is not None:
+        state.next_logits = state.static.step(model, state.active, tok, state.next_position)
+    else:
+        ones = torch.ones(tok.shape[0], 1, dtype=state.cache_mask.dtype, device=tok.device)
+        state.cache_mask = torch.cat([state.cache_mask, ones], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=state.cache_mask,
+                    position_ids=state.next_position[:, None], use_cache=True,
+                    **cache_kwargs(model, state.past_key_values))
+        state.past_key_values = output_cache(out)
+        state.next_logits = out.logits[:, -1, :]
     state.next_position = state.next_position + (1 if advance is None else advance.long())
-    state.next_logits = out.logits[:, -1, :]
 
 
 class _BlockUniforms:

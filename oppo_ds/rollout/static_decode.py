@@ -1,0 +1,202 @@
+"""The actor's decode at one shape: a KV cache of fixed length and a batch that does not shrink
+(``generation.static_cache``), optionally replayed as one CUDA graph (``generation.cuda_graph``).
+
+The default decode (``generate.decode_steps``) drops a row from its KV cache when the row ends
+and grows the cache by one position a token, so every forward has a shape of its own. On the
+GPUs measured the actor's forward was host-bound (the host issuing kernels, not the device
+running them), and whatever is paid once per new shape is paid there again and again. Here
+every decode forward of a rollout has the same shapes: the cache holds ``length`` positions
+from the start (``transformers.StaticCache``, written in place), a (B, 1, 1, length) mask says
+which positions each row attends to, and a row that ended stays in the batch, fed its last
+token at its last position, its outputs unread. That costs the ended rows' share of each
+forward (nothing where the forward is host-bound; on a CPU, which computes every row, it is
+slower) and buys a forward that can be captured once and replayed as a CUDA graph: one launch
+a token instead of one per kernel.
+
+The buffers (cache, mask, inputs, and a captured graph) of a model's last rollout are kept and
+serve its next rollout of the same batch and length: lengths are rounded up to a multiple of
+``LENGTH_ROUND`` so that prompts of different widths share them. A graph reads the weights
+where they were when it was captured; if any parameter has moved since (ZeRO-3 gathers them
+anew for each rollout), the graph is captured again.
+
+What is decoded does not change: the same tokens and log-probs as the default decode, up to
+the float rounding of attention over a longer, masked cache (tested to 1e-5 in fp32).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from ..kv_cache import cache_kwargs
+
+LENGTH_ROUND = 64  # cache lengths are multiples of this: one set of buffers serves many widths
+_ATTENTION = ("sdpa", "eager")  # the implementations whose masks we build (bool / additive)
+
+# model -> the StaticDecode of its last rollout: buffers and graph kept for the next one (one
+# set per model: at 70B a static cache of another shape would be tens of GB more)
+_KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, StaticDecode]" = weakref.WeakKeyDictionary()
+
+
+def cache_length(context: int, max_new_tokens: int, sync_every: int) -> int:
+    """Positions a static cache needs for a context of ``context`` tokens: the context, every
+    token decoded (a block decode may feed up to ``sync_every`` - 1 more after a row ends),
+    rounded up to ``LENGTH_ROUND``."""
+    need = context + max_new_tokens + sync_every
+    return -(-need // LENGTH_ROUND) * LENGTH_ROUND
+
+
+def _attention(model) -> str:
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if config is None or impl not in _ATTENTION:
+        raise ValueError(
+            f"generation.static_cache needs a Hugging Face causal LM whose attention is one of "
+            f"{', '.join(_ATTENTION)} (the masks it is given are built here); the actor is a "
+            f"{type(model).__name__} with attention {impl!r}: set generation.static_cache: false")
+    return impl
+
+
+class StaticDecode:
+    """The fixed-shape buffers of one static decode of ``batch`` rows in a cache of
+    ``length`` positions. Row i of the batch is row i of the decode state (rows never leave).
+    """
+
+    def __init__(self, model, batch: int, length: int, device: torch.device, cuda_graph: bool):
+        from transformers import StaticCache
+
+        self.additive = _attention(model) == "eager"
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"generation.cuda_graph needs the actor on a CUDA device; it is on "
+                             f"{device}: set generation.cuda_graph: false")
+        self.batch, self.length, self.cuda_graph = batch, length, cuda_graph
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ValueError(
+                f"generation.static_cache: the actor ({type(model).__name__}) has sliding-window "
+                f"attention layers, whose static cache is shorter than the mask built here: "
+                f"set generation.static_cache: false")
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.attend = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
+        self.mask: Optional[torch.Tensor] = None  # what the forward is given (attend or additive)
+        self.column = 0                           # the cache position the next token goes to
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.logits: Optional[torch.Tensor] = None  # the graph's output
+        self.weights: tuple = ()                  # where the parameters were at capture
+        self.owner = None                         # weakref to the DecodeState decoding here
+
+    # ------------------------------------------------------------------ one rollout
+
+    @classmethod
+    def get(cls, model, batch: int, length: int, device: torch.device,
+            cuda_graph: bool) -> "StaticDecode":
+        """The kept buffers of this shape: a new set if none, or if a decode that has not
+        ended holds them (``hold``)."""
+        kept = _KEPT.get(model)
+        same = kept is not None and (kept.batch, kept.length, kept.cuda_graph) == (
+            batch, length, cuda_graph)
+        if same and not kept._held():
+            return kept
+        fresh = cls(model, batch, length, device, cuda_graph)
+        if kept is None or not kept._held():
+            _KEPT[model] = fresh
+        return fresh
+
+    def hold(self, state) -> None:
+        """``state`` (a ``DecodeState``) decodes here until it is over."""
+        self.owner = weakref.ref(state)
+
+    def _held(self) -> bool:
+        state = self.owner() if self.owner is not None else None
+        return state is not None and not state.over
+
+    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+        """The prompts' forward (B, W) into positions 0..W-1 of the cache; its output."""
+        width = ids.shape[1]
+        for layer in self.cache.layers:  # the cache starts again at position 0, in place
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.zero_()
+        self.attend.zero_()
+        self.attend[:, 0, 0, :width] = mask.bool()
+        causal = torch.ones(width, self.length, dtype=torch.bool, device=ids.device).tril()
+        prefill = causal[None, None] & self.attend
+        # a left-padding position attends to itself, so that no query row is all masked (its
+        # output, never read by a real token, stays finite)
+        prefill |= torch.eye(width, self.length, dtype=torch.bool, device=ids.device)[None, None]
+        out = model(input_ids=ids, attention_mask=self._form(prefill, model),
+                    position_ids=positions, use_cache=True, **cache_kwargs(model, self.cache))
+        self.column = width
+        if not self.additive:
+            self.mask = self.attend
+        elif self.mask is None:
+            self.mask = self._form(self.attend, model)
+        else:  # in place: a captured graph reads this buffer
+            self.mask.copy_(self._form(self.attend, model))
+        if self.graph is not None and self.weights != _weights(model):
+            self.graph, self.logits = None, None  # the weights moved: capture again
+        return out
+
+    def step(self, model, rows: torch.Tensor, tok: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
+        """One token for the running ``rows`` (A,) (ids ``tok`` (A,) at ``positions`` (A,));
+        the other rows feed their previous token again, unread. Returns the running rows'
+        next-token logits (A, V)."""
+        if self.column >= self.length:
+            raise RuntimeError(f"static decode cache of {self.length} positions is full "
+                               "(cache_length sized it too small)")
+        self.tokens[rows, 0] = tok
+        self.positions[rows, 0] = positions
+        self.attend[:, 0, 0, self.column] = True
+        if self.additive:
+            self.mask[:, 0, 0, self.column] = 0.0
+        logits = self._forward(model)
+        self.column += 1
+        return logits[rows, -1, :]
+
+    # ------------------------------------------------------------------ the forward
+
+    def _form(self, attend: torch.Tensor, model) -> torch.Tensor:
+        """``attend`` as the model's attention takes it: bool for SDPA, additive for eager."""
+        if not self.additive:
+            return attend
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(
+            ~attend, torch.finfo(dtype).min)
+
+    def _eager(self, model) -> torch.Tensor:
+        out = model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
+                    use_cache=True, **cache_kwargs(model, self.cache))
+        return out.logits
+
+    def _forward(self, model) -> torch.Tensor:
+        if not self.cuda_graph:
+            return self._eager(model)
+        if self.graph is None:
+            self._capture(model)
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self, model) -> None:
+        """Capture the one-token forward. Two warm-up forwards on a side stream first (they
+        write this token's cache position, and the next, which the real forwards rewrite
+        before reading); the cache's position counters are put back after them."""
+        device = self.tokens.device
+        counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._eager(model)
+        torch.cuda.current_stream(device).wait_stream(side)
+        for layer, count in zip(self.cache.layers, counters):
+            layer.cumulative_length.copy_(count)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._eager(model)
+        self.graph, self.weights = graph, _weights(model)
+
+
+def _weights(model) -> tuple:
+    return tuple(p.data_ptr() for p in model.parameters())

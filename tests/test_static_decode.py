@@ -1,0 +1,238 @@
+"""Tier 0: the decode at one shape (``generation.static_cache``, ``rollout/static_decode.py``)
+samples what the default decode samples: the same tokens, lengths, finish order and tokens
+counted, and log-probs within 1e-5 in fp32 (attention over a longer cache whose extra
+positions are masked: the same sums in another order). On tiny Llama, Qwen2 and GPT-2, with
+left-padded prompts, rows ending at EOS, at the length limit and at a length oracle's target,
+in chunks, in blocks (``sync_every``), and continuing deferred prefixes. The CUDA-graph replay
+is checked against the same reference where a GPU is present."""
+
+import pytest
+import torch
+
+from _builders import LikeAGpuGenerator, assert_same_decode, left_padded_prompts, random_lm
+
+from oppo_ds.rollout import static_decode
+from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
+from oppo_ds.rollout.static_decode import LENGTH_ROUND, StaticDecode, cache_length
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+VOCAB = 64
+PAD = 0
+ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]
+PROMPT_LENS = [3, 7, 5, 6, 2, 4]
+EOS = tuple(range(3, VOCAB, 7))  # 9 of 64 tokens: rows end all through the decode
+ATOL = 1e-5  # fp32: the same attention sums over a longer, masked cache, in another order
+
+_MODELS = {}
+
+
+def _model(arch, attention="sdpa"):
+    if (arch, attention) not in _MODELS:
+        model = random_lm(arch, VOCAB, seed=0)
+        if attention != "sdpa":
+            model.set_attn_implementation(attention)
+        _MODELS[arch, attention] = model
+    return _MODELS[arch, attention]
+
+
+def _params(static, **kw):
+    base = dict(max_new_tokens=12, eos_token_ids=EOS, pad_token_id=PAD)
+    return SamplingParams(**{**base, **kw}, static_cache=static)
+
+
+def _decode(model, params, seed, lens=PROMPT_LENS, max_steps=None, gpu_like=False, **extra):
+    ids, mask = left_padded_prompts(lens, VOCAB, PAD, seed=1)
+    state = start_decode(model, ids, mask, params, **extra)
+    gen = (LikeAGpuGenerator() if gpu_like else torch.Generator()).manual_seed(seed)
+    produced = 0
+    while not state.over:
+        produced += decode_steps(model, state, params, gen, max_steps=max_steps)
+    return state, produced
+
+
+def _assert_same(out, ref):
+    assert_same_decode(*out, *ref, atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0),
+                                      dict(temperature=0.8, top_k=10, top_p=0.9)])
+def test_static_cache_samples_what_the_default_decode_samples(arch, sampling):
+    model = _model(arch)
+    ref = _decode(model, _params(False, **sampling), seed=5)
+    out = _decode(model, _params(True, **sampling), seed=5)
+    if sampling["temperature"] > 0:
+        assert len(set(ref[0].lengths.tolist())) > 2  # rows end at different tokens
+    assert (ref[0].lengths == 12).any() or sampling["temperature"] == 0
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_static_cache_in_chunks_blocks_and_with_a_length_oracle(arch, sync_every):
+    """Chunks of 3 (the streaming hand-overs), blocks of ``sync_every`` inside them, per-row
+    length targets: the default decode's result (both sampling as on a GPU, which the block
+    decode does)."""
+    model = _model(arch)
+    targets = torch.tensor([4, 1, 9, 20, 7, 13])
+    kw = dict(max_new_tokens=16, eos_token_ids=(3,))
+    ref = _decode(model, _params(False, **kw), seed=2, gpu_like=True, targets=targets)
+    out = _decode(model, _params(True, sync_every=sync_every, **kw), seed=2, max_steps=3,
+                  gpu_like=sync_every == 1, targets=targets)
+    assert (ref[0].lengths <= targets.clamp(max=16)).all()
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_cache_continues_deferred_prefixes(arch):
+    """Rows that continue a response begun in an earlier step (the rollout pool's deferred
+    rows): prompt and prefix prefilled together, the prefix's log-probs under these weights
+    (``actor_logprobs``) from that prefill, the carried behaviour log-probs kept."""
+    model = _model(arch)
+    prefix_lengths = torch.tensor([2, 0, 5, 1, 3, 4])
+    prefix = torch.randint(10, VOCAB, (6, 5), generator=torch.Generator().manual_seed(4))
+    prefix = torch.where(torch.arange(5)[None, :] < prefix_lengths[:, None], prefix, PAD)
+    prefix[prefix == 3] = 4  # no EOS inside a carried prefix
+    carried = -torch.rand(6, 5, generator=torch.Generator().manual_seed(6))
+    extra = dict(prefix_ids=prefix, prefix_lengths=prefix_lengths, prefix_logprobs=carried)
+    kw = dict(max_new_tokens=14, eos_token_ids=(3,))
+    ref = _decode(model, _params(False, **kw), seed=8, **extra)
+    out = _decode(model, _params(True, **kw), seed=8, **extra)
+    _assert_same(out, ref)
+    in_prefix = torch.arange(prefix.shape[1])[None, :] < prefix_lengths[:, None]
+    assert torch.equal(out[0].logprobs[:, :prefix.shape[1]][in_prefix], carried[in_prefix])
+    assert torch.equal(out[0].tokens[:, :prefix.shape[1]][in_prefix], prefix[in_prefix])
+
+
+def test_rows_stay_in_the_static_cache_and_the_forward_keeps_its_shapes():
+    """Every decode forward has the same input shapes, whatever rows ended; the state's
+    per-row views (active rows, their logits and positions) are the default decode's."""
+    model = _model("tiny-llama")
+    params = _params(True, max_new_tokens=10)
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    shapes = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append((tuple(kwargs["input_ids"].shape),
+                                               tuple(kwargs["attention_mask"].shape))),
+        with_kwargs=True)
+    try:
+        state = start_decode(model, ids, mask, params)
+        gen = torch.Generator().manual_seed(3)
+        while not state.over:
+            decode_steps(model, state, params, gen, max_steps=1)
+            if not state.over:
+                a = state.active.numel()
+                assert state.next_logits.shape == (a, VOCAB) and state.next_position.shape == (a,)
+    finally:
+        hook.remove()
+    batch, length = len(PROMPT_LENS), cache_length(ids.shape[1], 10, 1)
+    assert length % LENGTH_ROUND == 0 and length >= ids.shape[1] + 10
+    assert shapes[0] == ((batch, ids.shape[1]), (batch, 1, ids.shape[1], length))  # prefill
+    assert set(shapes[1:]) == {((batch, 1), (batch, 1, 1, length))}
+    assert len(shapes) - 1 == int(state.lengths.max()) - 1  # one forward a token after the first
+    assert len(set(state.lengths.tolist())) > 2  # rows ended one after another meanwhile
+    assert state.static.cache.layers[0].keys.shape[0] == batch
+
+
+def test_buffers_are_kept_for_the_next_rollout_and_not_shared_by_two_live_decodes():
+    """A second rollout of the same batch and rounded length reuses the buffers (prompts of
+    another width); a decode that has not ended keeps its own: a second one started beside
+    it gets new buffers, and both decode what they decode alone."""
+    model = _model("tiny-qwen2")
+    params = _params(True)
+    first = _decode(model, params, seed=1)
+    second = _decode(model, params, seed=2, lens=[1, 2, 3, 4, 5, 2])  # another prompt width
+    assert second[0].static is first[0].static
+    _assert_same(second, _decode(model, _params(False), seed=2, lens=[1, 2, 3, 4, 5, 2]))
+
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    gens = [torch.Generator().manual_seed(s) for s in (11, 12)]
+    a = start_decode(model, ids, mask, params)
+    decode_steps(model, a, params, gens[0], max_steps=2)
+    b = start_decode(model, ids, mask, params)
+    assert b.static is not a.static and not a.over
+    while not (a.over and b.over):  # interleaved, token by token
+        for state, gen in ((a, gens[0]), (b, gens[1])):
+            decode_steps(model, state, params, gen, max_steps=1)
+    for state, seed in ((a, 11), (b, 12)):
+        _assert_same((state, int(state.lengths.sum())), _decode(model, _params(False), seed=seed))
+
+
+def test_eager_attention_takes_an_additive_mask_and_other_attention_is_refused():
+    model = _model("tiny-llama", attention="eager")
+    _assert_same(_decode(model, _params(True), seed=4), _decode(model, _params(False), seed=4))
+    assert static_decode._KEPT[model].additive  # its buffers were kept, with an additive mask
+    other = random_lm("tiny-llama", VOCAB, seed=0)
+    other.config._attn_implementation = "flex_attention"
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    with pytest.raises(ValueError, match=r"attention is one of sdpa, eager.*'flex_attention'"
+                                         r".*generation.static_cache: false"):
+        start_decode(other, ids, mask, _params(True))
+
+
+def test_sliding_window_attention_is_refused():
+    """Sliding-window layers keep a static cache of their window only: the mask built here
+    (over the whole length) would not fit it."""
+    from transformers import AutoModelForCausalLM
+
+    from oppo_ds.models import tiny_config
+
+    config = tiny_config("tiny-qwen2", VOCAB)
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    with pytest.raises(ValueError, match="sliding-window attention layers"):
+        start_decode(model, ids, mask, _params(True))
+
+
+def test_cuda_graph_needs_the_static_cache_and_a_gpu():
+    with pytest.raises(ValueError, match="cuda_graph needs static_cache"):
+        SamplingParams(max_new_tokens=4, eos_token_ids=(), pad_token_id=PAD, cuda_graph=True)
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=(), pad_token_id=PAD,
+                            static_cache=True, cuda_graph=True)
+    with pytest.raises(ValueError, match="needs the actor on a CUDA device; it is on cpu"):
+        start_decode(_model("tiny-llama"), ids, mask, params)
+
+
+def test_a_full_cache_is_an_error_not_a_silent_overwrite():
+    model = _model("tiny-gpt2")
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    state = start_decode(model, ids, mask, _params(True, max_new_tokens=4))
+    state.static.column = state.static.length
+    with pytest.raises(RuntimeError, match="cache of .* positions is full"):
+        decode_steps(model, state, _params(True, max_new_tokens=4), None, max_steps=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the graph is captured and replayed on one")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_graph_replay_samples_what_the_default_decode_samples_on_a_gpu(arch):
+    """On a GPU: the captured forward replayed token after token, over two rollouts (the
+    second replays the first's graph), decodes what the default decode does; after the
+    weights move (a copy of the model elsewhere in memory) the graph is captured again."""
+    model = random_lm(arch, VOCAB, seed=0).cuda()
+    graph = SamplingParams(max_new_tokens=12, eos_token_ids=EOS, pad_token_id=PAD,
+                           static_cache=True, cuda_graph=True)
+    ids, mask = (t.cuda() for t in left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1))
+
+    def run(params, seed):
+        state = start_decode(model, ids, mask, params)
+        gen = torch.Generator().manual_seed(seed)
+        produced = decode_steps(model, state, params, gen)
+        return state, produced
+
+    for seed in (1, 2):
+        out = run(graph, seed)
+        _assert_same(out, run(_params(False), seed))
+    captured = out[0].static.graph
+    assert captured is not None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()  # the same values, elsewhere
+    out = run(graph, 3)
+    assert out[0].static.graph is not captured
+    _assert_same(out, run(_params(False), 3))
+    assert isinstance(out[0].static, StaticDecode)
