@@ -32,6 +32,12 @@ there, which ``--trainer`` (below) is for. The pieces:
   (an attention backend's plan, say) in their warm-up run, a rollout pays it whenever its
   batch shrinks or its prompts change width; ``decode, new shapes, no cuDNN attention`` the
   same with torch's cuDNN attention backend left out (cuDNN plans each shape it sees);
+- ``decode, rows ending``: ``decode, left-padded`` with each row ending at a length drawn
+  anew each run, so the batch shrinks through the decode at other points each time (a
+  rollout's shapes); ``decode, static cache, rows ending`` the same with
+  ``generation.static_cache`` (one shape for every forward: the ended rows stay in the
+  batch), and on a GPU ``decode, static cache + CUDA graph, rows ending`` with
+  ``generation.cuda_graph`` too (the forward replayed as one graph); ms per forward;
 - ``launch``: one one-element kernel queued without a wait (what each of a forward's
   kernels costs the host to start);
 - ``sync``, ``d2h item``, ``h2d copy`` and ``h2d pinned``: one ``synchronize`` after a
@@ -70,7 +76,10 @@ TINY_VOCAB = 512  # the tiny architectures' vocabulary here (the real shapes kee
 # timed per decode step; the other pieces are timed per call
 DECODE_PIECES = ("forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
                  "decode (in blocks)", "decode, left-padded", "decode, left-padded, new shapes",
-                 "decode, new shapes, no cuDNN attention")
+                 "decode, new shapes, no cuDNN attention", "decode, rows ending",
+                 "decode, static cache, rows ending")
+# on a CUDA device only
+GRAPH_PIECE = "decode, static cache + CUDA graph, rows ending"
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -128,10 +137,25 @@ def _cold_ms(run: Callable[[int], int], batches: list[int], sync: Callable[[], N
     return _median_ms(lambda: run(next(sizes)), sync, len(batches) - 1)
 
 
-def _params(tokens: int, sync_every: int = 1) -> SamplingParams:
+def _params(tokens: int, sync_every: int = 1, static: bool = False,
+            graph: bool = False) -> SamplingParams:
     """Sampling that no end id can stop: every row decodes ``tokens`` tokens."""
     return SamplingParams(max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0,
-                          temperature=1.0, top_k=0, top_p=1.0, sync_every=sync_every)
+                          temperature=1.0, top_k=0, top_p=1.0, sync_every=sync_every,
+                          static_cache=static, cuda_graph=graph)
+
+
+def _rows_ending(model, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                 gen: torch.Generator) -> Callable[[], int]:
+    """A decode whose rows end one after another at lengths drawn anew each run (a length
+    target per row, 2 to ``max_new_tokens``), as a rollout's do: the default decode's batch
+    shrinks through it, at other points each run. Returns the forwards after the prefill."""
+    def run() -> int:
+        targets = torch.randint(2, params.max_new_tokens + 1, (ids.shape[0],), generator=gen)
+        state = start_decode(model, ids, mask, params, targets=targets)
+        decode_steps(model, state, params, gen)
+        return int(state.lengths.max()) - 1
+    return run
 
 
 def _decode(model, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
@@ -229,12 +253,20 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
                                                     new_shape_batches(batch, repeat), sync),
         "decode, new shapes, no cuDNN attention": _cold_ms(
             new_shape(True), new_shape_batches(batch, repeat, skip=repeat + 1), sync),
+        "decode, rows ending": _median_ms(
+            _rows_ending(model, padded_ids, padded_mask, params, gen), sync, repeat),
+        "decode, static cache, rows ending": _median_ms(_rows_ending(
+            model, padded_ids, padded_mask, _params(tokens, static=True), gen), sync, repeat),
         "launch": _median_ms(launches, sync, repeat),
         "sync": _median_ms(one_sync, sync, repeat * 20),
         "d2h item": _median_ms(one_item, sync, repeat * 20),
         "h2d copy": _median_ms(one_copy, sync, repeat * 20),
         "h2d pinned": _median_ms(one_pinned_copy, sync, repeat * 20),
     }
+    if dev.type == "cuda":
+        ms[GRAPH_PIECE] = _median_ms(_rows_ending(
+            model, padded_ids, padded_mask, _params(tokens, static=True, graph=True), gen),
+            sync, repeat)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"arch": arch, "batch": batch, "prompt_len": prompt_len, "tokens": tokens,
             "dtype": dtype, "device": where, "repeat": repeat, "sync_every": sync_every,
@@ -350,7 +382,8 @@ def format_report(report: dict) -> str:
     base = report["ms_per_token"]["forward"]
     for name, value in report["ms_per_token"].items():
         ratio = (f"{value / base:6.2f}x forward"
-                 if (name in DECODE_PIECES or name in TRAINER_PIECES) and base else "")
+                 if (name in DECODE_PIECES or name in TRAINER_PIECES or name == GRAPH_PIECE)
+                 and base else "")
         lines.append(f"  {name:<38}{value:10.3f}  {ratio}")
     return "\n".join(lines)
 

@@ -15,8 +15,9 @@ from oppo_ds import decode_probe
 
 PIECES = {"forward", "forward + sync", "decode (cpu generator)", "decode (device generator)",
           "decode (in blocks)", "decode, left-padded", "decode, left-padded, new shapes",
-          "decode, new shapes, no cuDNN attention", "sync", "launch", "d2h item", "h2d copy",
-          "h2d pinned"}
+          "decode, new shapes, no cuDNN attention", "decode, rows ending",
+          "decode, static cache, rows ending", "sync", "launch", "d2h item", "h2d copy",
+          "h2d pinned"}  # and on a GPU the CUDA-graph piece (decode_probe.GRAPH_PIECE)
 
 
 def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
