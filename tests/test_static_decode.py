@@ -206,6 +206,35 @@ def test_a_full_cache_is_an_error_not_a_silent_overwrite():
         decode_steps(model, state, _params(True, max_new_tokens=4), None, max_steps=1)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_one_token_forward_has_no_host_side_step(arch):
+    """What a CUDA-graph capture needs, checked where no GPU is: the static decode's
+    one-token forward (its own buffers: tokens, 4D mask, positions, the static cache) traces
+    with torch's dynamo as one graph with no break, so nothing in it reads a device value on
+    the host (an ``.item()``, a branch on a tensor, a ``.tolist()`` would each break it)."""
+    from oppo_ds.kv_cache import cache_kwargs
+
+    model = _model(arch)
+    params = _params(True, max_new_tokens=8, eos_token_ids=())
+    ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)
+    state = start_decode(model, ids, mask, params)
+    decode_steps(model, state, params, torch.Generator().manual_seed(0), max_steps=2)
+    static = state.static
+
+    def one_token(tokens, attention, positions):
+        return model(input_ids=tokens, attention_mask=attention, position_ids=positions,
+                     use_cache=True, **cache_kwargs(model, static.cache)).logits
+
+    try:
+        with torch.no_grad():
+            explained = torch._dynamo.explain(one_token)(static.tokens, static.mask,
+                                                         static.positions)
+    finally:
+        torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        [b.reason for b in explained.break_reasons]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU: the graph is captured and replayed on one")
 @pytest.mark.parametrize("arch", ARCHS)
