@@ -48,7 +48,8 @@ def test_help_lists_the_dschat_flags(capsys):
                  "--inference_tp_size", "--offload", "--offload_reference_model", "--dtype",
                  "--enable_tensorboard", "--tensorboard_path", "--output_dir", "--seed",
                  "--data_path", "--actor_lora_dim", "--only_optimize_lora", "--enable_ema",
-                 "--enable_oppo", "--oppo_chunk_size", "--oppo_overcommit", "--oppo_sync_every"):
+                 "--enable_oppo", "--oppo_chunk_size", "--oppo_overcommit", "--oppo_sync_every",
+                 "--oppo_static_cache", "--oppo_cuda_graph"):
         assert flag in text, flag
     assert "[no effect]" in text and "[refused]" in text
 
@@ -308,6 +309,20 @@ def test_oppo_train_runs_a_dschat_command_line(tmp_path):
     actor = build_causal_lm(str(out / "actor"))
     critic = build_value_model(str(out / "critic"), require_head=True)
     assert actor.config.num_hidden_layers == critic.config.num_hidden_layers == 2
+
+
+def test_static_cache_flags_map_and_the_hybrid_engine_refuses_them():
+    """--oppo_static_cache / --oppo_cuda_graph map onto generation.static_cache / cuda_graph;
+    with --enable_hybrid_engine (whose inference kernels decode with a cache of their own)
+    the static cache is refused, naming the key."""
+    base = [a for a in DSCHAT_ARGS if a != "--enable_hybrid_engine"] + [
+        "--actor_model_name_or_path", "/a", "--critic_model_name_or_path", "/c", "--enable_oppo"]
+    cfg, _ = resolve(base + ["--oppo_static_cache"])
+    assert cfg.generation.static_cache and not cfg.generation.cuda_graph
+    with pytest.raises(ConfigError, match="generation.cuda_graph: needs static_cache"):
+        resolve(base + ["--oppo_cuda_graph"])
+    with pytest.raises(ConfigError, match="system.hybrid_engine: True replaces"):
+        resolve(base + ["--oppo_static_cache", "--enable_hybrid_engine"])
 
 
 def test_docs_list_every_dschat_flag():

@@ -189,17 +189,19 @@ def assert_contract(exp, ref, pad):
     torch.testing.assert_close(ret, ret_ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("chunk_size, sync_every", [(1, 1), (3, 1), (3, 2)])
-def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, sync_every):
+@pytest.mark.parametrize("chunk_size, sync_every, static", [(1, 1, False), (3, 1, False),
+                                                              (3, 2, False), (3, 1, True)])
+def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, sync_every, static):
     """OPT (pad = eos = bos, DeepSpeed-Chat's main family), greedy as its generation config
     says, no overcommitment: the same sequences HF generate makes, and every field as
     DeepSpeed-Chat computes it whole-sequence; also decoding in blocks of 2
-    (--oppo_sync_every)."""
+    (--oppo_sync_every) and at one shape (--oppo_static_cache)."""
     vocab, width, answer = 24, 8, 10
     actor, ref, critic, reward, tok = build_engines("opt", vocab)
     prompts, mask = collated_prompts([3, 8, 5, 6], vocab, tok.pad_token_id, width, bos=2)
     oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=answer,
-                          chunk_size=chunk_size, overcommit=0, sync_every=sync_every)
+                          chunk_size=chunk_size, overcommit=0, sync_every=sync_every,
+                          static_cache=static)
     exp = oppo.generate_experience(prompts, mask, step=0)
     with torch.no_grad():
         hf = actor.module.generate(prompts, attention_mask=mask, max_length=width + answer,
@@ -213,6 +215,10 @@ def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, s
     assert actor.module.training and critic.module.training  # as DeepSpeed-Chat leaves them
     assert not ref.module.training and not reward.module.training
     assert oppo.stats["scoring_hidden_frac"] > 0  # scoring happened between decode chunks
+    if static:  # the actor decoded in the static buffers, kept for the next call
+        from oppo_ds.rollout import static_decode
+
+        assert static_decode._KEPT[actor.module].batch == len(prompts)
 
 
 @pytest.mark.parametrize("sync_every", [1, 3])
@@ -355,6 +361,8 @@ def test_patch_entry_points_parse_and_replace_generate_experience():
             args.oppo_sync_every) == (True, 8, "auto", 4)
     assert parser.parse_args([]).oppo_chunk_size == "auto"
     assert parser.parse_args([]).oppo_sync_every == 1
+    assert not parser.parse_args([]).oppo_static_cache and not parser.parse_args([]).oppo_cuda_graph
+    assert parser.parse_args(["--oppo_static_cache"]).oppo_static_cache
     for bad in (["--oppo_overcommit", "-1"], ["--oppo_sync_every", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -365,7 +373,11 @@ def test_patch_entry_points_parse_and_replace_generate_experience():
     assert enable_oppo(trainer, parser.parse_args([])) is None
     oppo = enable_oppo(trainer, args)
     assert trainer.generate_experience == oppo.generate_experience and trainer.oppo is oppo
-    assert oppo.sampling.sync_every == 4
+    assert oppo.sampling.sync_every == 4 and not oppo.sampling.static_cache
+    graph = parser.parse_args(["--enable_oppo", "--oppo_static_cache", "--oppo_cuda_graph"])
+    graph.max_answer_seq_len, graph.seed = 4, 1
+    with pytest.raises(ValueError, match="needs the actor on a CUDA device; it is on cpu"):
+        enable_oppo(trainer, graph)
     prompts, mask = collated_prompts([3, 5, 4, 6], 24, tok.pad_token_id, 6, bos=2)
     for step in range(3):
         exp = trainer.generate_experience(prompts, mask, step)

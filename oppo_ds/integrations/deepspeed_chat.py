@@ -94,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Tokens decoded between two host checks of which answers ended "
                             "(1 = every token; N > 1: one wait for the GPU per N tokens, the "
                             "same answers; see oppo_ds's generation.sync_every).")
+    group.add_argument("--oppo_static_cache", action="store_true",
+                       help="Decode every token at one shape: a fixed-length KV cache, answers "
+                            "that ended kept in the batch; the same answers (see oppo_ds's "
+                            "generation.static_cache).")
+    group.add_argument("--oppo_cuda_graph", action="store_true",
+                       help="With --oppo_static_cache: replay the actor's one-token forward as "
+                            "a CUDA graph, one launch a token (generation.cuda_graph).")
     return parser
 
 
@@ -236,13 +243,15 @@ class OppoExperience:
     default a quarter of the first batch); stream_to: which of reference / critic stream
     besides the reward (the others score whole sequences after decoding); placement:
     ``inline`` or ``colocated``; sync_every: tokens decoded between two host checks of
-    which answers ended (``generation.sync_every``). ``stats`` holds the last call's
-    figures."""
+    which answers ended (``generation.sync_every``); static_cache, cuda_graph: the actor's
+    decode at one shape, replayed as a CUDA graph (``generation.static_cache``,
+    ``generation.cuda_graph``). ``stats`` holds the last call's figures."""
 
     def __init__(self, actor, ref, critic, reward, tokenizer, *, max_answer_seq_len: int,
                  chunk_size: Union[int, str] = "auto", overcommit: Union[int, str] = 0,
                  placement: str = "auto", stream_to: Sequence[str] = ("reference", "critic"),
                  max_defer_steps: int = 2, delta_max: Optional[int] = None, sync_every: int = 1,
+                 static_cache: bool = False, cuda_graph: bool = False,
                  compute_fp32_loss: bool = False, print_answers: bool = False,
                  print_answers_interval: int = 1, seed: Optional[int] = None, trainer=None):
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
@@ -264,8 +273,12 @@ class OppoExperience:
         self.placement = placement if placement != "auto" else \
             ("colocated" if device.type == "cuda" else "inline")
         self.stream_to = tuple(stream_to)
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph (--oppo_cuda_graph) needs the actor on a CUDA device; "
+                             f"it is on {device}")
         self.sampling = dataclasses.replace(
-            sampling_from_actor(actor, tokenizer, max_answer_seq_len), sync_every=sync_every)
+            sampling_from_actor(actor, tokenizer, max_answer_seq_len), sync_every=sync_every,
+            static_cache=static_cache, cuda_graph=cuda_graph)
         self.compute_fp32_loss = compute_fp32_loss
         self.print_answers, self.print_every = print_answers, max(1, print_answers_interval)
         self.generator = torch.Generator().manual_seed((seed or 0) * 1000 + self.rank)
@@ -292,6 +305,8 @@ class OppoExperience:
                    overcommit=getattr(args, "oppo_overcommit", 0),
                    placement=getattr(args, "oppo_placement", "auto"),
                    sync_every=getattr(args, "oppo_sync_every", 1),
+                   static_cache=getattr(args, "oppo_static_cache", False),
+                   cuda_graph=getattr(args, "oppo_cuda_graph", False),
                    compute_fp32_loss=getattr(args, "compute_fp32_loss", False),
                    print_answers=getattr(args, "print_answers", False),
                    print_answers_interval=getattr(args, "print_answers_interval", 1),

@@ -150,6 +150,10 @@ FLAGS: tuple[Flag, ...] = (
        "with --enable_oppo", str, choices=("auto", "inline", "colocated")),
     _f("oppo_sync_every", MAPPED, "generation.sync_every (tokens between two host checks of "
        "ended responses), with --enable_oppo", positive_int),
+    _f("oppo_static_cache", MAPPED, "generation.static_cache (every decode forward at one "
+       "shape), with --enable_oppo"),
+    _f("oppo_cuda_graph", MAPPED, "generation.cuda_graph (the one-token forward replayed as a "
+       "CUDA graph; needs --oppo_static_cache), with --enable_oppo"),
     _f("deepspeed", IGNORED, "oppo-train always runs on DeepSpeed"),
     _f("tensorboard_path", IGNORED, "TensorBoard events go to output_dir/tensorboard", str),
     _f("data_output_path", IGNORED, "oppo-train keeps no data index files", str),
@@ -320,7 +324,9 @@ def phase_weights(text: str) -> list[float]:
 
 def _oppo(flags: dict, put, warnings: list) -> None:
     knobs = {"oppo_chunk_size": "oppo.chunk_size", "oppo_overcommit": "oppo.overcommit",
-             "oppo_placement": "oppo.placement", "oppo_sync_every": "generation.sync_every"}
+             "oppo_placement": "oppo.placement", "oppo_sync_every": "generation.sync_every",
+             "oppo_static_cache": "generation.static_cache",
+             "oppo_cuda_graph": "generation.cuda_graph"}
     if not flags.get("enable_oppo"):
         warnings += [f"--{name} has no effect without --enable_oppo" for name in knobs
                      if name in flags]
