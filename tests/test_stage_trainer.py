@@ -219,14 +219,18 @@ def test_stage_with_overcommitment_gives_the_inline_pool_run_and_resumes(cache_d
     assert sum(trained.values()) == 4 * 4 and set(trained.values()) == {1}
 
 
-def test_stage_with_overcommitment_decoding_in_blocks_gives_the_inline_run(cache_dir, tmp_path):
+@pytest.mark.parametrize("static", [False, True], ids=["", "static-cache"])
+def test_stage_with_overcommitment_decoding_in_blocks_gives_the_inline_run(cache_dir, tmp_path,
+                                                                           static):
     """``generation.sync_every`` 4 over chunks of 3 (blocks of 3): the actor rank's stop rule
     is settled once a block and the block kept up to its stop token; the scorer rank
     receives only what was kept: the same rows finish and are taken as in the inline pool
-    run decoding in blocks, the same metrics (1e-4)."""
+    run decoding in blocks, the same metrics (1e-4). With ``generation.static_cache`` on the
+    actor rank only: the same again (the decode at one shape samples what the default one
+    does)."""
     common = ("steps=3", "checkpoint.export_hf=false", "generation.sync_every=4", *POOL)
     run_in_process(cache_dir, tmp_path / "inline", "oppo.streaming=true", *common)
-    launch(tmp_path / "stage", cache_dir, *common)
+    launch(tmp_path / "stage", cache_dir, *common, *["generation.static_cache=true"] * static)
     a = _by_step(tmp_path / "inline" / "metrics.jsonl")
     b = _by_step(tmp_path / "stage" / "metrics.jsonl")
     assert any(b[step]["pool/carried"] > 0 for step in b)
