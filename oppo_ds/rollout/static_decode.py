@@ -181,7 +181,8 @@ class StaticDecode:
     def _capture(self, model) -> None:
         """Capture the one-token forward. Two warm-up forwards on a side stream first (they
         write this token's cache position, and the next, which the real forwards rewrite
-        before reading); the cache's position counters are put back after them."""
+        before reading); the cache's position counters are put back after them. Nothing is
+        launched by the capture itself: the first replay computes this token."""
         device = self.tokens.device
         counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
         side = torch.cuda.Stream(device)
@@ -193,7 +194,9 @@ class StaticDecode:
         for layer, count in zip(self.cache.layers, counters):
             layer.cumulative_length.copy_(count)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the colocated scorers' thread may launch on its own stream meanwhile,
+        # which the default (global) mode would refuse and so break the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._eager(model)
         self.graph, self.weights = graph, _weights(model)
 
