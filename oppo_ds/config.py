@@ -135,8 +135,9 @@ class GenerationConfig:
     cuda_graph: bool = False
     """Capture the actor's one-token forward as a CUDA graph once per batch size and cache
     length, and replay it for every token (one launch a token instead of one per kernel;
-    captured again when the weights move in memory). Needs static_cache and the actor on a
-    CUDA GPU."""
+    captured again when the weights move in memory). The static cache and the graph's memory
+    are then kept from one rollout to the next, through training too. Needs static_cache and
+    the actor on a CUDA GPU."""
 
     def __post_init__(self):
         _require(self.max_prompt_len >= 1, "max_prompt_len", "must be >= 1")

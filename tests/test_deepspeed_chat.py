@@ -191,7 +191,8 @@ def assert_contract(exp, ref, pad):
 
 @pytest.mark.parametrize("chunk_size, sync_every, static", [(1, 1, False), (3, 1, False),
                                                               (3, 2, False), (3, 1, True)])
-def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, sync_every, static):
+def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, sync_every, static,
+                                                                   monkeypatch):
     """OPT (pad = eos = bos, DeepSpeed-Chat's main family), greedy as its generation config
     says, no overcommitment: the same sequences HF generate makes, and every field as
     DeepSpeed-Chat computes it whole-sequence; also decoding in blocks of 2
@@ -199,6 +200,9 @@ def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, s
     vocab, width, answer = 24, 8, 10
     actor, ref, critic, reward, tok = build_engines("opt", vocab)
     prompts, mask = collated_prompts([3, 8, 5, 6], vocab, tok.pad_token_id, width, bos=2)
+    from oppo_ds.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)  # to see them used below
     oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=answer,
                           chunk_size=chunk_size, overcommit=0, sync_every=sync_every,
                           static_cache=static)
@@ -215,10 +219,10 @@ def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, s
     assert actor.module.training and critic.module.training  # as DeepSpeed-Chat leaves them
     assert not ref.module.training and not reward.module.training
     assert oppo.stats["scoring_hidden_frac"] > 0  # scoring happened between decode chunks
-    if static:  # the actor decoded in the static buffers, kept for the next call
-        from oppo_ds.rollout import static_decode
-
+    if static:  # the actor decoded in the static buffers
         assert static_decode._KEPT[actor.module].batch == len(prompts)
+    else:
+        assert actor.module not in static_decode._KEPT
 
 
 @pytest.mark.parametrize("sync_every", [1, 3])

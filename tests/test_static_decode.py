@@ -135,10 +135,18 @@ def test_rows_stay_in_the_static_cache_and_the_forward_keeps_its_shapes():
     assert state.static.cache.layers[0].keys.shape[0] == batch
 
 
-def test_buffers_are_kept_for_the_next_rollout_and_not_shared_by_two_live_decodes():
-    """A second rollout of the same batch and rounded length reuses the buffers (prompts of
-    another width); a decode that has not ended keeps its own: a second one started beside
-    it gets new buffers, and both decode what they decode alone."""
+def test_without_a_graph_no_buffers_outlive_the_decode():
+    model = random_lm("tiny-llama", VOCAB, seed=0)
+    state, _ = _decode(model, _params(True), seed=1)
+    assert state.static is not None and model not in static_decode._KEPT
+
+
+def test_buffers_are_kept_for_the_next_rollout_and_not_shared_by_two_live_decodes(monkeypatch):
+    """What a CUDA graph relies on, checked on a CPU by keeping the buffers without one: a
+    second rollout of the same batch and rounded length reuses them (prompts of another
+    width); a decode that has not ended keeps its own: a second one started beside it gets
+    new buffers, and both decode what they decode alone."""
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
     model = _model("tiny-qwen2")
     params = _params(True)
     first = _decode(model, params, seed=1)
@@ -161,8 +169,9 @@ def test_buffers_are_kept_for_the_next_rollout_and_not_shared_by_two_live_decode
 
 def test_eager_attention_takes_an_additive_mask_and_other_attention_is_refused():
     model = _model("tiny-llama", attention="eager")
-    _assert_same(_decode(model, _params(True), seed=4), _decode(model, _params(False), seed=4))
-    assert static_decode._KEPT[model].additive  # its buffers were kept, with an additive mask
+    out = _decode(model, _params(True), seed=4)
+    _assert_same(out, _decode(model, _params(False), seed=4))
+    assert out[0].static.additive and out[0].static.mask.is_floating_point()
     other = random_lm("tiny-llama", VOCAB, seed=0)
     other.config._attn_implementation = "flex_attention"
     ids, mask = left_padded_prompts(PROMPT_LENS, VOCAB, PAD, seed=1)

@@ -1015,17 +1015,19 @@ def test_decoding_in_blocks_trains_what_it_trains_with_any_block(cache_dir, tmp_
 
 
 @pytest.mark.parametrize("overcommit", [0, 4])
-def test_static_cache_trains_what_the_default_decode_trains(cache_dir, tmp_path, overcommit):
+def test_static_cache_trains_what_the_default_decode_trains(cache_dir, tmp_path, overcommit,
+                                                            monkeypatch):
     """``generation.static_cache`` (every decode forward of one shape, ended rows kept in the
     batch; its buffers reused from step to step) samples and trains what the default decode
     does: the sequential run, and full OPPO whose pool continues deferred prefixes in the
     static cache (``_assert_same_training``)."""
     over = ("steps=3", "checkpoint.export_hf=false", f"oppo.overcommit={overcommit}",
             *(("oppo.streaming=true", "oppo.chunk_size=5") if overcommit else ()))
-    run(cache_dir, tmp_path / "default", *over)
-    trainer, _ = run(cache_dir, tmp_path / "static", *over, "generation.static_cache=true")
     from oppo_ds.rollout import static_decode
 
+    run(cache_dir, tmp_path / "default", *over)
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)  # kept as with a graph
+    trainer, _ = run(cache_dir, tmp_path / "static", *over, "generation.static_cache=true")
     kept = static_decode._KEPT[trainer.actor.module]  # the actor decoded in static buffers
     assert kept.length % static_decode.LENGTH_ROUND == 0 and not kept.cuda_graph
     a = _metrics_by_step(tmp_path / "default" / "metrics.jsonl")

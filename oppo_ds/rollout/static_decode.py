@@ -13,9 +13,10 @@ forward (nothing where the forward is host-bound; on a CPU, which computes every
 slower) and buys a forward that can be captured once and replayed as a CUDA graph: one launch
 a token instead of one per kernel.
 
-The buffers (cache, mask, inputs, and a captured graph) of a model's last rollout are kept and
-serve its next rollout of the same batch and length: lengths are rounded up to a multiple of
-``LENGTH_ROUND`` so that prompts of different widths share them. A graph reads the weights
+With a CUDA graph, the buffers (cache, mask, inputs, the graph and its memory) of a model's
+last rollout are kept, through training too, and serve its next rollout of the same batch
+and length: lengths are rounded up to a multiple of ``LENGTH_ROUND`` so that prompts of
+different widths share them. Without one they go with the decode. A graph reads the weights
 where they were when it was captured; if any parameter has moved since (ZeRO-3 gathers them
 anew for each rollout), the graph is captured again.
 
@@ -34,9 +35,12 @@ from ..kv_cache import cache_kwargs
 LENGTH_ROUND = 64  # cache lengths are multiples of this: one set of buffers serves many widths
 _ATTENTION = ("sdpa", "eager")  # the implementations whose masks we build (bool / additive)
 
-# model -> the StaticDecode of its last rollout: buffers and graph kept for the next one (one
-# set per model: at 70B a static cache of another shape would be tens of GB more)
+# model -> the StaticDecode of its last rollout with a CUDA graph: buffers and graph kept for
+# the next one, as the graph reads them where they are (one set per model: at 70B a static
+# cache of another shape would be tens of GB more). Without a graph nothing is kept: the
+# buffers go with the decode, as the default decode's cache does.
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, StaticDecode]" = weakref.WeakKeyDictionary()
+_KEEP_WITHOUT_GRAPH = False  # tests set it, to check on a CPU the keeping a graph relies on
 
 
 def cache_length(context: int, max_new_tokens: int, sync_every: int) -> int:
@@ -93,7 +97,9 @@ class StaticDecode:
     def get(cls, model, batch: int, length: int, device: torch.device,
             cuda_graph: bool) -> "StaticDecode":
         """The kept buffers of this shape: a new set if none, or if a decode that has not
-        ended holds them (``hold``)."""
+        ended holds them (``hold``). Kept (for the next call) with a CUDA graph only."""
+        if not (cuda_graph or _KEEP_WITHOUT_GRAPH):
+            return cls(model, batch, length, device, cuda_graph)
         kept = _KEPT.get(model)
         same = kept is not None and (kept.batch, kept.length, kept.cuda_graph) == (
             batch, length, cuda_graph)
