@@ -262,11 +262,13 @@ def test_cuda_graph_replay_samples_what_the_default_decode_samples_on_a_gpu(arch
         produced = decode_steps(model, state, params, gen)
         return state, produced
 
+    graphs = []
     for seed in (1, 2):
         out = run(graph, seed)
         _assert_same(out, run(_params(False), seed))
-    captured = out[0].static.graph
-    assert captured is not None
+        graphs.append(out[0].static.graph)
+    captured = graphs[0]
+    assert captured is not None and graphs[1] is captured  # replayed, not captured again
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()  # the same values, elsewhere
