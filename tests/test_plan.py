@@ -146,6 +146,18 @@ def test_memory_items_follow_the_configuration():
     he = plan_memory(_cfg("system.zero_stage=3", "system.hybrid_engine=true", "system.inference_tp_size=4"),
                      shapes, 1, 8, dev).items
     assert he["hybrid_engine_copy"] == 2 * a.params() / 4
+    # the static cache at its rounded length; with a graph it and the logits outlive the rollout
+    static = plan_memory(_cfg("system.zero_stage=3", "generation.static_cache=true"), shapes, 1, 8, dev)
+    length = -(-(seq + 1) // 64) * 64
+    assert static.items["actor_kv"] == pytest.approx(m8["actor_kv"] * length / seq)
+    assert static.items["kept_decode_graph"] == 0
+    graph = plan_memory(_cfg("system.zero_stage=3", "generation.static_cache=true",
+                             "generation.cuda_graph=true"), shapes, 1, 8, dev)
+    kept = graph.items["kept_decode_graph"]
+    assert kept == static.items["actor_kv"] + 2 * cfg.ppo.batch_size * a.vocab
+    for phase in ("score", "train"):
+        assert graph.phases[phase] - static.phases[phase] == pytest.approx(kept)
+    assert graph.phases["generate"] == static.phases["generate"]
 
 
 # ---------------------------------------------------------------- simulator

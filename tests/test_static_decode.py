@@ -13,7 +13,8 @@ from _builders import LikeAGpuGenerator, assert_same_decode, left_padded_prompts
 
 from oppo_ds.rollout import static_decode
 from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
-from oppo_ds.rollout.static_decode import LENGTH_ROUND, StaticDecode, cache_length
+from oppo_ds.rollout.static_decode import StaticDecode
+from oppo_ds.rollout.static_length import LENGTH_ROUND, cache_length
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -1024,12 +1024,13 @@ def test_static_cache_trains_what_the_default_decode_trains(cache_dir, tmp_path,
     over = ("steps=3", "checkpoint.export_hf=false", f"oppo.overcommit={overcommit}",
             *(("oppo.streaming=true", "oppo.chunk_size=5") if overcommit else ()))
     from oppo_ds.rollout import static_decode
+    from oppo_ds.rollout.static_length import LENGTH_ROUND
 
     run(cache_dir, tmp_path / "default", *over)
     monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)  # kept as with a graph
     trainer, _ = run(cache_dir, tmp_path / "static", *over, "generation.static_cache=true")
     kept = static_decode._KEPT[trainer.actor.module]  # the actor decoded in static buffers
-    assert kept.length % static_decode.LENGTH_ROUND == 0 and not kept.cuda_graph
+    assert kept.length % LENGTH_ROUND == 0 and not kept.cuda_graph
     a = _metrics_by_step(tmp_path / "default" / "metrics.jsonl")
     b = _metrics_by_step(tmp_path / "static" / "metrics.jsonl")
     _assert_same_training(a, b, steps=(1, 2, 3))

@@ -15,7 +15,9 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
     time; with `offload_reference` the partition sits in CPU memory).
   * caches: the actor's KV cache for B + Delta rows at prompt + response length, and the
     streaming scorers' caches for the same rows; the frozen scorers of the rollout pool keep
-    the caches of the deferred rows through the update.
+    the caches of the deferred rows through the update. With `generation.static_cache` the
+    actor's cache is at its static length (rounded up to 64); with `generation.cuda_graph`
+    it and the graph's logits stay allocated through scoring and training as well.
   * the hybrid engine's inference copy: the gathered actor weights split over
     `inference_tp_size` GPUs, alive during generation.
   * activations of one training micro-batch (flash attention, no seq x seq scores), with
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
+from ..rollout.static_length import cache_length
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
 
@@ -225,7 +228,9 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["hybrid_engine_copy"] = (w * shapes.actor.params() / s.inference_tp_size
                                    if gathered_actor else 0.0)
     # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
-    items["actor_kv"] = rows * seq * shapes.actor.kv_bytes_per_token(w)
+    actor_seq = cache_length(gen.max_prompt_len, gen.max_new_tokens, gen.sync_every) \
+        if gen.static_cache else seq
+    items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     # under the stage placement nothing streams on the actor ranks (the critic trains there)
     streamed = [] if on_stage else streamed_scorers(cfg)
@@ -234,6 +239,10 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
     items["carried_scorer_kv"] = sum(delta * seq * scorer_shape[k].kv_bytes_per_token(w) for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2
+    # a CUDA graph reads its buffers where they are: the static cache and its logits outlive
+    # the rollout, through scoring and training
+    items["kept_decode_graph"] = (items["actor_kv"] + w * rows * shapes.actor.vocab
+                                  if gen.cuda_graph else 0.0)
 
     micro_tokens = cfg.ppo.micro_batch_size * seq
     ckpt = s.gradient_checkpointing
@@ -251,9 +260,10 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
         "generate": resident + items["hybrid_engine_copy"] + items["actor_kv"] + items["scorer_kv"]
                     + items["decode_logits"] + (0.0 if gathered_actor else items["zero3_gathered"]),
         "score": resident + items["activations_score"] + items["carried_scorer_kv"]
-                 + max(items["zero3_gathered"], items["reference_gathered"]),
+                 + max(items["zero3_gathered"], items["reference_gathered"])
+                 + items["kept_decode_graph"],
         "train": resident + items["activations_train"] + items["carried_scorer_kv"]
-                 + items["zero3_gathered"],
+                 + items["zero3_gathered"] + items["kept_decode_graph"],
     }
     if on_stage:
         scorer_rank_memory(plan, cfg, shapes, gpus, rows, seq)

@@ -27,7 +27,8 @@ import torch
 
 from ..finite import FP16_RANGE, LARGE_UPDATE, NonFiniteError
 from ..kv_cache import cache_kwargs, output_cache
-from .static_decode import StaticDecode, cache_length
+from .static_decode import StaticDecode
+from .static_length import cache_length
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ a token instead of one per kernel.
 
 With a CUDA graph, the buffers (cache, mask, inputs, the graph and its memory) of a model's
 last rollout are kept, through training too, and serve its next rollout of the same batch
-and length: lengths are rounded up to a multiple of ``LENGTH_ROUND`` so that prompts of
-different widths share them. Without one they go with the decode. A graph reads the weights
+and length: lengths are rounded up to a multiple of ``static_length.LENGTH_ROUND`` so that
+prompts of different widths share them. Without one they go with the decode. A graph reads the weights
 where they were when it was captured; if any parameter has moved since (ZeRO-3 gathers them
 anew for each rollout), the graph is captured again.
 
@@ -32,7 +32,6 @@ import torch
 
 from ..kv_cache import cache_kwargs
 
-LENGTH_ROUND = 64  # cache lengths are multiples of this: one set of buffers serves many widths
 _ATTENTION = ("sdpa", "eager")  # the implementations whose masks we build (bool / additive)
 
 # model -> the StaticDecode of its last rollout with a CUDA graph: buffers and graph kept for
@@ -41,14 +40,6 @@ _ATTENTION = ("sdpa", "eager")  # the implementations whose masks we build (bool
 # buffers go with the decode, as the default decode's cache does.
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, StaticDecode]" = weakref.WeakKeyDictionary()
 _KEEP_WITHOUT_GRAPH = False  # tests set it, to check on a CPU the keeping a graph relies on
-
-
-def cache_length(context: int, max_new_tokens: int, sync_every: int) -> int:
-    """Positions a static cache needs for a context of ``context`` tokens: the context, every
-    token decoded (a block decode may feed up to ``sync_every`` - 1 more after a row ends),
-    rounded up to ``LENGTH_ROUND``."""
-    need = context + max_new_tokens + sync_every
-    return -(-need // LENGTH_ROUND) * LENGTH_ROUND
 
 
 def _attention(model) -> str:
