@@ -263,15 +263,19 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
         "h2d copy": _median_ms(one_copy, sync, repeat * 20),
         "h2d pinned": _median_ms(one_pinned_copy, sync, repeat * 20),
     }
-    if dev.type == "cuda":
-        ms[GRAPH_PIECE] = _median_ms(_rows_ending(
-            model, padded_ids, padded_mask, _params(tokens, static=True, graph=True), gen),
-            sync, repeat)
+    errors = {}
+    if dev.type == "cuda":  # a capture that fails loses this piece, not the others' figures
+        try:
+            ms[GRAPH_PIECE] = _median_ms(_rows_ending(
+                model, padded_ids, padded_mask, _params(tokens, static=True, graph=True), gen),
+                sync, repeat)
+        except Exception as err:  # noqa: BLE001 (reported, not hidden)
+            errors[GRAPH_PIECE] = f"{type(err).__name__}: {err}"
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"arch": arch, "batch": batch, "prompt_len": prompt_len, "tokens": tokens,
             "dtype": dtype, "device": where, "repeat": repeat, "sync_every": sync_every,
             "torch": torch.__version__,
-            "ms_per_token": ms}
+            "ms_per_token": ms, "errors": errors}
 
 
 # ms per decode step, beside the probe's own pieces; the fixed cost is ms per call
@@ -385,6 +389,8 @@ def format_report(report: dict) -> str:
                  if (name in DECODE_PIECES or name in TRAINER_PIECES or name == GRAPH_PIECE)
                  and base else "")
         lines.append(f"  {name:<38}{value:10.3f}  {ratio}")
+    for name, error in report.get("errors", {}).items():
+        lines.append(f"  {name:<38}  failed: {error}")
     return "\n".join(lines)
 
 

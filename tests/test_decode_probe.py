@@ -28,11 +28,22 @@ def test_probe_reports_every_piece_of_a_decode_step(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert (report["arch"], report["batch"], report["tokens"], report["device"],
             report["sync_every"]) == ("tiny-qwen2", 4, 6, "cpu", 4)
-    assert set(report["ms_per_token"]) == PIECES
+    assert set(report["ms_per_token"]) == PIECES and report["errors"] == {}
     assert all(math.isfinite(v) and v > 0 for v in report["ms_per_token"].values())
     shown = capsys.readouterr().out
     assert "tiny-qwen2 fp32 on cpu: batch 4" in shown and "blocks of 4 tokens" in shown
     assert all(piece in shown for piece in PIECES)
+
+
+def test_a_failed_piece_is_reported_beside_the_others():
+    """The GPU-only CUDA-graph piece, if its capture fails, is reported with its error after
+    the other pieces' figures, which are kept."""
+    report = {"arch": "a", "dtype": "bf16", "device": "d", "batch": 2, "prompt_len": 3,
+              "tokens": 4, "repeat": 1, "sync_every": 2, "ms_per_token": {"forward": 1.0},
+              "errors": {decode_probe.GRAPH_PIECE: "RuntimeError: capture failed"}}
+    lines = decode_probe.format_report(report).splitlines()
+    assert lines[1].split()[:2] == ["forward", "1.000"]
+    assert lines[-1].strip() == f"{decode_probe.GRAPH_PIECE}  failed: RuntimeError: capture failed"
 
 
 def test_probe_times_the_trainers_own_decode(tmp_path, capsys):
