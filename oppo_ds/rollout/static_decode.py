@@ -191,10 +191,16 @@ class StaticDecode:
         for layer, count in zip(self.cache.layers, counters):
             layer.cumulative_length.copy_(count)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the colocated scorers' thread may launch on its own stream meanwhile,
-        # which the default (global) mode would refuse and so break the capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.logits = self._eager(model)
+        try:
+            # thread_local: the colocated scorers' thread may launch on its own stream
+            # meanwhile, which the default (global) mode would refuse, breaking the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.logits = self._eager(model)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"generation.cuda_graph: capturing the actor's one-token forward "
+                f"({type(model).__name__}, batch {self.batch}, cache {self.length}) failed: "
+                f"{err}; set generation.cuda_graph: false to decode without a graph") from err
         self.graph, self.weights = graph, _weights(model)
 
 
