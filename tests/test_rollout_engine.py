@@ -59,6 +59,29 @@ def test_greedy_batch_equals_deepspeeds_hybrid_engine_rollout(models):
     assert (response == PAD).logical_and(ours.attention_mask[:, 7:].bool()).sum() == 0
 
 
+def test_the_static_cache_gives_the_same_batch_and_scores(models, monkeypatch):
+    """``static_cache=True`` (the actor's decode at one shape): the same sampled batch and
+    streamed scores as the default decode (fp32; scores within 1e-5)."""
+    from oppo_ds.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)  # to see them used
+    actor, reference, reward, critic = models
+    request = request_of([3, 7, 5, 2, 6])
+    sampling = SamplingConfig(max_new_tokens=10, temperature=1.0)
+    out = {}
+    for static in (False, True):
+        engine = OppoRolloutEngine(actor, TOKENIZER, reward=reward, reference=reference,
+                                   critic=critic, chunk_size=3, seed=7, static_cache=static)
+        out[static] = engine.generate_with_scores(request, sampling)
+    (batch, scores), (static_batch, static_scores) = out[False], out[True]
+    assert static_decode._KEPT[actor].batch == 5  # the static engine decoded in its buffers
+    assert torch.equal(static_batch.input_ids, batch.input_ids)
+    assert torch.equal(static_batch.attention_mask, batch.attention_mask)
+    assert set(static_scores) == set(scores) == {"reward", "reference", "critic"}
+    for kind in scores:
+        torch.testing.assert_close(static_scores[kind], scores[kind], atol=1e-5, rtol=0)
+
+
 def test_streamed_scores_beside_the_batch_equal_whole_sequence_scoring(models):
     _, reference, reward, critic = models
     actor = never_pad(random_lm("tiny-llama", VOCAB, seed=4))

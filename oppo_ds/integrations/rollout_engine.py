@@ -40,14 +40,18 @@ class OppoRolloutEngine(RolloutEngine):
     (``pad_token_id``, else ``eos_token_id``, pads; ``eos_token_id`` ends responses).
     reward / reference / critic (optional): scorers fed chunk by chunk: value-head models
     (``oppo_ds.models.ValueHeadModel``, or DeepSpeed-Chat's ``RewardModel``) and a causal LM.
-    chunk_size: tokens decoded between hand-overs; placement: ``inline`` or ``colocated``.
+    chunk_size: tokens decoded between hand-overs; placement: ``inline`` or ``colocated``;
+    static_cache, cuda_graph: the actor's decode at one shape, replayed as a CUDA graph
+    (``generation.static_cache``, ``generation.cuda_graph``).
     """
 
     name = "oppo"
 
     def __init__(self, actor, tokenizer, *, reward=None, reference=None, critic=None,
-                 chunk_size: int = 16, placement: str = "inline", seed: int = 0):
+                 chunk_size: int = 16, placement: str = "inline", seed: int = 0,
+                 static_cache: bool = False, cuda_graph: bool = False):
         self.actor, self.tokenizer = actor, tokenizer
+        self.static_cache, self.cuda_graph = static_cache, cuda_graph
         self.models = {kind: model for kind, model in
                        (("reward", reward), ("reference", reference), ("critic", critic))
                        if model is not None}
@@ -79,7 +83,8 @@ class OppoRolloutEngine(RolloutEngine):
                               eos_token_ids=() if eos is None else (eos,),
                               pad_token_id=self.pad_id,
                               temperature=max(float(sampling.temperature), 0.0),
-                              top_k=max(int(sampling.top_k), 0), top_p=float(sampling.top_p))
+                              top_k=max(int(sampling.top_k), 0), top_p=float(sampling.top_p),
+                              static_cache=self.static_cache, cuda_graph=self.cuda_graph)
 
     @torch.no_grad()
     def generate_with_scores(self, request: RolloutRequest, sampling: SamplingConfig):
