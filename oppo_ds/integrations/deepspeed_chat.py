@@ -64,6 +64,7 @@ from ..rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from ..rollout.generate import SamplingParams
 from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
 from ..rollout.scorer import StreamingScorer
+from ..rollout.static_decode import check_graph_device
 from ..rollout.streaming import stream_continue
 from .dschat_flags import auto_int, positive_int
 
@@ -273,9 +274,9 @@ class OppoExperience:
         self.placement = placement if placement != "auto" else \
             ("colocated" if device.type == "cuda" else "inline")
         self.stream_to = tuple(stream_to)
-        if cuda_graph and device.type != "cuda":
-            raise ValueError(f"cuda_graph (--oppo_cuda_graph) needs the actor on a CUDA device; "
-                             f"it is on {device}")
+        if cuda_graph:  # at once, not at the first call's decode
+            check_graph_device(device, "cuda_graph (--oppo_cuda_graph)",
+                               "leave --oppo_cuda_graph out")
         self.sampling = dataclasses.replace(
             sampling_from_actor(actor, tokenizer, max_answer_seq_len), sync_every=sync_every,
             static_cache=static_cache, cuda_graph=cuda_graph)

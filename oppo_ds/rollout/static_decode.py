@@ -42,6 +42,13 @@ _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, StaticDecode]" = weakref.Weak
 _KEEP_WITHOUT_GRAPH = False  # tests set it, to check on a CPU the keeping a graph relies on
 
 
+def check_graph_device(device: torch.device, key: str, off: str) -> None:
+    """A CUDA graph needs the actor on a CUDA device: ``ValueError`` naming ``key`` (the
+    setting as its caller knows it) and ``off`` (how to go on without it) otherwise."""
+    if device.type != "cuda":
+        raise ValueError(f"{key} needs the actor on a CUDA device; it is on {device}: {off}")
+
+
 def _attention(model) -> str:
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
@@ -62,9 +69,8 @@ class StaticDecode:
         from transformers import StaticCache
 
         self.additive = _attention(model) == "eager"
-        if cuda_graph and device.type != "cuda":
-            raise ValueError(f"generation.cuda_graph needs the actor on a CUDA device; it is on "
-                             f"{device}: set generation.cuda_graph: false")
+        if cuda_graph:
+            check_graph_device(device, "generation.cuda_graph", "set generation.cuda_graph: false")
         self.batch, self.length, self.cuda_graph = batch, length, cuda_graph
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
@@ -75,7 +81,9 @@ class StaticDecode:
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.attend = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
-        self.mask: Optional[torch.Tensor] = None  # what the forward is given (attend or additive)
+        # what the forward is given: ``attend`` itself, or its additive form (eager attention),
+        # refreshed in place by ``prefill`` (a captured graph reads this buffer)
+        self.mask = self._form(self.attend, model)
         self.column = 0                           # the cache position the next token goes to
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.logits: Optional[torch.Tensor] = None  # the graph's output
@@ -125,11 +133,7 @@ class StaticDecode:
         out = model(input_ids=ids, attention_mask=self._form(prefill, model),
                     position_ids=positions, use_cache=True, **cache_kwargs(model, self.cache))
         self.column = width
-        if not self.additive:
-            self.mask = self.attend
-        elif self.mask is None:
-            self.mask = self._form(self.attend, model)
-        else:  # in place: a captured graph reads this buffer
+        if self.additive:
             self.mask.copy_(self._form(self.attend, model))
         if self.graph is not None and self.weights != _weights(model):
             self.graph, self.logits = None, None  # the weights moved: capture again
