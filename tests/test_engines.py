@@ -201,6 +201,34 @@ def test_train_step_needs_exactly_gas_micro_batches():
     assert engine.ds_engine.global_steps == 0
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_forward_after_training_synchronizes_nothing(stage, monkeypatch):
+    """DeepSpeed's throughput timer, on by default, synchronizes the device in a hook before
+    every forward from the third optimizer step on (our engines get no dataloader): once a
+    token in a decode, and a CUDA-graph capture fails on it. Our configs turn it off. The
+    device synchronizations are counted on the real accelerator (a CPU one here, where they
+    are no-ops but still called); with DeepSpeed's default timer the same forwards are seen
+    to synchronize, so the count can see them."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    calls = []
+    synchronize = accelerator.synchronize
+    monkeypatch.setattr(accelerator, "synchronize",
+                        lambda *a, **k: (calls.append(1), synchronize(*a, **k))[1])
+    default_timer = {"timers": {"throughput": {"enabled": True}}}
+    for overrides, want in ((None, 0), (default_timer, 3)):
+        engine = make_engine(zero_stage=stage, ds_config_overrides=overrides)
+        for _ in range(3):
+            engine.train_step([fixed_batch()], lm_loss)
+        assert engine.ds_engine.global_steps == 3
+        calls.clear()
+        with engine.generation_context() as model:
+            for _ in range(3):
+                model(**fixed_batch(2, 8))
+        assert len(calls) == want, (overrides, len(calls))
+
+
 def test_lr_follows_schedule_per_update():
     engine = make_engine(lr=1e-3, warmup_steps=2, total_steps=6, scheduler="linear")
     seen = []

@@ -24,6 +24,14 @@ STAGE3_PARAM_PERSISTENCE_THRESHOLD = 10_000
 STAGE3_MAX_LIVE_PARAMETERS = 30_000_000
 STAGE3_PREFETCH_BUCKET_SIZE = 30_000_000
 
+# DeepSpeed's throughput timer is on by default, and the engine starts it in a hook before
+# every forward of its module when no training dataloader was given to it (ours never are):
+# from the third optimizer step on, each forward then synchronizes the whole device. A decode
+# paid that once a token, waiting for the other models' kernels on their own streams (the
+# colocated scorers), and a CUDA-graph capture cannot synchronize at all. Our telemetry times
+# the phases, so the timer is off.
+NO_THROUGHPUT_TIMER = {"throughput": {"enabled": False}}
+
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
     # bool is an int subclass: zero_stage=True must not pass as stage 1.
@@ -145,6 +153,7 @@ def build_ds_config(
         "gradient_clipping": float(grad_clip) if grad_clip else 0.0,
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
+        "timers": NO_THROUGHPUT_TIMER,
     }
     config.update(_dtype_sections(dtype))
     if offload and not force_ds_cpu_optimizer:
@@ -214,6 +223,7 @@ def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
         "steps_per_print": 10**9,
         "zero_optimization": zero,
         "wall_clock_breakdown": False,
+        "timers": NO_THROUGHPUT_TIMER,
     }
     if dtype == "fp16":
         config["fp16"] = {"enabled": True}
