@@ -300,3 +300,41 @@ def test_cuda_graph_replay_samples_what_the_default_decode_samples_on_a_gpu(arch
     assert out[0].static.graph is not captured
     _assert_same(out, run(_params(False), 3))
     assert isinstance(out[0].static, StaticDecode)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the graph is captured and replayed on one")
+def test_cuda_graph_captures_under_a_deepspeed_engine_that_synchronizes_on_a_gpu():
+    """A DeepSpeed engine with DeepSpeed's default throughput timer (DeepSpeed-Chat's are so)
+    synchronizes the device in a hook on its module before every forward from the third
+    optimizer step on, which a capture may not do. The capture calls the module past its own
+    hooks, so after three training steps the graph is captured and decodes what the default
+    decode does through the same engine."""
+    from oppo_ds.engines import DeepSpeedTrainEngine
+
+    engine = DeepSpeedTrainEngine(
+        random_lm("tiny-llama", VOCAB, seed=0), lr=1e-3, total_steps=10,
+        micro_batch_size=len(PROMPT_LENS), gradient_accumulation_steps=1, zero_stage=0,
+        offload=False, dtype="fp32", grad_clip=1.0, seed=0,
+        ds_config_overrides={"timers": {"throughput": {"enabled": True, "synchronized": True}}})
+    ids, mask = (t.to(engine.device) for t in left_padded_prompts(PROMPT_LENS, VOCAB, PAD,
+                                                                   seed=1))
+
+    def lm_loss(model, batch):
+        loss = model(input_ids=batch, attention_mask=mask, labels=batch).loss
+        return loss, {}
+
+    for _ in range(3):
+        engine.train_step([ids], lm_loss)
+    timer = engine.ds_engine.tput_timer
+    assert timer.config.synchronized and timer.global_step_count >= timer.start_step
+    graph = SamplingParams(max_new_tokens=12, eos_token_ids=EOS, pad_token_id=PAD,
+                           static_cache=True, cuda_graph=True)
+    with engine.generation_context() as model:
+        def run(params):
+            state = start_decode(model, ids, mask, params)
+            return state, decode_steps(model, state, params, torch.Generator().manual_seed(4))
+
+        out = run(graph)
+        assert out[0].static.graph is not None
+        _assert_same(out, run(_params(False)))

@@ -166,9 +166,10 @@ class StaticDecode:
         return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(
             ~attend, torch.finfo(dtype).min)
 
-    def _eager(self, model) -> torch.Tensor:
-        out = model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
-                    use_cache=True, **cache_kwargs(model, self.cache))
+    def _eager(self, model, call=None) -> torch.Tensor:
+        out = (call or model)(input_ids=self.tokens, attention_mask=self.mask,
+                              position_ids=self.positions, use_cache=True,
+                              **cache_kwargs(model, self.cache))
         return out.logits
 
     def _forward(self, model) -> torch.Tensor:
@@ -183,14 +184,20 @@ class StaticDecode:
         """Capture the one-token forward. Two warm-up forwards on a side stream first (they
         write this token's cache position, and the next, which the real forwards rewrite
         before reading); the cache's position counters are put back after them. Nothing is
-        launched by the capture itself: the first replay computes this token."""
+        launched by the capture itself: the first replay computes this token.
+
+        Warm-ups and capture call ``model.forward``, past the hooks on the model itself, as a
+        replay does: a DeepSpeed engine's hooks there start its throughput timer, which
+        synchronizes the device (unless its config turns the timer off, as ours do), and a
+        capture cannot synchronize. The submodules' hooks run (under ZeRO-3 the rollout has
+        taken them off: ``gathered_without_hooks``)."""
         device = self.tokens.device
         counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._eager(model)
+                self._eager(model, model.forward)
         torch.cuda.current_stream(device).wait_stream(side)
         for layer, count in zip(self.cache.layers, counters):
             layer.cumulative_length.copy_(count)
@@ -199,7 +206,7 @@ class StaticDecode:
             # thread_local: the colocated scorers' thread may launch on its own stream
             # meanwhile, which the default (global) mode would refuse, breaking the capture
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.logits = self._eager(model)
+                self.logits = self._eager(model, model.forward)
         except RuntimeError as err:
             raise RuntimeError(
                 f"generation.cuda_graph: capturing the actor's one-token forward "
