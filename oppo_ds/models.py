@@ -114,9 +114,25 @@ def _check_local_dir(path: str) -> None:
         raise FileNotFoundError(problem)
 
 
-def _build_tiny(from_config, arch: str, vocab_size: Optional[int], dtype, seed: Optional[int]):
+def build_device(zero_stage: int = 0) -> Optional[torch.device]:
+    """Where a run's models built from config are made: this process's GPU when it has one
+    (the random init of Qwen2.5-0.5B took tens of seconds a model on the CPU threads of an
+    H100 machine, under a second on its GPU), the CPU without one and under ZeRO-3
+    (DeepSpeed partitions the models from there). Every builder of a run's models asks it, so
+    that the models made from one seed (the actor and its reference; ours and a peer's in a
+    benchmark) are equal: the same seed gives other numbers on another device."""
+    if zero_stage == 3 or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _build_tiny(from_config, arch: str, vocab_size: Optional[int], dtype, seed: Optional[int],
+                device=None):
     """An architecture built from config with random weights (a tiny one, or a real shape);
-    ``seed`` makes two builds identical (the actor and its reference start equal)."""
+    ``seed`` makes two builds identical (the actor and its reference start equal) on the same
+    device. ``device``: where the weights are made and initialized (default: the CPU); a real
+    shape's random init on a GPU takes a fraction of a second, on one CPU thread tens of
+    seconds a model (Qwen2.5-0.5B)."""
     if arch in SHAPES:
         config = shape_config(arch, vocab_size)
     elif vocab_size is None:
@@ -127,17 +143,21 @@ def _build_tiny(from_config, arch: str, vocab_size: Optional[int], dtype, seed: 
         torch.manual_seed(seed)
     dtype = _torch_dtype(dtype) or torch.float32
     # a 7B shape in fp32 is 30 GB: build directly in the target dtype
-    return from_config(config, dtype=dtype).to(dtype)
+    with torch.device(device or "cpu"):
+        return from_config(config, dtype=dtype).to(dtype)
 
 
 def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None,
-                    trust_remote_code: bool = False, seed: Optional[int] = None) -> nn.Module:
+                    trust_remote_code: bool = False, seed: Optional[int] = None,
+                    device=None) -> nn.Module:
     """The actor or the reference model. ``source``: a local HF directory or a tiny arch name
-    (then ``vocab_size`` is required and ``seed`` fixes the random init)."""
+    (then ``vocab_size`` is required, ``seed`` fixes the random init and ``device`` is where
+    it is built; a checkpoint loads on the CPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if source in FROM_CONFIG_ARCHS:
-        return _build_tiny(AutoModelForCausalLM.from_config, source, vocab_size, dtype, seed)
+        return _build_tiny(AutoModelForCausalLM.from_config, source, vocab_size, dtype, seed,
+                           device)
     _check_local_dir(source)
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
@@ -313,10 +333,11 @@ def _find_head_weight(path: str) -> Optional[torch.Tensor]:
 
 def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=None,
                       trust_remote_code: bool = False, require_head: bool = False,
-                      seed: Optional[int] = None) -> ValueHeadModel:
-    """The critic or the reward model, from a local directory or a tiny arch name."""
+                      seed: Optional[int] = None, device=None) -> ValueHeadModel:
+    """The critic or the reward model, from a local directory or a tiny arch name (built on
+    ``device``, as ``build_causal_lm``)."""
     if source in FROM_CONFIG_ARCHS:
-        return _build_tiny(ValueHeadModel.from_config, source, vocab_size, dtype, seed)
+        return _build_tiny(ValueHeadModel.from_config, source, vocab_size, dtype, seed, device)
     return ValueHeadModel.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
                                           require_head=require_head)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
-from .models import build_causal_lm, build_value_model
+from .models import build_causal_lm, build_device, build_value_model
 from .preemption import StopOnSignal, signal_name
 from .rollout.scorer import StreamingScorer
 from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
@@ -125,6 +125,8 @@ class StagePlacement:
         from .models import disable_dropout
 
         s = self.cfg.system
+        # made where the actor ranks make theirs, so that the same seed gives the same weights
+        common = {**common, "device": build_device(s.zero_stage)}
         # HF models on this rank (either backend): one whole copy of each frozen scorer
         dtype, temp = s.dtype, self.cfg.generation.temperature
         self.reward = None  # with model.reward_function the actor ranks score finished text

@@ -87,6 +87,22 @@ def test_causal_lm_seed_fixes_init():
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
+def test_a_model_built_from_config_is_made_on_the_device_it_is_given():
+    """``device`` is where the weights are made and initialized (the trainer passes its GPU:
+    ``build_device``); "meta" shows it without one, since nothing there has numbers. Without a
+    GPU, and under ZeRO-3 with one, the models are made on the CPU."""
+    from oppo_ds.models import build_device
+
+    for build in (build_causal_lm, build_value_model):
+        on_meta = build("tiny-qwen2", vocab_size=VOCAB, seed=3, device="meta")
+        assert {p.device.type for p in on_meta.parameters()} == {"meta"}
+        assert {p.device.type for p in build("tiny-qwen2", vocab_size=VOCAB, seed=3)
+                .parameters()} == {"cpu"}
+    assert build_device(3) is None
+    gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    assert [build_device(stage) for stage in (0, 1, 2)] == [gpu] * 3
+
+
 def test_tiny_arch_needs_vocab_size():
     with pytest.raises(ValueError, match="vocab_size"):
         build_causal_lm("tiny-llama")

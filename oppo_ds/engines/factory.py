@@ -68,7 +68,7 @@ def prepare_trained(model: torch.nn.Module, cfg: Config, kind: str) -> torch.nn.
 
 
 def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage) -> Models:
-    from ..models import build_causal_lm, build_value_model, disable_dropout
+    from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
 
     p, s = cfg.ppo, cfg.system
@@ -76,13 +76,16 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         # DeepSpeed refuses it in its own sanity check, after the models are loaded
         raise ConfigError("system.dtype", "fp16 needs a GPU: on a CPU DeepSpeed trains in fp32 or "
                                           "bf16 (bf16 keeps fp32's range)")
-    actor_model = prepare_trained(disable_dropout(build_causal_lm(src.actor, **common)), cfg, "actor")
+    on = build_device(s.zero_stage)  # where a model built from config is made
+    actor_model = prepare_trained(
+        disable_dropout(build_causal_lm(src.actor, device=on, **common)), cfg, "actor")
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, **engine_args)
     critic = None
     if p.uses_critic:
-        critic_model = prepare_trained(disable_dropout(build_value_model(src.critic, **common)),
-                                       cfg, "critic")
+        critic_model = prepare_trained(
+            disable_dropout(build_value_model(src.critic, device=on, **common)), cfg,
+            "critic")
         critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
     device = actor.device
     if "reference" in on_stage or not p.uses_reference:  # on the scorer rank, or the KL is off
@@ -91,8 +94,10 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
                                         offload=s.offload_reference)
     else:
-        reference = prepare_frozen(build_causal_lm(src.reference, **common), s.dtype, device)
+        reference = prepare_frozen(build_causal_lm(src.reference, device=on, **common), s.dtype,
+                                   device)
     # none on the scorer rank's side of a stage, or in place of a reward function
     reward = None if "reward" in on_stage or not src.reward_model else \
-        prepare_frozen(build_value_model(src.reward, require_head=True, **common), s.dtype, device)
+        prepare_frozen(build_value_model(src.reward, require_head=True, device=on, **common),
+                       s.dtype, device)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)

@@ -459,8 +459,8 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     from .. import workload as wl
     from ..config import load_config, save_config
     from ..data import encode_prompts
-    from ..models import (build_causal_lm, build_value_model, disable_dropout, load_tokenizer,
-                          response_end_ids)
+    from ..models import (build_causal_lm, build_device, build_value_model, disable_dropout,
+                          load_tokenizer, response_end_ids)
     from ..sources import check_prompt_format, read_rows, resolve_sources
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
@@ -485,8 +485,10 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
                              chat_template=d.chat_template, input_template=d.input_template).prompts
     dataset = Dataset.from_dict({"input_ids": _ordered_prompt_ids(prompts, cfg)})
 
+    # made where our trainer makes them (build_device), so that the seed gives the same weights
     common = dict(vocab_size=len(tokenizer), dtype="fp32",
-                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed)
+                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
+                  device=build_device(cfg.system.zero_stage))
     policy = disable_dropout(build_causal_lm(src.actor, **common))
     reference = disable_dropout(build_causal_lm(src.reference, **common))  # a separate copy
     reward = to_sequence_classifier(build_value_model(src.reward, require_head=True, **common))
