@@ -390,6 +390,42 @@ def test_patch_entry_points_parse_and_replace_generate_experience():
     assert oppo.stats["delta"] == oppo.delta_ctl.delta == 1  # B // 4, the start (delta_max)
 
 
+def test_the_engines_throughput_timers_stop_synchronizing_the_device(monkeypatch):
+    """DeepSpeed-Chat's engines keep DeepSpeed's default throughput timer, which synchronizes
+    the device before every forward from the third optimizer step on (once a decode token).
+    OPPO leaves the timer on, timed on the host: after three real training steps of the actor
+    a forward synchronized once before ``enable_oppo`` and not at all after it (the calls are
+    counted on the real accelerator; a no-op on a CPU, but called)."""
+    from deepspeed.accelerator import get_accelerator
+
+    actor, ref, critic, reward, tok = build_engines("llama")
+    ids, _ = collated_prompts([5, 6, 4, 6], 24, tok.pad_token_id, 6)
+    for _ in range(3):
+        actor.backward(actor(input_ids=ids, labels=ids).loss)
+        actor.step()
+    accelerator = get_accelerator()
+    calls = []
+    synchronize = accelerator.synchronize
+    monkeypatch.setattr(accelerator, "synchronize",
+                        lambda *a, **k: (calls.append(1), synchronize(*a, **k))[1])
+
+    def forward_syncs():
+        calls.clear()
+        with torch.no_grad():
+            actor(input_ids=ids)
+        return len(calls)
+
+    assert forward_syncs() == 1
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--enable_oppo"])
+    args.max_answer_seq_len, args.seed = 4, 1
+    trainer = SimpleNamespace(actor_model=actor, ref_model=ref, critic_model=critic,
+                              reward_model=reward, tokenizer=tok, generate_time=0.0)
+    oppo = enable_oppo(trainer, args)
+    assert oppo.host_timed == ["actor", "ref", "critic", "reward"]
+    assert forward_syncs() == 0
+    assert actor.tput_timer.config.enabled  # still timing, on the host
+
+
 PATCH = os.path.join(os.path.dirname(__file__), os.pardir, "patches", "deepspeed-chat",
                      "step3-oppo.patch")
 MAIN_PY = "applications/DeepSpeed-Chat/training/step3_rlhf_finetuning/main.py"

@@ -112,6 +112,7 @@ def test_interface_rules(models):
     actor, *_ = models
     engine = OppoRolloutEngine(actor, TOKENIZER, chunk_size=2, seed=3)
     assert isinstance(engine, RolloutEngine) and engine.name == "oppo"
+    assert engine.host_timed == []  # an HF module has no DeepSpeed timer to quiet
     request = request_of([2, 5])
     batch = engine.generate(request, SamplingConfig(max_new_tokens=6, temperature=0.7, top_k=5,
                                                     n_samples_per_prompt=3))

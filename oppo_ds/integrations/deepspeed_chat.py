@@ -128,6 +128,25 @@ def _zero_stage(engine) -> int:
     return int(stage()) if callable(stage) else 0
 
 
+def _host_timed(**engines) -> list[str]:
+    """DeepSpeed's throughput timer, on in DeepSpeed-Chat's engines, synchronizes the whole
+    device in a hook before every forward of its module from the third optimizer step on
+    (their ``deepspeed.initialize`` gets no dataloader): once a token in the actor's decode,
+    and in the colocated scorers' forwards, each then waiting for the other's kernels. The
+    timer stays on (DeepSpeed's samples/sec lines), timed on the host instead. Returns the
+    names of the engines changed."""
+    changed = []
+    for name, engine in engines.items():
+        timer = getattr(engine, "tput_timer", None)
+        if timer is not None and timer.config.enabled and timer.config.synchronized:
+            timer.config.synchronized = False
+            changed.append(name)
+    if changed:
+        logger.info("oppo: DeepSpeed's throughput timer of %s no longer synchronizes the device "
+                    "before each forward (its samples/sec are host time)", ", ".join(changed))
+    return changed
+
+
 def _dtype(engine) -> torch.dtype:
     return next(_unwrap(engine).parameters()).dtype
 
@@ -277,6 +296,7 @@ class OppoExperience:
         if cuda_graph:  # at once, not at the first call's decode
             check_graph_device(device, "cuda_graph (--oppo_cuda_graph)",
                                "leave --oppo_cuda_graph out")
+        self.host_timed = _host_timed(actor=actor, ref=ref, critic=critic, reward=reward)
         self.sampling = dataclasses.replace(
             sampling_from_actor(actor, tokenizer, max_answer_seq_len), sync_every=sync_every,
             static_cache=static_cache, cuda_graph=cuda_graph)

@@ -30,7 +30,7 @@ from deepspeed.runtime.rollout.base import (RolloutBatch, RolloutEngine, Rollout
 from ..rollout.generate import SamplingParams
 from ..rollout.scorer import StreamingScorer
 from ..rollout.streaming import StreamTiming, stream_generate
-from .deepspeed_chat import ValueView, _unwrap
+from .deepspeed_chat import ValueView, _host_timed, _unwrap
 
 
 class OppoRolloutEngine(RolloutEngine):
@@ -55,6 +55,8 @@ class OppoRolloutEngine(RolloutEngine):
         self.models = {kind: model for kind, model in
                        (("reward", reward), ("reference", reference), ("critic", critic))
                        if model is not None}
+        # DeepSpeed engines given here stop synchronizing the device before every forward
+        self.host_timed = _host_timed(actor=actor, **self.models)
         self.chunk_size, self.placement = chunk_size, placement
         self.generator = torch.Generator().manual_seed(seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
