@@ -170,8 +170,9 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
           repeat: int = 3, seed: int = 0, sync_every: int = 16) -> dict:
     """Time each piece of a decode step; returns the figures (ms) and what was run."""
     dev = torch.device(device)
+    # made on the probed device (a real shape's random init on the host took most of a probe)
     model = build_causal_lm(arch, vocab_size=TINY_VOCAB if arch in TINY_ARCHS else None,
-                            dtype=dtype, seed=seed).to(dev).eval()
+                            dtype=dtype, seed=seed, device=dev).eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(dev)
