@@ -289,6 +289,12 @@ class SystemConfig:
     torch_threads: int = 0
     """torch intra-op threads per process (0 = torch's default; set 1 per rank when several
     ranks share a small CPU)."""
+    cudnn_attention: bool = False
+    """Let torch's scaled-dot-product attention use its cuDNN backend (on GPUs). Off: cuDNN
+    builds a plan for every new input shape, and a rollout meets new shapes nearly every
+    forward (rows end, chunks and prompts change width): on an H100 the decode at new shapes
+    took 72 ms a token with it and 25 ms without (Qwen2.5-0.5B, batch 32; docs/benchmarks.md).
+    The other backends (flash, memory-efficient, math) then serve. Process-wide."""
 
     def __post_init__(self):
         _require(self.inference_tp_size >= 1, "inference_tp_size", "must be >= 1")

@@ -59,7 +59,6 @@ the loop's own overhead beside the forward.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -70,7 +69,7 @@ import torch
 
 from .kv_cache import cache_kwargs, output_cache
 from .models import FROM_CONFIG_ARCHS, TINY_ARCHS, build_causal_lm
-from .rollout.generate import SamplingParams, decode_steps, start_decode
+from .rollout.generate import SamplingParams, cudnn_attention, decode_steps, start_decode
 
 TINY_VOCAB = 512  # the tiny architectures' vocabulary here (the real shapes keep their own)
 # timed per decode step; the other pieces are timed per call
@@ -108,17 +107,6 @@ def _left_padded(vocab: int, rows: int, width: int, gen: torch.Generator, device
     mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
     ids = torch.randint(3, vocab, (rows, width), generator=gen) * mask
     return ids.to(device), mask.to(device)
-
-
-def _no_cudnn_attention():
-    """torch's scaled-dot-product attention with every backend but cuDNN's (which plans
-    each new shape); a no-op context where torch has no such backend."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH])
 
 
 def new_shape_batches(batch: int, repeat: int, skip: int = 0) -> list[int]:
@@ -238,7 +226,7 @@ def probe(arch: str, batch: int, prompt_len: int, tokens: int, dtype: str, devic
     def new_shape(no_cudnn: bool) -> Callable[[int], int]:
         def run(rows: int) -> int:
             ids, am = _left_padded(vocab, rows, prompt_len, gen, dev)
-            with _no_cudnn_attention() if no_cudnn else contextlib.nullcontext():
+            with cudnn_attention(not no_cudnn):
                 return _decode(model, ids, am, params, gen)
         return run
 

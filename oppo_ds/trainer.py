@@ -34,7 +34,7 @@ from .evaluation import Evaluating, text_records
 from .export import Exporting
 from .filter_rounds import FilterRounds
 from .finite import NonFiniteError, check_experience, check_update
-from .rollout.generate import Generation, SamplingParams, generate, target_lengths
+from .rollout.generate import Generation, SamplingParams, cudnn_attention, generate, target_lengths
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
@@ -315,6 +315,11 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
     # ------------------------------------------------------------------ the PPO step
 
     def step(self) -> dict:
+        """One PPO step (rollout, experience, update); its metrics."""
+        with cudnn_attention(self.cfg.system.cudnn_attention):
+            return self._step()
+
+    def _step(self) -> dict:
         timer = PhaseTimer()
         start = time.perf_counter()
         o = self.cfg.oppo
@@ -651,6 +656,13 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> Optional[dict]:
+        """The run: steps, evaluations, checkpoints (on the stage's scorer rank: serving the
+        actor ranks); the summary. Attention off torch's cuDNN backend throughout unless
+        ``system.cudnn_attention``."""
+        with cudnn_attention(self.cfg.system.cudnn_attention):
+            return self._train()
+
+    def _train(self) -> Optional[dict]:
         if self.stage is not None and self.stage.is_scorer:
             return self._serve_as_scorer_rank()
         cfg = self.cfg

@@ -49,7 +49,7 @@ def test_help_lists_the_dschat_flags(capsys):
                  "--enable_tensorboard", "--tensorboard_path", "--output_dir", "--seed",
                  "--data_path", "--actor_lora_dim", "--only_optimize_lora", "--enable_ema",
                  "--enable_oppo", "--oppo_chunk_size", "--oppo_overcommit", "--oppo_sync_every",
-                 "--oppo_static_cache", "--oppo_cuda_graph"):
+                 "--oppo_static_cache", "--oppo_cuda_graph", "--oppo_cudnn_attention"):
         assert flag in text, flag
     assert "[no effect]" in text and "[refused]" in text
 
@@ -323,6 +323,8 @@ def test_static_cache_flags_map_and_the_hybrid_engine_refuses_them():
         resolve(base + ["--oppo_cuda_graph"])
     with pytest.raises(ConfigError, match="system.hybrid_engine: True replaces"):
         resolve(base + ["--oppo_static_cache", "--enable_hybrid_engine"])
+    assert not cfg.system.cudnn_attention
+    assert resolve(base + ["--oppo_cudnn_attention"])[0].system.cudnn_attention
 
 
 def test_docs_list_every_dschat_flag():

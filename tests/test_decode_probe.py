@@ -132,10 +132,12 @@ def test_left_padded_prompts_are_the_trainers_kind():
 
 
 def test_attention_without_cudnn_samples_the_same_tokens():
-    """The no-cuDNN piece changes only which attention kernel runs: on this CPU the tokens,
-    log-probs and generator state are those of the default."""
+    """The no-cuDNN context (the probe's piece, and the default of system.cudnn_attention)
+    changes only which attention kernel runs: on this CPU the tokens, log-probs and generator
+    state are those of the default; inside it torch's cuDNN switch is off, after it back."""
     from oppo_ds.models import build_causal_lm
-    from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
+    from oppo_ds.rollout.generate import (SamplingParams, cudnn_attention, decode_steps,
+                                          start_decode)
 
     model = build_causal_lm("tiny-qwen2", vocab_size=decode_probe.TINY_VOCAB, seed=0).eval()
     params = SamplingParams(max_new_tokens=6, eos_token_ids=(), pad_token_id=0, temperature=1.0,
@@ -143,11 +145,14 @@ def test_attention_without_cudnn_samples_the_same_tokens():
     ids, mask = decode_probe._left_padded(decode_probe.TINY_VOCAB, 3, 7,
                                           torch.Generator().manual_seed(1), torch.device("cpu"))
     runs = []
-    for context in (None, decode_probe._no_cudnn_attention()):
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for enabled in (True, False):
         gen = torch.Generator().manual_seed(0)
-        with context or torch.no_grad():
+        with cudnn_attention(enabled), torch.no_grad():
+            assert torch.backends.cuda.cudnn_sdp_enabled() is enabled
             state = start_decode(model, ids, mask, params)
             decode_steps(model, state, params, gen)
         runs.append((state.tokens, state.logprobs, gen.get_state()))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-6)

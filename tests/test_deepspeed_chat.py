@@ -366,6 +366,8 @@ def test_patch_entry_points_parse_and_replace_generate_experience():
     assert parser.parse_args([]).oppo_chunk_size == "auto"
     assert parser.parse_args([]).oppo_sync_every == 1
     assert not parser.parse_args([]).oppo_static_cache and not parser.parse_args([]).oppo_cuda_graph
+    assert not parser.parse_args([]).oppo_cudnn_attention
+    assert parser.parse_args(["--oppo_cudnn_attention"]).oppo_cudnn_attention
     assert parser.parse_args(["--oppo_static_cache"]).oppo_static_cache
     for bad in (["--oppo_overcommit", "-1"], ["--oppo_sync_every", "0"]):
         with pytest.raises(SystemExit):
@@ -424,6 +426,33 @@ def test_the_engines_throughput_timers_stop_synchronizing_the_device(monkeypatch
     assert oppo.host_timed == ["actor", "ref", "critic", "reward"]
     assert forward_syncs() == 0
     assert actor.tput_timer.config.enabled  # still timing, on the host
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_the_experience_runs_off_cudnn_attention_unless_allowed(allowed):
+    """--oppo_cudnn_attention off (the default): every forward of the actor, critic,
+    reference and reward inside generate_experience (the rollout and the experience) runs
+    with torch's cuDNN attention switched off (it plans every new shape); the switch is back
+    after the call. Seen from forward hooks on the four models (on a CPU the switch, not a
+    kernel). The critic's and reward's bodies (``rwtransformer``) are what OPPO runs."""
+    actor, ref, critic, reward, tok = build_engines("llama")
+    args = add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--enable_oppo"] + (["--oppo_cudnn_attention"] if allowed else []))
+    args.max_answer_seq_len, args.seed = 4, 1
+    trainer = SimpleNamespace(actor_model=actor, ref_model=ref, critic_model=critic,
+                              reward_model=reward, tokenizer=tok, generate_time=0.0)
+    enable_oppo(trainer, args)
+    seen = {}
+    for name, engine in (("actor", actor), ("ref", ref), ("critic", critic), ("reward", reward)):
+        body = getattr(engine.module, "rwtransformer", engine.module)  # what OPPO calls
+        body.register_forward_pre_hook(
+            lambda *_, name=name: seen.setdefault(name, set()).add(
+                torch.backends.cuda.cudnn_sdp_enabled()))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    prompts, mask = collated_prompts([3, 5, 4, 6], 24, tok.pad_token_id, 6)
+    trainer.generate_experience(prompts, mask, 0)
+    assert seen == {name: {allowed} for name in ("actor", "ref", "critic", "reward")}
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 PATCH = os.path.join(os.path.dirname(__file__), os.pardir, "patches", "deepspeed-chat",

@@ -1338,3 +1338,24 @@ def test_a_resume_names_the_objective_settings_that_changed(cache_dir, tmp_path,
         run(cache_dir, tmp_path / "adaptive", "steps=3", "ppo.kl_coef=0.2", *adaptive)
     assert "ppo.kl_coef" not in caplog.text and "resumed from step2" in caplog.text
     assert read_history(str(tmp_path / "adaptive" / "metrics.jsonl"))[-1]["kl/coef"] != 0.2
+
+
+def test_cudnn_attention_is_off_in_the_run_unless_asked_for(cache_dir, tmp_path):
+    """system.cudnn_attention (default false): the run's forwards (rollout, scoring, update,
+    evaluation) go without torch's cuDNN attention backend (it plans every new shape, and a
+    rollout's shapes change nearly every forward); the switch is back as it was after train().
+    Seen from a forward hook on the actor, for every forward of the run; on a CPU no attention
+    runs on cuDNN, so this checks the switch, not a kernel."""
+    from oppo_ds.trainer import PPOTrainer
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for extra, want in (([], False), (["system.cudnn_attention=true"], True)):
+        trainer = PPOTrainer(load_config(None, SMALL + [
+            f"workload.cache_dir={cache_dir}", f"logging.output_dir={tmp_path / str(want)}",
+            "steps=1", "eval.every=1", *extra]))
+        seen = []
+        trainer.actor.module.register_forward_pre_hook(
+            lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+        trainer.train()
+        assert len(seen) > 10 and set(seen) == {want}
+        assert torch.backends.cuda.cudnn_sdp_enabled()

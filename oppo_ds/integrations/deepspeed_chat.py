@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import cache_kwargs, output_cache
 from ..rollout.controllers import ChunkSizeController, DeltaController, Pipeline
-from ..rollout.generate import SamplingParams
+from ..rollout.generate import SamplingParams, cudnn_attention
 from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
 from ..rollout.scorer import StreamingScorer
 from ..rollout.static_decode import check_graph_device
@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--oppo_cuda_graph", action="store_true",
                        help="With --oppo_static_cache: replay the actor's one-token forward as "
                             "a CUDA graph, one launch a token (generation.cuda_graph).")
+    group.add_argument("--oppo_cudnn_attention", action="store_true",
+                       help="Let the rollout's attention use torch's cuDNN backend, which plans "
+                            "every new shape (off by default; system.cudnn_attention).")
     return parser
 
 
@@ -265,14 +268,16 @@ class OppoExperience:
     ``inline`` or ``colocated``; sync_every: tokens decoded between two host checks of
     which answers ended (``generation.sync_every``); static_cache, cuda_graph: the actor's
     decode at one shape, replayed as a CUDA graph (``generation.static_cache``,
-    ``generation.cuda_graph``). ``stats`` holds the last call's figures."""
+    ``generation.cuda_graph``); cudnn_attention: let the rollout's and the experience's
+    forwards use torch's cuDNN attention (``system.cudnn_attention``; off: it plans every new
+    shape). ``stats`` holds the last call's figures."""
 
     def __init__(self, actor, ref, critic, reward, tokenizer, *, max_answer_seq_len: int,
                  chunk_size: Union[int, str] = "auto", overcommit: Union[int, str] = 0,
                  placement: str = "auto", stream_to: Sequence[str] = ("reference", "critic"),
                  max_defer_steps: int = 2, delta_max: Optional[int] = None, sync_every: int = 1,
                  static_cache: bool = False, cuda_graph: bool = False,
-                 compute_fp32_loss: bool = False, print_answers: bool = False,
+                 cudnn_attention: bool = False, compute_fp32_loss: bool = False, print_answers: bool = False,
                  print_answers_interval: int = 1, seed: Optional[int] = None, trainer=None):
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.tokenizer, self.trainer = tokenizer, trainer
@@ -300,7 +305,7 @@ class OppoExperience:
         self.sampling = dataclasses.replace(
             sampling_from_actor(actor, tokenizer, max_answer_seq_len), sync_every=sync_every,
             static_cache=static_cache, cuda_graph=cuda_graph)
-        self.compute_fp32_loss = compute_fp32_loss
+        self.compute_fp32_loss, self.cudnn_attention = compute_fp32_loss, cudnn_attention
         self.print_answers, self.print_every = print_answers, max(1, print_answers_interval)
         self.generator = torch.Generator().manual_seed((seed or 0) * 1000 + self.rank)
         self.chunk_size = chunk_size
@@ -328,6 +333,7 @@ class OppoExperience:
                    sync_every=getattr(args, "oppo_sync_every", 1),
                    static_cache=getattr(args, "oppo_static_cache", False),
                    cuda_graph=getattr(args, "oppo_cuda_graph", False),
+                   cudnn_attention=getattr(args, "oppo_cudnn_attention", False),
                    compute_fp32_loss=getattr(args, "compute_fp32_loss", False),
                    print_answers=getattr(args, "print_answers", False),
                    print_answers_interval=getattr(args, "print_answers_interval", 1),
@@ -341,7 +347,8 @@ class OppoExperience:
         for engine in (self.actor, self.critic, self.reward, self.ref):
             engine.eval()
         start = time.time()
-        taken, streamed = self._rollout(prompts, mask)
+        with cudnn_attention(self.cudnn_attention):  # see system.cudnn_attention
+            taken, streamed = self._rollout(prompts, mask)
         self.generate_time = time.time() - start
         if self.trainer is not None:
             self.trainer.generate_time = self.generate_time
@@ -371,7 +378,8 @@ class OppoExperience:
                   f"{st['scoring_hidden_frac']:.2f}", flush=True)
         self.actor.train()  # as DeepSpeed-Chat: its log-prob forward runs in train mode
         self.critic.train()
-        experience = self._experience(prompts_out, seq, streamed_rows)
+        with cudnn_attention(self.cudnn_attention):
+            experience = self._experience(prompts_out, seq, streamed_rows)
         if self.delta_ctl is not None:
             decision = self.delta_ctl.observe(self._mean_over_ranks(experience["rewards"]))
             if decision and self.rank == 0:

@@ -154,6 +154,8 @@ FLAGS: tuple[Flag, ...] = (
        "shape), with --enable_oppo"),
     _f("oppo_cuda_graph", MAPPED, "generation.cuda_graph (the one-token forward replayed as a "
        "CUDA graph; needs --oppo_static_cache), with --enable_oppo"),
+    _f("oppo_cudnn_attention", MAPPED, "system.cudnn_attention (torch's cuDNN attention, which "
+       "plans every new shape, allowed), with --enable_oppo"),
     _f("deepspeed", IGNORED, "oppo-train always runs on DeepSpeed"),
     _f("tensorboard_path", IGNORED, "TensorBoard events go to output_dir/tensorboard", str),
     _f("data_output_path", IGNORED, "oppo-train keeps no data index files", str),
@@ -326,7 +328,8 @@ def _oppo(flags: dict, put, warnings: list) -> None:
     knobs = {"oppo_chunk_size": "oppo.chunk_size", "oppo_overcommit": "oppo.overcommit",
              "oppo_placement": "oppo.placement", "oppo_sync_every": "generation.sync_every",
              "oppo_static_cache": "generation.static_cache",
-             "oppo_cuda_graph": "generation.cuda_graph"}
+             "oppo_cuda_graph": "generation.cuda_graph",
+             "oppo_cudnn_attention": "system.cudnn_attention"}
     if not flags.get("enable_oppo"):
         warnings += [f"--{name} has no effect without --enable_oppo" for name in knobs
                      if name in flags]

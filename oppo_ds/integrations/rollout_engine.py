@@ -27,7 +27,7 @@ import torch
 from deepspeed.runtime.rollout.base import (RolloutBatch, RolloutEngine, RolloutRequest,
                                             SamplingConfig)
 
-from ..rollout.generate import SamplingParams
+from ..rollout.generate import SamplingParams, cudnn_attention
 from ..rollout.scorer import StreamingScorer
 from ..rollout.streaming import StreamTiming, stream_generate
 from .deepspeed_chat import ValueView, _host_timed, _unwrap
@@ -42,16 +42,19 @@ class OppoRolloutEngine(RolloutEngine):
     (``oppo_ds.models.ValueHeadModel``, or DeepSpeed-Chat's ``RewardModel``) and a causal LM.
     chunk_size: tokens decoded between hand-overs; placement: ``inline`` or ``colocated``;
     static_cache, cuda_graph: the actor's decode at one shape, replayed as a CUDA graph
-    (``generation.static_cache``, ``generation.cuda_graph``).
+    (``generation.static_cache``, ``generation.cuda_graph``); cudnn_attention: let the
+    rollout's attention use torch's cuDNN backend (``system.cudnn_attention``).
     """
 
     name = "oppo"
 
     def __init__(self, actor, tokenizer, *, reward=None, reference=None, critic=None,
                  chunk_size: int = 16, placement: str = "inline", seed: int = 0,
-                 static_cache: bool = False, cuda_graph: bool = False):
+                 static_cache: bool = False, cuda_graph: bool = False,
+                 cudnn_attention: bool = False):
         self.actor, self.tokenizer = actor, tokenizer
         self.static_cache, self.cuda_graph = static_cache, cuda_graph
+        self.cudnn_attention = cudnn_attention
         self.models = {kind: model for kind, model in
                        (("reward", reward), ("reference", reference), ("critic", critic))
                        if model is not None}
@@ -101,9 +104,10 @@ class OppoRolloutEngine(RolloutEngine):
         try:
             scorers = [self._scorer(kind, params.temperature if params.temperature > 0 else 1.0)
                        for kind in self.models]
-            gen, scores, timing = stream_generate(actor, scorers, prompt_ids, prompt_mask, params,
-                                                  self.generator, self.chunk_size,
-                                                  placement=self.placement)
+            with cudnn_attention(self.cudnn_attention):
+                gen, scores, timing = stream_generate(actor, scorers, prompt_ids, prompt_mask,
+                                                      params, self.generator, self.chunk_size,
+                                                      placement=self.placement)
         finally:
             actor.train(was_training)
         prompt_len = prompt_ids.shape[1]
