@@ -462,9 +462,14 @@ class LoggingConfig:
     """Write a Chrome/Perfetto trace of every N-th step's timeline (phases; with streaming
     also decode chunks and scorer prefills) to output_dir/traces/ (0 = never). Open it in
     https://ui.perfetto.dev or chrome://tracing."""
+    profile_step: int = 0
+    """Profile step N with torch's profiler (its host ops, and on a GPU its kernels):
+    output_dir/profile/step_N.txt, the ops by self time (device time on a GPU) under the
+    step's phases, and step_N.json, the trace to open in https://ui.perfetto.dev. Rank 0;
+    0 = never. The profiler slows the step it watches."""
 
     def __post_init__(self):
-        for key in ("log_every", "samples", "samples_every", "trace_every"):
+        for key in ("log_every", "samples", "samples_every", "trace_every", "profile_step"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
     @property

@@ -44,11 +44,37 @@ class PhaseTimer:
     def phase(self, name: str):
         start = _after_queued_work()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # named in a profile
+                yield
         finally:
             end = _after_queued_work()
             self.times[name] = self.times.get(name, 0.0) + end - start
             self.events.append(("phases", name, start - self.origin, end - self.origin))
+
+
+PROFILE_ROWS = 60  # ops listed in a profile's table
+
+
+@contextmanager
+def profiled(stem: Optional[str]):
+    """torch's profiler around the block when ``stem`` is set: ``stem``.txt, the ops by self
+    time (device time when a GPU is present), and ``stem``.json, the trace (Perfetto)."""
+    if stem is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        yield
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    prof.export_chrome_trace(stem + ".json")
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total" if gpu else "self_cpu_time_total", row_limit=PROFILE_ROWS)
+    with open(stem + ".txt", "w") as f:
+        f.write(table + "\n")
+    logger.info("profile of the step: %s.txt and %s.json", stem, stem)
 
 
 EVAL_TEXT_ROWS = 4  # responses of an evaluation shown in TensorBoard's text tab

@@ -49,7 +49,7 @@ from .reward_fn import RewardFunction
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
                       read_rows, resolve_sources, reward_normalization, run_tokenizer)
 from .stage_placement import StagePlacement
-from .telemetry import PhaseTimer, Telemetry
+from .telemetry import PhaseTimer, Telemetry, profiled
 
 logger = logging.getLogger(__name__)
 
@@ -662,6 +662,12 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         with cudnn_attention(self.cfg.system.cudnn_attention):
             return self._train()
 
+    def _profile_stem(self, number: int) -> Optional[str]:
+        """Where step ``number``'s profile goes (``logging.profile_step``), on rank 0."""
+        if number != self.cfg.logging.profile_step or not self.is_main:
+            return None
+        return os.path.join(self.cfg.logging.output_dir, "profile", f"step_{number}")
+
     def _train(self) -> Optional[dict]:
         if self.stage is not None and self.stage.is_scorer:
             return self._serve_as_scorer_rank()
@@ -676,7 +682,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 while self.step_count < cfg.steps:
                     number = self.step_count + 1
                     try:
-                        metrics = self.step()
+                        with profiled(self._profile_stem(number)):
+                            metrics = self.step()
                     except NonFiniteError as err:
                         if self.remote is not None:  # the scorer rank ends too, not in a broken link
                             self.remote.close()

@@ -1359,3 +1359,17 @@ def test_cudnn_attention_is_off_in_the_run_unless_asked_for(cache_dir, tmp_path)
         trainer.train()
         assert len(seen) > 10 and set(seen) == {want}
         assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_profile_step_writes_torchs_profile_of_that_step(cache_dir, tmp_path):
+    """logging.profile_step: torch's profiler watches that step only: a table of the ops (the
+    phases named in it) and a trace whose events include the phases and the model's ops."""
+    _, summary = run(cache_dir, tmp_path / "run", "steps=2", "logging.profile_step=2")
+    assert summary["steps"] == 2
+    out = tmp_path / "run" / "profile"
+    assert sorted(os.listdir(out)) == ["step_2.json", "step_2.txt"]
+    table = (out / "step_2.txt").read_text()
+    assert "phase/generate" in table and "phase/train" in table and "aten::" in table
+    names = {e.get("name") for e in json.loads((out / "step_2.json").read_text())["traceEvents"]}
+    assert {"phase/generate", "phase/score", "phase/train"} <= names
+    assert any(n and n.startswith("aten::mm") or n == "aten::addmm" for n in names)
