@@ -34,7 +34,8 @@ from .evaluation import Evaluating, text_records
 from .export import Exporting
 from .filter_rounds import FilterRounds
 from .finite import NonFiniteError, check_experience, check_update
-from .rollout.generate import Generation, SamplingParams, cudnn_attention, generate, target_lengths
+from .rollout.generate import (Generation, SamplingParams, cudnn_attention, generate,
+                               target_lengths)
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
