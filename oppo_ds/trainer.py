@@ -37,6 +37,7 @@ from .finite import NonFiniteError, check_experience, check_update
 from .rollout.generate import (Generation, SamplingParams, cudnn_attention, generate,
                                target_lengths)
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
+from .rollout import static_decode
 from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
 from .rollout.stage_stream import stage_stream_generate
@@ -328,6 +329,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         streamed, extra = {}, {}
         if o.streaming:
             chunk = self.chunk_ctl.next_chunk_size() if self.chunk_ctl else o.chunk_size
+        captured = static_decode.captures()
         with timer.phase("generate"):
             if self.pool is not None:
                 # a filtered step may take more rounds from the pool: it defers once, at its end
@@ -336,6 +338,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             else:
                 keys, groups, gen, streamed, timing, produced = self._rollout(
                     self.stream.next_batch(), chunk)
+        if self.sampling.cuda_graph:  # a capture costs two warm-up forwards and itself
+            extra["rollout/graph_captures"] = static_decode.captures() - captured
         if timing is not None:
             extra.update(streaming_metrics(timing))
             extra["oppo/chunk_size"] = chunk

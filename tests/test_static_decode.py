@@ -202,6 +202,9 @@ def test_eager_attention_takes_an_additive_mask_and_other_attention_is_refused()
     with pytest.raises(ValueError, match=r"attention is one of sdpa, eager.*'flex_attention'"
                                          r".*generation.static_cache: false"):
         start_decode(other, ids, mask, _params(True))
+    # a model with no config has no attention to name
+    with pytest.raises(ValueError, match=r"a Linear without one: set generation.static_cache"):
+        static_decode._attention(torch.nn.Linear(2, 2))
 
 
 def test_sliding_window_attention_is_refused():
@@ -287,17 +290,19 @@ def test_cuda_graph_replay_samples_what_the_default_decode_samples_on_a_gpu(arch
         return state, produced
 
     graphs = []
+    before = static_decode.captures()
     for seed in (1, 2):
         out = run(graph, seed)
         _assert_same(out, run(_params(False), seed))
         graphs.append(out[0].static.graph)
     captured = graphs[0]
     assert captured is not None and graphs[1] is captured  # replayed, not captured again
+    assert static_decode.captures() == before + 1
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()  # the same values, elsewhere
     out = run(graph, 3)
-    assert out[0].static.graph is not captured
+    assert out[0].static.graph is not captured and static_decode.captures() == before + 2
     _assert_same(out, run(_params(False), 3))
     assert isinstance(out[0].static, StaticDecode)
 

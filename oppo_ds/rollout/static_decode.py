@@ -34,6 +34,7 @@ from ..kv_cache import cache_kwargs
 
 _ATTENTION = ("sdpa", "eager")  # the implementations whose masks we build (bool / additive)
 
+_CAPTURES = 0  # graphs captured in this process (captures())
 # model -> the StaticDecode of its last rollout with a CUDA graph: buffers and graph kept for
 # the next one, as the graph reads them where they are (one set per model: at 70B a static
 # cache of another shape would be tens of GB more). Without a graph nothing is kept: the
@@ -51,8 +52,13 @@ def check_graph_device(device: torch.device, key: str, off: str) -> None:
 
 def _attention(model) -> str:
     config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(
+            f"generation.static_cache needs a Hugging Face causal LM (a model with a config, "
+            f"whose attention is one of {', '.join(_ATTENTION)}); the actor is a "
+            f"{type(model).__name__} without one: set generation.static_cache: false")
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    if config is None or impl not in _ATTENTION:
+    if impl not in _ATTENTION:
         raise ValueError(
             f"generation.static_cache needs a Hugging Face causal LM whose attention is one of "
             f"{', '.join(_ATTENTION)} (the masks it is given are built here); the actor is a "
@@ -213,6 +219,14 @@ class StaticDecode:
                 f"({type(model).__name__}, batch {self.batch}, cache {self.length}) failed: "
                 f"{err}; set generation.cuda_graph: false to decode without a graph") from err
         self.graph, self.weights = graph, _weights(model)
+        global _CAPTURES
+        _CAPTURES += 1
+
+
+def captures() -> int:
+    """Graphs captured in this process so far (the trainer logs each step's:
+    ``rollout/graph_captures``); each costs two warm-up forwards and the capture."""
+    return _CAPTURES
 
 
 def _weights(model) -> tuple:
