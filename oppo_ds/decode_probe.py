@@ -349,17 +349,21 @@ def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int
         return (time.perf_counter() - start) * 1e3 / units
 
     try:
-        whole = _median_ms(own_generate(tokens), sync, repeat)
-        one = _median_ms(own_generate(1), sync, repeat)
-        per_token = (whole * tokens - one) / (tokens - 1)
-        ms = {TRAINER_PIECES[0]: _median_ms(own_model, sync, repeat),
-              TRAINER_PIECES[1]: whole, TRAINER_PIECES[2]: per_token,
-              TRAINER_PIECES[3]: _median_ms(own_generate(tokens, ending=True), sync, repeat),
-              # batch sizes past those the probe's own new-shape pieces used
-              TRAINER_PIECES[4]: _cold_ms(new_shape, new_shape_batches(
-                  batch, repeat, skip=2 * (repeat + 1)), sync),
-              TRAINER_PIECES[5]: statistics.median(first_after_a_step() for _ in range(repeat)),
-              TRAINER_FIXED: one - per_token}
+        # under the attention backends the trainer's run uses (system.cudnn_attention)
+        with cudnn_attention(cfg.system.cudnn_attention):
+            whole = _median_ms(own_generate(tokens), sync, repeat)
+            one = _median_ms(own_generate(1), sync, repeat)
+            per_token = (whole * tokens - one) / (tokens - 1)
+            ms = {TRAINER_PIECES[0]: _median_ms(own_model, sync, repeat),
+                  TRAINER_PIECES[1]: whole, TRAINER_PIECES[2]: per_token,
+                  TRAINER_PIECES[3]: _median_ms(own_generate(tokens, ending=True), sync,
+                                                repeat),
+                  # batch sizes past those the probe's own new-shape pieces used
+                  TRAINER_PIECES[4]: _cold_ms(new_shape, new_shape_batches(
+                      batch, repeat, skip=2 * (repeat + 1)), sync),
+                  TRAINER_PIECES[5]: statistics.median(first_after_a_step()
+                                                       for _ in range(repeat)),
+                  TRAINER_FIXED: one - per_token}
     finally:
         trainer.telemetry.close()
         trainer.close()
