@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -81,33 +82,77 @@ class BenchError(Exception):
         self.code = code
 
 
-def parse_modes(text: str) -> list[str]:
-    """``"sequential,intra"`` -> ["sequential", "intra"]; an unknown or planned mode raises
-    BenchError(code=2) naming the modes that are available."""
+VARIANT_SEP = "@"  # "oppo@graph": mode oppo with the overrides of variant graph
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def base_mode(entry: str) -> str:
+    """The schedule of a ``--modes`` entry: ``oppo@graph`` -> ``oppo``."""
+    return entry.split(VARIANT_SEP, 1)[0]
+
+
+def parse_variants(items: list[str]) -> dict[str, list[str]]:
+    """``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (each may be given several times) ->
+    {NAME: [KEY=VALUE, ...]}: overrides that a ``--modes`` entry ``MODE@NAME`` adds to its
+    run, after the ones every mode gets (so that one benchmark compares, say, a decode option
+    under each schedule against the same sequential baseline). A comma splits overrides only
+    before another ``KEY=``, so a list value keeps its commas. A malformed item, a name that
+    is not letters, digits, ``-`` or ``_``, or a key a mode sets itself raises BenchError
+    (code 2)."""
+    variants: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, rest = item.partition(":")
+        if not sep or not _VARIANT_NAME.fullmatch(name) or not rest.strip():
+            raise BenchError(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with a "
+                             f"NAME of letters, digits, - or _", code=2)
+        overrides = [o.strip() for o in re.split(r",(?=\s*[A-Za-z_][\w.]*=)", rest)]
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise BenchError(f"--variant {item!r}: {bad[0]!r} is not KEY=VALUE", code=2)
+        check_user_overrides(overrides)
+        variants.setdefault(name, []).extend(overrides)
+    return variants
+
+
+def parse_modes(text: str, variants: Optional[dict[str, list[str]]] = None) -> list[str]:
+    """``"sequential,intra"`` -> ["sequential", "intra"]; ``oppo@graph`` is mode oppo with
+    variant graph's overrides (``parse_variants``). An unknown or planned mode, or an
+    undefined variant, raises BenchError(code=2) naming what is available."""
+    variants = variants or {}
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if base_mode(m) not in MODES]
     if not modes or unknown:
         planned = [m for m in unknown if m in PLANNED_MODES]
         what = (f"mode(s) {', '.join(planned)} not implemented yet" if planned and planned == unknown
                 else f"unknown mode(s) {', '.join(unknown) or repr(text)}")
         raise BenchError(f"{what}; available modes: {', '.join(MODES)}", code=2)
+    undefined = [m for m in modes
+                 if VARIANT_SEP in m and m.split(VARIANT_SEP, 1)[1] not in variants]
+    if undefined:
+        defined = ", ".join(variants) or "none"
+        raise BenchError(f"{', '.join(undefined)}: no such --variant (defined: {defined}); "
+                         f"define one with --variant NAME:KEY=VALUE,...", code=2)
     if len(set(modes)) != len(modes):
         raise BenchError(f"mode listed twice in {text!r}", code=2)
     return modes
 
 
 def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[str],
-                    trace_step: Optional[int] = None) -> list[str]:
+                    trace_step: Optional[int] = None,
+                    variants: Optional[dict[str, list[str]]] = None) -> list[str]:
     """The child run's overrides; ``trace_step`` asks for the Chrome trace of that step (and
     of its multiples) for the timeline plot. A mode that does not stream scores after
     generation wherever ``oppo.placement`` says to stream: it is set to inline for it (last,
     so that ``oppo.placement=stage`` given for the streaming modes leaves the others valid;
     with ``--ranks N`` they then train on all N ranks, the stage modes on N - 1 and the
-    scorer rank)."""
+    scorer rank). ``mode`` may name a variant (``oppo@graph``): its overrides follow the
+    user's."""
+    schedule = MODES[base_mode(mode)]
+    variant = (variants or {})[mode.split(VARIANT_SEP, 1)[1]] if VARIANT_SEP in mode else []
     trace = [f"logging.trace_every={trace_step}"] if trace_step else []
-    placement = [] if MODES[mode].streams else ["oppo.placement=inline"]
+    placement = [] if schedule.streams else ["oppo.placement=inline"]
     return [f"steps={steps}", f"seed={seed}", f"logging.output_dir={run_dir}", *BASE_OVERRIDES,
-            *trace, *MODES[mode].defaults, *user, *MODES[mode].pinned, *placement]
+            *trace, *schedule.defaults, *user, *variant, *schedule.pinned, *placement]
 
 
 def check_user_overrides(user: list[str]) -> None:
@@ -303,7 +348,7 @@ def run_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list
 def mode_ranks(mode: str, ranks: int, baseline_ranks: Optional[int] = None) -> int:
     """The processes ``mode`` runs as: ``ranks``, or for a mode that does not stream
     (sequential, inter) ``baseline_ranks`` when given."""
-    if baseline_ranks is None or MODES[mode].streams:
+    if baseline_ranks is None or MODES[base_mode(mode)].streams:
         return ranks
     return baseline_ranks
 
@@ -431,6 +476,8 @@ def format_markdown(report: dict) -> str:
              f"config {report.get('config') or 'built-in workload'}; {machine.get('platform')}, "
              f"{machine.get('cpu_count')} CPUs, GPU: {machine.get('cuda_device') or 'none'}, "
              f"torch {machine.get('torch')}, DeepSpeed {machine.get('deepspeed')}.",
+             *[f"`@{name}`: {' '.join(overrides)}." for name, overrides in
+               (report.get("variants") or {}).items()],
              "",
              "| run | step time (median) | samples/s | speedup | of ideal | scoring hidden | "
              "tail waste | reward first -> last | gold first -> last |",

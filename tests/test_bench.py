@@ -151,6 +151,39 @@ def test_parse_modes():
         bench.parse_modes("sequential,warp")
 
 
+def test_variants_add_their_overrides_to_the_modes_that_name_them():
+    """--variant NAME:K=V,... and --modes MODE@NAME: the variant's overrides come after the
+    user's and before what makes the mode itself (so a variant cannot turn oppo into inter);
+    a comma inside a value stays; a malformed variant, an undefined one and a key a mode sets
+    are refused (code 2)."""
+    variants = bench.parse_variants(["graph:generation.static_cache=true, "
+                                     "generation.cuda_graph=true",
+                                     "two:oppo.stream_to=[reference,critic]",
+                                     "graph:generation.sync_every=16"])
+    assert variants == {"graph": ["generation.static_cache=true", "generation.cuda_graph=true",
+                                  "generation.sync_every=16"],
+                        "two": ["oppo.stream_to=[reference,critic]"]}
+    assert bench.parse_modes("sequential,oppo@graph,oppo", variants) == \
+        ["sequential", "oppo@graph", "oppo"]
+    assert bench.base_mode("oppo@graph") == "oppo"
+    got = bench.child_overrides("inter@two", 3, 0, "/r", ["ppo.kl_coef=0.1"], variants=variants)
+    plain = bench.child_overrides("inter", 3, 0, "/r", ["ppo.kl_coef=0.1"])
+    cut = plain.index("ppo.kl_coef=0.1") + 1
+    assert got == plain[:cut] + ["oppo.stream_to=[reference,critic]"] + plain[cut:]
+    assert got[-2:] == ["oppo.streaming=false", "oppo.placement=inline"]  # the mode's own last
+    for bad, message in ((["graph"], "expected NAME:KEY=VALUE"), (["a b:x=1"], "expected NAME"),
+                         (["g:generation.sync_every"], "is not KEY=VALUE"),
+                         (["g:oppo.streaming=true"], "set by each mode")):
+        with pytest.raises(bench.BenchError, match=message) as err:
+            bench.parse_variants(bad)
+        assert err.value.code == 2
+    with pytest.raises(bench.BenchError,
+                       match=r"oppo@fast: no such --variant \(defined: graph, two\)"):
+        bench.parse_modes("sequential,oppo@fast", variants)
+    with pytest.raises(bench.BenchError, match="unknown mode"):
+        bench.parse_modes("warp@graph", variants)
+
+
 def test_format_table_shows_every_mode():
     fields = {"step_time_s": 0.5, "samples_per_s": 16.0, "speedup": 1.0, "scoring_hidden_frac": 0.0,
               "tail_waste_frac": 0.25, "reward_first": 0.1, "reward_last": 0.3}
@@ -457,6 +490,36 @@ def test_repeat_runs_the_modes_round_robin(cache_dir, tmp_path, capsys):
     assert inter["speedup"] == pytest.approx(sum(per_round) / 2)  # the median of two
     assert all(r["speedup"] == 1.0 for r in report["modes"]["sequential"]["rounds"])
     assert "2 rounds round-robin" in md.read_text() and "Speedup per round" in md.read_text()
+
+
+def test_a_variant_runs_beside_the_plain_mode_against_the_same_baseline(cache_dir, tmp_path):
+    """sequential and sequential@static (the decode at one shape: the same tokens in fp32)
+    in one benchmark: each its own run with its own config, the variant's speedup against
+    plain sequential, the same first rollout, the variants in the JSON and the table."""
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    code = bench_cli.main(["--config", TINY, "--modes", "sequential,sequential@static",
+                           "--variant", "static:generation.static_cache=true", "--steps", "2",
+                           "--json", str(out), "--table", str(md), *SMALL,
+                           f"workload.cache_dir={cache_dir}"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["variants"] == {"static": ["generation.static_cache=true"]}
+    modes = report["modes"]
+    assert list(modes) == ["sequential", "sequential@static"]
+    runs = tmp_path / "b.runs"
+    static = {m: yaml.safe_load((runs / m / "config.yaml").read_text())["generation"]
+              ["static_cache"] for m in modes}
+    assert static == {"sequential": False, "sequential@static": True}
+    variant = modes["sequential@static"]
+    assert variant["speedup"] == pytest.approx(variant["samples_per_s"]
+                                               / modes["sequential"]["samples_per_s"])
+    assert variant["scoring_hidden_frac"] == 0.0  # a sequential schedule hides nothing
+    first = {m: json.loads((runs / m / "metrics.jsonl").read_text().splitlines()[0])
+             for m in modes}
+    assert first["sequential"]["response/lengths"] == first["sequential@static"]["response/lengths"]
+    assert first["sequential"]["reward/mean"] == pytest.approx(
+        first["sequential@static"]["reward/mean"], abs=1e-5)
+    assert "`@static`: generation.static_cache=true." in md.read_text()
 
 
 def test_repeat_must_be_positive(tmp_path, capsys):
