@@ -176,7 +176,12 @@ def slurm_cluster(tmp_path_factory):
             for path in ("/run/munge", "/var/log/munge", "/var/lib/munge"):
                 os.makedirs(path, exist_ok=True)
                 shutil.chown(path, "munge", "munge")
-            started.append(subprocess.Popen(["munged", "--foreground"], user="munge", group="munge",
+            # runuser switches to munge in the child, not Python's user=/group=: with those
+            # Python forks instead of vforking, and a fork accounts this test process's whole
+            # heap again (after ~1000 tests its virtual heap passed the machine's 23 GiB once:
+            # ENOMEM, "__vm_enough_memory ... 26000039936" in dmesg, every Slurm test errored)
+            started.append(subprocess.Popen(["runuser", "-u", "munge", "--", "munged",
+                                             "--foreground"],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             _wait_for(_munge_works, "munged answers")
         started.append(subprocess.Popen(["slurmctld", "-D", "-f", str(conf)], env=env,
