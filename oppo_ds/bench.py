@@ -91,6 +91,11 @@ def base_mode(entry: str) -> str:
     return entry.split(VARIANT_SEP, 1)[0]
 
 
+def variant_of(entry: str) -> Optional[str]:
+    """The variant a ``--modes`` entry names: ``oppo@graph`` -> ``graph``, ``oppo`` -> None."""
+    return entry.split(VARIANT_SEP, 1)[1] if VARIANT_SEP in entry else None
+
+
 def parse_variants(items: list[str]) -> dict[str, list[str]]:
     """``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (each may be given several times) ->
     {NAME: [KEY=VALUE, ...]}: overrides that a ``--modes`` entry ``MODE@NAME`` adds to its
@@ -126,8 +131,7 @@ def parse_modes(text: str, variants: Optional[dict[str, list[str]]] = None) -> l
         what = (f"mode(s) {', '.join(planned)} not implemented yet" if planned and planned == unknown
                 else f"unknown mode(s) {', '.join(unknown) or repr(text)}")
         raise BenchError(f"{what}; available modes: {', '.join(MODES)}", code=2)
-    undefined = [m for m in modes
-                 if VARIANT_SEP in m and m.split(VARIANT_SEP, 1)[1] not in variants]
+    undefined = [m for m in modes if variant_of(m) not in (None, *variants)]
     if undefined:
         defined = ", ".join(variants) or "none"
         raise BenchError(f"{', '.join(undefined)}: no such --variant (defined: {defined}); "
@@ -148,7 +152,7 @@ def child_overrides(mode: str, steps: int, seed: int, run_dir: str, user: list[s
     scorer rank). ``mode`` may name a variant (``oppo@graph``): its overrides follow the
     user's."""
     schedule = MODES[base_mode(mode)]
-    variant = (variants or {})[mode.split(VARIANT_SEP, 1)[1]] if VARIANT_SEP in mode else []
+    variant = (variants or {})[variant_of(mode)] if variant_of(mode) else []
     trace = [f"logging.trace_every={trace_step}"] if trace_step else []
     placement = [] if schedule.streams else ["oppo.placement=inline"]
     return [f"steps={steps}", f"seed={seed}", f"logging.output_dir={run_dir}", *BASE_OVERRIDES,

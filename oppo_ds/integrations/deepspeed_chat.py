@@ -278,7 +278,8 @@ class OppoExperience:
                  max_defer_steps: int = 2, delta_max: Optional[int] = None, sync_every: int = 1,
                  static_cache: bool = False, cuda_graph: bool = False,
                  cudnn_attention: bool = False, compute_fp32_loss: bool = False,
-                 print_answers: bool = False, print_answers_interval: int = 1, seed: Optional[int] = None, trainer=None):
+                 print_answers: bool = False, print_answers_interval: int = 1,
+                 seed: Optional[int] = None, trainer=None):
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.tokenizer, self.trainer = tokenizer, trainer
         self.pad_id = tokenizer.pad_token_id
