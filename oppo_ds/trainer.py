@@ -658,6 +658,19 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         metrics.update(zip(scalars, means.tolist()))
         return metrics
 
+    def close(self) -> None:
+        """End of the trainer: the stage's links, then its trained engines and partitioned
+        scorers (DeepSpeed would keep their buffers, optimizer state and hooks for the rest
+        of the process). Idempotent; the trainer cannot train after."""
+        super().close()
+        from .engines import release_frozen
+
+        for engine in (getattr(self, "actor", None), getattr(self, "critic", None)):
+            if engine is not None:
+                engine.close()
+        for scorer in (getattr(self, "reference", None), getattr(self, "reward", None)):
+            release_frozen(scorer)
+
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> Optional[dict]:

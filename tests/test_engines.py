@@ -453,6 +453,58 @@ def test_offload_params_zero3_with_torch_adamw():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+# --- closing ---------------------------------------------------------------------------------
+
+def _private_virtual_mb() -> int:
+    """The process's private data (VmData): what a fork must be able to account for."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmData"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_close_gives_back_what_deepspeed_keeps_after_the_last_reference():
+    """DeepSpeed keeps an engine alive after the last reference to it is gone; close()
+    destroys it. Measured in the process's private virtual memory: a ZeRO-3 engine takes its
+    reduce bucket (5e8 elements: 1.9 GB, mostly never touched) and still holds it after ``del``
+    and ``gc.collect()``; after close() at most 10% of what it took (and 64 MB) is left."""
+    import gc
+
+    from oppo_ds.engines import close_engines, open_engines
+
+    model = tiny_model("gpt2")
+    before = _private_virtual_mb()
+    engine = make_engine(model=model, zero_stage=3)
+    engine.train_step([fixed_batch()], lm_loss)
+    ds_engine = engine.ds_engine
+    built = _private_virtual_mb()
+    assert built - before > 256, (before, built)  # the measurement has something to measure
+    assert ds_engine in open_engines()
+    engine.close()
+    engine.close()  # idempotent
+    assert ds_engine not in open_engines()
+    assert close_engines([ds_engine]) == 0
+    del engine, ds_engine, model
+    gc.collect()
+    after = _private_virtual_mb()
+    assert after - before <= 0.1 * (built - before) + 64, (before, built, after)
+
+
+def test_close_engines_closes_every_open_one_and_release_frozen_a_partitioned_model():
+    from oppo_ds.engines import close_engines, open_engines, prepare_partitioned, release_frozen
+
+    engines = [make_engine(zero_stage=stage).ds_engine for stage in (0, 3)]
+    scorer = prepare_partitioned(tiny_model("gpt2"), "fp32")
+    partitioned = scorer._oppo_zero3_engine
+    assert {*engines, partitioned} <= set(open_engines())
+    release_frozen(scorer)
+    release_frozen(scorer)  # idempotent, and a no-op for a model we did not partition
+    release_frozen(tiny_model("gpt2"))
+    release_frozen(None)
+    assert partitioned not in open_engines()
+    assert close_engines() >= 2
+    assert open_engines() == []
+
+
 def test_prepare_frozen():
     model = prepare_frozen(tiny_model("gpt2"), "bf16")
     assert not model.training

@@ -392,6 +392,27 @@ def test_engine_settings_run_the_same_step(cache_dir, tmp_path, overrides):
             assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-4)
 
 
+def test_close_destroys_the_trainers_engines_and_no_other(cache_dir, tmp_path):
+    """PPOTrainer.close() destroys the DeepSpeed engines of its actor, critic and partitioned
+    reference (DeepSpeed would keep them for the rest of the process); an engine it did not
+    start stays open. A second close() is a no-op."""
+    from oppo_ds.engines import open_engines
+
+    first, _ = run(cache_dir, tmp_path / "first", "steps=1", "checkpoint.export_hf=false")
+    trainer, summary = run(cache_dir, tmp_path / "run", "steps=1", "checkpoint.export_hf=false",
+                           "system.zero_stage=3", "system.partition_reference=true")
+    assert summary["steps"] == 1
+    own = [trainer.actor.ds_engine, trainer.critic.ds_engine,
+           trainer.reference._oppo_zero3_engine]
+    assert set(own) <= set(open_engines())
+    trainer.close()
+    trainer.close()
+    assert not set(own) & set(open_engines())
+    assert first.actor.ds_engine in open_engines()
+    first.close()
+    assert first.actor.ds_engine not in open_engines()
+
+
 @pytest.mark.parametrize("placement", ["inline", "colocated"])
 def test_streaming_gives_the_sequential_run(cache_dir, tmp_path, placement):
     """Intra-step overlap changes when scoring happens, not what it computes: with the same

@@ -165,6 +165,11 @@ class TrainEngine(ABC):
         """Global gradient norm of the last update (before clipping), if known."""
         return None
 
+    def close(self) -> None:
+        """Give back what the backend holds for this model beyond the model itself (buffers,
+        optimizer state, hooks); the engine cannot train after. Idempotent. Default: nothing
+        to give back."""
+
     resumed_changes: dict[str, tuple[float, float]] = {}
     """After :meth:`load`: the optimizer settings (``lr``: the peak learning rate,
     ``weight_decay``) this run's configuration changed from the checkpoint's, as (saved, now)."""
