@@ -11,7 +11,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 CPU_TORCH := torch==2.13.0
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test bench install clean-cache
+.PHONY: demo test bench install clean-cache gpu-wheels
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,16 @@ bench: $(STAMP)
 	$(PY) -m oppo_ds.cli.bench --modes sequential,intra,inter,oppo --peers trl \
 		--steps $(BENCH_STEPS) --repeat $(BENCH_REPEAT) --json bench/results.json \
 		--table bench/results.md --plot bench/plots.png
+
+# Wheels for a GPU machine without deepspeed or a registry (tools/gpu_session.sh installs them
+# there): deepspeed (pure Python) and its dependencies the image may lack, for PYVER's Python.
+PYVER ?= 3.12
+GPU_WHEELS ?= .whl
+gpu-wheels: $(STAMP)
+	$(PIP) wheel -q --no-deps -w $(GPU_WHEELS) "deepspeed==$$($(PY) -c 'from importlib.metadata import version; print(version("deepspeed"))')"
+	$(PIP) download -q --only-binary=:all: --python-version $(PYVER) --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) \
+		pydantic hjson py-cpuinfo msgpack ninja psutil einops pytest
 
 clean-cache:
 	rm -rf .cache/oppo-builtin

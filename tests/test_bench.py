@@ -495,10 +495,12 @@ def test_repeat_runs_the_modes_round_robin(cache_dir, tmp_path, capsys):
 def test_a_variant_runs_beside_the_plain_mode_against_the_same_baseline(cache_dir, tmp_path):
     """sequential and sequential@static (the decode at one shape: the same tokens in fp32)
     in one benchmark: each its own run with its own config, the variant's speedup against
-    plain sequential, the same first rollout, the variants in the JSON and the table."""
+    plain sequential, the same first rollout, the variants in the JSON and the table (the
+    ones a run used: a variant defined and not named in --modes is left out of both)."""
     out, md = tmp_path / "b.json", tmp_path / "b.md"
     code = bench_cli.main(["--config", TINY, "--modes", "sequential,sequential@static",
-                           "--variant", "static:generation.static_cache=true", "--steps", "2",
+                           "--variant", "static:generation.static_cache=true",
+                           "--variant", "unused:generation.sync_every=4", "--steps", "2",
                            "--json", str(out), "--table", str(md), *SMALL,
                            f"workload.cache_dir={cache_dir}"])
     assert code == 0
@@ -520,6 +522,7 @@ def test_a_variant_runs_beside_the_plain_mode_against_the_same_baseline(cache_di
     assert first["sequential"]["reward/mean"] == pytest.approx(
         first["sequential@static"]["reward/mean"], abs=1e-5)
     assert "`@static`: generation.static_cache=true." in md.read_text()
+    assert "unused" not in md.read_text()
 
 
 def test_repeat_must_be_positive(tmp_path, capsys):

@@ -178,7 +178,10 @@ def run(args) -> dict:
     report = {"config": args.config, "steps": args.steps, "seed": args.seed, "ranks": args.ranks,
               "baseline_ranks": bench.mode_ranks("sequential", args.ranks, args.baseline_ranks),
               "repeat": args.repeat, "overrides": list(args.overrides),
-              "variants": args.variants, "workdir": workdir,
+              # the variants some run used: a script may define more than its --modes name
+              "variants": {name: overrides for name, overrides in args.variants.items()
+                           if any(bench.variant_of(mode) == name for mode in modes)},
+              "workdir": workdir,
               "machine": machine, "modes": results, "peers": peers, "ratios": ratios}
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
     with open(json_path, "w") as f:
