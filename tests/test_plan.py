@@ -598,7 +598,14 @@ def test_cli_writes_json_and_names_bad_input(tmp_path, capsys):
     assert code == (0 if data["fits"] else 1)
     for key in ("fits", "peak_mem_gib", "predicted_step_s", "predicted_speedup", "breakdown_gib"):
         assert key in data
-    assert "per-GPU memory" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "per-GPU memory" in printed
+    # a GPU's costs are not fitted: the plan says so, and where they were measured off
+    assert data["simulation"]["costs"] == "assumed"
+    assert "costs assumed" in printed and "--calibrate" in printed
+    assert plan_cli.main(["--gpu", "cpu", "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "costs assumed" not in printed
     assert plan_cli.main(["--gpu", "V100"]) == 2
     err = capsys.readouterr().err
     assert "--gpu" in err and "H100-80GB" in err and "cpu" in err

@@ -112,7 +112,16 @@ def format_plan(out: dict, config: str) -> str:
              if sim.get("backend") == "megatron" else f"decode group(s) of tp {sim['tp']}")
     lines.append(f"  ({sim['steps']} steps, {sim['decode_groups']} {group}, "
                  f"prompt {sim['prompt_len']} tokens, lengths: {sim['lengths']})")
+    if sim.get("costs") == "assumed":
+        lines += [f"  {ASSUMED_COSTS[0]}", f"  {ASSUMED_COSTS[1]}"]
     return "\n".join(lines)
+
+
+# printed under a plan on a device whose costs were not fitted to a measurement (every GPU)
+ASSUMED_COSTS = ("costs assumed: data-sheet rates and host overheads not measured on this device; "
+                 "on one H100 a sequential step",
+                 "of Qwen2.5-0.5B shapes took 7-14x the predicted time (docs/scaling.md): "
+                 "oppo-plan --calibrate fits them to a run")
 
 
 def format_calibration(out: dict) -> str:
