@@ -124,22 +124,23 @@ class GenerationConfig:
     instead of `torch.multinomial`). On an H100 a wait cost 0.02 ms and blocks of 16 decoded
     3% faster (docs/benchmarks.md, "The second GPU run"), hence the default."""
     static_cache: bool = False
-    """Decode at one shape: a KV cache of fixed length (prompt width + max_new_tokens, rounded up
-    to 64) and a batch that keeps the responses that ended (fed again, their outputs unread),
-    so that every decode forward of a rollout has the same shapes, and with `cuda_graph` can be
-    replayed as one CUDA graph. In fp32 the same tokens and log-probs up to float rounding; in
-    bf16 its attention runs by another kernel (an explicit mask), a few ulps apart, so draws
-    near a tie may differ, and its log-probs are as near the training forward's as the default
-    decode's or nearer. Costs the ended rows' share of each forward: little where decoding is
-    host-bound (as on the GPUs measured so far), a slower long tail on a CPU. Needs the actor's
-    own Hugging Face forward with sdpa or eager attention: not with system.hybrid_engine or
-    backend megatron."""
+    """Decode at one shape: a KV cache of fixed length and a batch that keeps the responses
+    that ended (fed again, their outputs unread), so that every decode forward of a rollout has
+    the same shapes, and with `cuda_graph` can be replayed as one CUDA graph. One length for the
+    whole run: max_prompt_len + max_new_tokens + sync_every (+ max_new_tokens - 1 with
+    overcommitment: a deferred response is continued after its prompt), rounded up to 64. In
+    fp32 the same tokens and log-probs up to float rounding; in bf16 its attention runs by
+    another kernel (an explicit mask), a few ulps apart, so draws near a tie may differ, and its
+    log-probs are as near the training forward's as the default decode's or nearer. Costs the
+    ended rows' share of each forward: little where decoding is host-bound (as on the GPUs
+    measured so far), a slower long tail on a CPU. Needs the actor's own Hugging Face forward
+    with sdpa or eager attention: not with system.hybrid_engine or backend megatron."""
     cuda_graph: bool = False
-    """Capture the actor's one-token forward as a CUDA graph once per batch size and cache
-    length, and replay it for every token (one launch a token instead of one per kernel;
-    captured again when the weights move in memory). The static cache and the graph's memory
-    are then kept from one rollout to the next, through training too. Needs static_cache and
-    the actor on a CUDA GPU."""
+    """Capture the actor's one-token forward as a CUDA graph and replay it for every token (one
+    launch a token instead of one per kernel). Captured again when the batch size changes
+    (B + Delta: overcommit: auto moves Delta) or the weights move in memory. The static cache
+    and the graph's memory are then kept from one rollout to the next, through training too.
+    Needs static_cache and the actor on a CUDA GPU."""
 
     def __post_init__(self):
         _require(self.max_prompt_len >= 1, "max_prompt_len", "must be >= 1")

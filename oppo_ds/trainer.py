@@ -38,6 +38,7 @@ from .rollout.generate import (Generation, SamplingParams, cudnn_attention, gene
                                target_lengths)
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout import static_decode
+from .rollout.static_length import run_cache_length
 from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
 from .rollout.stage_stream import stage_stream_generate
@@ -113,7 +114,10 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                        pad_token_id=self.tokenizer.pad_token_id,
                                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                                        sync_every=g.sync_every, static_cache=g.static_cache,
-                                       cuda_graph=g.cuda_graph)
+                                       cuda_graph=g.cuda_graph, static_length=(
+                                           run_cache_length(g.max_prompt_len, g.max_new_tokens,
+                                                            g.sync_every, cfg.oppo.overcommits)
+                                           if g.static_cache else 0))
         self._build_rollout_state()
         self._resume_and_announce(src)
 

@@ -142,7 +142,11 @@ def test_memory_items_follow_the_configuration():
     assert lora["actor_optimizer"] + lora["actor_grads"] == 16 * a.lora_params(64) / 8
     assert lora["actor_params"] == 2 * (a.params() + a.lora_params(64)) / 8
     over = plan_memory(_cfg("oppo.overcommit=8", "oppo.streaming=true"), shapes, 1, 8, dev).items
-    assert over["actor_kv"] == pytest.approx(m8["actor_kv"] * (cfg.ppo.batch_size + 8) / cfg.ppo.batch_size)
+    # B + Delta rows, each up to a deferred row's partial response (max_new_tokens - 1, packed
+    # after its prompt) longer: the rollout then decodes max_new_tokens more for its new rows
+    carried = seq + cfg.generation.max_new_tokens - 1
+    assert over["actor_kv"] == pytest.approx(
+        m8["actor_kv"] * (cfg.ppo.batch_size + 8) / cfg.ppo.batch_size * carried / seq)
     he = plan_memory(_cfg("system.zero_stage=3", "system.hybrid_engine=true", "system.inference_tp_size=4"),
                      shapes, 1, 8, dev).items
     assert he["hybrid_engine_copy"] == 2 * a.params() / 4
@@ -151,6 +155,11 @@ def test_memory_items_follow_the_configuration():
     length = -(-(seq + 1) // 64) * 64
     assert static.items["actor_kv"] == pytest.approx(m8["actor_kv"] * length / seq)
     assert static.items["kept_decode_graph"] == 0
+    static_over = plan_memory(_cfg("system.zero_stage=3", "generation.static_cache=true",
+                                   "oppo.overcommit=8"), shapes, 1, 8, dev)
+    length_over = -(-(carried + 1) // 64) * 64
+    assert static_over.items["actor_kv"] == pytest.approx(
+        m8["actor_kv"] * (cfg.ppo.batch_size + 8) / cfg.ppo.batch_size * length_over / seq)
     graph = plan_memory(_cfg("system.zero_stage=3", "generation.static_cache=true",
                              "generation.cuda_graph=true"), shapes, 1, 8, dev)
     kept = graph.items["kept_decode_graph"]

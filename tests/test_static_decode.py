@@ -14,7 +14,7 @@ from _builders import LikeAGpuGenerator, assert_same_decode, left_padded_prompts
 from oppo_ds.rollout import static_decode
 from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
 from oppo_ds.rollout.static_decode import StaticDecode
-from oppo_ds.rollout.static_length import LENGTH_ROUND, cache_length
+from oppo_ds.rollout.static_length import LENGTH_ROUND, cache_length, run_cache_length
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -107,6 +107,33 @@ def test_static_cache_continues_deferred_prefixes(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_one_run_wide_length_serves_new_prompts_and_deferred_prefixes(arch, monkeypatch):
+    """The trainer's static length with a CUDA graph (``run_cache_length``: the widest context
+    a pool rollout can start from, plus the tokens it decodes): a rollout of new prompts and
+    one continuing deferred prefixes take the same buffers (on a GPU, the same graph; checked
+    here by keeping the buffers without one) and each decodes what the default decode does.
+    Sized by its own context instead, the second rollout needs a longer cache: a new shape,
+    on a GPU a capture."""
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
+    model = _model(arch)
+    n = 40
+    prefix_lengths = torch.tensor([20, 0, 30, 1, 0, 12])
+    prefix = torch.randint(10, VOCAB, (6, 30), generator=torch.Generator().manual_seed(4))
+    prefix = torch.where(torch.arange(30)[None, :] < prefix_lengths[:, None], prefix, PAD)
+    prefix[prefix == 3] = 4  # no EOS inside a carried prefix
+    extra = dict(prefix_ids=prefix, prefix_lengths=prefix_lengths)
+    length = run_cache_length(max(PROMPT_LENS), n, 1, carries=True)
+    kw = dict(max_new_tokens=n, eos_token_ids=(3,))
+    fresh = _decode(model, _params(True, static_length=length, **kw), seed=8)
+    _assert_same(fresh, _decode(model, _params(False, **kw), seed=8))
+    carried = _decode(model, _params(True, static_length=length, **kw), seed=8, **extra)
+    _assert_same(carried, _decode(model, _params(False, **kw), seed=8, **extra))
+    assert fresh[0].static.length == length and carried[0].static is fresh[0].static
+    own = [_decode(model, _params(True, **kw), seed=8, **e)[0].static.length for e in ({}, extra)]
+    assert own[0] < own[1] == length, own
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_log_probs_are_the_training_forwards_within_a_stated_tolerance(arch):
     """In bf16 the static decode does not sample the default decode's stream: its attention
     runs with an explicit mask (another kernel than the default decode's causal fast path),
@@ -189,6 +216,32 @@ def test_buffers_are_kept_for_the_next_rollout_and_not_shared_by_two_live_decode
             decode_steps(model, state, params, gen, max_steps=1)
     for state, seed in ((a, 11), (b, 12)):
         _assert_same((state, int(state.lengths.sum())), _decode(model, _params(False), seed=seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_smaller_rollout_pads_into_the_kept_buffers(arch, monkeypatch):
+    """Kept buffers of up to twice a rollout's rows serve it, the rows past its own padding
+    (on a GPU: the same graph, no capture for a pool rollout that left out rows finished
+    ahead): each rollout decodes what the default decode does, prompts and deferred prefixes
+    alike. Fewer than half the rows take buffers of their own."""
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
+    model = random_lm(arch, VOCAB, seed=0)  # kept buffers are per model: this test's own
+    kw = dict(max_new_tokens=12, eos_token_ids=(3,))
+    first = _decode(model, _params(True, **kw), seed=5)
+    assert first[0].static.batch == len(PROMPT_LENS)
+    prefix_lengths = torch.tensor([2, 0, 5, 1])
+    prefix = torch.randint(10, VOCAB, (4, 5), generator=torch.Generator().manual_seed(4))
+    prefix = torch.where(torch.arange(5)[None, :] < prefix_lengths[:, None], prefix, PAD)
+    prefix[prefix == 3] = 4
+    for lens, extra in (([4, 7, 2, 5], {}), ([3, 6, 2, 5], dict(prefix_ids=prefix,
+                                                                 prefix_lengths=prefix_lengths))):
+        out = _decode(model, _params(True, **kw), seed=6, lens=lens, **extra)
+        assert out[0].static is first[0].static and out[0].static.live == 4
+        assert out[0].tokens.shape[0] == 4
+        _assert_same(out, _decode(model, _params(False, **kw), seed=6, lens=lens, **extra))
+    small = _decode(model, _params(True, **kw), seed=7, lens=[4, 6])
+    assert small[0].static is not first[0].static and small[0].static.batch == 2
+    _assert_same(small, _decode(model, _params(False, **kw), seed=7, lens=[4, 6]))
 
 
 def test_eager_attention_takes_an_additive_mask_and_other_attention_is_refused():
@@ -343,3 +396,63 @@ def test_cuda_graph_captures_under_a_deepspeed_engine_that_synchronizes_on_a_gpu
         out = run(graph)
         assert out[0].static.graph is not None
         _assert_same(out, run(_params(False)))
+
+
+# ------------------------------------------------------------------ in the trainer
+
+def _pool_run(tmp_path, *extra):
+    """A pool run (fixed Delta 4, so the batch keeps its size) of tiny random models whose
+    responses end at long-tailed target lengths: deferred rows are continued every step."""
+    from oppo_ds.config import load_config
+    from oppo_ds.telemetry import read_history
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, [
+        "workload.kind=length_oracle", "model.builtin_arch=tiny-llama", "workload.num_prompts=64",
+        "workload.median_len=8", "generation.max_new_tokens=24", "ppo.batch_size=8",
+        "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", "oppo.overcommit=4", "steps=5",
+        "generation.static_cache=true", f"logging.output_dir={tmp_path}/run",
+        f"workload.cache_dir={tmp_path}/cache", "logging.progress=false", "eval.prompts=null",
+        "checkpoint.final=false", "checkpoint.export_hf=false", *extra])
+    trainer = PPOTrainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return cfg, read_history(str(tmp_path / "run" / "metrics.jsonl"))
+
+
+def test_a_pool_run_decodes_every_rollout_in_one_set_of_static_buffers(tmp_path, monkeypatch):
+    """The trainer sizes the static cache once for the run (``run_cache_length``): rollouts of
+    new prompts and rollouts that continue deferred responses take the same length (sized by
+    each rollout's own context, this run's moved between 64 and 128 positions as the deferred
+    rows grew), and a rollout that left out rows finished ahead pads into the same rows. With
+    a CUDA graph the buffers are kept between rollouts, so one capture serves the run."""
+    used = []
+    get = StaticDecode.get.__func__
+
+    def recording(cls, model, batch, length, device, cuda_graph):
+        buffers = get(cls, model, batch, length, device, cuda_graph)
+        used.append((batch, buffers))
+        return buffers
+
+    monkeypatch.setattr(StaticDecode, "get", classmethod(recording))
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)  # as with a graph
+    cfg, rows = _pool_run(tmp_path)
+    g = cfg.generation
+    want = run_cache_length(g.max_prompt_len, g.max_new_tokens, g.sync_every, carries=True)
+    assert sum(r["pool/carried"] for r in rows) > 0  # deferred responses were continued
+    assert len(used) == cfg.steps and {buffers.length for _, buffers in used} == {want}
+    # some rollouts left out rows that finished ahead; they padded into the same buffers
+    assert len({batch for batch, _ in used}) > 1, used
+    assert len({id(buffers) for _, buffers in used}) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the graph is captured and replayed on one")
+def test_cuda_graph_pool_run_captures_once_on_a_gpu(tmp_path):
+    """On a GPU: the whole pool run, deferred responses continued every step, replays the
+    graph its first rollout captured."""
+    _, rows = _pool_run(tmp_path, "generation.cuda_graph=true")
+    assert sum(r["pool/carried"] for r in rows) > 0
+    assert [r["rollout/graph_captures"] for r in rows] == [1] + [0] * (len(rows) - 1)

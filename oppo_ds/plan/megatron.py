@@ -23,6 +23,7 @@ phases (the fullest GPU of the job decides the verdict).
 from __future__ import annotations
 
 from ..config import Config, ConfigError
+from ..rollout.static_length import widest_context
 from .costs import GIB, Device
 from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, on_scorer_rank,
                      rollout_rows, scorer_rank_memory, streamed_scorers)
@@ -113,12 +114,15 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         items[name] = 0.0 if name in on_stage or unused else w * largest_shard(
             getattr(shapes, name), tp, pp, lm_head=not value_head, value_head=value_head)
 
-    def kv(shape: ModelShape, n_rows: int) -> float:  # the stage's layers, heads split over tp
-        return n_rows * seq * shape.kv_bytes_per_token(w) / (tp * pp)
+    def kv(shape: ModelShape, n_rows: int, positions: int = seq) -> float:
+        """The stage's layers, heads split over tp."""
+        return n_rows * positions * shape.kv_bytes_per_token(w) / (tp * pp)
 
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     streamed = streamed_scorers(cfg)
-    items["actor_kv"] = kv(shapes.actor, rows)
+    # a rollout of the pool packs its deferred rows' partial responses after their prompts
+    items["actor_kv"] = kv(shapes.actor, rows, widest_context(
+        gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits) + gen.max_new_tokens)
     items["scorer_kv"] = sum(kv(scorer_shape[k], rows) for k in streamed if k not in on_stage)
     carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
     items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta) for k in carried)

@@ -44,6 +44,8 @@ class SamplingParams:
                               # ``decode_steps``); 1 = after every token
     static_cache: bool = False  # every decode forward of one shape (``StaticDecode``)
     cuda_graph: bool = False    # replay that forward as a CUDA graph (needs static_cache)
+    static_length: int = 0      # the static cache's length for every rollout (0: each rollout
+                                # its own need; one that needs more takes more)
 
     def __post_init__(self):
         if self.sync_every < 1:
@@ -220,7 +222,8 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     positions = position_ids_from_mask(context_mask)
     static = None
     if params.static_cache:
-        length = cache_length(context_ids.shape[1], n, params.sync_every)
+        length = max(cache_length(context_ids.shape[1], n, params.sync_every),
+                     params.static_length)
         static = StaticDecode.get(model, batch, length, device, params.cuda_graph)
         out = static.prefill(model, context_ids, context_mask, positions)
     else:

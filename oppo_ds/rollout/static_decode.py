@@ -15,8 +15,10 @@ a token instead of one per kernel.
 
 With a CUDA graph, the buffers (cache, mask, inputs, the graph and its memory) of a model's
 last rollout are kept, through training too, and serve its next rollout of the same batch
-and length: lengths are rounded up to a multiple of ``static_length.LENGTH_ROUND`` so that
-prompts of different widths share them. Without one they go with the decode. A graph reads the weights
+and length: the trainer gives every rollout of a run one length
+(``static_length.run_cache_length``: new prompts and deferred responses alike), and other
+callers' lengths are rounded up to a multiple of ``static_length.LENGTH_ROUND`` so that
+prompts of different widths share them. Without a graph they go with the decode. A graph reads the weights
 where they were when it was captured; if any parameter has moved since (ZeRO-3 gathers them
 anew for each rollout), the graph is captured again.
 
@@ -68,7 +70,8 @@ def _attention(model) -> str:
 
 class StaticDecode:
     """The fixed-shape buffers of one static decode of ``batch`` rows in a cache of
-    ``length`` positions. Row i of the batch is row i of the decode state (rows never leave).
+    ``length`` positions. Row i of the batch is row i of the decode state (rows never leave);
+    rows past the state's (``live``) pad a smaller decode into kept buffers.
     """
 
     def __init__(self, model, batch: int, length: int, device: torch.device, cuda_graph: bool):
@@ -78,6 +81,7 @@ class StaticDecode:
         if cuda_graph:
             check_graph_device(device, "generation.cuda_graph", "set generation.cuda_graph: false")
         self.batch, self.length, self.cuda_graph = batch, length, cuda_graph
+        self.live = batch  # rows of the decode using the buffers; the others pad (``get``)
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
             raise ValueError(
@@ -102,13 +106,17 @@ class StaticDecode:
     def get(cls, model, batch: int, length: int, device: torch.device,
             cuda_graph: bool) -> "StaticDecode":
         """The kept buffers of this shape: a new set if none, or if a decode that has not
-        ended holds them (``hold``). Kept (for the next call) with a CUDA graph only."""
+        ended holds them (``hold``). Kept (for the next call) with a CUDA graph only. Kept
+        buffers of up to twice ``batch`` rows serve it too, the rows past ``batch`` padding
+        (a pool's rollout leaves out the rows that finished ahead of the step, so its batch
+        moves below B + Delta from step to step; each new batch size would be a capture)."""
         if not (cuda_graph or _KEEP_WITHOUT_GRAPH):
             return cls(model, batch, length, device, cuda_graph)
         kept = _KEPT.get(model)
-        same = kept is not None and (kept.batch, kept.length, kept.cuda_graph) == (
-            batch, length, cuda_graph)
-        if same and not kept._held():
+        fits = kept is not None and (kept.length, kept.cuda_graph) == (length, cuda_graph) \
+            and batch <= kept.batch <= 2 * batch
+        if fits and not kept._held():
+            kept.live = batch
             return kept
         fresh = cls(model, batch, length, device, cuda_graph)
         if kept is None or not kept._held():
@@ -124,8 +132,12 @@ class StaticDecode:
         return state is not None and not state.over
 
     def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
-        """The prompts' forward (B, W) into positions 0..W-1 of the cache; its output."""
-        width = ids.shape[1]
+        """The prompts' forward (B, W) into positions 0..W-1 of the cache; its output (the
+        live rows' logits). Padding rows (past ``live``) attend only to themselves."""
+        live, width = ids.shape
+        if live < self.batch:
+            pad = (self.batch - live, width)
+            ids, mask, positions = (torch.cat([t, t.new_zeros(pad)]) for t in (ids, mask, positions))
         for layer in self.cache.layers:  # the cache starts again at position 0, in place
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.zero_()
@@ -143,6 +155,8 @@ class StaticDecode:
             self.mask.copy_(self._form(self.attend, model))
         if self.graph is not None and self.weights != _weights(model):
             self.graph, self.logits = None, None  # the weights moved: capture again
+        if live < self.batch:
+            out.logits = out.logits[:live]
         return out
 
     def step(self, model, rows: torch.Tensor, tok: torch.Tensor,
