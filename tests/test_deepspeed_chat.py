@@ -239,18 +239,23 @@ def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, s
         assert actor.module not in static_decode._KEPT
 
 
-@pytest.mark.parametrize("sync_every", [1, 3])
-def test_llama_overcommit_carries_sequences_and_keeps_the_contract(sync_every):
+@pytest.mark.parametrize("sync_every,static", [(1, False), (3, False), (1, True)])
+def test_llama_overcommit_carries_sequences_and_keeps_the_contract(sync_every, static):
     """Llama (its own pad token, EOS kept in the mask), Delta = 2 over three calls of four
     prompts: the first call returns 2, the others 4, two sequences are always carried,
     no prompt is returned twice, and every experience equals DeepSpeed-Chat's scoring of
     the same sequences (streamed reward / reference / critic across the deferral, and
     whole-sequence scoring for rows whose streamed critic values went stale). Decoding in
-    blocks of 3 (over chunks of 2) stops where the per-token loop stops."""
+    blocks of 3 (over chunks of 2) stops where the per-token loop stops; at one shape
+    (--oppo_static_cache) every call's static cache has the one length that holds a deferred
+    answer packed after its prompt."""
+    from oppo_ds.rollout.static_length import run_cache_length
+
     vocab, width, answer = 16, 6, 10
     actor, ref, critic, reward, tok = build_engines("llama", vocab)
     oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=answer,
-                          chunk_size=2, overcommit=2, seed=3, sync_every=sync_every)
+                          chunk_size=2, overcommit=2, seed=3, sync_every=sync_every,
+                          static_cache=static)
     given, returned = set(), []
     for step in range(3):
         prompts, mask = collated_prompts([2, 6, 4, 5], vocab, tok.pad_token_id, width, bos=1,
@@ -266,6 +271,8 @@ def test_llama_overcommit_carries_sequences_and_keeps_the_contract(sync_every):
         returned += [tuple(r[r != tok.pad_token_id].tolist()) for r in rows]
     assert len(returned) == len(set(returned)) and set(returned) <= given
     assert oppo.pool.ledger.trained and len(oppo.pool) == 2
+    assert oppo.sampling.static_length == (
+        run_cache_length(width, answer, sync_every, carries=True) if static else 0)
 
 
 def test_zero3_engines_on_one_rank():

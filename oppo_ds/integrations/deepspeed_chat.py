@@ -65,6 +65,7 @@ from ..rollout.generate import SamplingParams, cudnn_attention
 from ..rollout.pool import BatchStop, PoolEntry, RolloutPool, pool_stream_setup
 from ..rollout.scorer import StreamingScorer
 from ..rollout.static_decode import check_graph_device
+from ..rollout.static_length import run_cache_length
 from ..rollout.streaming import stream_continue
 from .dschat_flags import auto_int, positive_int
 
@@ -409,6 +410,12 @@ class OppoExperience:
             cap = self.delta_max if self.delta_max is not None else max(1, len(new) // 4)
             self.delta_ctl = DeltaController(delta_min=0, delta_max=cap)
         delta = self.delta_ctl.delta if self.delta_ctl is not None else int(self.overcommit)
+        if self.sampling.static_cache and not self.sampling.static_length:
+            # one static cache length for every call (DeepSpeed-Chat pads its prompts to
+            # max_prompt_seq_len), deferred answers packed after their prompts included
+            self.sampling = dataclasses.replace(self.sampling, static_length=run_cache_length(
+                prompts.shape[1], self.sampling.max_new_tokens, self.sampling.sync_every,
+                carries=self.overcommit != 0))
         need = max(1, len(pool) - delta)
         pool.batch_size = need
         running, waiting = pool.running(), pool.waiting()
