@@ -30,21 +30,34 @@ PY=${PYTHON:-python}
 
 if ! $PY -c "import deepspeed" 2>/dev/null; then
     WHEELS=${WHEELS:-.whl}
-    ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no deepspeed and no wheels in $WHEELS: run 'make gpu-wheels' where a registry is reachable, and carry $WHEELS" >&2; exit 2; }
+    if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "no deepspeed and no wheels in $WHEELS: run 'make gpu-wheels' where a registry" \
+             "is reachable, and carry $WHEELS" >&2
+        exit 2
+    fi
     $PY -m pip install -q --no-deps --no-index --target /tmp/oppo-site "$WHEELS"/*.whl || exit 2
     export PYTHONPATH=/tmp/oppo-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export DS_BUILD_OPS=0 HF_HUB_OFFLINE=1
 
-{ nvidia-smi -L; $PY -c "import torch, transformers, deepspeed; print('torch', torch.__version__, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__)"; } > "$OUT/device.txt" 2>&1
+{
+    nvidia-smi -L
+    $PY -c "import torch, transformers, deepspeed as ds
+print('torch', torch.__version__, '| transformers', transformers.__version__,
+      '| deepspeed', ds.__version__)"
+} > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
-SETTINGS=${SETTINGS:-"workload.kind=length_oracle model.builtin_arch=${ARCH:-qwen2.5-0.5b} system.dtype=bf16 generation.max_new_tokens=160 workload.median_len=32 ppo.batch_size=32 oppo.placement=colocated"}
+DEFAULT_SETTINGS="workload.kind=length_oracle model.builtin_arch=${ARCH:-qwen2.5-0.5b}
+    system.dtype=bf16 generation.max_new_tokens=160 workload.median_len=32 ppo.batch_size=32
+    oppo.placement=colocated"
+SETTINGS=${SETTINGS:-$DEFAULT_SETTINGS}
 GRAPH=${GRAPH:-"generation.static_cache=true,generation.cuda_graph=true"}
 
 echo "== graph tests ($(left) s left)"
-timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k cuda_graph > "$OUT/gpu-test.txt" 2>&1
+timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py \
+    -k cuda_graph > "$OUT/gpu-test.txt" 2>&1
 tail -3 "$OUT/gpu-test.txt"
 
 echo "== profile of step 4, sequential with the graph ($(left) s left)"
@@ -58,7 +71,8 @@ cp /tmp/oppo-profile-run/profile/step_4.txt "$OUT/profile-step4.txt" 2>/dev/null
 cp /tmp/oppo-profile-run/metrics.jsonl "$OUT/profile-metrics.jsonl" 2>/dev/null
 head -40 "$OUT/profile-step4.txt" 2>/dev/null || tail -20 "$OUT/profile-run.txt"
 
-MODES=${MODES:-sequential,sequential@graph,oppo@graph,oppo,sequential@blocks,sequential@cudnn,sequential@static,inter@graph}
+DEFAULT_MODES="sequential,sequential@graph,oppo@graph,oppo,sequential@blocks,sequential@cudnn"
+MODES=${MODES:-$DEFAULT_MODES,sequential@static,inter@graph}
 echo "== oppo-bench $MODES ($(left) s left)"
 # shellcheck disable=SC2086
 timeout "$(left)" $PY -m oppo_ds.cli.bench --modes "$MODES" --steps "${STEPS:-8}" \

@@ -229,9 +229,10 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                                    if gathered_actor else 0.0)
     # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
     # a rollout of the pool packs its deferred rows' partial responses after their prompts
+    widest = widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits)
     actor_seq = run_cache_length(gen.max_prompt_len, gen.max_new_tokens, gen.sync_every,
                                  cfg.oppo.overcommits) if gen.static_cache else \
-        widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits) + gen.max_new_tokens
+        widest + gen.max_new_tokens
     items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     # under the stage placement nothing streams on the actor ranks (the critic trains there)

@@ -18,9 +18,9 @@ last rollout are kept, through training too, and serve its next rollout of the s
 and length: the trainer gives every rollout of a run one length
 (``static_length.run_cache_length``: new prompts and deferred responses alike), and other
 callers' lengths are rounded up to a multiple of ``static_length.LENGTH_ROUND`` so that
-prompts of different widths share them. Without a graph they go with the decode. A graph reads the weights
-where they were when it was captured; if any parameter has moved since (ZeRO-3 gathers them
-anew for each rollout), the graph is captured again.
+prompts of different widths share them. Without a graph they go with the decode. A graph
+reads the weights where they were when it was captured; if any parameter has moved since
+(ZeRO-3 gathers them anew for each rollout), the graph is captured again.
 
 What is decoded does not change: the same tokens and log-probs as the default decode, up to
 the float rounding of attention over a longer, masked cache (tested to 1e-5 in fp32).
@@ -137,7 +137,8 @@ class StaticDecode:
         live, width = ids.shape
         if live < self.batch:
             pad = (self.batch - live, width)
-            ids, mask, positions = (torch.cat([t, t.new_zeros(pad)]) for t in (ids, mask, positions))
+            ids, mask, positions = (torch.cat([t, t.new_zeros(pad)])
+                                    for t in (ids, mask, positions))
         for layer in self.cache.layers:  # the cache starts again at position 0, in place
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.zero_()
