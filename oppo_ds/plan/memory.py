@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
-from ..rollout.static_length import run_cache_length, widest_context
+from ..rollout.static_length import cache_length, widest_context
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
 
@@ -230,9 +230,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
     # a rollout of the pool packs its deferred rows' partial responses after their prompts
     widest = widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits)
-    actor_seq = run_cache_length(gen.max_prompt_len, gen.max_new_tokens, gen.sync_every,
-                                 cfg.oppo.overcommits) if gen.static_cache else \
-        widest + gen.max_new_tokens
+    actor_seq = cache_length(widest, gen.max_new_tokens, gen.sync_every) if gen.static_cache \
+        else widest + gen.max_new_tokens
     items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     # under the stage placement nothing streams on the actor ranks (the critic trains there)
