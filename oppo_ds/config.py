@@ -128,7 +128,9 @@ class GenerationConfig:
     that ended (fed again, their outputs unread), so that every decode forward of a rollout has
     the same shapes, and with `cuda_graph` can be replayed as one CUDA graph. One length for the
     whole run: max_prompt_len + max_new_tokens + sync_every (+ max_new_tokens - 1 with
-    overcommitment: a deferred response is continued after its prompt), rounded up to 64. In
+    overcommitment: a deferred response is continued after its prompt), rounded up to 64;
+    with `cuda_graph` one batch too: ppo.batch_size + the largest Delta rows, which a smaller
+    rollout or an evaluation's batch fills up with padding rows (computed, never read). In
     fp32 the same tokens and log-probs up to float rounding; in bf16 its attention runs by
     another kernel (an explicit mask), a few ulps apart, so draws near a tie may differ, and its
     log-probs are as near the training forward's as the default decode's or nearer. Costs the
@@ -137,9 +139,10 @@ class GenerationConfig:
     with sdpa or eager attention: not with system.hybrid_engine or backend megatron."""
     cuda_graph: bool = False
     """Capture the actor's one-token forward as a CUDA graph and replay it for every token (one
-    launch a token instead of one per kernel). Captured again when the batch size changes
-    (B + Delta: overcommit: auto moves Delta) or the weights move in memory. The static cache
-    and the graph's memory are then kept from one rollout to the next, through training too.
+    launch a token instead of one per kernel). Captured once a run, and again only when the
+    weights move in memory (ZeRO-3 gathers them anew for each rollout): every rollout and
+    evaluation decodes in the same rows (see static_cache). The static cache and the graph's
+    memory are kept from one rollout to the next, through training too.
     Needs static_cache and the actor on a CUDA GPU."""
 
     def __post_init__(self):
@@ -247,6 +250,11 @@ class OppoConfig:
     def overcommits(self) -> bool:
         """Whether steps go through the rollout pool (any Delta other than a fixed 0)."""
         return self.overcommit != 0
+
+    @property
+    def largest_delta(self) -> int:
+        """The largest Delta of a run: `overcommit`, or `delta_max` under `auto`."""
+        return self.delta_max if self.overcommit == "auto" else self.overcommit
 
 
 @dataclass

@@ -117,7 +117,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                        cuda_graph=g.cuda_graph, static_length=(
                                            run_cache_length(g.max_prompt_len, g.max_new_tokens,
                                                             g.sync_every, cfg.oppo.overcommits)
-                                           if g.static_cache else 0))
+                                           if g.static_cache else 0),
+                                       static_rows=cfg.ppo.batch_size + cfg.oppo.largest_delta)
         self._build_rollout_state()
         self._resume_and_announce(src)
 

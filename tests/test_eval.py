@@ -120,6 +120,34 @@ def test_a_run_evaluates_before_every_nth_and_after_the_last_step(cache_dir, tmp
     assert not (tmp_path / "plain" / "eval.jsonl").exists()
 
 
+def test_evaluations_pad_into_the_training_rollouts_static_buffers(cache_dir, tmp_path,
+                                                                   monkeypatch):
+    """With ``generation.static_cache`` an evaluation's batches (B = 8 prompts, then a short
+    last one of 3) decode in the buffers the training rollouts use (kept as a CUDA graph
+    keeps them; ``SamplingParams.static_rows`` sizes them for the run's widest rollout), so
+    on a GPU evaluating captures no graph of its own, and the next training rollout none
+    again. Before, the short batch took, and kept, a set of its own."""
+    from oppo_ds.rollout import static_decode
+    from oppo_ds.rollout.static_decode import StaticDecode
+
+    used = []
+    get = StaticDecode.get.__func__
+
+    def recording(cls, model, batch, *args, **kw):
+        buffers = get(cls, model, batch, *args, **kw)
+        used.append((batch, buffers))
+        return buffers
+
+    monkeypatch.setattr(StaticDecode, "get", classmethod(recording))
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
+    out = tmp_path / "static"
+    run(cache_dir, out, "steps=2", *EVAL, "eval.num_prompts=11", "generation.static_cache=true")
+    assert [r["eval/prompts"] for r in read_history(str(out / "eval.jsonl"))] == [11, 11]
+    # evaluations before step 1 and after step 2 (8 + 3 rows each), two rollouts of 8
+    assert sorted(batch for batch, _ in used) == [3] * 2 + [8] * 4
+    assert len({id(buffers) for _, buffers in used}) == 1 and used[0][1].batch == 8
+
+
 def test_every_evaluation_repeats_its_draws(cache_dir, tmp_path, capsys):
     """Two evaluations of the same weights give the same answers: the figures move only when
     the policy does (the generator starts from the same seed each time)."""

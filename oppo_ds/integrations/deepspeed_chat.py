@@ -411,11 +411,13 @@ class OppoExperience:
             self.delta_ctl = DeltaController(delta_min=0, delta_max=cap)
         delta = self.delta_ctl.delta if self.delta_ctl is not None else int(self.overcommit)
         if self.sampling.static_cache and not self.sampling.static_length:
-            # one static cache length for every call (DeepSpeed-Chat pads its prompts to
-            # max_prompt_seq_len), deferred answers packed after their prompts included
+            # one static cache for every call: one length (DeepSpeed-Chat pads its prompts
+            # to max_prompt_seq_len; deferred answers are packed after their prompts) and one
+            # width (a call's prompts and the most deferred answers it can carry)
+            most = self.delta_ctl.delta_max if self.delta_ctl is not None else delta
             self.sampling = dataclasses.replace(self.sampling, static_length=run_cache_length(
                 prompts.shape[1], self.sampling.max_new_tokens, self.sampling.sync_every,
-                carries=self.overcommit != 0))
+                carries=self.overcommit != 0), static_rows=len(new) + most)
         need = max(1, len(pool) - delta)
         pool.batch_size = need
         running, waiting = pool.running(), pool.waiting()

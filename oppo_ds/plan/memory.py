@@ -118,9 +118,7 @@ class MemoryPlan:
 
 def rollout_rows(cfg: Config) -> tuple[int, int]:
     """(B, Delta) per data-parallel rank; Delta under `overcommit: auto` is its largest value."""
-    o = cfg.oppo
-    delta = o.delta_max if o.overcommit == "auto" else o.overcommit
-    return cfg.ppo.batch_size, delta
+    return cfg.ppo.batch_size, cfg.oppo.largest_delta
 
 
 def streamed_scorers(cfg: Config) -> list[str]:

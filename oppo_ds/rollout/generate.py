@@ -46,6 +46,8 @@ class SamplingParams:
     cuda_graph: bool = False    # replay that forward as a CUDA graph (needs static_cache)
     static_length: int = 0      # the static cache's length for every rollout (0: each rollout
                                 # its own need; one that needs more takes more)
+    static_rows: int = 0        # the most rows a rollout of the run decodes (0: unknown): the
+                                # static buffers are that wide and serve every smaller rollout
 
     def __post_init__(self):
         if self.sync_every < 1:
@@ -224,7 +226,8 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     if params.static_cache:
         length = max(cache_length(context_ids.shape[1], n, params.sync_every),
                      params.static_length)
-        static = StaticDecode.get(model, batch, length, device, params.cuda_graph)
+        static = StaticDecode.get(model, batch, length, device, params.cuda_graph,
+                                  rows=params.static_rows)
         out = static.prefill(model, context_ids, context_mask, positions)
     else:
         out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,

@@ -14,11 +14,13 @@ slower) and buys a forward that can be captured once and replayed as a CUDA grap
 a token instead of one per kernel.
 
 With a CUDA graph, the buffers (cache, mask, inputs, the graph and its memory) of a model's
-last rollout are kept, through training too, and serve its next rollout of the same batch
-and length: the trainer gives every rollout of a run one length
-(``static_length.run_cache_length``: new prompts and deferred responses alike), and other
-callers' lengths are rounded up to a multiple of ``static_length.LENGTH_ROUND`` so that
-prompts of different widths share them. Without a graph they go with the decode. A graph
+last rollout are kept, through training too, and serve its next rollout of the same length
+and as many rows or fewer: the trainer gives every rollout of a run one length
+(``static_length.run_cache_length``: new prompts and deferred responses alike) and one
+width (``SamplingParams.static_rows``: B + the largest Delta; a smaller rollout, or an
+evaluation's batch, pads), and other callers' lengths are rounded up to a multiple of
+``static_length.LENGTH_ROUND`` so that prompts of different widths share them. Without a
+graph they go with the decode. A graph
 reads the weights where they were when it was captured; if any parameter has moved since
 (ZeRO-3 gathers them anew for each rollout), the graph is captured again.
 
@@ -103,23 +105,31 @@ class StaticDecode:
     # ------------------------------------------------------------------ one rollout
 
     @classmethod
-    def get(cls, model, batch: int, length: int, device: torch.device,
-            cuda_graph: bool) -> "StaticDecode":
-        """The kept buffers of this shape: a new set if none, or if a decode that has not
-        ended holds them (``hold``). Kept (for the next call) with a CUDA graph only. Kept
-        buffers of up to twice ``batch`` rows serve it too, the rows past ``batch`` padding
-        (a pool's rollout leaves out the rows that finished ahead of the step, so its batch
-        moves below B + Delta from step to step; each new batch size would be a capture)."""
+    def get(cls, model, batch: int, length: int, device: torch.device, cuda_graph: bool,
+            rows: int = 0) -> "StaticDecode":
+        """The kept buffers of this length: a new set if none serves ``batch`` rows, or if a
+        decode that has not ended holds them (``hold``). Kept (for the next call) with a CUDA
+        graph only.
+
+        Kept buffers of more rows serve a smaller decode, the rows past ``batch`` padding: a
+        pool's rollout leaves out the rows that finished ahead of the step, an overcommit
+        under ``auto`` moves B + Delta, an evaluation decodes B rows or fewer, and each new
+        batch size would otherwise be a capture. ``rows``: the most rows a decode of the run
+        has (``SamplingParams.static_rows``; 0 if the caller does not know): a new set is
+        built that wide, and serves every decode of the run. Buffers of another width serve
+        a decode of at least half their rows (so that a small caller's decode does not pay
+        for a large one's). A set that cannot serve a decode because it is wider stays kept,
+        and the smaller decode's own set goes with it."""
         if not (cuda_graph or _KEEP_WITHOUT_GRAPH):
             return cls(model, batch, length, device, cuda_graph)
         kept = _KEPT.get(model)
-        fits = kept is not None and (kept.length, kept.cuda_graph) == (length, cuda_graph) \
-            and batch <= kept.batch <= 2 * batch
-        if fits and not kept._held():
+        same = kept is not None and (kept.length, kept.cuda_graph) == (length, cuda_graph)
+        if same and batch <= kept.batch <= max(2 * batch, rows) and not kept._held():
             kept.live = batch
             return kept
-        fresh = cls(model, batch, length, device, cuda_graph)
-        if kept is None or not kept._held():
+        fresh = cls(model, max(batch, rows), length, device, cuda_graph)
+        fresh.live = batch
+        if kept is None or not (kept._held() or same and kept.batch > fresh.batch):
             _KEPT[model] = fresh
         return fresh
 
