@@ -32,8 +32,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m oppo_ds.train --config examples/configs/tiny.yaml
 
+# --durations: the slowest tests at the end of every run (CI logs keep them: the suite's 60
+# minutes are a budget, and its time has moved between machines)
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 # Every mode and the TRL 1.12 PPO peer on the built-in workload, one after another (about
 # 6 minutes on 2 CPU cores once the workload is prepared): bench/results.json, results.md,
