@@ -129,8 +129,9 @@ class GenerationConfig:
     the same shapes, and with `cuda_graph` can be replayed as one CUDA graph. One length for the
     whole run: max_prompt_len + max_new_tokens + sync_every (+ max_new_tokens - 1 with
     overcommitment: a deferred response is continued after its prompt), rounded up to 64;
-    with `cuda_graph` one batch too: ppo.batch_size + the largest Delta rows, which a smaller
-    rollout or an evaluation's batch fills up with padding rows (computed, never read). In
+    with `cuda_graph` one batch too: ppo.batch_size + the largest Delta rows (or a wider
+    later round's of ppo.filter_groups), which a smaller rollout or an evaluation's batch fills
+    up with padding rows (computed, never read). In
     fp32 the same tokens and log-probs up to float rounding; in bf16 its attention runs by
     another kernel (an explicit mask), a few ulps apart, so draws near a tie may differ, and its
     log-probs are as near the training forward's as the default decode's or nearer. Costs the

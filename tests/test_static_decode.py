@@ -255,8 +255,9 @@ def test_the_runs_widest_rollout_sizes_the_buffers_and_every_smaller_one_pads(ar
     """``static_rows`` (the trainer's B + the largest Delta) sizes the first set of buffers,
     however few rows the first decode has, and that set serves every decode of the run down to
     one row (an evaluation's last, short batch; a pool rollout under ``overcommit: auto`` after
-    Delta shrank): on a GPU one capture for the run. Each decodes what the default decode
-    does (log-probs within ``ATOL_PADDED``)."""
+    Delta shrank): on a GPU one capture for the run. A decode wider than that takes a set of
+    its own width, kept from then on in the narrower one's place. Each decodes what the
+    default decode does (log-probs within ``ATOL_PADDED``)."""
     monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
     model = random_lm(arch, VOCAB, seed=0)
     kw = dict(max_new_tokens=12, eos_token_ids=(3,), static_rows=16)
@@ -268,6 +269,15 @@ def test_the_runs_widest_rollout_sizes_the_buffers_and_every_smaller_one_pads(ar
                      atol=ATOL_PADDED)
         seen.append(out[0].static)
     assert all(static is seen[0] for static in seen)
+    # a decode wider than expected (a later round of filter_groups with oversampling) takes a
+    # set of its own width, kept in place of the narrower one; it then serves every decode
+    wide = _decode(model, _params(True, **kw), seed=9, lens=PROMPT_LENS * 3)[0].static
+    assert wide is not seen[0] and wide.batch == 18
+    for seed, lens in ((10, [6]), (11, PROMPT_LENS * 2)):
+        out = _decode(model, _params(True, **kw), seed=seed, lens=lens)
+        assert out[0].static is wide and out[0].static.live == len(lens)
+        _assert_same(out, _decode(model, _params(False, **kw), seed=seed, lens=lens),
+                     atol=ATOL_PADDED)
 
 
 def test_eager_attention_takes_an_additive_mask_and_other_attention_is_refused():

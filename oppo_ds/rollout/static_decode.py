@@ -115,16 +115,20 @@ class StaticDecode:
         pool's rollout leaves out the rows that finished ahead of the step, an overcommit
         under ``auto`` moves B + Delta, an evaluation decodes B rows or fewer, and each new
         batch size would otherwise be a capture. ``rows``: the most rows a decode of the run
-        has (``SamplingParams.static_rows``; 0 if the caller does not know): a new set is
-        built that wide, and serves every decode of the run. Buffers of another width serve
-        a decode of at least half their rows (so that a small caller's decode does not pay
-        for a large one's). A set that cannot serve a decode because it is wider stays kept,
-        and the smaller decode's own set goes with it."""
+        is expected to have (``SamplingParams.static_rows``; 0 if the caller does not know):
+        a new set is built at least that wide, and the kept set, the run's widest so far,
+        serves every decode of the run (a later round of ``ppo.filter_groups`` with
+        ``filter_groups_oversample`` can be wider than expected: its set is kept in place of
+        the narrower one, once). Without ``rows``, kept buffers serve a decode of at least
+        half their rows (so that a small caller's decode does not pay for a large one's), and
+        a set that cannot serve a decode because it is wider stays kept, the smaller decode's
+        own set going with it."""
         if not (cuda_graph or _KEEP_WITHOUT_GRAPH):
             return cls(model, batch, length, device, cuda_graph)
         kept = _KEPT.get(model)
         same = kept is not None and (kept.length, kept.cuda_graph) == (length, cuda_graph)
-        if same and batch <= kept.batch <= max(2 * batch, rows) and not kept._held():
+        if same and batch <= kept.batch and (rows or kept.batch <= 2 * batch) \
+                and not kept._held():
             kept.live = batch
             return kept
         fresh = cls(model, max(batch, rows), length, device, cuda_graph)
