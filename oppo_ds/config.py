@@ -12,6 +12,7 @@ Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory se
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -595,6 +596,18 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def widest_rollout(self) -> int:
+        """Rows of a rank's widest rollout: ppo.batch_size, or a later round of
+        ppo.filter_groups when wider (the most the batch can lack, times
+        filter_groups_oversample, in whole prompts), plus the largest Delta. The memory
+        planner sizes the actor's KV cache for it, and the static decode its buffers."""
+        p, n = self.ppo, self.data.samples_per_prompt
+        rows = p.batch_size
+        if p.filter_groups:
+            rows = max(rows, n * math.ceil(-(-p.batch_size // n) * p.filter_groups_oversample))
+        return rows + self.oppo.largest_delta
 
     @property
     def streamed_scorers(self) -> list[str]:

@@ -118,7 +118,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                            run_cache_length(g.max_prompt_len, g.max_new_tokens,
                                                             g.sync_every, cfg.oppo.overcommits)
                                            if g.static_cache else 0),
-                                       static_rows=cfg.ppo.batch_size + cfg.oppo.largest_delta)
+                                       static_rows=cfg.widest_rollout)
         self._build_rollout_state()
         self._resume_and_announce(src)
 

@@ -169,6 +169,29 @@ def test_memory_items_follow_the_configuration():
     assert graph.phases["generate"] == static.phases["generate"]
 
 
+def test_a_wider_later_round_of_filter_groups_sizes_the_rollouts_memory():
+    """Under ppo.filter_groups a later round decodes what the batch lacks times
+    filter_groups_oversample, in whole prompts: with oversampling 2, up to twice the batch
+    (every group of the first round dropped), plus Delta. The actor's and the streaming
+    scorers' caches are planned for that widest rollout (``Config.widest_rollout``, which
+    the static decode's buffers take too); the deferred rows' carried caches stay Delta's."""
+    dev = get_device("H100-80GB")
+    group = ["data.samples_per_prompt=4", "ppo.advantage_estimator=rloo",
+             "ppo.filter_groups=true", "oppo.overcommit=4", "oppo.streaming=true"]
+    base, wide = _cfg(*group), _cfg(*group, "ppo.filter_groups_oversample=2")
+    b = base.ppo.batch_size
+    assert base.widest_rollout == b + 4 and wide.widest_rollout == 2 * b + 4
+    # what the batch lacks at most (b / 4 prompts) times 1.5, rounded up to whole prompts
+    odd = _cfg(*group, "ppo.filter_groups_oversample=1.5")
+    assert odd.widest_rollout == 4 * math.ceil(b // 4 * 1.5) + 4
+    assert _cfg("ppo.filter_groups_oversample=2").widest_rollout == b  # no filter, no rounds
+    shapes = resolve_shapes(base)
+    m, w = (plan_memory(c, shapes, 1, 8, dev).items for c in (base, wide))
+    for item in ("actor_kv", "scorer_kv", "decode_logits"):
+        assert w[item] == pytest.approx(m[item] * (2 * b + 4) / (b + 4)), item
+    assert w["carried_scorer_kv"] == m["carried_scorer_kv"] > 0
+
+
 # ---------------------------------------------------------------- simulator
 
 def test_sum_max_linear_equals_the_loop():

@@ -85,8 +85,11 @@ def format_plan(out: dict, config: str) -> str:
         lines.append("  critic    none (a critic-free ppo.advantage_estimator)")
     rows = out["rows_per_rank"]
     deltas = sorted({m["delta"] for m in out["modes"].values() if m["delta"]})
+    wider = rows["widest_rollout"] > rows["batch_size"] + rows["delta"]
     lines += [f"  rows per rank: B = {rows['batch_size']}, Delta = {rows['delta']} as configured (memory)"
-              + (f"; inter/oppo simulate Delta = {deltas[0]}" if deltas else ""),
+              + (f"; inter/oppo simulate Delta = {deltas[0]}" if deltas else "")
+              + (f"; a later round of ppo.filter_groups decodes up to {rows['widest_rollout']}"
+                 if wider else ""),
               "", "per-GPU memory (GiB)"]
     for item, gib in out["breakdown_gib"].items():
         if gib:

@@ -26,7 +26,7 @@ from ..config import Config, ConfigError
 from ..rollout.static_length import widest_context
 from .costs import GIB, Device
 from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, on_scorer_rank,
-                     rollout_rows, scorer_rank_memory, streamed_scorers)
+                     scorer_rank_memory, streamed_scorers)
 from .shapes import ModelShape, Shapes
 
 
@@ -93,8 +93,8 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     for what in ("actor", "critic", "reference", "reward"):
         check_shape(getattr(shapes, what), tp, pp, what)
     w = dtype_bytes(s.dtype)
-    b, delta = rollout_rows(cfg)
-    rows, seq = b + delta, gen.max_prompt_len + gen.max_new_tokens
+    delta, rows = cfg.oppo.largest_delta, cfg.widest_rollout
+    seq = gen.max_prompt_len + gen.max_new_tokens
     on_stage = on_scorer_rank(cfg)
     plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
     items = plan.items

@@ -13,8 +13,9 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
   * frozen models: weights only; the reward model is a full copy on every GPU, the reference
     too unless `system.partition_reference` (ZeRO-3 partitioned, gathered one module at a
     time; with `offload_reference` the partition sits in CPU memory).
-  * caches: the actor's KV cache for B + Delta rows at prompt + response length, and the
-    streaming scorers' caches for the same rows; the frozen scorers of the rollout pool keep
+  * caches: the actor's KV cache for B + Delta rows (the widest rollout: a later round of
+    `ppo.filter_groups` with `filter_groups_oversample` can be wider) at prompt + response
+    length, and the streaming scorers' caches for the same rows; the frozen scorers of the rollout pool keep
     the caches of the deferred rows through the update. With `generation.static_cache` the
     actor's cache is at its static length (rounded up to 64); with `generation.cuda_graph`
     it and the graph's logits stay allocated through scoring and training as well.
@@ -116,11 +117,6 @@ class MemoryPlan:
                 "cpu_per_node_gib": gib(self.cpu_per_node)}
 
 
-def rollout_rows(cfg: Config) -> tuple[int, int]:
-    """(B, Delta) per data-parallel rank; Delta under `overcommit: auto` is its largest value."""
-    return cfg.ppo.batch_size, cfg.oppo.largest_delta
-
-
 def streamed_scorers(cfg: Config) -> list[str]:
     """Scorers that prefill each chunk during decoding (none in the sequential baseline)."""
     return cfg.streamed_scorers
@@ -192,8 +188,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     gpus = actor_rank_gpus(cfg, nodes * gpus_per_node)  # ZeRO partitions over these
     on_stage = on_scorer_rank(cfg)
     w = dtype_bytes(s.dtype)
-    b, delta = rollout_rows(cfg)
-    rows = b + delta
+    delta, rows = cfg.oppo.largest_delta, cfg.widest_rollout
     seq = gen.max_prompt_len + gen.max_new_tokens
     plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
     items = plan.items

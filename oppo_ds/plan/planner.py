@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 from ..config import Config, ConfigError
 from . import megatron
 from .costs import Device
-from .memory import actor_rank_gpus, dtype_bytes, plan_memory, rollout_rows
+from .memory import actor_rank_gpus, dtype_bytes, plan_memory
 from .shapes import Shapes, resolve_shapes
 from .simulate import MODES, CostModel, Layout, LengthDist, Schedule, SimResult, StepSimulator
 
@@ -134,7 +134,6 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
     sim = StepSimulator(cost_model(cfg, shapes, device, lay), length_dist(cfg, lengths))
     results = simulate_modes(cfg, sim, modes, steps, seed)
     base = results.get("sequential")
-    b, delta = rollout_rows(cfg)
     out = {
         "device": device.name, "nodes": nodes, "gpus_per_node": gpus_per_node,
         "models": {k: {"shape": getattr(shapes, k).name,
@@ -145,7 +144,8 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, device: Device, *,
                    if (k != "critic" or cfg.ppo.uses_critic)
                    and (k != "reference" or cfg.ppo.uses_reference)
                    and (k != "reward" or cfg.model.uses_reward_model)},
-        "rows_per_rank": {"batch_size": b, "delta": delta},
+        "rows_per_rank": {"batch_size": cfg.ppo.batch_size, "delta": cfg.oppo.largest_delta,
+                          "widest_rollout": cfg.widest_rollout},
         **memory.to_json(),
         "predicted_step_s": {m: round(r.mean("step_s"), 6) for m, r in results.items()},
         "predicted_speedup": ({m: round(base.mean("step_s") / r.mean("step_s"), 4)
