@@ -288,3 +288,23 @@ def assert_same_decode(state, produced: int, ref_state, ref_produced: int, atol:
     assert produced == ref_produced
     torch.testing.assert_close(state.logprobs, ref_state.logprobs, atol=atol, rtol=0)
     torch.testing.assert_close(state.actor_logprobs, ref_state.actor_logprobs, atol=atol, rtol=0)
+
+
+def record_static_buffers(monkeypatch) -> list:
+    """(rows decoded, buffers) of every ``StaticDecode.get`` from now on, the buffers kept
+    between decodes as with a CUDA graph (``_KEEP_WITHOUT_GRAPH``): what a GPU's captures
+    follow, checked on a CPU."""
+    from oppo_ds.rollout import static_decode
+    from oppo_ds.rollout.static_decode import StaticDecode
+
+    used = []
+    get = StaticDecode.get.__func__
+
+    def recording(cls, model, batch, *args, **kw):
+        buffers = get(cls, model, batch, *args, **kw)
+        used.append((batch, buffers))
+        return buffers
+
+    monkeypatch.setattr(StaticDecode, "get", classmethod(recording))
+    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
+    return used

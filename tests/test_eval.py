@@ -127,19 +127,9 @@ def test_evaluations_pad_into_the_training_rollouts_static_buffers(cache_dir, tm
     keeps them; ``SamplingParams.static_rows`` sizes them for the run's widest rollout), so
     on a GPU evaluating captures no graph of its own, and the next training rollout none
     again. Before, the short batch took, and kept, a set of its own."""
-    from oppo_ds.rollout import static_decode
-    from oppo_ds.rollout.static_decode import StaticDecode
+    from _builders import record_static_buffers
 
-    used = []
-    get = StaticDecode.get.__func__
-
-    def recording(cls, model, batch, *args, **kw):
-        buffers = get(cls, model, batch, *args, **kw)
-        used.append((batch, buffers))
-        return buffers
-
-    monkeypatch.setattr(StaticDecode, "get", classmethod(recording))
-    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
+    used = record_static_buffers(monkeypatch)
     out = tmp_path / "static"
     run(cache_dir, out, "steps=2", *EVAL, "eval.num_prompts=11", "generation.static_cache=true")
     assert [r["eval/prompts"] for r in read_history(str(out / "eval.jsonl"))] == [11, 11]

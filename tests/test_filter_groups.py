@@ -206,6 +206,29 @@ def test_oversampled_rounds_account_for_their_surplus(cache_dir, rule, tmp_path,
         assert len(drawn) == len(trained) + dropped + surplus
 
 
+def test_oversampled_rounds_decode_in_one_set_of_static_buffers(cache_dir, rule, tmp_path,
+                                                                monkeypatch):
+    """With ``generation.static_cache`` (its buffers kept between rollouts here as a CUDA
+    graph keeps them), a run whose later rounds oversample twice, up to 2B + Delta rows, builds
+    its buffers once for that widest rollout (``Config.widest_rollout``), and every rollout,
+    first round or later, pads into them: on a GPU one capture. Before, the buffers were B +
+    Delta rows wide and the first wide round took a second set."""
+    from _builders import record_static_buffers
+
+    used = record_static_buffers(monkeypatch)
+    trainer, batches, _, rows, text = filtered_run(
+        cache_dir, tmp_path / "run", "steps=3", "oppo.overcommit=8", "generation.static_cache=true",
+        "ppo.filter_groups_oversample=2", f"model.reward_function={rule}:parity")
+    for (keys, scores, groups), m in zip(batches, rows):
+        checked_batch(keys, scores, groups, m, text)
+    assert max(m["filter/rounds"] for m in rows) > 1  # later rounds ran
+    widest = trainer.cfg.widest_rollout
+    assert widest == 2 * 16 + 8
+    assert len(used) > len(rows) and len({batch for batch, _ in used}) > 1
+    assert {buffers.batch for _, buffers in used} == {widest}
+    assert len({id(buffers) for _, buffers in used}) == 1
+
+
 def test_filter_groups_with_the_pool_resumes_exactly(cache_dir, rule, tmp_path):
     """Stopped after its step-2 checkpoint (the pool, with the surplus and the ledger's drops,
     in it) and resumed: the uninterrupted run's metrics (1e-6)."""

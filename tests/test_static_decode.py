@@ -9,7 +9,8 @@ is checked against the same reference where a GPU is present."""
 import pytest
 import torch
 
-from _builders import LikeAGpuGenerator, assert_same_decode, left_padded_prompts, random_lm
+from _builders import (LikeAGpuGenerator, assert_same_decode, left_padded_prompts, random_lm,
+                       record_static_buffers)
 
 from oppo_ds.rollout import static_decode
 from oppo_ds.rollout.generate import SamplingParams, decode_steps, start_decode
@@ -458,29 +459,13 @@ def _pool_run(tmp_path, *extra):
     return cfg, read_history(str(tmp_path / "run" / "metrics.jsonl"))
 
 
-def _recording_static_gets(monkeypatch) -> list:
-    """(batch, buffers) of every ``StaticDecode.get`` from now on; buffers kept as with a
-    CUDA graph."""
-    used = []
-    get = StaticDecode.get.__func__
-
-    def recording(cls, model, batch, length, device, cuda_graph, **kw):
-        buffers = get(cls, model, batch, length, device, cuda_graph, **kw)
-        used.append((batch, buffers))
-        return buffers
-
-    monkeypatch.setattr(StaticDecode, "get", classmethod(recording))
-    monkeypatch.setattr(static_decode, "_KEEP_WITHOUT_GRAPH", True)
-    return used
-
-
 def test_a_pool_run_decodes_every_rollout_in_one_set_of_static_buffers(tmp_path, monkeypatch):
     """The trainer sizes the static cache once for the run (``run_cache_length``): rollouts of
     new prompts and rollouts that continue deferred responses take the same length (sized by
     each rollout's own context, this run's moved between 64 and 128 positions as the deferred
     rows grew), and a rollout that left out rows finished ahead pads into the same rows. With
     a CUDA graph the buffers are kept between rollouts, so one capture serves the run."""
-    used = _recording_static_gets(monkeypatch)
+    used = record_static_buffers(monkeypatch)
     cfg, rows = _pool_run(tmp_path)
     g = cfg.generation
     want = run_cache_length(g.max_prompt_len, g.max_new_tokens, g.sync_every, carries=True)
@@ -498,7 +483,7 @@ def test_overcommit_auto_decodes_in_the_runs_one_set_of_buffers(tmp_path, monkey
     (``SamplingParams.static_rows``: B + ``delta_max``) and every rollout pads into that one
     set. Before, a rollout of fewer than half its rows took (and kept) a set of its own, and
     the next wider one another: on a GPU a capture each. (Evaluations: ``test_eval.py``.)"""
-    used = _recording_static_gets(monkeypatch)
+    used = record_static_buffers(monkeypatch)
     cfg, rows = _pool_run(tmp_path, "oppo.overcommit=auto", "oppo.delta_min=0",
                           "oppo.delta_max=8", "oppo.delta_window=2", "ppo.batch_size=4",
                           "data.samples_per_prompt=4", "ppo.advantage_estimator=rloo", "steps=7")
