@@ -124,7 +124,8 @@ class PPOConfig:
     still lacks (rounded up), for fewer rounds when many prompts are dropped (verl generates
     whole batches). The prompts it keeps beyond the batch are a surplus
     (filter/surplus_groups): with oppo.overcommit they go back to the rollout pool, taken
-    first next step; without, they are not trained on."""
+    first next step; without, they are not trained on. Such a round decodes up to this many
+    times the batch (plus Delta): `oppo-plan` sizes the caches for it."""
     advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm"] = "gae"
     """How advantages are estimated (OpenRLHF's --advantage_estimator). `gae`: PPO's, with a
     critic. The others train no critic (none is built, checkpointed or exported; its keys are
