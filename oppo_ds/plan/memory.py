@@ -13,10 +13,11 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
   * frozen models: weights only; the reward model is a full copy on every GPU, the reference
     too unless `system.partition_reference` (ZeRO-3 partitioned, gathered one module at a
     time; with `offload_reference` the partition sits in CPU memory).
-  * caches: the actor's KV cache for B + Delta rows (the widest rollout: a later round of
-    `ppo.filter_groups` with `filter_groups_oversample` can be wider) at prompt + response
-    length, and the streaming scorers' caches for the same rows; the frozen scorers of the rollout pool keep
-    the caches of the deferred rows through the update. With `generation.static_cache` the
+  * caches: the actor's KV cache for the widest rollout's rows (B + Delta, or a later round
+    of `ppo.filter_groups` with `filter_groups_oversample` when wider: `Config.widest_rollout`)
+    at prompt + response length, and the streaming scorers' caches for the same rows; the
+    frozen scorers of the rollout pool keep the caches of the deferred rows through the
+    update. With `generation.static_cache` the
     actor's cache is at its static length (rounded up to 64); with `generation.cuda_graph`
     it and the graph's logits stay allocated through scoring and training as well.
   * the hybrid engine's inference copy: the gathered actor weights split over

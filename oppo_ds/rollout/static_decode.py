@@ -17,12 +17,12 @@ With a CUDA graph, the buffers (cache, mask, inputs, the graph and its memory) o
 last rollout are kept, through training too, and serve its next rollout of the same length
 and as many rows or fewer: the trainer gives every rollout of a run one length
 (``static_length.run_cache_length``: new prompts and deferred responses alike) and one
-width (``SamplingParams.static_rows``: B + the largest Delta; a smaller rollout, or an
-evaluation's batch, pads), and other callers' lengths are rounded up to a multiple of
-``static_length.LENGTH_ROUND`` so that prompts of different widths share them. Without a
-graph they go with the decode. A graph
-reads the weights where they were when it was captured; if any parameter has moved since
-(ZeRO-3 gathers them anew for each rollout), the graph is captured again.
+width (``SamplingParams.static_rows``: its widest rollout, ``Config.widest_rollout``; a
+smaller rollout, or an evaluation's batch, pads), and other callers' lengths are rounded up
+to a multiple of ``static_length.LENGTH_ROUND`` so that prompts of different widths share
+them. Without a graph they go with the decode. A graph reads the weights where they were
+when it was captured; if any parameter has moved since (ZeRO-3 gathers them anew for each
+rollout), the graph is captured again.
 
 What is decoded does not change: the same tokens and log-probs as the default decode, up to
 the float rounding of attention over a longer, masked cache (tested to 1e-5 in fp32).
