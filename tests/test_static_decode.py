@@ -437,6 +437,13 @@ def test_cuda_graph_captures_under_a_deepspeed_engine_that_synchronizes_on_a_gpu
 
 # ------------------------------------------------------------------ in the trainer
 
+# overcommit: auto in whole prompts of 4 rows, B 4: Delta 8 shrinks to 0 as the reward of
+# random models does not rise, rollouts from 12 rows to 4
+AUTO_DELTA = ("oppo.overcommit=auto", "oppo.delta_min=0", "oppo.delta_max=8",
+              "oppo.delta_window=2", "ppo.batch_size=4", "data.samples_per_prompt=4",
+              "ppo.advantage_estimator=rloo")
+
+
 def _pool_run(tmp_path, *extra):
     """A pool run (fixed Delta 4, so the batch keeps its size) of tiny random models whose
     responses end at long-tailed target lengths: deferred rows are continued every step."""
@@ -484,9 +491,7 @@ def test_overcommit_auto_decodes_in_the_runs_one_set_of_buffers(tmp_path, monkey
     set. Before, a rollout of fewer than half its rows took (and kept) a set of its own, and
     the next wider one another: on a GPU a capture each. (Evaluations: ``test_eval.py``.)"""
     used = record_static_buffers(monkeypatch)
-    cfg, rows = _pool_run(tmp_path, "oppo.overcommit=auto", "oppo.delta_min=0",
-                          "oppo.delta_max=8", "oppo.delta_window=2", "ppo.batch_size=4",
-                          "data.samples_per_prompt=4", "ppo.advantage_estimator=rloo", "steps=7")
+    cfg, rows = _pool_run(tmp_path, *AUTO_DELTA, "steps=7")
     deltas = [r["pool/delta"] for r in rows]
     assert max(deltas) == 8 and min(deltas) < 8, deltas  # Delta moved
     widest = cfg.ppo.batch_size + 8
@@ -498,9 +503,11 @@ def test_overcommit_auto_decodes_in_the_runs_one_set_of_buffers(tmp_path, monkey
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU: the graph is captured and replayed on one")
-def test_cuda_graph_pool_run_captures_once_on_a_gpu(tmp_path):
+@pytest.mark.parametrize("extra", [(), AUTO_DELTA], ids=["fixed-delta", "auto-delta"])
+def test_cuda_graph_pool_run_captures_once_on_a_gpu(tmp_path, extra):
     """On a GPU: the whole pool run, deferred responses continued every step, replays the
-    graph its first rollout captured."""
-    _, rows = _pool_run(tmp_path, "generation.cuda_graph=true")
+    graph its first rollout captured; under ``overcommit: auto`` too, its rollouts shrinking
+    to a third of the first one's rows."""
+    _, rows = _pool_run(tmp_path, "generation.cuda_graph=true", *extra)
     assert sum(r["pool/carried"] for r in rows) > 0
     assert [r["rollout/graph_captures"] for r in rows] == [1] + [0] * (len(rows) - 1)
