@@ -253,7 +253,7 @@ def test_a_smaller_rollout_pads_into_the_kept_buffers(arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_runs_widest_rollout_sizes_the_buffers_and_every_smaller_one_pads(arch, monkeypatch):
-    """``static_rows`` (the trainer's B + the largest Delta) sizes the first set of buffers,
+    """``static_rows`` (the trainer's ``Config.widest_rollout``) sizes the first set of buffers,
     however few rows the first decode has, and that set serves every decode of the run down to
     one row (an evaluation's last, short batch; a pool rollout under ``overcommit: auto`` after
     Delta shrank): on a GPU one capture for the run. A decode wider than that takes a set of

@@ -17,9 +17,9 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
     of `ppo.filter_groups` with `filter_groups_oversample` when wider: `Config.widest_rollout`)
     at prompt + response length, and the streaming scorers' caches for the same rows; the
     frozen scorers of the rollout pool keep the caches of the deferred rows through the
-    update. With `generation.static_cache` the
-    actor's cache is at its static length (rounded up to 64); with `generation.cuda_graph`
-    it and the graph's logits stay allocated through scoring and training as well.
+    update. With `generation.static_cache` the actor's cache is at its static length
+    (rounded up to 64); with `generation.cuda_graph` it and the graph's logits stay allocated
+    through scoring and training as well.
   * the hybrid engine's inference copy: the gathered actor weights split over
     `inference_tp_size` GPUs, alive during generation.
   * activations of one training micro-batch (flash attention, no seq x seq scores), with
