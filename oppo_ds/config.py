@@ -340,10 +340,11 @@ class SystemConfig:
 @dataclass
 class DataConfig:
     prompts: Union[str, list[str]] = "builtin"
-    """Prompt file or directory: .jsonl, .json (an array or JSON lines; either may be
-    compressed: .gz, .bz2, .xz), .parquet, a datasets save_to_disk directory, a directory of
-    such files (a hub snapshot: data/train-*.parquet), or `builtin` (the built-in long-tail
-    workload's prompts). A list of them: their prompts together, each once per epoch."""
+    """Prompt file or directory: .jsonl, .json (an array or JSON lines), .csv or .tsv (a
+    header row naming the columns; every cell read as text), any of them compressed (.gz,
+    .bz2, .xz), .parquet, a datasets save_to_disk directory, a directory of such files (a hub
+    snapshot: data/train-*.parquet), or `builtin` (the built-in long-tail workload's
+    prompts). A list of them: their prompts together, each once per epoch."""
     prompt_key: str = "prompt"
     """Field holding the prompt (a string or a list of chat messages; messages ending with an
     assistant message are continued, as TRL does: the response carries on its text)."""

@@ -1,7 +1,7 @@
 """Reading prompt files: every format a user's prompts come in, with errors that name the row.
 
-:func:`read_prompt_rows` reads prompts from a ``.jsonl``, ``.json`` or ``.parquet`` file (JSON
-also compressed), a local Hugging Face dataset saved with ``save_to_disk``, or a directory of
+:func:`read_prompt_rows` reads prompts from a ``.jsonl``, ``.json``, ``.csv``, ``.tsv`` or
+``.parquet`` file (the text ones also compressed), a local Hugging Face dataset saved with ``save_to_disk``, or a directory of
 such files (a hub snapshot's split-named shards among them), a list of such sources, and cuts
 them as DeepSpeed-Chat's ``--data_split`` does (:func:`phase_part`). Every bad row raises
 :class:`DataError` naming the file and the line (or row), so a user can go straight to it.
@@ -12,6 +12,7 @@ Tokenising the rows and handing them out per rank is :mod:`oppo_ds.data`'s part.
 from __future__ import annotations
 
 import bz2
+import csv
 import dataclasses
 import gzip
 import json
@@ -36,8 +37,11 @@ __all__ = [
 
 # JSON files may come compressed (Anthropic/hh-rlhf ships .jsonl.gz), as `datasets` reads them
 _COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet") + tuple(
-    f".{kind}{zipped}" for kind in ("jsonl", "json") for zipped in _COMPRESSED)
+_TEXT_KINDS = ("jsonl", "json", "csv", "tsv")
+_FILE_SUFFIXES = (".parquet",) + tuple(
+    f".{kind}{zipped}" for kind in _TEXT_KINDS for zipped in ("", *_COMPRESSED))
+# what every "unsupported file" message lists
+_KINDS_TEXT = ".jsonl, .json, .csv, .tsv (any of them may be compressed: .gz, .bz2, .xz), .parquet"
 _DECOMPRESS_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 # files a downloaded dataset holds beside its data (a hub snapshot's card, licence and the
 # metadata older datasets carry)
@@ -54,8 +58,8 @@ _SPLIT_NAME = re.compile(r"^([A-Za-z]+)(?:[-_.].*)?$")
 class DataError(ValueError):
     """A problem in the user's data.
 
-    The message starts with where the problem is: ``"<file>:<line>: "`` for jsonl (1-based
-    lines, as editors show them) and ``"<path>: row <i>: "`` for parquet files and HF datasets
+    The message starts with where the problem is: ``"<file>:<line>: "`` for jsonl and csv
+    (1-based lines, as editors show them) and ``"<path>: row <i>: "`` for parquet files and HF datasets
     directories (0-based rows, as ``dataset[i]`` and pandas index them).
     """
 
@@ -69,11 +73,12 @@ class PromptRow:
     source: str
     """The file (or HF datasets directory) the row came from."""
     line: int
-    """1-based line for jsonl; 0-based row index for parquet and HF datasets (see ``unit``)."""
+    """1-based line for jsonl and csv (where the record starts); 0-based row index for parquet,
+    a JSON array and HF datasets (see ``unit``)."""
     id: str
     """The row's ``"id"`` field when present, else ``"<basename>:<line>"``; unique per read."""
     unit: str = "line"
-    """``"line"`` (jsonl) or ``"row"`` (parquet, HF datasets): how ``line`` is reported."""
+    """``"line"`` (jsonl, csv) or ``"row"`` (parquet, HF datasets): how ``line`` is reported."""
     default_id: bool = False
     """The row had no ``"id"``: ``id`` was made from its file's name and its line."""
     fields: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -106,7 +111,8 @@ class SourceFormat:
 
 
 def location(source: str, line: int, unit: str) -> str:
-    """``"<file>:<line>"`` for a jsonl line, ``"<path>: row <i>"`` for a parquet or dataset row."""
+    """``"<file>:<line>"`` for a jsonl or csv line, ``"<path>: row <i>"`` for a parquet or
+    dataset row."""
     return f"{source}:{line}" if unit == "line" else f"{source}: row {line}"
 
 
@@ -124,8 +130,10 @@ def read_prompt_rows(
     - a ``.jsonl`` file: one JSON object per line. Blank lines at the end are ignored; a blank
       line before the last record is an error (it usually means a broken export).
     - a ``.json`` file: a JSON array of objects (rows counted from 0), or JSON lines.
-    - either of them compressed: ``.jsonl.gz``, ``.json.gz``, ``.bz2``, ``.xz`` (lines are
-      counted in the decompressed text).
+    - a ``.csv`` or ``.tsv`` file under a header row naming its columns; every cell is text,
+      an empty one (but the prompt's) null; quoted cells may span lines; blank lines skipped.
+    - any of them compressed: ``.jsonl.gz``, ``.json.gz``, ``.csv.gz``, ``.bz2``, ``.xz``
+      (lines are counted in the decompressed text).
     - a ``.parquet`` file.
     - a directory written by ``datasets.Dataset.save_to_disk`` or
       ``datasets.DatasetDict.save_to_disk`` (then ``split`` picks the split).
@@ -269,13 +277,12 @@ def _list_data_files(path: str, split: str) -> list[str]:
             (files if name.endswith(_FILE_SUFFIXES) else unexpected).append(full)
     if unexpected:
         raise DataError(
-            f"{path}: a prompt directory must hold only .jsonl, .json (either may be "
-            f"compressed: .gz, .bz2, .xz) and .parquet files (or be a datasets save_to_disk "
-            f"directory); found "
+            f"{path}: a prompt directory must hold only {_KINDS_TEXT} files (or be a datasets "
+            f"save_to_disk directory); found "
             f"{[os.path.relpath(f, path) for f in unexpected]}"
         )
     if not files:
-        raise DataError(f"{path}: no .jsonl, .json or .parquet files in this directory")
+        raise DataError(f"{path}: no {_KINDS_TEXT} files in this directory")
     plain = set(files)
     twice = [f for f in files if f != _uncompressed_name(f) and _uncompressed_name(f) in plain]
     if twice:
@@ -312,12 +319,12 @@ def _read_file(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
         return _read_jsonl(path, prompt_key)
     if kind.endswith(".json"):
         return _read_json(path, prompt_key)
+    if kind.endswith((".csv", ".tsv")):
+        return _read_csv(path, prompt_key, "\t" if kind.endswith(".tsv") else ",")
     if path.endswith(".parquet"):
         return _read_parquet(path, prompt_key)
-    raise DataError(
-        f"{path}: unsupported file type; expected .jsonl, .json (either may be compressed: "
-        ".gz, .bz2, .xz), .parquet, or a datasets save_to_disk directory"
-    )
+    raise DataError(f"{path}: unsupported file type; expected {_KINDS_TEXT}, or a datasets "
+                    "save_to_disk directory")
 
 
 def _uncompressed_name(path: str) -> str:
@@ -395,6 +402,55 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
             raise DataError(f"{path}: row {i}: expected a JSON object, got {_type_name(record)}")
         rows.append(_make_row(record, prompt_key, path, i, "row"))
     return rows
+
+
+def _read_csv(path: str, prompt_key: "str | SourceFormat", delimiter: str) -> list[PromptRow]:
+    """Comma- (or tab-) separated values under a header row that names the fields.
+
+    Every cell is text, as written (no guessing of numbers or dates); an empty cell other than
+    the prompt's is null, as ``datasets`` reads one, so an empty ``id`` takes the default id.
+    Quoted cells may hold the delimiter and line breaks; a row is reported by the line it
+    starts on. Blank lines are skipped.
+    """
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))  # long prompts: 128 KiB default
+
+    def decoded():  # line by line, so that a byte that is not UTF-8 is named by its line
+        for line_no, raw in _lines(path):
+            try:
+                yield raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason} at byte "
+                                f"{e.start})") from None
+
+    reader = csv.reader(decoded(), delimiter=delimiter, strict=True)
+    rows: list[PromptRow] = []
+    header: Optional[list[str]] = None
+    header_line = 0
+    start = 1  # the line the next record starts on
+    while True:
+        try:
+            cells = next(reader, None)
+        except csv.Error as e:
+            raise DataError(f"{path}:{start}: malformed row: {e}") from None
+        if cells is None:
+            return rows
+        line, start = start, reader.line_num + 1
+        if not cells:
+            continue
+        if header is None:
+            twice = sorted({c for c in cells if cells.count(c) > 1})
+            if twice:
+                raise DataError(f"{path}:{line}: the header names {twice[0]!r} twice")
+            if isinstance(prompt_key, str) and prompt_key not in cells:
+                raise DataError(f"{path}:{line}: the header has no {prompt_key!r} column "
+                                f"(data.prompt_key); its columns are {cells}")
+            header, header_line = cells, line
+            continue
+        if len(cells) != len(header):
+            raise DataError(f"{path}:{line}: {len(cells)} fields, the header (line "
+                            f"{header_line}) has {len(header)}: {header}")
+        record = {k: v if v != "" or k == prompt_key else None for k, v in zip(header, cells)}
+        rows.append(_make_row(record, prompt_key, path, line, "line"))
 
 
 def _read_parquet(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:

@@ -1,7 +1,9 @@
 """Tests for oppo_ds.datafiles and oppo_ds.data: reading, tokenising, streaming and padding
 prompts (CPU, no hub)."""
 
+import gzip
 import json
+import os
 import random
 import re
 
@@ -236,17 +238,83 @@ def test_path_errors(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(DataError, match=rf"^{re.escape(missing)}: no such file"):
         read_prompt_rows(missing)
-    other = tmp_path / "p.csv"
+    other = tmp_path / "p.txt"
     other.write_text("prompt\na\n")
-    with pytest.raises(DataError, match="unsupported file type"):
+    with pytest.raises(DataError, match=r"unsupported file type; expected .jsonl, .json, .csv"):
         read_prompt_rows(str(other))
-    with pytest.raises(DataError, match=r"only .jsonl, .json .*and .parquet files.*\['p.csv'\]"):
+    with pytest.raises(DataError, match=r"only .jsonl, .json, .csv, .tsv .*\.parquet files.*\['p.txt'\]"):
         read_prompt_rows(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "README.md").write_text("# a card, no data")
-    with pytest.raises(DataError, match="no .jsonl, .json or .parquet files"):
+    with pytest.raises(DataError, match=r"no .jsonl, .json, .csv, .tsv .* files in this directory"):
         read_prompt_rows(str(empty))
+
+
+def write_csv(path, records, delimiter=","):
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]), delimiter=delimiter)
+        writer.writeheader()
+        writer.writerows(records)
+    return str(path)
+
+
+def test_csv_and_tsv_read_as_datasets_reads_them(tmp_path):
+    """Prompt sets often come as CSV (OpenRLHF and TRL read them through ``datasets``): the
+    same prompts and fields as ``datasets``' csv loader gives, ids from an ``id`` column, every
+    cell text (no number guessing: a reward function gets ``"1"``), an empty cell null."""
+    import datasets
+
+    records = [{"id": "q1", "prompt": "a, b c", "extra": "1"},
+               {"id": "q2", "prompt": 'd "e"\nf', "extra": ""},
+               {"id": "", "prompt": "g h", "extra": "3"}]
+    csv_path = write_csv(tmp_path / "p.csv", records)
+    tsv_path = write_csv(tmp_path / "p.tsv", records, delimiter="\t")
+    for path in (csv_path, tsv_path):
+        rows = read_prompt_rows(path)
+        name = os.path.basename(path)
+        # the second record spans lines 3-4: the third starts on line 5
+        assert [(r.text_or_messages, r.id, r.line) for r in rows] == [
+            ("a, b c", "q1", 2), ('d "e"\nf', "q2", 3), ("g h", f"{name}:5", 5)]
+        assert [r.fields for r in rows] == [{"extra": "1"}, {"extra": None}, {"extra": "3"}]
+        theirs = datasets.load_dataset("csv", data_files=path, split="train",
+                                       cache_dir=str(tmp_path / "hf-cache"),
+                                       delimiter="\t" if path.endswith(".tsv") else ",")
+        assert [r.text_or_messages for r in rows] == theirs["prompt"]
+        assert [r.id for r in rows][:2] == theirs["id"][:2] and theirs["id"][2] is None
+        assert theirs["extra"][1] is None
+    gz = tmp_path / "z" / "train.csv.gz"
+    gz.parent.mkdir()
+    gz.write_bytes(gzip.compress(("\ufeff" + open(csv_path).read()).encode()))
+    write_jsonl(tmp_path / "z" / "test.jsonl", [{"prompt": "held out"}])
+    # a directory of shards picks the split by name, csv among them; an Excel BOM is dropped
+    assert [r.id for r in read_prompt_rows(str(tmp_path / "z"))] == ["q1", "q2", "train.csv.gz:5"]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("id,prompt\n1,a,b\n", r":2: 3 fields, the header \(line 1\) has 2: \['id', 'prompt'\]"),
+    ("\nid,prompt\n1,a\n2\n", r":4: 1 fields, the header \(line 2\) has 2"),
+    ("question\nx\n", r":1: the header has no 'prompt' column \(data.prompt_key\); its columns "
+                      r"are \['question'\]"),
+    ("prompt,prompt\nx,y\n", r":1: the header names 'prompt' twice"),
+    ('prompt\nok\n"never closed\n', r":3: malformed row: unexpected end of data"),
+    ("prompt\nok\n \n", r":3: 'prompt' is empty or whitespace only"),
+    ("prompt,id\nok,\nfine,p.csv:2\n", r":3: duplicate id 'p.csv:2'"),
+])
+def test_csv_errors_name_the_line(tmp_path, text, error):
+    path = tmp_path / "p.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match="^" + re.escape(str(path)) + error):
+        read_prompt_rows(str(path))
+
+
+def test_csv_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes("prompt\nok\ncaf\u00e9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: not valid UTF-8 \(invalid"):
+        read_prompt_rows(str(path))
 
 
 def test_json_arrays_and_json_lines(tmp_path):
