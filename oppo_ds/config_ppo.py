@@ -164,7 +164,8 @@ class PPOConfig:
     whiten_advantages: bool = True
     """Normalise advantages to mean 0, variance 1 over the step's batch (all ranks)."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient in the policy loss."""
+    """Entropy bonus coefficient in the policy loss (the loss less entropy_coef x the token
+    entropy; below 0 a penalty on entropy)."""
     loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """How the actor's per-token losses (policy, entropy bonus, KL in the loss) become one
     number per mini-batch, over all its micro-batches and ranks. `token_mean`: every token

@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
@@ -17,6 +18,10 @@ from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, en
                    truncated_is_weights, truncated_rows)
 from .experience import Experience, response_logprobs, response_values
 from .ptx import lm_loss
+
+
+# update statistics reduced by their largest value over micro-batches and ranks, not averaged
+_MAXIMA = frozenset({"ratio_max"})
 
 
 class PPOUpdate:
@@ -93,6 +98,7 @@ class PPOUpdate:
         gas = p.mini_batch_size // p.micro_batch_size
         sums: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}
+        maxima: dict[str, torch.Tensor] = {}
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
         ptx_losses: list[float] = []
         actor_trains = self.actor_trains
@@ -136,22 +142,62 @@ class PPOUpdate:
                     if value is not None:
                         norms[name].append(value)
                 # token-weighted (the actor's by the tokens in its loss), so the logged losses do
-                # not depend on the micro-batch split
+                # not depend on the micro-batch split; a maximum is the largest
                 for mb, mask, a, c in zip(micro, loss_masks, actor_stats, critic_stats):
                     for part, weight in ((a, mask.sum()), (c, mb.response_mask.sum())):
                         for key, value in part.items():
                             value = torch.as_tensor(value).detach().double()
+                            if key in _MAXIMA:
+                                maxima[key] = torch.maximum(maxima.get(key, value), value)
+                                continue
                             sums[key] = sums.get(key, 0.0) + weight.double() * value
                             weights[key] = weights.get(key, 0.0) + weight.double()
-        # every rank logs the same keys (the step's metrics are one all-reduce): 0 for a
-        # statistic over no token
-        stats = {k: (v / weights[k].clamp(min=1)).item() for k, v in sums.items()}
+        stats = self._pooled(sums, weights, maxima)
+        if self.critic is not None:
+            stats["explained_variance"] = self._explained_variance(exp)
         if ptx_losses:
             stats["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
         # the largest of the step's updates (the same on every rank: a global norm); NaN wins
         stats.update({f"{name}_grad_norm": next((x for x in v if x != x), max(v))
                       for name, v in norms.items() if v})
         return stats
+
+    def _pooled(self, sums: dict, weights: dict, maxima: dict) -> dict[str, float]:
+        """The update's statistics over every rank's tokens: each weighted mean is the sum over
+        the ranks over their summed weights (a plain mean of the ranks' means would weigh a
+        rank of few tokens as one of many), each maximum the ranks' largest. Every rank has
+        the same keys (the step's metrics are one all-reduce): 0 for a statistic over no
+        token."""
+        keys, peaks = sorted(sums), sorted(maxima)
+        if keys:
+            both = comm.all_reduce(torch.stack([torch.stack([sums[k], weights[k]]) for k in keys]),
+                                   group=self.dp_group)
+            sums = {k: s for k, (s, _) in zip(keys, both)}
+            weights = {k: w for k, (_, w) in zip(keys, both)}
+        if peaks:
+            largest = comm.all_reduce(torch.stack([maxima[k] for k in peaks]),
+                                      op=dist.ReduceOp.MAX, group=self.dp_group)
+            maxima = dict(zip(peaks, largest))
+        stats = {k: (sums[k] / weights[k].clamp(min=1)).item() for k in keys}
+        stats.update({k: v.item() for k, v in maxima.items()})
+        return stats
+
+    def _explained_variance(self, exp: Experience) -> float:
+        """``1 - Var(R - V) / Var(R)`` over every rank's response tokens, V the critic's values
+        at the rollout (what GAE used), R the returns: how much of the returns the critic
+        predicted (1: all, 0: no better than their mean, below 0: worse); 0 where the returns
+        do not vary. One figure for the step, as CleanRL and Stable-Baselines3 log it."""
+        mask = exp.response_mask.double()
+        returns = exp.returns.double()
+        both = torch.stack([returns, exp.old_values.double() - returns])
+        # two passes (the means first), as precise as a variance over one rank's tokens
+        sums = comm.all_reduce(torch.cat([mask.sum()[None], (both * mask).sum((1, 2))]),
+                               group=self.dp_group)
+        n, means = sums[0].clamp(min=1), sums[1:] / sums[0].clamp(min=1)
+        squares = comm.all_reduce((((both - means[:, None, None]) * mask) ** 2).sum((1, 2)),
+                                  group=self.dp_group)
+        var_returns, var_error = (squares / n).tolist()
+        return 1.0 - var_error / var_returns if var_returns > 1e-12 else 0.0
 
     def _actor_loss(self, model, mb: Experience, normalizer):
         """``normalizer(mask)``: the micro-batch's ``aggregate_token_loss`` normalizer."""
@@ -160,7 +206,7 @@ class PPOUpdate:
         normalizer = normalizer(mask)
         logprobs, logits = response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                              mb.response_mask, self.cfg.generation.temperature)
-        if p.entropy_coef > 0:
+        if p.entropy_coef != 0:  # a bonus, or (negative) a penalty: its gradient either way
             entropy = entropy_from_logits(logits)
         else:
             with torch.no_grad():

@@ -247,14 +247,16 @@ def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path, mode, le
     """Token- and sequence-level loss aggregation (ppo.loss_agg_mode), and GSPO's ratio per
     response (ppo.importance_sampling_level): micro-batches of 4 or 2 inside a mini-batch of 4
     give the same updates (1e-5: only floating-point summation order differs), and another
-    update than the token mean's (the token ratios', with GSPO's)."""
+    update than the token mean's (the token ratios', with GSPO's). So do the logged update
+    statistics: a maximum is the largest over the micro-batches, not a mean of theirs."""
     both = (f"ppo.loss_agg_mode={mode}", f"ppo.importance_sampling_level={level}")
     run(cache_dir, tmp_path / "m4", "steps=3", "ppo.micro_batch_size=4", *both)
     run(cache_dir, tmp_path / "m2", "steps=3", "ppo.micro_batch_size=2", *both)
     a, b = _metrics_by_step(tmp_path / "m4" / "metrics.jsonl"), _metrics_by_step(tmp_path / "m2" / "metrics.jsonl")
     for step in (1, 2, 3):
         for key in ("reward/mean", "gold/mean", "loss/policy", "kl/mean", "response/len_mean",
-                    "grad_norm/actor"):
+                    "grad_norm/actor", "loss/value", "policy/clip_frac", "policy/entropy",
+                    "train/ratio_max", "train/explained_variance"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
     if (mode, level) != ("token_mean", "token"):  # and not the default's: another gradient
         other = f"ppo.loss_agg_mode={mode}" if level != "token" else "ppo.loss_agg_mode=token_mean"
@@ -262,6 +264,43 @@ def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path, mode, le
         token = _metrics_by_step(tmp_path / "tm" / "metrics.jsonl")[1]
         assert token["response/lengths"] == a[1]["response/lengths"]
         assert abs(token["grad_norm/actor"] - a[1]["grad_norm/actor"]) > 1e-3
+
+
+def test_explained_variance_and_the_largest_ratio_are_the_batchs(cache_dir, tmp_path,
+                                                                 monkeypatch):
+    """``train/explained_variance`` is ``1 - Var(R - V) / Var(R)`` over the step's response
+    tokens (V the rollout's values, R the returns), computed here by hand from the experience
+    the update got (1e-9); ``train/ratio_max`` is at least 1 (the first mini-batch's ratios
+    are 1) and the largest of the update's."""
+    from oppo_ds import ppo_update
+
+    seen = []
+    real = ppo_update.PPOUpdate.update
+
+    def update(self, exp):
+        mask = exp.response_mask.bool()
+        returns, values = exp.returns[mask].double(), exp.old_values[mask].double()
+        stats = real(self, exp)
+        seen.append((returns, values, stats))
+        return stats
+    monkeypatch.setattr(ppo_update.PPOUpdate, "update", update)
+    run(cache_dir, tmp_path / "r", "steps=2")
+    logged = _metrics_by_step(tmp_path / "r" / "metrics.jsonl")
+    for step, (returns, values, stats) in enumerate(seen, start=1):
+        by_hand = 1 - (returns - values).var(unbiased=False) / returns.var(unbiased=False)
+        assert logged[step]["train/explained_variance"] == pytest.approx(by_hand.item(), abs=1e-9)
+        assert logged[step]["train/ratio_max"] == stats["ratio_max"] >= 1.0
+
+
+def test_a_negative_entropy_coef_penalises_entropy(cache_dir, tmp_path):
+    """``ppo.entropy_coef`` below 0 is an entropy penalty: it changes the actor's gradient
+    as a bonus does (it was taken without a gradient, so it changed only the logged loss)."""
+    grads = {}
+    for coef in ("0.0", "-0.05", "0.05"):
+        run(cache_dir, tmp_path / coef, "steps=1", f"ppo.entropy_coef={coef}")
+        grads[coef] = _metrics_by_step(tmp_path / coef / "metrics.jsonl")[1]["grad_norm/actor"]
+    assert abs(grads["-0.05"] - grads["0.0"]) > 1e-4
+    assert abs(grads["0.05"] - grads["0.0"]) > 1e-4
 
 
 def test_user_prompts_file_and_tiny_random_models(tmp_path):

@@ -3,7 +3,7 @@
 import torch
 
 from oppo_ds.algo.kl import kl_penalty
-from oppo_ds.algo.masked import masked_mean, masked_var
+from oppo_ds.algo.masked import masked_mean
 
 Normalizer = float | torch.Tensor
 
@@ -290,8 +290,7 @@ def clipped_value_loss(
         loss: 0-dim tensor.
         stats: 0-dim detached tensors: ``vf_loss`` (token mean),
             ``value_clip_frac`` (fraction of tokens where the clipped term is
-            the larger), ``explained_variance`` (``1 - Var(R - v) / Var(R)``
-            over this call's valid tokens; 0 if ``Var(R)`` is 0).
+            the larger).
     """
     valid = mask.bool()
     error = torch.where(valid, values - returns, 0.0)
@@ -306,15 +305,9 @@ def clipped_value_loss(
     loss = aggregate_token_loss(token_loss, mask, normalizer)
 
     with torch.no_grad():
-        var_returns = masked_var(returns, mask, unbiased=False)
-        var_error = masked_var(error, mask, unbiased=False)
-        explained = torch.where(
-            var_returns > 0, 1.0 - var_error / var_returns.clamp_min(1e-12), 0.0
-        )
         stats = {
             "vf_loss": masked_mean(token_loss, mask),
             "value_clip_frac": masked_mean((clipped > unclipped).to(values.dtype), mask),
-            "explained_variance": explained,
         }
     return loss, {k: v.detach() for k, v in stats.items()}
 
