@@ -208,15 +208,17 @@ class OppoConfig:
     `streaming: false` is the sequential baseline. With a group baseline
     (ppo.advantage_estimator rloo, reinforce_baseline, group_norm) the pool draws and takes
     whole prompts: Delta and its bounds are multiples of data.samples_per_prompt, and `auto`
-    moves it one prompt at a time."""
+    moves it one prompt at a time. At most batch_size (so that max_defer_steps can hold)."""
     delta_min: int = 0
     """Smallest Delta under `overcommit: auto`."""
     delta_max: int = 8
-    """Largest Delta under `overcommit: auto`; also the starting Delta."""
+    """Largest Delta under `overcommit: auto`; also the starting Delta. At most
+    ppo.batch_size."""
     delta_window: int = 10
     """Steps of mean reward whose least-squares slope drives `overcommit: auto`."""
     max_defer_steps: int = 2
-    """A sequence deferred this many times must finish in the next step: that step waits for it."""
+    """A sequence deferred this many times must finish in the next step: that step waits for it
+    and takes it first (Delta <= ppo.batch_size makes sure a step can take every such row)."""
     off_policy: Literal["recompute", "truncated_is"] = "recompute"
     """Tokens of a deferred sequence sampled by an older policy: `recompute` takes PPO's old
     log-probs from the current actor (DeepSpeed-Chat's rule, no correction); `truncated_is`

@@ -42,6 +42,8 @@ def check_across_sections(cfg) -> None:
                 f"of its own); set generation.static_cache: false"))
     if not cfg.ppo.uses_critic:
         _check_critic_free(cfg)
+    if cfg.oppo.overcommits:
+        _check_delta_within_batch(cfg)
     if cfg.ppo.group_baseline and cfg.oppo.overcommits:
         _check_whole_prompt_delta(cfg)
     if not cfg.model.uses_reward_model:
@@ -109,6 +111,21 @@ def _check_reference_free(cfg) -> None:
     for key in ("partition_reference", "offload_reference"):
         require(not getattr(cfg.system, key), f"system.{key}", f"must be false: {none}")
     cfg.oppo.stream_to = [k for k in cfg.oppo.stream_to if k != "reference"]
+
+
+def _check_delta_within_batch(cfg) -> None:
+    """A step takes B rows and carries Delta into the next: with Delta above B more than B
+    carried rows can reach oppo.max_defer_steps together, the step can take only B of them,
+    and the others are deferred again, past the bound (a run at B 16, Delta 40,
+    max_defer_steps 1 trained rows deferred 4 times). With Delta <= B the rows due are
+    among the carried ones, at most B: each is taken in the step it is due."""
+    o, b = cfg.oppo, cfg.ppo.batch_size
+    key = "delta_max" if o.overcommit == "auto" else "overcommit"
+    require(o.largest_delta <= b, f"oppo.{key}", (
+        f"must be at most ppo.batch_size ({b}): a step takes {b} rows and carries Delta, so "
+        f"with Delta above {b} more carried rows than a step takes can reach "
+        f"oppo.max_defer_steps ({o.max_defer_steps}) together and the bound would not hold; "
+        f"got {o.largest_delta}" + ("; delta_max is 8 unless set" if key == "delta_max" else "")))
 
 
 def _check_whole_prompt_delta(cfg) -> None:

@@ -143,6 +143,17 @@ class Resumable:
                     f"{self.cfg.oppo.overcommit}, but checkpoint {tag} has no rollout pool: it was "
                     f"written without overcommitment and cannot continue a run with it; resume "
                     f"with oppo.overcommit=0, or start afresh with checkpoint.resume=never"))
+            groups = state["pool"].get("group_size")  # checkpoints before 2026-11-27: unknown
+            if held and groups is not None and groups != self.pool.group_size:
+                # its rows would be counted and taken in groups of another size: a step
+                # would train more or fewer than B, baselines over the wrong responses
+                n = self.cfg.data.samples_per_prompt
+                raise ConfigError("data.samples_per_prompt", (
+                    f"{n}, but checkpoint {tag} holds {held} deferred sequence(s) in groups of "
+                    f"{groups} responses a prompt (ppo.advantage_estimator "
+                    f"{self.cfg.ppo.advantage_estimator} takes whole groups); resume with "
+                    f"data.samples_per_prompt={groups}, as it was written, or start afresh with "
+                    f"checkpoint.resume=never"))
             self.pool.load_state_dict(state["pool"])
             limit = self.cfg.generation.max_new_tokens
             longest = max((len(e.tokens) for e in self.pool.running()), default=0)

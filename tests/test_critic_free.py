@@ -151,6 +151,21 @@ def test_critic_free_pool_resume_continues_exactly(cache_dir, tmp_path):
     assert resumed.pool.ledger.state_dict() == full.pool.ledger.state_dict()
 
 
+def test_a_group_pool_does_not_resume_with_other_groups(cache_dir, tmp_path):
+    """A pool holding deferred groups of 4 resumed with data.samples_per_prompt 2 would count
+    and take them in groups of 2: a step trained 20 rows at B 16 before this was refused."""
+    from oppo_ds.config import ConfigError
+
+    over = ("checkpoint.every=1", "checkpoint.export_hf=false", "oppo.overcommit=8",
+            "ppo.advantage_estimator=group_norm")
+    trainer, _ = run(cache_dir, tmp_path / "g", "steps=1", f"data.samples_per_prompt={N}", *over)
+    assert len(trainer.pool) > 0
+    with pytest.raises(ConfigError, match=r"^data.samples_per_prompt: 2, but checkpoint step1 "
+                                          r"holds \d+ deferred sequence\(s\) in groups of 4"):
+        run(cache_dir, tmp_path / "g", "steps=2", "data.samples_per_prompt=2", *over)
+    run(cache_dir, tmp_path / "g", "steps=2", f"data.samples_per_prompt={N}", *over)
+
+
 def test_a_ppo_checkpoint_does_not_resume_critic_free(cache_dir, tmp_path):
     from oppo_ds.config import ConfigError
 

@@ -275,6 +275,19 @@ def test_llama_overcommit_carries_sequences_and_keeps_the_contract(sync_every, s
         run_cache_length(width, answer, sync_every, carries=True) if static else 0)
 
 
+def test_more_overcommit_than_a_calls_prompts_is_refused():
+    """Delta above the prompts of a call: more carried answers than a call returns could be
+    due at once (max_defer_steps could not hold): the first call says so, naming the flag."""
+    vocab, width = 16, 6
+    actor, ref, critic, reward, tok = build_engines("llama", vocab)
+    oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=6, chunk_size=2,
+                          overcommit=5)
+    prompts, mask = collated_prompts([2, 6, 4, 5], vocab, tok.pad_token_id, width, bos=1)
+    with pytest.raises(ValueError, match=r"--oppo_overcommit 5 is more than the 4 prompts .*"
+                                         r"max_defer_steps \(2\).*use at most 4"):
+        oppo.generate_experience(prompts, mask, 0)
+
+
 def test_zero3_engines_on_one_rank():
     """DeepSpeed-Chat's large-model setting, ZeRO-3 (partitioned weights gathered layer by
     layer in every forward, the streamed chunks' included), on one rank: the same contract

@@ -410,11 +410,18 @@ class OppoExperience:
             cap = self.delta_max if self.delta_max is not None else max(1, len(new) // 4)
             self.delta_ctl = DeltaController(delta_min=0, delta_max=cap)
         delta = self.delta_ctl.delta if self.delta_ctl is not None else int(self.overcommit)
+        most = self.delta_ctl.delta_max if self.delta_ctl is not None else delta
+        if self.calls == 1 and most > len(new):  # as oppo-train's: more due than a call takes
+            flag = "--oppo_overcommit" if self.delta_ctl is None else "delta_max"
+            raise ValueError(
+                f"{flag} {most} is more than the {len(new)} prompts a call generates for "
+                f"(--per_device_generation_batch_size): more carried answers than a call "
+                f"returns could reach max_defer_steps ({self.max_defer_steps}) together, and "
+                f"the bound would not hold; use at most {len(new)}")
         if self.sampling.static_cache and not self.sampling.static_length:
             # one static cache for every call: one length (DeepSpeed-Chat pads its prompts
             # to max_prompt_seq_len; deferred answers are packed after their prompts) and one
             # width (a call's prompts and the most deferred answers it can carry)
-            most = self.delta_ctl.delta_max if self.delta_ctl is not None else delta
             self.sampling = dataclasses.replace(self.sampling, static_length=run_cache_length(
                 prompts.shape[1], self.sampling.max_new_tokens, self.sampling.sync_every,
                 carries=self.overcommit != 0), static_rows=len(new) + most)

@@ -253,7 +253,8 @@ class RolloutPool:
 
     def state_dict(self) -> dict:
         return {"entries": [asdict(e) for e in self.entries], "next_uid": self.next_uid,
-                "ledger": self.ledger.state_dict(), "batch_size": self.batch_size}
+                "ledger": self.ledger.state_dict(), "batch_size": self.batch_size,
+                "group_size": self.group_size}
 
     def load_state_dict(self, state: dict) -> None:
         entries = []
