@@ -419,3 +419,52 @@ def test_decoding_in_blocks_refuses_a_stop_rule_asked_every_token():
         decode_steps(model, state, params, None, stop=lambda s: False)
     with pytest.raises(ValueError, match="sync_every must be >= 1"):
         SamplingParams(max_new_tokens=8, eos_token_ids=(), pad_token_id=PAD, sync_every=0)
+
+
+class _AllLogits(torch.nn.Module):
+    """The model without ``logits_to_keep`` in its forward: it returns every position's."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, past_key_values=past_key_values,
+                          use_cache=use_cache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_the_prefill_keeps_only_the_logits_the_decode_reads(arch, static):
+    """The actor's prefill asks for the last position's logits (and a carried prefix's
+    predictions: its width + 1 positions), not every prompt position's: at a real vocabulary
+    those were gigabytes held until the first token. The decode and the prefix's log-probs
+    are those of a model that returns every position's logits, to the bit."""
+    model = _model(arch)
+    ids, mask = _prompts()
+    prefix = torch.tensor([[7, 8, 9], [10, 0, 0], [0, 0, 0], [11, 12, 0], [13, 14, 15], [16, 0, 0]])
+    lengths = torch.tensor([3, 1, 0, 2, 3, 1])
+    widths = []
+    hook = model.register_forward_hook(lambda m, a, out: widths.append(out.logits.shape[1]))
+    try:
+        for extra in ({}, {"prefix_ids": prefix, "prefix_lengths": lengths}):
+            params = SamplingParams(max_new_tokens=8, eos_token_ids=(), pad_token_id=PAD,
+                                    static_cache=static)
+            states = []
+            for m in (model, _AllLogits(model)):
+                widths.clear()
+                with torch.no_grad():
+                    state = start_decode(m, ids, mask, params, **extra)
+                    decode_steps(m, state, params, torch.Generator().manual_seed(3))
+                states.append((state, widths[0]))
+            (kept, kept_width), (every, every_width) = states
+            assert kept_width == (4 if extra else 1)
+            # every position of the prompts (+ prefixes) packed to their longest
+            assert every_width == int((mask.sum(1) + (lengths if extra else 0)).max())
+            assert torch.equal(kept.tokens, every.tokens)
+            assert torch.equal(kept.actor_logprobs, every.actor_logprobs)
+            assert torch.equal(kept.logprobs, every.logprobs)
+    finally:
+        hook.remove()

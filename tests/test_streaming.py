@@ -253,6 +253,29 @@ def test_chunk_tokens_reads_the_new_tokens():
         assert tokens[r, :n].tolist() == state.tokens[row, 2:2 + n].tolist()
 
 
+@pytest.mark.parametrize("kind", ["reward", "reference", "critic"])
+def test_sliding_window_scorers_are_refused(kind):
+    """A streamed row's cache may hold masked columns between its tokens (a deferred row's
+    partial response, padded to the longest, then its next chunks after the padding); a
+    sliding window counts columns, so the scores differed from the whole sequence's (0.15 to
+    1.4 on tiny Qwen2, window 4). Refused, naming what to change; full attention streams."""
+    from transformers import AutoModelForCausalLM
+
+    from oppo_ds.models import ValueHeadModel, tiny_config
+
+    def build(config):
+        return (AutoModelForCausalLM if kind == "reference" else ValueHeadModel).from_config(config)
+
+    config = tiny_config("tiny-qwen2", VOCAB)
+    StreamingScorer(build(config), kind)  # full attention: no complaint
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    model = build(config)
+    with pytest.raises(ValueError, match=rf"^oppo.streaming: the {kind} model .* sliding-window "
+                                         r"attention layers.*oppo.stream_to"):
+        StreamingScorer(model, kind)
+
+
 def test_errors():
     _, reference, reward, critic = _models("tiny-llama")
     with pytest.raises(ValueError, match="kind"):

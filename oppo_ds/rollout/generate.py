@@ -21,6 +21,7 @@ trainer uses them in place of one more actor forward after generation when the a
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -222,16 +223,20 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                                                  in_prefix[:, :width].to(prompt_mask.dtype),
                                                  params.pad_token_id)
     positions = position_ids_from_mask(context_mask)
+    # the logits the decode reads: the last position's, and a prefix's predictions (the
+    # prefill's last prefix width + 1 positions); every position's would be (B, W, V), at a
+    # real vocabulary gigabytes that live until the first token (152k x 64 rows x 1024: 20 GB)
+    keep = logits_kept(model, 1 + (prefix_ids.shape[1] if prefix_ids is not None else 0))
     static = None
     if params.static_cache:
         length = max(cache_length(context_ids.shape[1], n, params.sync_every),
                      params.static_length)
         static = StaticDecode.get(model, batch, length, device, params.cuda_graph,
                                   rows=params.static_rows)
-        out = static.prefill(model, context_ids, context_mask, positions)
+        out = static.prefill(model, context_ids, context_mask, positions, **keep)
     else:
         out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
-                    use_cache=True)
+                    use_cache=True, **keep)
     actor_logprobs = logprobs.clone()
     if prefix_ids is not None and prefix_ids.shape[1] > 0:
         width = prefix_ids.shape[1]
@@ -251,6 +256,15 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     if static is not None:
         static.hold(state)
     return state
+
+
+def logits_kept(model, keep: int) -> dict:
+    """``{"logits_to_keep": keep}`` where ``model``'s forward takes it (Hugging Face causal LMs,
+    ours under Megatron, a DeepSpeed engine passing its keywords on), else ``{}``: the model
+    returns every position's logits, of which the last ``keep`` are read."""
+    params = inspect.signature(model.forward).parameters
+    takes = "logits_to_keep" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {"logits_to_keep": keep} if takes else {}
 
 
 def _policy_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

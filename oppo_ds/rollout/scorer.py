@@ -64,6 +64,16 @@ class StreamingScorer:
     def __init__(self, model, kind: str, temperature: float = 1.0):
         if kind not in SCORER_KINDS:
             raise ValueError(f"kind must be one of {', '.join(SCORER_KINDS)}, got {kind!r}")
+        if has_sliding_window(model):
+            raise ValueError(
+                f"oppo.streaming: the {kind} model ({type(model).__name__}) has sliding-window "
+                f"attention layers. A streamed row's cache can hold masked columns between its "
+                f"tokens (a deferred row's partial response, padded to the longest), and the "
+                f"window counts columns, not tokens: its scores would differ from scoring the "
+                f"whole sequence. Leave {kind} out of oppo.stream_to (the reward model always "
+                f"streams: set oppo.streaming: false), or, where every prompt + response is "
+                f"shorter than the window (the window then changes nothing), set "
+                f"sliding_window to null in the model's config.json")
         self.model = model
         self.kind = kind
         self.temperature = temperature
@@ -425,6 +435,22 @@ class StreamingScorer:
             self.next_position = self.next_position[keep]
             self.pending = self.pending[keep]
             self._index = {r: i for i, r in enumerate(self.rows.tolist())}
+
+
+def has_sliding_window(model) -> bool:
+    """Whether ``model``'s attention has sliding-window layers: the cache its config builds
+    (``DynamicCache(config=...)``, as the model's own forward would) has such a layer. A model
+    without a Hugging Face config (a test's stand-in) has none."""
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        return False
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # a config the cache cannot read: no claim either way
+        return False
+    return any(getattr(layer, "is_sliding", False) for layer in layers)
 
 
 def _plain_layers(cache) -> list:

@@ -145,9 +145,11 @@ class StaticDecode:
         state = self.owner() if self.owner is not None else None
         return state is not None and not state.over
 
-    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                **kept):
         """The prompts' forward (B, W) into positions 0..W-1 of the cache; its output (the
-        live rows' logits). Padding rows (past ``live``) attend only to themselves."""
+        live rows' logits; ``kept``: ``logits_to_keep`` for the model, the last positions'
+        only). Padding rows (past ``live``) attend only to themselves."""
         live, width = ids.shape
         if live < self.batch:
             pad = (self.batch - live, width)
@@ -164,7 +166,8 @@ class StaticDecode:
         # output, never read by a real token, stays finite)
         prefill |= torch.eye(width, self.length, dtype=torch.bool, device=ids.device)[None, None]
         out = model(input_ids=ids, attention_mask=self._form(prefill, model),
-                    position_ids=positions, use_cache=True, **cache_kwargs(model, self.cache))
+                    position_ids=positions, use_cache=True, **cache_kwargs(model, self.cache),
+                    **kept)
         self.column = width
         if self.additive:
             self.mask.copy_(self._form(self.attend, model))
