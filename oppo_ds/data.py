@@ -141,7 +141,6 @@ def encode_prompts(
     out = EncodedPrompts(prompts=[])
     for row in rows:
         ids = _encode_row(row, tokenizer, use_template, input_template)
-        out.n_continued += _continues(row.text_or_messages)
         if len(ids) > max_prompt_len:
             if overlong == "error":
                 raise DataError(
@@ -154,6 +153,7 @@ def encode_prompts(
                 continue
             ids = ids[-max_prompt_len:]
             out.n_truncated += 1
+        out.n_continued += _continues(row.text_or_messages)  # of the prompts kept
         out.prompts.append(Prompt(row.id, ids, row.source, row.line, row.unit))
     return out
 
@@ -182,7 +182,12 @@ def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool,
     elif isinstance(prompt, str):
         if input_template is not None:
             prompt = input_template.replace("{}", prompt, 1)
-        encoded = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        # text that already starts with the BOS text (a prompt rendered by a chat template
+        # beforehand, an input_template opening with it) gets no second one, as a chat
+        # template's tokens get none
+        bos = getattr(tokenizer, "bos_token", None)
+        encoded = tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos))
+                            )["input_ids"]
     else:
         raise DataError(
             f"{row.where}: prompt is a list of chat messages but no chat template is in use "

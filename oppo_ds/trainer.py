@@ -533,7 +533,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
         if self.reward_fn is not None:
             scores = self._replica_scores(
-                self.function_scores(keys, gen, self.prompt_rows).to(gen.response_ids.device))
+                self.function_scores(keys, gen, self.prompt_rows,
+                                     samples=self.cfg.data.samples_per_prompt > 1)
+                .to(gen.response_ids.device))
         else:
             scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
         gold = None
@@ -544,12 +546,12 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                           behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
 
-    def function_scores(self, keys: list[str], gen, rows: dict) -> torch.Tensor:
+    def function_scores(self, keys: list[str], gen, rows: dict, samples: bool = False) -> torch.Tensor:
         """model.reward_function's (B,) scores of the generation's responses, decoded to text,
-        given each one's prompt row as read (``rows``: by row id; a row ``<id>#k`` of
-        data.samples_per_prompt is its prompt's)."""
-        n = self.cfg.data.samples_per_prompt
-        info = [rows[k.rsplit("#", 1)[0] if n > 1 and k not in rows else k] for k in keys]
+        given each one's prompt row as read (``rows``: by row id). ``samples``: the keys are
+        data.samples_per_prompt's rows ``<id>#k``, each its prompt's ``<id>`` (always: a data
+        set may also hold a row whose own id is ``<id>#k``, another prompt)."""
+        info = [rows[k.rsplit("#", 1)[0] if samples else k] for k in keys]
         completions = [self.tokenizer.decode(r[:length], skip_special_tokens=True)
                        for r, length in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
         return self.reward_fn([p for p, _ in info], completions, [f for _, f in info])

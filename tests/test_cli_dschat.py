@@ -200,6 +200,20 @@ def test_data_split_reads_step_3s_part_of_each_data_path(tmp_path):
     assert "--data_split has no effect without --data_path" in "\n".join(notes)
 
 
+def test_num_train_epochs_counts_the_prompts_left_after_the_overlong_ones(tmp_path):
+    """--max_prompt_seq_len skips longer prompts (DeepSpeed-Chat's step 3 filters them); its
+    epoch is a pass over those left: 10 of 16 prompts here, 5 steps of 2, not 8."""
+    data = tmp_path / "p.jsonl"
+    long = " ".join(["a"] * 40)
+    data.write_text("".join(json.dumps({"prompt": long if i % 8 < 3 else f"a {i}"}) + "\n"
+                            for i in range(16)))
+    base = ["--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
+            "--num_train_epochs", "1", "--max_prompt_seq_len", "16", "--data_split", "0,0,1"]
+    cfg, _ = resolve(base + ["--data_path", str(data)], prepare=True)
+    assert (cfg.data.overlong, cfg.generation.max_prompt_len) == ("skip", 16)
+    assert cfg.steps == 5
+
+
 def test_the_split_is_deepspeed_chats_own(tmp_path):
     """phase_part against DeepSpeed-Chat's get_raw_dataset_split_index itself, from a
     DeepSpeedExamples tree at 3d83278 named by OPPO_DSCHAT_ROOT."""

@@ -568,6 +568,10 @@ def test_a_prompt_ending_with_an_assistant_message_is_continued(chat_tok):
         "<bos>", "user", ":", "a", "b", "assistant", ":", "c", "d"]
     assert chat_tok.convert_ids_to_tokens(enc.prompts[0].input_ids)[-2:] == ["assistant", ":"]
     assert enc.n_continued == 1
+    # a continued prompt skipped as too long is not counted as continued
+    skipped = encode_prompts(rows_of("e", conversation), chat_tok, max_prompt_len=6,
+                             overlong="skip")
+    assert (len(skipped.prompts), skipped.n_skipped, skipped.n_continued) == (1, 1, 0)
 
 
 def test_bad_option_values(plain_tok):
@@ -633,6 +637,26 @@ def test_input_template_wraps_text_prompts(plain_tok, chat_tok):
     off = encode_prompts(rows[:1], chat_tok, max_prompt_len=32, chat_template="off",
                          input_template="user : {} assistant :")
     assert off.prompts[0].input_ids == enc.prompts[0].input_ids
+
+
+def test_text_that_starts_with_the_bos_text_gets_no_second_bos(plain_tok, chat_tok):
+    """A prompt file rendered by a chat template beforehand (Llama 3's and Gemma's put the BOS
+    text in it), or an input_template opening with it, was tokenised with a second BOS in
+    front (OpenRLHF tokenises such prompts without special tokens; a chat template's tokens
+    get none either): one BOS, as the chat template path gives."""
+    rendered = rows_of("<bos>user : a b assistant :")
+    one = ["<bos>", "user", ":", "a", "b", "assistant", ":"]
+    enc = encode_prompts(rendered, plain_tok, max_prompt_len=32)
+    assert plain_tok.convert_ids_to_tokens(enc.prompts[0].input_ids) == one
+    templated = encode_prompts(rows_of("a b"), plain_tok, max_prompt_len=32,
+                               input_template="<bos>user : {} assistant :")
+    assert plain_tok.convert_ids_to_tokens(templated.prompts[0].input_ids) == one
+    chat = encode_prompts(rows_of([{"role": "user", "content": "a b"}]), chat_tok,
+                          max_prompt_len=32)
+    assert chat.prompts[0].input_ids == enc.prompts[0].input_ids
+    # text without it still gets the tokenizer's BOS
+    plain = encode_prompts(rows_of("user : a b assistant :"), plain_tok, max_prompt_len=32)
+    assert plain.prompts[0].input_ids == enc.prompts[0].input_ids
 
 
 def test_a_run_refuses_prompt_settings_its_tokenizer_cannot_follow(plain_tok, chat_tok):

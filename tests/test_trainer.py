@@ -385,15 +385,18 @@ def test_a_reward_function_file_gets_each_prompts_fields(tmp_path):
     """A reward function in a file of the user's, on their jsonl prompts with an `answer`
     field (missing from one row) and random tiny models, critic-free: every logged sample's
     reward is what the function makes of its own prompt's answer (its length, 0 without one),
-    under data.samples_per_prompt rows `<id>#k`; nothing is prepared (no reward model of the
-    built-in task is trained)."""
+    under data.samples_per_prompt rows `<id>#k`, also where another row's own id is such a
+    sample's (`a#1`: the second sample of row `a` took that row's answer); nothing is
+    prepared (no reward model of the built-in task is trained)."""
     from oppo_ds.workload import build_tokenizer
 
     tok_dir = tmp_path / "tok"
     build_tokenizer().save_pretrained(str(tok_dir))
     answers = {"a": "xy", "b": "xyz", "c": None, "d": "w"}
+    ids = {"a": "a", "b": "a#1", "c": "c", "d": "d"}
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"a b c -> {x}", **({"answer": a} if a else {})}) + "\n"
+    prompts.write_text("".join(json.dumps({"id": ids[x], "prompt": f"a b c -> {x}",
+                                           **({"answer": a} if a else {})}) + "\n"
                                for x, a in answers.items()))
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def answer_length(prompts, completions, answer, **_):\n"

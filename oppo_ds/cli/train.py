@@ -58,12 +58,22 @@ def resolve_config(args, prepare_files: bool = True):
     explicit = {text.split("=", 1)[0].strip() for text in args.overrides}
     if "steps" not in explicit:
         def num_prompts() -> int:
-            from ..sources import read_rows
+            from ..data import encode_prompts
+            from ..sources import read_rows, resolve_sources, run_tokenizer
 
             current = load_config(args.config, mapped + extra + list(args.overrides))
             if current.data.prompts == "builtin":
                 return current.workload.num_prompts
-            return len(read_rows(current, current.data.prompts))
+            rows = read_rows(current, current.data.prompts)
+            d = current.data
+            if d.overlong != "skip":
+                return len(rows)
+            # the prompts left after those over the limit (--max_prompt_seq_len) are
+            # skipped: DeepSpeed-Chat counts its epoch after that filter too
+            tokenizer = run_tokenizer(current, resolve_sources(current, rank=0))
+            return len(encode_prompts(rows, tokenizer, current.generation.max_prompt_len,
+                                      overlong="skip", chat_template=d.chat_template,
+                                      input_template=d.input_template).prompts)
         steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts)
         if steps is not None:
             extra.append(f"steps={steps}")
