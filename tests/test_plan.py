@@ -169,6 +169,62 @@ def test_memory_items_follow_the_configuration():
     assert graph.phases["generate"] == static.phases["generate"]
 
 
+def test_zero3_rollouts_hold_the_gathered_models_and_scorer_caches_as_wide_as_the_actors():
+    """Under ZeRO-3 the rollout runs on the actor gathered whole on every GPU
+    (``_gathered_for_generation``, with or without the hybrid engine), and on the critic too
+    where it streams on the actor ranks; the planner counted one module's gather (the
+    hybrid engine's copy split over inference_tp_size), so llama3_70b.yaml "fit" with
+    141 GB of gathered actor weights a GPU. A pool's streaming scorer rows are as wide as the
+    actor's (deferred partial responses padded to the longest, then every chunk); they were
+    planned at prompt + response. (An audit's findings, 2026-11-27.)"""
+    dev = get_device("H100-80GB")
+    cfg = _cfg("system.zero_stage=3", "system.hybrid_engine=false")
+    shapes = resolve_shapes(cfg)
+    w, a, c = 2, shapes.actor, shapes.critic
+    plain = plan_memory(cfg, shapes, 1, 8, dev)
+    assert plain.items["generation_gathered"] == w * a.params()
+    assert plain.phases["generate"] > w * a.params()
+    critic = plan_memory(_cfg("system.zero_stage=3", "oppo.streaming=true",
+                              "oppo.stream_to=[critic]"), shapes, 1, 8, dev).items
+    assert critic["generation_gathered"] == w * a.params() + w * c.params(value_head=True)
+    stage = plan_memory(_cfg("system.zero_stage=3", "oppo.streaming=true", "oppo.placement=stage",
+                             "oppo.stream_to=[critic]"), shapes, 1, 8, dev).items
+    assert stage["generation_gathered"] == w * a.params()  # the stage's copy is not gathered
+    z2 = plan_memory(_cfg("system.zero_stage=2"), shapes, 1, 8, dev).items
+    assert z2["generation_gathered"] == 0 and z2["hybrid_engine_copy"] == 0
+    g = cfg.generation
+    for over in ([], ["oppo.overcommit=8"]):
+        items = plan_memory(_cfg("system.zero_stage=3", "oppo.streaming=true",
+                                 "oppo.stream_to=[]", *over), shapes, 1, 8, dev).items
+        width = g.max_prompt_len + g.max_new_tokens + (g.max_new_tokens - 1 if over else 0)
+        per_row = shapes.reward.kv_bytes_per_token(w)
+        assert items["scorer_kv"] == pytest.approx(
+            (cfg.ppo.batch_size + (8 if over else 0)) * width * per_row)
+        assert items["carried_scorer_kv"] == pytest.approx(8 * width * per_row if over else 0)
+
+
+def test_forwards_inside_a_zero3_rollout_gather_nothing():
+    """Inside the rollout the ZeRO-3 models are gathered once (``rollout_fixed``: the actor,
+    and the critic where it streams on the actor ranks) and their forwards, the rebuilding
+    prefill and every streamed chunk, issue no collective; the simulator charged a whole
+    gather to each (a streamed critic chunk 0.3 s of gather for 0.01 s of compute at 70B).
+    Forwards after the rollout still gather per call."""
+    dev = get_device("H100-80GB")
+    shape = named_shape("llama3-8b")
+    lay = Layout(batch=8, micro=4, mini=8, epochs=1, prompt_len=256, gpus=8, gpus_per_node=8)
+    z3 = CostModel(dev, Shapes(shape, shape, shape, shape), lay, zero_stage=3)
+    z0 = CostModel(dev, Shapes(shape, shape, shape, shape), lay, zero_stage=0)
+    for kind in ("actor", "critic"):
+        inside = z3.prefill_job(kind, 64.0, 64.0 * 256, gathered=True)
+        assert inside.memory == pytest.approx(z0.prefill_job(kind, 64.0, 64.0 * 256).memory)
+        assert z3.prefill_job(kind, 64.0, 64.0 * 256).memory > 4 * inside.memory
+    gather = z3._gather_s(shape.params())
+    assert z3.rollout_fixed() == pytest.approx(dev.rollout_setup_s + gather)
+    assert z3.rollout_fixed(streamed_critic=True) == pytest.approx(
+        dev.rollout_setup_s + gather + z3._gather_s(shape.params(value_head=True)))
+    assert z0.rollout_fixed(streamed_critic=True) == pytest.approx(dev.rollout_setup_s)
+
+
 def test_a_wider_later_round_of_filter_groups_sizes_the_rollouts_memory():
     """Under ppo.filter_groups a later round decodes what the batch lacks times
     filter_groups_oversample, in whole prompts: with oversampling 2, up to twice the batch
@@ -488,6 +544,11 @@ def test_planner_runs_on_every_shipped_config(path):
     assert out["peak_mem_gib"] == max(out["phases_gib"].values())
     if name in ("llama3_70b.yaml", "megatron_70b.yaml"):
         assert out["models"]["actor"]["params"] > 70e9
+    if name == "llama3_70b.yaml":
+        # ZeRO-3's rollout gathers the actor whole on every GPU: 141 GB of bf16 weights (the
+        # config's header says so, and points to megatron_70b.yaml)
+        assert not out["fits"] and out["phases_gib"]["generate"] > 200, out["phases_gib"]
+    elif name == "megatron_70b.yaml":
         assert out["fits"], out["phases_gib"]
         assert out["peak_mem_gib"] <= out["usable_gib"]
 

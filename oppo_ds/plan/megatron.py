@@ -120,12 +120,16 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
 
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     streamed = streamed_scorers(cfg)
-    # a rollout of the pool packs its deferred rows' partial responses after their prompts
-    items["actor_kv"] = kv(shapes.actor, rows, widest_context(
-        gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits) + gen.max_new_tokens)
-    items["scorer_kv"] = sum(kv(scorer_shape[k], rows) for k in streamed if k not in on_stage)
+    # a rollout of the pool packs its deferred rows' partial responses after their prompts;
+    # a streaming scorer's rows are as wide (the partial responses padded to the longest,
+    # then every chunk on top)
+    rollout_seq = widest_context(gen.max_prompt_len, gen.max_new_tokens,
+                                 cfg.oppo.overcommits) + gen.max_new_tokens
+    items["actor_kv"] = kv(shapes.actor, rows, rollout_seq)
+    items["scorer_kv"] = sum(kv(scorer_shape[k], rows, rollout_seq)
+                             for k in streamed if k not in on_stage)
     carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
-    items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta) for k in carried)
+    items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta, rollout_seq) for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
 
     micro_tokens = cfg.ppo.micro_batch_size * seq

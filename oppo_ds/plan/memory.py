@@ -20,8 +20,9 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
     update. With `generation.static_cache` the actor's cache is at its static length
     (rounded up to 64); with `generation.cuda_graph` it and the graph's logits stay allocated
     through scoring and training as well.
-  * the hybrid engine's inference copy: the gathered actor weights split over
-    `inference_tp_size` GPUs, alive during generation.
+  * ZeRO-3's rollout: the actor gathered whole on every GPU for the rollout (and the critic
+    when it streams on the actor ranks), with or without the hybrid engine, whose inference
+    containers add a copy split over `inference_tp_size` GPUs when that is above 1.
   * activations of one training micro-batch (flash attention, no seq x seq scores), with
     gradient checkpointing only each layer's input plus one layer recomputed; fp32 logits.
 The model-state part is checked against DeepSpeed's own estimators (tests/test_plan.py).
@@ -210,7 +211,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     elif s.partition_reference:
         part = w * ref.params() / gpus
         items["reference"] = 0.0 if s.offload_reference else part
-        items["reference_gathered"] = 2 * w * ref.largest_module_params()
+        items["reference_gathered"] = w * ref.largest_module_params()  # frozen: no gradients
         plan.cpu_per_node += part * gpus_per_node if s.offload_reference else 0.0
     else:
         items["reference"] = w * ref.params()
@@ -218,9 +219,18 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["reward"] = 0.0 if "reward" in on_stage or not cfg.model.uses_reward_model \
         else w * shapes.reward.params(value_head=True)
 
-    gathered_actor = s.hybrid_engine and (s.zero_stage == 3 or s.inference_tp_size > 1)
+    # under the stage placement nothing streams on the actor ranks (the critic trains there)
+    streamed = [] if on_stage else streamed_scorers(cfg)
+    # ZeRO-3: the rollout runs on models gathered whole on every rank, the actor and the
+    # critic when it streams here (DeepSpeedTrainEngine._gathered_for_generation: with or
+    # without the hybrid engine), so that the ranks' forwards need no collective
+    items["generation_gathered"] = (w * shapes.actor.params() + (
+        w * shapes.critic.params(value_head=True) if "critic" in streamed else 0.0)) \
+        if s.zero_stage == 3 else 0.0
+    # the hybrid engine's inference containers split over inference_tp_size GPUs (a copy;
+    # at one GPU they run on the weights as they are)
     items["hybrid_engine_copy"] = (w * shapes.actor.params() / s.inference_tp_size
-                                   if gathered_actor else 0.0)
+                                   if s.hybrid_engine and s.inference_tp_size > 1 else 0.0)
     # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
     # a rollout of the pool packs its deferred rows' partial responses after their prompts
     widest = widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits)
@@ -228,12 +238,15 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
         else widest + gen.max_new_tokens
     items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    # under the stage placement nothing streams on the actor ranks (the critic trains there)
-    streamed = [] if on_stage else streamed_scorers(cfg)
-    items["scorer_kv"] = sum(rows * seq * scorer_shape[k].kv_bytes_per_token(w) for k in streamed)
+    # a streaming scorer's rows are as wide as the actor's: deferred rows' partial responses
+    # padded to the longest, then every chunk on top (compacted at the next rollout only)
+    scorer_seq = widest + gen.max_new_tokens
+    items["scorer_kv"] = sum(rows * scorer_seq * scorer_shape[k].kv_bytes_per_token(w)
+                             for k in streamed)
     # frozen scorers of the pool keep their deferred rows' caches through the update
     carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
-    items["carried_scorer_kv"] = sum(delta * seq * scorer_shape[k].kv_bytes_per_token(w) for k in carried)
+    items["carried_scorer_kv"] = sum(delta * scorer_seq * scorer_shape[k].kv_bytes_per_token(w)
+                                     for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2
     # a CUDA graph reads its buffers where they are: the static cache and its logits outlive
     # the rollout, through scoring and training
@@ -253,8 +266,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     resident = (actor.params + actor.grads + actor.optimizer + critic.params + critic.grads
                 + critic.optimizer + items["reference"] + items["reward"] + items["framework"])
     plan.phases = {
-        "generate": resident + items["hybrid_engine_copy"] + items["actor_kv"] + items["scorer_kv"]
-                    + items["decode_logits"] + (0.0 if gathered_actor else items["zero3_gathered"]),
+        "generate": resident + items["generation_gathered"] + items["hybrid_engine_copy"]
+                    + items["actor_kv"] + items["scorer_kv"] + items["decode_logits"],
         "score": resident + items["activations_score"] + items["carried_scorer_kv"]
                  + max(items["zero3_gathered"], items["reference_gathered"])
                  + items["kept_decode_graph"],
@@ -262,5 +275,5 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                  + items["zero3_gathered"] + items["kept_decode_graph"],
     }
     if on_stage:
-        scorer_rank_memory(plan, cfg, shapes, gpus, rows, seq)
+        scorer_rank_memory(plan, cfg, shapes, gpus, rows, scorer_seq)
     return plan

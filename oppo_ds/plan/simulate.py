@@ -202,9 +202,12 @@ class CostModel:
         return {"actor": (s.actor, False), "reference": (s.reference, False),
                 "reward": (s.reward, True), "critic": (s.critic, True)}[kind]
 
-    def prefill_job(self, kind: str, tokens: float, ctx_sum: float, calls: int = 1) -> Job:
+    def prefill_job(self, kind: str, tokens: float, ctx_sum: float, calls: int = 1,
+                    gathered: bool = False) -> Job:
         """``calls`` no-grad forwards of model ``kind`` over ``tokens`` tokens in all, whose
-        attention contexts add up to ``ctx_sum``."""
+        attention contexts add up to ``ctx_sum``. ``gathered``: inside a rollout, where a
+        ZeRO-3 model was gathered whole once (``rollout_fixed``) and its forwards gather
+        nothing (the stage's critic is a whole copy anyway)."""
         shape, head = self._shape(kind)
         split = 1 if kind in self.whole_scorers else self.mtp  # pipeline stages work in turn
         flops = (tokens * 2 * shape.matmul_params(head)
@@ -213,7 +216,8 @@ class CostModel:
         host = calls * (self.dev.prefill_call_s + shape.layers * self.dev.layer_s)
         if kind not in self.whole_scorers:
             host += calls * (self.mpp - 1) * PP_HOP_S
-        if self.zero_stage == 3 and kind in ("actor", "critic"):  # ZeRO-3 gathers per forward
+        if self.zero_stage == 3 and kind in ("actor", "critic") and not gathered:
+            # ZeRO-3 gathers per forward
             memory = max(memory, calls * self._gather_s(shape.params(head)))
         if kind == "reference" and self.partition_reference:
             part = self.w * shape.params() / self.lay.gpus
@@ -297,11 +301,15 @@ class CostModel:
             gather += 2 * size / self.dev.host_link_bw
         return gather + size / self.dev.intra_node_bw
 
-    def rollout_fixed(self) -> float:
-        """Per-rollout costs outside decoding: the hybrid engine gathering the ZeRO-3 actor
-        into its inference containers, and the host's setup."""
-        gather = self._gather_s(self.shapes.actor.params()) if (
-            self.hybrid_engine and self.zero_stage == 3) else 0.0
+    def rollout_fixed(self, streamed_critic: bool = False) -> float:
+        """Per-rollout costs outside decoding: the host's setup and, under ZeRO-3, the actor
+        gathered whole for the rollout (the trainer's generation context, with or without the
+        hybrid engine), and the critic too where it streams on the actor ranks."""
+        gather = 0.0
+        if self.zero_stage == 3:
+            gather = self._gather_s(self.shapes.actor.params())
+            if streamed_critic:
+                gather += self._gather_s(self.shapes.critic.params(value_head=True))
         return self.dev.rollout_setup_s + gather
 
 
@@ -422,8 +430,10 @@ class StepSimulator:
             return 0.0, 0.0, 0.0, 0.0
         # one padded prefill of prompt + partial response for every running row
         width = lay.prompt_len + int(g.done[running].max())
-        t = c.rollout_fixed() + c.prefill_job(
-            "actor", len(rem) * width / lay.tp, len(rem) * width * (width + 1) / 2 / lay.tp).alone
+        critic_here = "critic" in sched.streamed and sched.placement != "stage"
+        t = c.rollout_fixed(critic_here) + c.prefill_job(
+            "actor", len(rem) * width / lay.tp, len(rem) * width * (width + 1) / 2 / lay.tp,
+            gathered=True).alone
         if sched.placement == "stage" and "critic" in sched.streamed:
             t += c.critic_to_stage_s()  # the updated critic to the scorer rank's copy
         jobs: list[tuple[float, Job]] = []  # (ready time, job) on the scorer lane
@@ -437,7 +447,7 @@ class StepSimulator:
             if tokens <= 0:
                 return lost
             for kind in kinds:
-                job = c.prefill_job(kind, tokens / lay.tp, ctx_sum / lay.tp)
+                job = c.prefill_job(kind, tokens / lay.tp, ctx_sum / lay.tp, gathered=True)
                 if sched.placement == "inline":
                     lost += job.alone
                     inline_busy += job.alone
