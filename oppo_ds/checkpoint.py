@@ -39,6 +39,13 @@ class CheckpointManager:
             return f.read().strip() or None
 
     def save(self, tag: str, state: dict, engines: dict) -> None:
+        # a tag written before (a resume from an older tag re-saving a later one, a finished
+        # run's final save again) is cleared first, and `latest` moved off it, so that a crash
+        # mid-save cannot leave `latest` naming a tag whose files are of two runs
+        _barrier()
+        if self.rank == 0 and self._written(tag, engines):
+            self._clear(tag, list(engines))
+        _barrier()
         for name, engine in engines.items():
             engine.save(os.path.join(self.root, name), tag)
         state = dict(state, python_rng=random.getstate(), torch_rng=torch.get_rng_state())
@@ -95,6 +102,28 @@ class CheckpointManager:
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         return state
+
+    def _written(self, tag: str, engines: dict) -> bool:
+        return any(os.path.exists(os.path.join(self.root, name, tag))
+                   for name in list(engines) + ["trainer"])
+
+    def _clear(self, tag: str, engine_names: list[str]) -> None:
+        """Remove ``tag``'s folders; ``latest`` naming it goes back to the newest earlier tag
+        (or away, with none)."""
+        if self.latest() == tag:
+            step = int(_TAG.match(tag).group(1)) if _TAG.match(tag) else None
+            earlier = [t for t in self.tags()
+                       if t != tag and step is not None and int(_TAG.match(t).group(1)) < step]
+            path = os.path.join(self.root, "latest")
+            if earlier:
+                tmp = os.path.join(self.root, ".latest.tmp")
+                with open(tmp, "w") as f:
+                    f.write(earlier[-1])
+                os.replace(tmp, path)
+            else:
+                os.remove(path)
+        for name in engine_names + ["trainer", "hf"]:
+            shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)
 
     def tags(self) -> list[str]:
         folder = os.path.join(self.root, "trainer")

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 # the settings that decide what a checkpoint's engines hold: resumed under others, the
 # engines would load into another model, or continue the old one under a new name
 CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "model.actor_lora_dim",
-                       "model.critic_lora_dim", "model.lora_module_name", "model.only_optimize_lora",
+                       "model.critic_lora_dim", "model.lora_module_name", "model.lora_alpha",
+                       "model.only_optimize_lora",
                        "system.backend", "system.tensor_parallel", "system.pipeline_parallel",
                        "system.megatron_layers", "system.zero_stage", "system.dtype",
                        "ppo.advantage_estimator")
@@ -198,6 +199,8 @@ class Resumable:
         for key in ("model.actor", "model.critic"):  # ./ckpt and /abs/ckpt are one model
             if isinstance(settings[key], str) and os.path.exists(settings[key]):
                 settings[key] = os.path.realpath(settings[key])
+        if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
+            settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
         return settings
 
     def _check_checkpoint_settings(self, tag: str, state: dict) -> None:

@@ -241,6 +241,43 @@ def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(cach
     assert (ckpt / "latest").read_text().strip() == "step6"
 
 
+def test_a_crash_while_saving_a_tag_again_leaves_latest_on_a_whole_checkpoint(cache_dir, tmp_path,
+                                                                            monkeypatch, caplog):
+    """Resumed from an older tag (step 2, as the NaN message suggests) with another learning
+    rate, a run saves step 4 again, the tag `latest` names. It was written in place: killed
+    between the actor's and the critic's files, `latest` still named step 4, and the next
+    start resumed from an actor of the new run and a critic, optimizer and data cursor of the
+    old one. Now the tag is cleared and `latest` moved back to step 2 first: the next start
+    resumes at step 2."""
+    from oppo_ds.trainer import PPOTrainer
+
+    over = ("checkpoint.every=2", "checkpoint.export_hf=false")
+    run(cache_dir, tmp_path / "r", "steps=4", *over)
+    ckpt = tmp_path / "r" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step4"
+    real_save, real_checkpoint = torch.save, PPOTrainer.save_checkpoint
+
+    def save_checkpoint(self):
+        def dying_save(obj, f, *args, **kwargs):
+            if "/critic/step4/" in str(f):
+                raise KeyboardInterrupt("killed mid-save")
+            return real_save(obj, f, *args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "save", dying_save)
+            return real_checkpoint(self)
+    monkeypatch.setattr(PPOTrainer, "save_checkpoint", save_checkpoint)
+    with pytest.raises(KeyboardInterrupt, match="killed mid-save"):
+        run(cache_dir, tmp_path / "r", "steps=4", *over, "checkpoint.resume=step2",
+            "ppo.actor_lr=1e-4")
+    monkeypatch.setattr(PPOTrainer, "save_checkpoint", real_checkpoint)
+    assert (ckpt / "latest").read_text().strip() == "step2"
+    assert not (ckpt / "trainer" / "step4").exists()
+    with caplog.at_level("INFO", logger="oppo_ds.resume"):
+        run(cache_dir, tmp_path / "r", "steps=4", *over)
+    assert "resumed from step2 at step 2" in caplog.text
+    assert (ckpt / "latest").read_text().strip() == "step4"
+
+
 @pytest.mark.parametrize("mode, level", [("token_mean", "token"), ("seq_mean_token_mean", "token"),
                                          ("seq_mean_token_mean", "sequence")])
 def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path, mode, level):
@@ -696,6 +733,22 @@ def test_resume_refuses_a_checkpoint_of_other_models(cache_dir, tmp_path):
     torch.save(state, state_file)
     run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_resume_refuses_another_lora_scale(cache_dir, tmp_path):
+    """model.lora_alpha scales the saved LoRA matrices (s = alpha / rank): resumed under
+    another, the model (and its merged export) computed another function, silently. Refused
+    like the rank; without LoRA it scales nothing and may change."""
+    from oppo_ds.config import ConfigError
+
+    lora = ("checkpoint.every=2", "checkpoint.export_hf=false", "model.actor_lora_dim=2")
+    run(cache_dir, tmp_path / "lora", "steps=2", *lora, "model.lora_alpha=16")
+    with pytest.raises(ConfigError, match=r"^model.lora_alpha: 4.0, but checkpoint step2 was "
+                                          r"written with 16.0"):
+        run(cache_dir, tmp_path / "lora", "steps=3", *lora, "model.lora_alpha=4")
+    run(cache_dir, tmp_path / "plain", "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
+    run(cache_dir, tmp_path / "plain", "steps=3", "checkpoint.export_hf=false", "model.lora_alpha=4")
+    assert [r["step"] for r in read_history(str(tmp_path / "plain" / "metrics.jsonl"))] == [1, 2, 3]
 
 
 def test_streaming_switched_on_and_off_across_resumes_keeps_every_deferred_row(cache_dir, tmp_path):
