@@ -6,6 +6,7 @@ are real and loadable), not on learning quality, which `make demo` shows.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -196,6 +197,30 @@ def test_crash_then_resume_continues_exactly(cache_dir, tmp_path):
     assert resumed["reward_last10"] == pytest.approx(full["reward_last10"], abs=1e-6)
 
 
+@contextlib.contextmanager
+def _dying_at_step4(monkeypatch, dies):
+    """Within: the step-4 checkpoint's ``torch.save`` of a file for which ``dies(path)`` is
+    true raises KeyboardInterrupt, as a process killed there stops writing."""
+    from oppo_ds.trainer import PPOTrainer
+
+    real_save, real_checkpoint = torch.save, PPOTrainer.save_checkpoint
+
+    def save_checkpoint(self):
+        if self.step_count != 4:
+            return real_checkpoint(self)
+
+        def dying_save(obj, f, *args, **kwargs):
+            if dies(str(f)):
+                raise KeyboardInterrupt("killed mid-save")
+            return real_save(obj, f, *args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "save", dying_save)
+            return real_checkpoint(self)
+    with monkeypatch.context() as m:
+        m.setattr(PPOTrainer, "save_checkpoint", save_checkpoint)
+        yield
+
+
 @pytest.mark.parametrize("crash_at", [1, 2, 3], ids=["actor", "critic", "trainer-state"])
 def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(cache_dir, tmp_path,
                                                                              monkeypatch, crash_at):
@@ -206,27 +231,11 @@ def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(cach
     over what the crash left of it."""
     over = ("steps=6", "checkpoint.every=2", "checkpoint.export_hf=false", "oppo.overcommit=4")
     run(cache_dir, tmp_path / "full", *over)
-    from oppo_ds.trainer import PPOTrainer
 
-    real_save, writes = torch.save, []
-    real_checkpoint = PPOTrainer.save_checkpoint
-
-    def save_checkpoint(self):
-        if self.step_count != 4:
-            return real_checkpoint(self)
-
-        def dying_save(obj, f, *args, **kwargs):
-            writes.append(str(f))
-            if len(writes) == crash_at:
-                raise KeyboardInterrupt("killed mid-save")
-            return real_save(obj, f, *args, **kwargs)
-        with monkeypatch.context() as m:
-            m.setattr(torch, "save", dying_save)
-            return real_checkpoint(self)
-    monkeypatch.setattr(PPOTrainer, "save_checkpoint", save_checkpoint)
-    with pytest.raises(KeyboardInterrupt, match="killed mid-save"):
+    writes = []
+    with pytest.raises(KeyboardInterrupt, match="killed mid-save"), \
+            _dying_at_step4(monkeypatch, lambda f: writes.append(f) or len(writes) == crash_at):
         run(cache_dir, tmp_path / "cut", *over)
-    monkeypatch.setattr(PPOTrainer, "save_checkpoint", real_checkpoint)
     ckpt = tmp_path / "cut" / "checkpoints"
     assert len(writes) == crash_at and "/actor/step4/" in writes[0]
     assert (ckpt / "latest").read_text().strip() == "step2"
@@ -249,27 +258,15 @@ def test_a_crash_while_saving_a_tag_again_leaves_latest_on_a_whole_checkpoint(ca
     start resumed from an actor of the new run and a critic, optimizer and data cursor of the
     old one. Now the tag is cleared and `latest` moved back to step 2 first: the next start
     resumes at step 2."""
-    from oppo_ds.trainer import PPOTrainer
 
     over = ("checkpoint.every=2", "checkpoint.export_hf=false")
     run(cache_dir, tmp_path / "r", "steps=4", *over)
     ckpt = tmp_path / "r" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step4"
-    real_save, real_checkpoint = torch.save, PPOTrainer.save_checkpoint
-
-    def save_checkpoint(self):
-        def dying_save(obj, f, *args, **kwargs):
-            if "/critic/step4/" in str(f):
-                raise KeyboardInterrupt("killed mid-save")
-            return real_save(obj, f, *args, **kwargs)
-        with monkeypatch.context() as m:
-            m.setattr(torch, "save", dying_save)
-            return real_checkpoint(self)
-    monkeypatch.setattr(PPOTrainer, "save_checkpoint", save_checkpoint)
-    with pytest.raises(KeyboardInterrupt, match="killed mid-save"):
+    with pytest.raises(KeyboardInterrupt, match="killed mid-save"), \
+            _dying_at_step4(monkeypatch, lambda f: "/critic/step4/" in f):
         run(cache_dir, tmp_path / "r", "steps=4", *over, "checkpoint.resume=step2",
             "ppo.actor_lr=1e-4")
-    monkeypatch.setattr(PPOTrainer, "save_checkpoint", real_checkpoint)
     assert (ckpt / "latest").read_text().strip() == "step2"
     assert not (ckpt / "trainer" / "step4").exists()
     with caplog.at_level("INFO", logger="oppo_ds.resume"):
