@@ -219,6 +219,8 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
         if values:
             out[f"{name}_first"] = _mean(values[:10])
             out[f"{name}_last"] = _mean(values[-10:])
+    # the mean of the timed steps' fractions (each step weighs the same, however long its
+    # scoring; the planner's simulation weighs by scorer time)
     hidden = column(timed, "stream/scoring_hidden_frac")
     out["scoring_hidden_frac"] = _mean(hidden) if hidden else hidden_default
     # the trainer reports the decode slots its rollout really left idle (with the pool, its

@@ -261,7 +261,9 @@ def summarize(history: list[dict]) -> dict:
     if lengths:
         out["response_len_mean"] = _mean(lengths)
         out["response_len_p50"] = lengths[len(lengths) // 2]
-        out["response_len_p99"] = lengths[min(len(lengths) - 1, int(len(lengths) * 0.99))]
+        # nearest rank: the smallest length at or above 99% of them (was one rank above it,
+        # and the longest of all for 100 lengths or fewer)
+        out["response_len_p99"] = lengths[max(0, math.ceil(0.99 * len(lengths)) - 1)]
     deferrals = deferral_summary(history)
     if deferrals:
         out["deferrals"] = deferrals

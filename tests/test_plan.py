@@ -519,6 +519,28 @@ def test_simulator_predicts_measured_speedups_within_20_percent():
     assert out["machine"] == "2-core CPU"  # named from the benchmark's own record
 
 
+def test_calibration_leaves_out_the_steps_the_benchmark_did(tmp_path):
+    """The calibration timed from step 3 whatever the benchmark's --warmup: a run with
+    --warmup 5 was compared over other steps than oppo-bench's own figures. It reads the
+    warm-up from the benchmark's JSON now."""
+    from oppo_ds.plan.calibrate import calibrate
+
+    with open(BENCH) as f:
+        results = json.load(f)
+    results.pop("workdir", None)
+    for mode in results["modes"].values():
+        mode["warmup_steps"] = 5
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    os.symlink(os.path.splitext(BENCH)[0] + ".runs", tmp_path / "results.runs")
+    out = calibrate(str(path))
+    for mode in ("sequential", "oppo"):
+        with open(tmp_path / "results.runs" / mode / "metrics.jsonl") as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+        assert out["modes"][mode]["measured_step_s"] == pytest.approx(
+            np.mean([r["time/step_s"] for r in steps[5:]]), abs=1e-5)
+
+
 def test_calibration_names_the_machine_it_was_fitted_on():
     """A fit to a GPU run says so (it was labelled "cpu device" whatever had run)."""
     from oppo_ds.plan.calibrate import _machine

@@ -150,6 +150,17 @@ def test_summary_of_a_diverged_run_is_still_written():
     assert summarize([history[0], history[2]])["reward_noise_std"] == pytest.approx(2 ** -0.5)
 
 
+def test_summary_length_quantiles_by_nearest_rank():
+    """response_len_p99 is the smallest length at or above 99% of them (nearest rank, as
+    numpy's 'inverted_cdf'): of 1..200, 198; it was one rank above (199), and for 100 lengths
+    or fewer the longest."""
+    from oppo_ds.telemetry import summarize
+
+    history = [{"response/lengths": list(range(1 + 50 * i, 51 + 50 * i))} for i in range(4)]
+    assert summarize(history)["response_len_p99"] == 198
+    assert summarize(history[:2])["response_len_p99"] == 99  # of 1..100: not the longest
+
+
 def _metrics_by_step(path):
     return {r["step"]: r for r in read_history(str(path))}
 

@@ -28,7 +28,7 @@ from .planner import cost_model, layout, length_dist, schedules
 from .shapes import resolve_shapes
 from .simulate import MODES, StepSimulator
 
-WARMUP = 2  # oppo-bench leaves the first 2 steps out of its timing
+WARMUP = 2  # oppo-bench leaves the first 2 steps out of its timing by default (--warmup)
 PHASES = ("generate", "score", "train")
 # the cost-model parameters the fit measures, each entering the simulator linearly: per-call
 # overheads in seconds, and the inverse of each effective FLOP/s
@@ -54,6 +54,11 @@ def read_bench(results_path: str) -> tuple[dict, str]:
         raise ConfigError("--calibrate", f"{runs}/sequential/metrics.jsonl is missing: the "
                                          f"calibration fits the sequential run's phases")
     return results, runs
+
+
+def bench_warmup(results: dict) -> int:
+    """The steps the benchmark left out of its timing (its --warmup, in its JSON)."""
+    return int((results.get("modes", {}).get("sequential") or {}).get("warmup_steps", WARMUP))
 
 
 def read_steps(runs: str, mode: str, warmup: int = WARMUP) -> list[dict]:
@@ -89,19 +94,21 @@ def _probe(base: Device, name: str) -> Device:
     return with_measured(base, bw=UNBOUNDED, layer_s=0.0, optim_s=0.0, step_other_s=0.0, **zero)
 
 
-def fit_cpu(cfg: Config, steps: list[dict], base: Device = CPU, seed: int = 0) -> tuple[Device, dict]:
+def fit_cpu(cfg: Config, steps: list[dict], base: Device = CPU, seed: int = 0,
+            warmup: int = WARMUP) -> tuple[Device, dict]:
     """The ``cpu`` device fitted to a sequential run's phase timings (``steps``: its
-    metrics.jsonl from the first step), and the fit's figures."""
+    metrics.jsonl from the first step, the first ``warmup`` left out), and the fit's
+    figures."""
     shapes, lay = resolve_shapes(cfg), layout(cfg, 1, 1)
     dist = dataclasses.replace(length_dist(cfg), per_step=tuple(tuple(r["response/lengths"]) for r in steps))
     sched = schedules(cfg, "sequential")[0]
 
     def phases(device: Device) -> np.ndarray:
         sim = StepSimulator(cost_model(cfg, shapes, device, lay), dist)
-        res = sim.run(sched, steps=len(steps), warmup=WARMUP, seed=seed)
+        res = sim.run(sched, steps=len(steps), warmup=warmup, seed=seed)
         return np.concatenate([[s.phases[k] for s in res.steps] for k in PHASES])
 
-    timed = steps[WARMUP:]
+    timed = steps[warmup:]
     measured = np.concatenate([[r[f"time/phase/{k}"] for r in timed] for k in PHASES])
     coef = _lstsq([phases(_probe(base, name)) for name in FITTED], measured)
     fields = {name: (_rate(c) if name.endswith("flops") else float(c)) for name, c in zip(FITTED, coef)}
@@ -125,7 +132,9 @@ def calibrate(results_path: str, seed: int = 0,
     cfg = load_config(os.path.join(runs, "sequential", "config.yaml"))
     shapes = resolve_shapes(cfg)
     lay = layout(cfg, 1, 1)
-    device, fit = fit_cpu(cfg, read_steps(runs, "sequential", warmup=0), base=base, seed=seed)
+    warmup = bench_warmup(results)
+    device, fit = fit_cpu(cfg, read_steps(runs, "sequential", warmup=0), base=base, seed=seed,
+                          warmup=warmup)
     model = cost_model(cfg, shapes, device, lay)
     out: dict = {"results": results_path, "fit": fit, "device": _device_json(device), "modes": {},
                  "machine": _machine(results.get("machine") or {})}
@@ -136,11 +145,11 @@ def calibrate(results_path: str, seed: int = 0,
         source = mode if os.path.isfile(os.path.join(runs, mode, "metrics.jsonl")) else "sequential"
         per_step = tuple(tuple(r["response/lengths"]) for r in read_steps(runs, source, warmup=0))
         sim = StepSimulator(model, dataclasses.replace(length_dist(cfg), per_step=per_step))
-        runs_of_mode = [sim.run(s, steps=len(per_step), warmup=WARMUP, seed=seed)
+        runs_of_mode = [sim.run(s, steps=len(per_step), warmup=warmup, seed=seed)
                         for s in schedules(cfg, mode)]
         predicted[mode] = min(runs_of_mode, key=lambda r: r.mean("step_s"))
     base_s = predicted["sequential"].mean("step_s")
-    measured_seq = _measured_step(runs, "sequential")
+    measured_seq = _measured_step(runs, "sequential", warmup)
     for mode, res in predicted.items():
         entry = {"predicted_step_s": round(res.mean("step_s"), 5),
                  "predicted_speedup": round(base_s / res.mean("step_s"), 4),
@@ -150,25 +159,25 @@ def calibrate(results_path: str, seed: int = 0,
         if mode in results.get("modes", {}) and os.path.isdir(os.path.join(runs, mode)):
             # over the runs whose lengths were replayed (under --repeat, the first round's;
             # oppo-bench's own figure is then the median over the rounds)
-            step = _measured_step(runs, mode)
+            step = _measured_step(runs, mode, warmup)
             measured = measured_seq / step
             entry["measured_step_s"] = round(step, 5)
             entry["measured_speedup"] = round(measured, 4)
             entry["speedup_error"] = round(entry["predicted_speedup"] / measured - 1.0, 4)
             entry["step_error"] = round(res.mean("step_s") / step - 1.0, 4)
-            entry["measured_phases_s"] = _measured_phases(runs, mode)
+            entry["measured_phases_s"] = _measured_phases(runs, mode, warmup)
         out["modes"][mode] = entry
     out["measured_sequential_step_s"] = round(measured_seq, 5)
     return out
 
 
-def _measured_step(runs: str, mode: str) -> float:
+def _measured_step(runs: str, mode: str, warmup: int) -> float:
     """Mean step time after the warm-up: oppo-bench's speedup is samples/s, i.e. this mean."""
-    return float(np.mean([r["time/step_s"] for r in read_steps(runs, mode)]))
+    return float(np.mean([r["time/step_s"] for r in read_steps(runs, mode, warmup)]))
 
 
-def _measured_phases(runs: str, mode: str) -> dict:
-    rows = read_steps(runs, mode)
+def _measured_phases(runs: str, mode: str, warmup: int) -> dict:
+    rows = read_steps(runs, mode, warmup)
     return {k: round(float(np.mean([r.get(f"time/phase/{k}", 0.0) for r in rows])), 5)
             for k in PHASES}
 
@@ -193,6 +202,6 @@ def calibrated_device(results_path: Optional[str]) -> Device:
     """The cpu device fitted to ``results_path`` (the shipped constants when None)."""
     if results_path is None:
         return CPU
-    _, runs = read_bench(results_path)
+    results, runs = read_bench(results_path)
     cfg = load_config(os.path.join(runs, "sequential", "config.yaml"))
-    return fit_cpu(cfg, read_steps(runs, "sequential", warmup=0))[0]
+    return fit_cpu(cfg, read_steps(runs, "sequential", warmup=0), warmup=bench_warmup(results))[0]
