@@ -364,9 +364,9 @@ def test_every_mode_sets_both_techniques():
     into a mode that compares against it, and a user's Delta must reach the overcommitting
     modes only: on the first H100 run ``oppo.overcommit=16`` given for oppo also made
     ``intra`` overcommit. The resolved configs say what each mode runs."""
-    expected = {"sequential": (False, 0), "intra": (True, 0), "inter": (False, 16),
-                "oppo": (True, 16)}
-    for user, auto_delta in (([], "auto"), (["oppo.overcommit=16"], 16)):
+    expected = {"sequential": (False, 0), "intra": (True, 0), "inter": (False, 8),
+                "oppo": (True, 8)}
+    for user, auto_delta in (([], "auto"), (["oppo.overcommit=8"], 8)):  # at most B (8)
         for name, (streams, delta) in expected.items():
             cfg = load_config(str(ROOT / "examples" / "configs" / "llama3_70b.yaml"),
                               bench.child_overrides(name, 2, 0, "/tmp/r", user))
