@@ -1,9 +1,10 @@
 """Reading prompt files: every format a user's prompts come in, with errors that name the row.
 
 :func:`read_prompt_rows` reads prompts from a ``.jsonl``, ``.json``, ``.csv``, ``.tsv`` or
-``.parquet`` file (the text ones also compressed), a local Hugging Face dataset saved with ``save_to_disk``, or a directory of
-such files (a hub snapshot's split-named shards among them), a list of such sources, and cuts
-them as DeepSpeed-Chat's ``--data_split`` does (:func:`phase_part`). Every bad row raises
+``.parquet`` file (the text ones also compressed), a local Hugging Face dataset saved with
+``save_to_disk``, or a directory of such files (a hub snapshot's split-named shards among
+them), a list of such sources, and cuts them as DeepSpeed-Chat's ``--data_split`` does
+(:func:`phase_part`). Every bad row raises
 :class:`DataError` naming the file and the line (or row), so a user can go straight to it.
 
 Tokenising the rows and handing them out per rank is :mod:`oppo_ds.data`'s part.
@@ -59,8 +60,8 @@ class DataError(ValueError):
     """A problem in the user's data.
 
     The message starts with where the problem is: ``"<file>:<line>: "`` for jsonl and csv
-    (1-based lines, as editors show them) and ``"<path>: row <i>: "`` for parquet files and HF datasets
-    directories (0-based rows, as ``dataset[i]`` and pandas index them).
+    (1-based lines, as editors show them) and ``"<path>: row <i>: "`` for parquet files and
+    HF datasets directories (0-based rows, as ``dataset[i]`` and pandas index them).
     """
 
 

@@ -546,7 +546,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                           behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
 
-    def function_scores(self, keys: list[str], gen, rows: dict, samples: bool = False) -> torch.Tensor:
+    def function_scores(self, keys: list[str], gen, rows: dict,
+                        samples: bool = False) -> torch.Tensor:
         """model.reward_function's (B,) scores of the generation's responses, decoded to text,
         given each one's prompt row as read (``rows``: by row id). ``samples``: the keys are
         data.samples_per_prompt's rows ``<id>#k``, each its prompt's ``<id>`` (always: a data

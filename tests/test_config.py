@@ -278,8 +278,8 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["oppo.max_defer_steps=0"], "oppo.max_defer_steps", ">= 1"),
     # B rows taken, Delta carried: above B, more rows could be due than a step takes
     (["oppo.overcommit=17"], "oppo.overcommit", "must be at most ppo.batch_size (16)"),
-    (["ppo.batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", "oppo.overcommit=auto"],
-     "oppo.delta_max",
+    (["ppo.batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
+      "oppo.overcommit=auto"], "oppo.delta_max",
      "max_defer_steps (2) together and the bound would not hold; got 8; delta_max is 8 unless"),
     (["oppo.is_clip=0.5"], "oppo.is_clip", ">= 1"),
     (["generation.eos_token_ids=[]"], "generation.eos_token_ids", "non-empty list"),

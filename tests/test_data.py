@@ -242,7 +242,8 @@ def test_path_errors(tmp_path):
     other.write_text("prompt\na\n")
     with pytest.raises(DataError, match=r"unsupported file type; expected .jsonl, .json, .csv"):
         read_prompt_rows(str(other))
-    with pytest.raises(DataError, match=r"only .jsonl, .json, .csv, .tsv .*\.parquet files.*\['p.txt'\]"):
+    with pytest.raises(DataError,
+                       match=r"only .jsonl, .json, .csv, .tsv .*\.parquet files.*\['p.txt'\]"):
         read_prompt_rows(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -486,10 +486,11 @@ def test_a_pool_run_decodes_every_rollout_in_one_set_of_static_buffers(tmp_path,
 def test_overcommit_auto_decodes_in_the_runs_one_set_of_buffers(tmp_path, monkeypatch):
     """Under ``overcommit: auto`` B + Delta moves: it starts at ``delta_max`` and here shrinks
     to 0 (one prompt of 4 rows a step) while the reward does not rise, so rollouts fall to
-    half the first one's rows and below (rows that finished ahead are not decoded). The trainer sizes the buffers for its widest rollout
-    (``SamplingParams.static_rows``: B + ``delta_max``) and every rollout pads into that one
-    set. Before, a rollout of fewer than half its rows took (and kept) a set of its own, and
-    the next wider one another: on a GPU a capture each. (Evaluations: ``test_eval.py``.)"""
+    half the first one's rows and below (rows that finished ahead are not decoded). The
+    trainer sizes the buffers for its widest rollout (``SamplingParams.static_rows``: B +
+    ``delta_max``) and every rollout pads into that one set. Before, a rollout of fewer than
+    half its rows took (and kept) a set of its own, and the next wider one another: on a GPU
+    a capture each. (Evaluations: ``test_eval.py``.)"""
     used = record_static_buffers(monkeypatch)
     cfg, rows = _pool_run(tmp_path, *AUTO_DELTA, "steps=7")
     deltas = [r["pool/delta"] for r in rows]

@@ -754,8 +754,9 @@ def test_resume_refuses_another_lora_scale(cache_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"^model.lora_alpha: 4.0, but checkpoint step2 was "
                                           r"written with 16.0"):
         run(cache_dir, tmp_path / "lora", "steps=3", *lora, "model.lora_alpha=4")
-    run(cache_dir, tmp_path / "plain", "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false")
-    run(cache_dir, tmp_path / "plain", "steps=3", "checkpoint.export_hf=false", "model.lora_alpha=4")
+    plain = ("checkpoint.export_hf=false",)
+    run(cache_dir, tmp_path / "plain", "steps=2", "checkpoint.every=2", *plain)
+    run(cache_dir, tmp_path / "plain", "steps=3", *plain, "model.lora_alpha=4")
     assert [r["step"] for r in read_history(str(tmp_path / "plain" / "metrics.jsonl"))] == [1, 2, 3]
 
 
