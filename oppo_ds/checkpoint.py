@@ -58,10 +58,7 @@ class CheckpointManager:
         os.replace(tmp, os.path.join(folder, f"rank{self.rank}.pt"))
         _barrier()
         if self.rank == 0:
-            tmp = os.path.join(self.root, ".latest.tmp")
-            with open(tmp, "w") as f:
-                f.write(tag)
-            os.replace(tmp, os.path.join(self.root, "latest"))
+            self._write_latest(tag)
             self._prune(list(engines))
         _barrier()
 
@@ -111,19 +108,21 @@ class CheckpointManager:
         """Remove ``tag``'s folders; ``latest`` naming it goes back to the newest earlier tag
         (or away, with none)."""
         if self.latest() == tag:
-            step = int(_TAG.match(tag).group(1)) if _TAG.match(tag) else None
-            earlier = [t for t in self.tags()
-                       if t != tag and step is not None and int(_TAG.match(t).group(1)) < step]
-            path = os.path.join(self.root, "latest")
+            tags = self.tags()  # in step order
+            earlier = tags[:tags.index(tag)] if tag in tags else []
             if earlier:
-                tmp = os.path.join(self.root, ".latest.tmp")
-                with open(tmp, "w") as f:
-                    f.write(earlier[-1])
-                os.replace(tmp, path)
+                self._write_latest(earlier[-1])
             else:
-                os.remove(path)
+                os.remove(os.path.join(self.root, "latest"))
         for name in engine_names + ["trainer", "hf"]:
             shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)
+
+    def _write_latest(self, tag: str) -> None:
+        """``latest`` names ``tag``, replaced in one rename (never half written)."""
+        tmp = os.path.join(self.root, ".latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(tag)
+        os.replace(tmp, os.path.join(self.root, "latest"))
 
     def tags(self) -> list[str]:
         folder = os.path.join(self.root, "trainer")

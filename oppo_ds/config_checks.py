@@ -125,7 +125,8 @@ def _check_delta_within_batch(cfg) -> None:
         f"must be at most ppo.batch_size ({b}): a step takes {b} rows and carries Delta, so "
         f"with Delta above {b} more carried rows than a step takes can reach "
         f"oppo.max_defer_steps ({o.max_defer_steps}) together and the bound would not hold; "
-        f"got {o.largest_delta}" + ("; delta_max is 8 unless set" if key == "delta_max" else "")))
+        f"got {o.largest_delta}"
+        + (f"; delta_max is {type(o).delta_max} unless set" if key == "delta_max" else "")))
 
 
 def _check_whole_prompt_delta(cfg) -> None:

@@ -234,18 +234,18 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
     # a rollout of the pool packs its deferred rows' partial responses after their prompts
     widest = widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits)
-    actor_seq = cache_length(widest, gen.max_new_tokens, gen.sync_every) if gen.static_cache \
-        else widest + gen.max_new_tokens
-    items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
-    scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     # a streaming scorer's rows are as wide as the actor's: deferred rows' partial responses
     # padded to the longest, then every chunk on top (compacted at the next rollout only)
-    scorer_seq = widest + gen.max_new_tokens
-    items["scorer_kv"] = sum(rows * scorer_seq * scorer_shape[k].kv_bytes_per_token(w)
+    rollout_seq = widest + gen.max_new_tokens
+    actor_seq = cache_length(widest, gen.max_new_tokens, gen.sync_every) if gen.static_cache \
+        else rollout_seq
+    items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
+    scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
+    items["scorer_kv"] = sum(rows * rollout_seq * scorer_shape[k].kv_bytes_per_token(w)
                              for k in streamed)
     # frozen scorers of the pool keep their deferred rows' caches through the update
     carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
-    items["carried_scorer_kv"] = sum(delta * scorer_seq * scorer_shape[k].kv_bytes_per_token(w)
+    items["carried_scorer_kv"] = sum(delta * rollout_seq * scorer_shape[k].kv_bytes_per_token(w)
                                      for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2
     # a CUDA graph reads its buffers where they are: the static cache and its logits outlive
@@ -275,5 +275,5 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                  + items["zero3_gathered"] + items["kept_decode_graph"],
     }
     if on_stage:
-        scorer_rank_memory(plan, cfg, shapes, gpus, rows, scorer_seq)
+        scorer_rank_memory(plan, cfg, shapes, gpus, rows, rollout_seq)
     return plan
