@@ -666,6 +666,14 @@ def test_megatron_stage_placement_plans_the_scorer_rank():
     whole = (70.55e9 + 7.5e9) * 2 / GIB  # reference and reward in bf16
     assert parts["scorer_rank_models"] == pytest.approx(whole, rel=0.01)
     assert out["phases_gib"]["scorer_rank"] > whole
+    # one replica's caches, its rows as wide as the actor's under the pool (a deferred row's
+    # partial response padded to the longest, every chunk on top), as the DeepSpeed plan has
+    g, shapes = cfg.generation, resolve_shapes(cfg)
+    assert cfg.oppo.overcommits
+    width = g.max_prompt_len + (g.max_new_tokens - 1) + g.max_new_tokens
+    per_token = sum(s.kv_bytes_per_token(2) for s in (shapes.reward, shapes.reference))
+    assert parts["scorer_rank_kv"] == pytest.approx(
+        cfg.widest_rollout * width * per_token / GIB, rel=1e-3)
     # a 70B reference does not fit one 80 GB GPU whole: the verdict says so
     assert out["peak_phase"] == "scorer_rank" and not out["fits"]
     assert set(out["modes"]) == {"sequential", "intra", "inter", "oppo"}

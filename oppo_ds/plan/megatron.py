@@ -157,5 +157,5 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         "train": resident + items["activations_train"] + items["carried_scorer_kv"],
     }
     if on_stage:  # whole HF copies on the last GPU, one set of caches per replica's sender
-        scorer_rank_memory(plan, cfg, shapes, replicas, rows, seq)
+        scorer_rank_memory(plan, cfg, shapes, replicas, rows, rollout_seq)
     return plan
