@@ -6,6 +6,7 @@ run is a pure function of its ``metrics.jsonl`` rows (``summarize_mode``).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -183,11 +184,12 @@ def _mean(xs: list[float]) -> Optional[float]:
     return statistics.fmean(xs) if xs else None
 
 
-def tail_waste(lengths: list[int]) -> float:
+def tail_waste(lengths: list[int], slots: Optional[int] = None) -> float:
     """Share of decode slots spent waiting for the longest response, for a batch that decodes
-    every row until its longest one ends: 1 - sum(lengths) / (rows * max(lengths))."""
-    longest = max(lengths, default=0)
-    return 1.0 - sum(lengths) / (len(lengths) * longest) if longest > 0 else 0.0
+    every row until its longest one ends: 1 - sum(lengths) / (rows * max(lengths)); or
+    against ``slots`` decoded when that is more (a decode that ran past a row's counted end)."""
+    slots = max(slots or 0, len(lengths) * max(lengths, default=0))
+    return 1.0 - sum(lengths) / slots if slots > 0 else 0.0
 
 
 def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[float] = None) -> dict:
@@ -349,6 +351,17 @@ def run_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list
     cmd_args = [*(["--config", config] if config else []), "--steps", str(steps), "--seed", str(seed),
                 "--out", run_dir, *user]
     return run_mode(f"peer {peer}", None, cmd_args, run_dir, module=PEERS[peer])
+
+
+def check_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list[str]) -> None:
+    """Refuse (BenchError, exit 2) a workload the peer cannot run, before any mode runs."""
+    from .config import ConfigError
+
+    module = importlib.import_module(PEERS[peer])
+    try:
+        module.check_settings(config, user, steps, seed)
+    except (ConfigError, module.PeerSettingError) as err:
+        raise BenchError(f"peer {peer!r}: {err}", code=2) from None
 
 
 def mode_ranks(mode: str, ranks: int, baseline_ranks: Optional[int] = None) -> int:

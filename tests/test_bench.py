@@ -38,6 +38,9 @@ def test_tail_waste_by_hand():
     assert bench.tail_waste([5, 5, 5]) == 0.0
     assert bench.tail_waste([1, 9]) == pytest.approx(1 - 10 / 18)
     assert bench.tail_waste([]) == 0.0 and bench.tail_waste([0, 0]) == 0.0
+    # a decode that ran to 6 tokens a row, past the longest counted length (4)
+    assert bench.tail_waste([2, 4], slots=12) == pytest.approx(1 - 6 / 12)
+    assert bench.tail_waste([2, 4], slots=3) == pytest.approx(1 - 6 / 8)  # never below rows x max
 
 
 def test_summarize_mode_by_hand():
@@ -413,6 +416,20 @@ def test_stage_modes_need_several_ranks_and_peers_one(tmp_path, capsys):
     code = bench_cli.main(["--modes", "sequential", "--steps", "2", "--json", out,
                            "--ranks", "2", "--peers", "trl"])
     assert code == 2 and "--peers runs one process" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # refused before anything ran
+
+
+def test_a_workload_the_peer_cannot_run_is_refused_before_the_modes(tmp_path, capsys):
+    """TRL's PPO samples one response a prompt: a group setting is refused up front (exit 2,
+    one line naming the key), not after every mode has run and without a JSON."""
+    pytest.importorskip("trl")
+    out = str(tmp_path / "x.json")
+    code = bench_cli.main(["--modes", "sequential", "--steps", "2", "--json", out,
+                           "--peers", "trl", "ppo.advantage_estimator=rloo",
+                           "data.samples_per_prompt=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "peer 'trl': ppo.advantage_estimator=rloo: TRL's PPO estimates advantages" in err
     assert not os.listdir(tmp_path)  # refused before anything ran
 
 

@@ -123,6 +123,25 @@ def test_two_step_run_writes_our_metrics(cache_dir, tmp_path, torch_one_thread):
     assert peer["ppo_config"]["num_mini_batches"] == 2 and peer["ppo_config"]["response_length"] == 24
 
 
+def test_tail_waste_counts_what_generate_decoded_past_a_sampled_pad(tmp_path):
+    """A row that sampled the pad id is one token long as TRL counts it, but generate decoded
+    it to the batch's width: the waste is against the 2 x 5 slots decoded, not 2 x 3."""
+    pad = 0
+    recorder = trl_peer._StepRecorder(
+        tokenizer=None, pad_token_id=pad, builtin_prompts=False,
+        metrics_path=str(tmp_path / "m.jsonl"),
+        first_true_indices=lambda b: torch.where(b.any(1), b.int().argmax(1),
+                                                 torch.full((b.shape[0],), b.shape[1])))
+    recorder.step_start = 0.0
+    context = 2
+    rows = torch.tensor([[1, 1, 5, pad, 7, 8, 2],    # sampled pad at its 2nd token
+                         [1, 1, 5, 6, 2, pad, pad]])  # ended at EOS (2), then padded
+    recorder.on_scored(rows, context, torch.zeros(2), end=1.0)
+    row = recorder._row(1, end=2.0)
+    assert row["response/lengths"] == [1, 3]
+    assert row["rollout/tail_waste_frac"] == pytest.approx(1 - 4 / 10)
+
+
 def test_cli_without_trl_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
     def missing():
         raise trl_peer.PeerUnavailable(f"trl is not installed: {trl_peer.INSTALL_HINT}")
@@ -134,6 +153,16 @@ def test_cli_without_trl_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "pip install 'oppo-ds[peer]'" in err
+
+
+def test_cli_refuses_a_setting_trl_lacks_with_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(trl_peer, "_import_trl", lambda: None)  # refused before TRL is needed
+    for name in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.setenv(name, "1" if name != "TRANSFORMERS_VERBOSITY" else "error")
+    code = trl_peer.main(["--steps", "1", "--out", str(tmp_path / "x"), "ppo.kl_penalty=loss",
+                           "ppo.kl_estimator=k3"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "ppo.kl_penalty='loss'" in err
 
 
 def test_settings_stop_at_the_first_of_our_end_ids_and_say_so(tmp_path):

@@ -107,6 +107,7 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
         if importlib.util.find_spec(bench.PEER_PACKAGES[peer]) is None:
             raise bench.BenchError(f"peer {peer!r} needs {bench.PEER_PACKAGES[peer]} "
                                    f"(pip install 'oppo-ds[peer]')", code=2)
+        bench.check_peer(peer, args.config, args.steps, args.seed, args.overrides)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise bench.BenchError("--plot needs matplotlib (pip install 'oppo-ds[plot]')", code=2)
 

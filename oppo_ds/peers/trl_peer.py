@@ -49,6 +49,10 @@ class PeerUnavailable(RuntimeError):
     """TRL (with its PPO trainer) cannot be imported; ``str()`` says how to install it."""
 
 
+class PeerSettingError(ValueError):
+    """A setting of our config that TRL's PPO cannot express; ``str()`` names the key."""
+
+
 def _import_trl():
     """(PPOConfig, PPOTrainer, the ppo_trainer module, trl version), or PeerUnavailable."""
     try:
@@ -123,7 +127,8 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     schedule = {"constant": "constant_with_warmup" if warmup else "constant",
                 "linear": "linear", "cosine": "cosine"}[p.lr_schedule]
     if p.kl_estimator not in ("k1", "k3"):
-        raise ValueError(f"ppo.kl_estimator={p.kl_estimator!r}: TRL's PPO has only k1 and k3")
+        raise PeerSettingError(f"ppo.kl_estimator={p.kl_estimator!r}: TRL's PPO has only k1 "
+                               f"and k3")
     if not p.whiten_advantages:
         notes.append("ppo.whiten_advantages=false: TRL always whitens advantages")
     if p.reward_clip is not None:
@@ -143,34 +148,38 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         notes.append("model.reward_normalize=true: TRL's PPO scores with the reward model as it "
                      "is; the peer's rewards are not normalised")
     if not p.uses_critic:
-        raise ValueError(f"ppo.advantage_estimator={p.advantage_estimator}: TRL's PPO estimates "
-                         f"advantages with a value model (GAE); its critic-free methods are other "
-                         f"trainers (RLOOTrainer, GRPOTrainer)")
+        raise PeerSettingError(
+            f"ppo.advantage_estimator={p.advantage_estimator}: TRL's PPO estimates advantages "
+            f"with a value model (GAE); its critic-free methods are other trainers "
+            f"(RLOOTrainer, GRPOTrainer)")
     if cfg.data.samples_per_prompt > 1:
-        raise ValueError(f"data.samples_per_prompt={cfg.data.samples_per_prompt}: TRL's PPO "
-                         f"samples one response per prompt")
+        raise PeerSettingError(f"data.samples_per_prompt={cfg.data.samples_per_prompt}: TRL's "
+                               f"PPO samples one response per prompt")
     if p.kl_penalty == "loss":
-        raise ValueError("ppo.kl_penalty='loss': TRL's PPO takes the KL off the rewards only")
+        raise PeerSettingError("ppo.kl_penalty='loss': TRL's PPO takes the KL off the rewards "
+                               "only")
     if p.loss_agg_mode != "token_mean":
-        raise ValueError(f"ppo.loss_agg_mode={p.loss_agg_mode!r}: TRL's PPO averages the policy "
-                         f"loss over a mini-batch's tokens (token_mean)")
+        raise PeerSettingError(f"ppo.loss_agg_mode={p.loss_agg_mode!r}: TRL's PPO averages the "
+                               f"policy loss over a mini-batch's tokens (token_mean)")
     if p.importance_sampling_level != "token":
-        raise ValueError(f"ppo.importance_sampling_level={p.importance_sampling_level!r}: TRL's "
-                         f"PPO takes the policy ratio per token (its GRPOTrainer has the option)")
+        raise PeerSettingError(
+            f"ppo.importance_sampling_level={p.importance_sampling_level!r}: TRL's PPO takes "
+            f"the policy ratio per token (its GRPOTrainer has the option)")
     if p.overlong_buffer_len:
-        raise ValueError(f"ppo.overlong_buffer_len={p.overlong_buffer_len}: TRL's PPO has no "
-                         f"overlong reward shaping (its missing_eos_penalty is "
-                         f"ppo.missing_eos_penalty)")
+        raise PeerSettingError(f"ppo.overlong_buffer_len={p.overlong_buffer_len}: TRL's PPO has "
+                               f"no overlong reward shaping (its missing_eos_penalty is "
+                               f"ppo.missing_eos_penalty)")
     if not cfg.model.uses_reward_model:
-        raise ValueError(f"model.reward_function={cfg.model.reward_function}: the peer runs "
-                         f"TRL's PPOTrainer, which scores with a reward model (its GRPOTrainer "
-                         f"takes reward functions)")
+        raise PeerSettingError(
+            f"model.reward_function={cfg.model.reward_function}: the peer runs TRL's "
+            f"PPOTrainer, which scores with a reward model (its GRPOTrainer takes reward "
+            f"functions)")
     if p.mask_truncated_completions:
-        raise ValueError("ppo.mask_truncated_completions: TRL's PPO trains on truncated "
-                         "responses (its GRPOTrainer and RLOOTrainer have the option)")
+        raise PeerSettingError("ppo.mask_truncated_completions: TRL's PPO trains on truncated "
+                               "responses (its GRPOTrainer and RLOOTrainer have the option)")
     if p.filter_groups:
-        raise ValueError("ppo.filter_groups: TRL's PPO trains on every prompt it samples (DAPO's "
-                         "dynamic sampling is in none of TRL's trainers)")
+        raise PeerSettingError("ppo.filter_groups: TRL's PPO trains on every prompt it samples "
+                               "(DAPO's dynamic sampling is in none of TRL's trainers)")
     if p.kl_target is not None:
         notes.append(f"ppo.kl_target={p.kl_target}: TRL 1.12's PPO keeps its KL coefficient "
                      f"fixed; the peer uses ppo.kl_coef={p.kl_coef} throughout")
@@ -224,6 +233,16 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         sft_model_path=sft_model_path, reward_model_path=reward_model_path,
     )
     return settings, notes
+
+
+def check_settings(config_path: Optional[str], overrides: list[str], steps: int,
+                   seed: int) -> None:
+    """Raise ConfigError or PeerSettingError for a config the peer would refuse, without
+    importing TRL or building a model: oppo-bench asks before its first mode runs."""
+    from ..config import load_config
+
+    cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}"])
+    trl_settings(cfg, out_dir="", eos_token_ids=(), use_cpu=True)
 
 
 # ------------------------------------------------------------------ per-step rows
@@ -330,9 +349,10 @@ class _StepRecorder:
         from ..bench import tail_waste
 
         scores = torch.cat([s.float().cpu() for _, _, s in self.scored]) if self.scored else torch.zeros(0)
-        lengths, gold = [], []
+        lengths, gold, slots = [], [], 0
         for query_responses, context, _ in self.scored:
             responses = query_responses[:, context:].cpu()
+            slots += responses.numel()  # generate decoded every row to the batch's width
             # as TRL: the response ends before its first pad (truncate_response put pads after
             # the stop token), so a length counts the EOS
             n = self.first_true_indices(responses == self.pad_token_id).tolist()
@@ -348,8 +368,9 @@ class _StepRecorder:
                         "response/len_max": max(lengths),
                         "response/len_p50": sorted(lengths)[len(lengths) // 2],
                         "response/lengths": [int(x) for x in lengths],
-                        # HF generate decodes every row until the batch's longest one ends
-                        "rollout/tail_waste_frac": tail_waste(lengths)})
+                        # HF generate decodes every row until the batch's longest one ends,
+                        # also past a pad a row sampled (TRL's length ends at the first pad)
+                        "rollout/tail_waste_frac": tail_waste(lengths, slots)})
         marks = [self.step_start, self.generated_at, self.scored_at, self.train_at, end]
         if None not in marks:
             spans = {"score": (self.generated_at, self.scored_at),
@@ -559,12 +580,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ..datafiles import DataError
 
     try:
+        check_settings(args.config, args.overrides, args.steps, args.seed)
         _import_trl()
         run_trl_peer(args.config, args.overrides, args.steps, args.seed, args.out)
     except PeerUnavailable as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, FileNotFoundError) as err:
+    except (ConfigError, DataError, FileNotFoundError, PeerSettingError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     print(os.path.abspath(os.path.join(args.out, "metrics.jsonl")))
