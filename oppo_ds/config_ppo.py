@@ -39,7 +39,7 @@ class PPOConfig:
     warmup_steps: int = 0
     """Optimizer updates of linear learning-rate warm-up."""
     grad_clip: Optional[float] = 1.0
-    """Gradient-norm clipping (null = off)."""
+    """Gradient-norm clipping (null or 0 = off, on either backend)."""
     kl_coef: float = 0.05
     """Coefficient of the per-token KL penalty against the reference model (beta). 0 turns the
     KL off and, as in OpenRLHF (--init_kl_coef 0), no reference model is built, loaded or run

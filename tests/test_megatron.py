@@ -110,6 +110,47 @@ def test_fused_norm_names_are_megatron_cores_own_mapping():
 def test_unsupported_architecture_is_refused():
     with pytest.raises(ValueError, match="llama, qwen2"):
         shape_of(tiny_config("tiny-gpt2", VOCAB))
+    from transformers import Qwen2Config
+
+    # Megatron's GPT attends to every earlier position: a window would give other logits
+    # past it (0.12-0.69 off in the audit's run) instead of an error
+    windowed = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                           max_window_layers=0)
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] attend within a sliding window of 8"):
+        shape_of(windowed)
+    shape_of(Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=2))  # every layer full: converted
+
+
+def _clip_worker(rank, world, out, clip):
+    from oppo_ds.engines.megatron_engine import MegatronTrainEngine
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import init_model_parallel
+
+    groups = init_model_parallel(1, 1)
+    hf = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+    start = {k: v.clone() for k, v in hf.state_dict().items()}
+    model = build_model(hf, groups, "lm", dtype=torch.float32, device=torch.device("cpu"))
+    engine = MegatronTrainEngine(model, groups, lr=1e-2, total_steps=1, grad_clip=clip)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+
+    def loss_fn(m, mb):
+        logits = m(input_ids=mb, attention_mask=mask, position_ids=mask.cumsum(1) - 1).logits
+        return torch.log_softmax(logits[:, :-1].float(), -1).gather(
+            -1, mb[:, 1:, None]).mean().neg(), {}
+
+    engine.train_step([ids], loss_fn)
+    moved = max(float((v - start[k]).abs().max()) for k, v in model.hf_state().items())
+    out.put((clip, moved, engine.grad_norm()))
+
+
+@pytest.mark.parametrize("clip", [0.0, None])
+def test_a_grad_clip_of_0_is_no_clipping_as_on_deepspeed(clip, torch_one_thread):
+    """ppo.grad_clip 0 turned every gradient to 0 (scaled by 0 / norm): Adam then never moved a
+    weight. It means no clipping, as DeepSpeed's gradient_clipping 0 does."""
+    (_, moved, norm), = _spawn(_clip_worker, 1, clip)
+    assert norm > 0 and moved == pytest.approx(1e-2, rel=0.01)  # Adam's first step: lr a weight
 
 
 # ------------------------------------------------------------------------------ tier 1

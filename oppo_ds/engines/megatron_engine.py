@@ -140,7 +140,7 @@ class MegatronTrainEngine(TrainEngine):
         if self.groups.tp * self.groups.pp > 1:
             dist.all_reduce(local, group=self.groups.mp_group)
         norm = float(local.sqrt())
-        if self.grad_clip is not None and norm > self.grad_clip:
+        if self.grad_clip and norm > self.grad_clip:  # None or 0: no clipping, as DeepSpeed
             for p in self._params:
                 p.grad.mul_(self.grad_clip / (norm + 1e-6))
         return norm

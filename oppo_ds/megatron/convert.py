@@ -94,6 +94,13 @@ def shape_of(config) -> Shape:
     if arch == "llama" and (getattr(config, "attention_bias", False)
                             or getattr(config, "mlp_bias", False)):
         raise ValueError("Llama with attention_bias or mlp_bias is not converted yet")
+    sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or [])
+               if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"layers {sliding} attend within a sliding window of "
+                         f"{getattr(config, 'sliding_window', None)} tokens: Megatron's GPT "
+                         f"attends to every earlier position (for a model trained without the "
+                         f"window, set use_sliding_window: false in its config.json)")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r}: Megatron's SwiGLU uses silu")
     heads = config.num_attention_heads

@@ -11,7 +11,8 @@ checkpoint taken earlier, or a run that exported nothing.
 
     python -m oppo_ds.megatron.export runs/megatron-70b/checkpoints/actor/step100 out/actor-step100
 
-Host memory: the whole model once in the checkpoint's dtype plus its fp32 HF copy.
+Host memory: the whole model once, in the checkpoint's dtype (the HF model takes its tensors in
+place).
 """
 from __future__ import annotations
 
