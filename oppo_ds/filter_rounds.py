@@ -68,6 +68,8 @@ class _Rounds:
     have: int = 0  # prompts kept so far
     uniform: int = 0  # prompts the rule dropped, all rounds
     surplus: int = 0  # informative prompts beyond the batch
+    surplus_dropped: int = 0  # of those, dropped: the pool could not carry them (pool only)
+    returned: set = field(default_factory=set)  # uids of surplus groups put back this step
     rounds: int = 0
     decoded: float = 0.0  # tokens the later rounds decoded from the pool
     idle: int = 0  # ranks the later rounds found with nothing to decode, summed
@@ -92,7 +94,11 @@ class FilterRounds:
         topped up to the prompts missing + Delta and decoded until that many finish. A rank's
         surplus goes back to the pool, where the next step takes it first; the dropped
         prompts are entered in the pool's ledger as dropped, and the pool defers what it still
-        holds once, after the last round."""
+        holds once, after the last round. A surplus that would leave more rows due next step
+        (deferred ``oppo.max_defer_steps`` times) than the batch holds is dropped instead
+        (``_carry_surplus``): the next step could not take them all, and one would be deferred
+        past the bound. A surplus group taken again by a later round of the step is drawn and
+        counted once."""
         n = self.cfg.data.samples_per_prompt
         state = _Rounds(wanted=len(exp) // n, drawn=len(exp) // n)
         exp = dataclasses.replace(exp, groups=None)
@@ -111,6 +117,11 @@ class FilterRounds:
         n = self.cfg.data.samples_per_prompt
         state.rounds += 1
         flags = informative_groups(exp.scores, n, self.cfg.ppo.filter_groups_reward_range)
+        if taken is not None:  # a surplus group put back in an earlier round, taken again
+            again = {taken[g * n].uid for g in range(len(flags))} & state.returned
+            state.returned -= again
+            state.drawn -= len(again)
+            state.surplus -= len(again)
         informative = [g for g, keep in enumerate(flags) if keep]
         uniform = [g for g, keep in enumerate(flags) if not keep]
         take, spare = informative[:state.wanted - state.have], informative[state.wanted - state.have:]
@@ -123,8 +134,28 @@ class FilterRounds:
             state.dropped.append((exp.select(_group_rows(uniform, n, exp.scores.device)),
                                   _group_entries(taken, uniform, n)))
         if spare and taken is not None:
-            self.pool.put_back(_group_entries(taken, spare, n))
+            self._carry_surplus(state, [_group_entries(taken, [g], n) for g in spare])
         state.have += len(take)
+
+    def _carry_surplus(self, state: _Rounds, groups: list[list]) -> None:
+        """Put the surplus ``groups`` (each a prompt's pool entries) back in the pool while the
+        rows due next step stay within the batch; drop the rest (ledger: dropped). With Delta
+        <= B the pool carries at most B rows (``config_checks``), but a surplus comes on top:
+        a later round takes as many prompts as the neediest rank lacks, times
+        ``ppo.filter_groups_oversample``, so a rank needing fewer keeps the difference."""
+        pool = self.pool
+        due = sum(1 for e in pool.entries if e.deferrals + 1 >= pool.max_defer_steps)
+        back = []
+        for entries in groups:
+            rows = sum(1 for e in entries if e.deferrals + 1 >= pool.max_defer_steps)
+            if due + rows <= pool.batch_size:
+                due += rows
+                back += entries
+                state.returned.add(entries[0].uid)
+            else:
+                pool.ledger.drop([e.key for e in entries])
+                state.surplus_dropped += 1
+        pool.put_back(back)
 
     def _more_round(self, state: _Rounds, need: int, chunk: Optional[int], timer: PhaseTimer,
                     taken: Optional[list]):
@@ -159,11 +190,13 @@ class FilterRounds:
         out.groups = torch.arange(len(out), device=out.scores.device) // n
         # summed over the data-parallel ranks: a model replica's ranks (Megatron) hold the same
         # prompts and count them once
-        totals = comm.all_reduce_ints([state.uniform - fallback, state.surplus, fallback, state.drawn],
-                                      group=self.dp_group)
+        totals = comm.all_reduce_ints([state.uniform - fallback, state.surplus, fallback,
+                                       state.drawn, state.surplus_dropped], group=self.dp_group)
         metrics = {"filter/rounds": state.rounds, "filter/dropped_groups": totals[0],
                    "filter/surplus_groups": totals[1], "filter/fallback_groups": totals[2],
                    "filter/prompts_drawn": totals[3]}
+        if pooled:
+            metrics["filter/surplus_dropped_groups"] = totals[4]
         if pooled:
             trained = [e for _, rows in kept for e in rows]
             self.pool.ledger.drop([e.key for e in dropped_entries[fallback * n:]])

@@ -19,6 +19,15 @@ from .rollout.stage_stream import stage_stream_continue
 from .rollout.streaming import StreamingScorer, stream_continue
 
 
+def _tail_waste(tokens, rows, longest) -> float:
+    """Decode slots left idle over the ranks (per rank: tokens decoded, rows, the longest
+    row's new tokens): rows that had ended while others went on, every rank's rows counted to
+    the longest anywhere, since the ranks decode in lock-step (as the sequential rollout's
+    figure, over the ranks' lengths)."""
+    slots = sum(rows) * max(longest, default=0)
+    return 1.0 - sum(tokens) / slots if slots else 0.0
+
+
 class PoolRollout:
     """``rollout_pool`` of ``PPOTrainer`` (``oppo.overcommit``)."""
 
@@ -76,23 +85,22 @@ class PoolRollout:
                                       if entry.uid in per_row})
         new_tokens = [len(e.tokens) - n for e, n in zip(running, before)]
         produced = float(sum(new_tokens))
-        # decode slots left idle: rows that had ended while the others went on
-        slots = len(running) * max(new_tokens, default=0)
-        tail_waste = 1.0 - produced / slots if slots else 0.0
         taken = pool.take(batch, defer=defer)
         pool.check()
         gen = entries_to_generation(taken, self.tokenizer.pad_token_id, self.device)
         streamed = {kind: [e.results.get(kind) for e in taken] for kind in self._streamed_kinds()}
         metrics = staleness_metrics(comm.gather_lists(staleness_rows(taken, self.policy_version),
                                                   self.dp_group))
-        calls, idle_ranks = zip(*comm.gather_lists([(stop.calls, int(idle))], self.dp_group))
+        calls, idle_ranks, tokens, rows, longest = zip(*comm.gather_lists(
+            [(stop.calls, int(idle), produced, len(running), max(new_tokens, default=0))],
+            self.dp_group))
         if len(set(calls)) > 1:  # lock-step broken: the ranks' collectives no longer pair up
             raise RuntimeError(f"ranks stopped decoding after different numbers of stop "
                                f"checks: {list(calls)}")
         metrics.update({"pool/delta": delta, "pool/size": size, "pool/carried": len(pool),
                         "pool/decoded_tokens": produced, "pool/sync_calls": calls[0],
                         "pool/idle_ranks": sum(idle_ranks),
-                        "rollout/tail_waste_frac": tail_waste})
+                        "rollout/tail_waste_frac": _tail_waste(tokens, rows, longest)})
         groups = torch.tensor([e.group for e in taken]) if pool.group_size > 1 else None
         return [e.key for e in taken], groups, gen, streamed, timing, metrics, produced, taken
 

@@ -135,6 +135,33 @@ def test_two_ranks_score_with_a_reward_function(tmp_path):
         assert len(r["response/lengths"]) == 2 * 4
 
 
+def _parity_rule(tmp_path):
+    """A reward function file: a prompt's responses all score 0 when it has an even number of
+    words (a group with nothing to learn), else their lengths."""
+    rule = tmp_path / "rule.py"
+    rule.write_text("def parity(prompts, completions, **fields):\n"
+                    "    return [0.0 if len(p.split()) % 2 == 0 else float(len(c))"
+                    " for p, c in zip(prompts, completions)]\n")
+    return rule
+
+
+def _rank_pools(out, step: int, max_defer_steps: int, group_size: int) -> list:
+    """Both ranks' rollout pools from checkpoint ``step``, each ledger checked."""
+    import torch
+
+    from oppo_ds.rollout.pool import RolloutPool
+
+    pools = []
+    for r in (0, 1):
+        state = torch.load(out / "checkpoints" / "trainer" / f"step{step}" / f"rank{r}.pt",
+                           weights_only=False)
+        pool = RolloutPool(batch_size=4, max_defer_steps=max_defer_steps, group_size=group_size)
+        pool.load_state_dict(state["pool"])
+        pool.check()
+        pools.append(pool)
+    return pools
+
+
 @pytest.mark.parametrize("overcommit", [0, 4], ids=["rounds", "pool"])
 def test_two_ranks_filter_groups_in_lock_step(tmp_path, overcommit):
     """ppo.filter_groups on 2 ZeRO-3 ranks whose prompts need different numbers of rounds (a
@@ -144,10 +171,7 @@ def test_two_ranks_filter_groups_in_lock_step(tmp_path, overcommit):
     on, dropped by the rule or a rank's surplus. With the pool a later round is a take from it
     (the stop rule's all-reduces pair up across ranks), a rank's surplus goes back to it, and
     each rank's ledger balances with the drops counted."""
-    rule = tmp_path / "rule.py"
-    rule.write_text("def parity(prompts, completions, **fields):\n"
-                    "    return [0.0 if len(p.split()) % 2 == 0 else float(len(c))"
-                    " for p, c in zip(prompts, completions)]\n")
+    rule = _parity_rule(tmp_path)
     out, cache = tmp_path / "run", tmp_path / "cache"
     # with the pool, 6 steps: step 5 leaves a rank's surplus in its pool, and in step 6's
     # second round that rank's pool is all finished while the other rank decodes (it joins
@@ -160,30 +184,45 @@ def test_two_ranks_filter_groups_in_lock_step(tmp_path, overcommit):
     history = read_history(str(out / "metrics.jsonl"))
     assert len(history) == steps
     if overcommit:
-        import torch
-
-        from oppo_ds.rollout.pool import RolloutPool
-
-        dropped = 0
-        for r in (0, 1):
-            state = torch.load(out / "checkpoints" / "trainer" / f"step{steps}" / f"rank{r}.pt",
-                               weights_only=False)
-            pool = RolloutPool(batch_size=4, max_defer_steps=2, group_size=4)
-            pool.load_state_dict(state["pool"])
-            pool.check()
-            assert sum(pool.ledger.trained.values()) == steps * 4
-            dropped += sum(pool.ledger.dropped.values())
-        assert dropped == 4 * sum(r["filter/dropped_groups"] for r in history)
+        pools = _rank_pools(out, steps, max_defer_steps=2, group_size=4)
+        assert [sum(p.ledger.trained.values()) for p in pools] == [steps * 4] * 2
+        dropped = sum(sum(p.ledger.dropped.values()) for p in pools)
+        assert dropped == 4 * sum(r["filter/dropped_groups"] + r["filter/surplus_dropped_groups"]
+                                  for r in history)
         assert sum(r["filter/surplus_groups"] for r in history[:5]) > 0
+        assert all(r["pool/deferrals_max"] <= 2 for r in history)  # oppo.max_defer_steps
     assert sum(r["filter/dropped_groups"] for r in history) > 0
     for r in history:
         trained = r["samples"] // 4  # prompts, both ranks
         assert trained == 2 and 1 <= r["filter/rounds"] <= 4
         assert r["filter/prompts_drawn"] == trained + r["filter/dropped_groups"] + r["filter/surplus_groups"]
         # each rank draws one prompt in the first round and, in each later round, as many
-        # as the neediest rank still lacks (one at most here): one per rank per round
-        assert r["filter/prompts_drawn"] == 2 * r["filter/rounds"]
+        # as the neediest rank still lacks (one at most here): one per rank per round, less
+        # a surplus group of the step taken again
+        assert r["filter/prompts_drawn"] <= 2 * r["filter/rounds"]
     assert any(r["filter/rounds"] > 1 for r in history)
+
+
+def test_two_ranks_filter_groups_keep_the_deferral_bound(tmp_path):
+    """The audit's run: B one prompt, Delta one prompt, oppo.max_defer_steps 1, 2 ZeRO-3
+    ranks. A rank that needs no more prompts still takes the neediest rank's number in a
+    later round; the surplus it put back came on top of its Delta, more rows were due than a
+    step takes, and steps 7 and 8 trained groups deferred twice. A surplus the pool cannot
+    carry within the bound is dropped now: every step's deferrals stay at most 1 and both
+    ledgers balance with those drops counted."""
+    rule = _parity_rule(tmp_path)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    launch(out, cache, "steps=8", "system.zero_stage=3", "checkpoint.export_hf=false",
+           f"model.reward_function={rule}:parity", "ppo.advantage_estimator=group_norm",
+           "data.samples_per_prompt=4", "ppo.filter_groups=true", "oppo.overcommit=4",
+           "oppo.max_defer_steps=1", "checkpoint.every=8")
+    history = read_history(str(out / "metrics.jsonl"))
+    assert all(r["pool/deferrals_max"] <= 1 for r in history)
+    assert sum(r["filter/surplus_dropped_groups"] for r in history) > 0  # the case arose
+    dropped = sum(sum(p.ledger.dropped.values())
+                  for p in _rank_pools(out, 8, max_defer_steps=1, group_size=4))
+    assert dropped == 4 * sum(r["filter/dropped_groups"] + r["filter/surplus_dropped_groups"]
+                              for r in history)
 
 
 def test_two_ranks_partitioned_offloaded_reference_gives_the_same_run(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from oppo_ds.config import ConfigError, load_config
 from oppo_ds.experience import Experience, concat_experiences
-from oppo_ds.filter_rounds import informative_groups
+from oppo_ds.filter_rounds import FilterRounds, _Rounds, informative_groups
 from oppo_ds.telemetry import read_history
 
 SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
@@ -90,6 +90,39 @@ def checked_batch(keys, scores, groups, m, text) -> list[str]:
     assert differs == [True] * (4 - fallback) + [False] * fallback
     assert [uniform_prompt(text[p]) for p in prompts] == [not d for d in differs]
     return prompts
+
+
+def test_a_surplus_is_carried_only_while_the_rows_due_next_step_fit_the_batch():
+    """A rank's surplus comes on top of the Delta its pool carries: with B one prompt of 4
+    rows, Delta one prompt and max_defer_steps 1, every row left in the pool is due next
+    step, so a surplus group put back made 8 rows due for a batch of 4 and one group was
+    deferred twice (two ranks, audit run). Such a surplus is dropped (in the ledger); one
+    that will not be due next step is carried."""
+    from types import SimpleNamespace
+
+    from oppo_ds.rollout.pool import RolloutPool
+
+    def pool_with(max_defer_steps):
+        pool = RolloutPool(batch_size=4, max_defer_steps=max_defer_steps, group_size=4)
+        prompts = [SimpleNamespace(id=f"p{g}#{k}", input_ids=[5, 6]) for g in range(3)
+                   for k in range(4)]
+        pool.top_up(prompts, 12)
+        for e in pool.entries:
+            e.finished, e.finished_at = True, (1, e.uid)
+        return pool
+
+    for max_defer_steps, carried in ((1, False), (2, True)):
+        pool = pool_with(max_defer_steps)
+        taken = pool.take(8, defer=False)  # two prompts taken, one left (Delta)
+        trainer, state = SimpleNamespace(pool=pool), _Rounds(wanted=1, drawn=2)
+        # the second prompt is this rank's surplus
+        FilterRounds._carry_surplus(trainer, state, [taken[4:]])
+        in_pool = [e.key for e in pool.entries]
+        assert (taken[4].key in in_pool) == carried
+        assert state.surplus_dropped == (0 if carried else 1)
+        assert state.returned == ({taken[4].uid} if carried else set())
+        pool.check()  # the ledger balances either way (the dropped counted as dropped)
+        assert pool.ledger.dropped[taken[4].key] == (0 if carried else 1)
 
 
 def test_dropped_prompts_are_replaced_and_every_drawn_prompt_is_accounted_for(cache_dir, rule, tmp_path):
