@@ -117,6 +117,40 @@ def test_unknown_and_abbreviated_flags_are_errors(capsys):
         assert name in capsys.readouterr().err
 
 
+def test_dschat_run_scripts_oppo_flags_give_a_config_that_runs():
+    """The docs' command: DeepSpeed-Chat's run_1.3b.sh (a generation batch of 4) and its llama2
+    scripts (1, --offload_reference_model under ZeRO-3) with --enable_oppo --oppo_chunk_size
+    auto --oppo_overcommit auto appended. Both were refused: auto kept oppo.delta_max 8, more
+    than the batch (the patch caps Delta at B/4), and the partitioned reference was left in
+    oppo.stream_to, where it cannot stream."""
+    oppo = ["--enable_oppo", "--oppo_chunk_size", "auto", "--oppo_overcommit", "auto"]
+    for batch, delta_max in ((16, 4), (4, 1), (1, 1)):
+        cfg, _ = resolve(["--per_device_generation_batch_size", str(batch),
+                          "--per_device_training_batch_size", str(batch)] + oppo)
+        assert (cfg.ppo.batch_size, cfg.oppo.overcommit, cfg.oppo.delta_max) == \
+            (batch, "auto", delta_max)
+    cfg, notes = resolve(["--per_device_generation_batch_size", "1",
+                          "--per_device_training_batch_size", "1", "--actor_zero_stage", "3",
+                          "--critic_zero_stage", "3", "--offload_reference_model"] + oppo)
+    assert cfg.system.partition_reference and cfg.system.offload_reference
+    assert cfg.oppo.stream_to == ["critic", "actor"]
+    assert any("the partitioned reference scores whole sequences" in n for n in notes)
+    cfg, _ = resolve(["--per_device_generation_batch_size", "4",
+                      "--per_device_training_batch_size", "4", "oppo.delta_max=2"] + oppo)
+    assert cfg.oppo.delta_max == 2  # a dotted override still wins
+    cfg, _ = resolve(["--actor_zero_stage", "3", "--offload_reference_model"])
+    assert cfg.oppo.stream_to == ["reference", "critic", "actor"]  # nothing streams anyway
+
+
+def test_print_config_names_the_critic_it_would_train(tmp_path, capsys):
+    """--print-config printed critic: null and reward: builtin for a command line giving
+    --critic_model_name_or_path (the path was set only when files were prepared)."""
+    cfg, _ = resolve(["--actor_model_name_or_path", str(tmp_path / "a"),
+                      "--critic_model_name_or_path", str(tmp_path / "c")])
+    assert cfg.model.critic == cfg.model.reward == str(tmp_path / "c")
+    assert not (tmp_path / "c").exists() and not os.listdir(tmp_path)  # nothing written
+
+
 def test_oppo_knobs_without_enable_oppo_warn_and_change_nothing():
     cfg, notes = resolve(["--oppo_overcommit", "2"])
     assert not cfg.oppo.streaming and cfg.oppo.overcommit == 0

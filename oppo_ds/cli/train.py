@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_config(args, prepare_files: bool = True):
     """The config from --config, DeepSpeed-Chat's flags (mapped onto keys) and the dotted
     overrides, in that order (a later one wins). ``prepare_files``: convert DeepSpeed-Chat's
-    step-2 checkpoint into the form oppo-ds reads (under output_dir; --print-config does
-    not). Returns (config, warnings)."""
+    step-2 checkpoint into the form oppo-ds reads (under output_dir; --print-config names
+    where it would go). Returns (config, warnings)."""
     flags = dschat.given_flags(args)
     if not flags:
         return load_config(args.config, args.overrides), []
@@ -49,8 +49,9 @@ def resolve_config(args, prepare_files: bool = True):
     mapped, notes = dschat.dschat_overrides(flags)
     cfg = load_config(args.config, mapped + list(args.overrides))
     extra = []
-    if prepare_files and "critic_model_name_or_path" in flags:
-        critic = dschat.critic_source(flags["critic_model_name_or_path"], cfg.logging.output_dir)
+    if "critic_model_name_or_path" in flags:
+        critic = dschat.critic_source(flags["critic_model_name_or_path"], cfg.logging.output_dir,
+                                      convert=prepare_files)
         extra += [f"model.critic={critic}", f"model.reward={critic}"]
     if "data_path" in flags:
         # JSON, which YAML reads back as it is: a path may hold ':' or '#'

@@ -122,7 +122,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("inference_tp_size", MAPPED, "system.inference_tp_size", int),
     _f("offload", MAPPED, "system.offload: true"),
     _f("offload_reference_model", MAPPED, "system.partition_reference and "
-       "system.offload_reference: true (needs ZeRO stage 3)"),
+       "system.offload_reference: true (needs ZeRO stage 3); with --enable_oppo, reference "
+       "left out of oppo.stream_to (a partitioned reference cannot stream)"),
     _f("dtype", MAPPED, "system.dtype (not given: oppo-ds's fp32, not DeepSpeed-Chat's fp16)",
        str, choices=("fp16", "bf16", "fp32")),
     _f("actor_zero_stage", MAPPED, "system.zero_stage (one stage for actor and critic: the "
@@ -144,8 +145,9 @@ FLAGS: tuple[Flag, ...] = (
        "--oppo_overcommit (the patched DeepSpeed-Chat's flags)"),
     _f("oppo_chunk_size", MAPPED, "oppo.chunk_size (an integer or auto), with --enable_oppo",
        auto_int),
-    _f("oppo_overcommit", MAPPED, "oppo.overcommit (Delta: an integer or auto), with "
-       "--enable_oppo", auto_int),
+    _f("oppo_overcommit", MAPPED, "oppo.overcommit (Delta: an integer or auto, auto within "
+       "[0, B/4]: oppo.delta_max = a quarter of the batch flags' batch), with --enable_oppo",
+       auto_int),
     _f("oppo_placement", MAPPED, "oppo.placement (inline or colocated; auto = the config's), "
        "with --enable_oppo", str, choices=("auto", "inline", "colocated")),
     _f("oppo_sync_every", MAPPED, "generation.sync_every (tokens between two host checks of "
@@ -299,6 +301,15 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
                               "oppo-train (the offloaded reference is a ZeRO-3 partition)")
         put("system.partition_reference", True)
         put("system.offload_reference", True)
+        if flags.get("enable_oppo"):
+            # its forwards are collective over the ranks, which decode rows of their own: it
+            # scores whole sequences after generation, as in DeepSpeed-Chat
+            from ..config import OppoConfig
+
+            put("oppo.stream_to", [k for k in OppoConfig().stream_to if k != "reference"])
+            warnings.append("--offload_reference_model: the partitioned reference scores whole "
+                            "sequences after generation (it cannot stream); oppo.stream_to "
+                            "keeps the critic and the actor")
     _oppo(flags, put, warnings)
     _batches(flags, put)
     _schedule(flags, put)
@@ -339,17 +350,34 @@ def _oppo(flags: dict, put, warnings: list) -> None:
         # chunk size and Delta take auto as a config value; placement auto keeps the config's
         if name in flags and not (name == "oppo_placement" and flags[name] == "auto"):
             put(key, flags[name])
+    batch = _step_batch(flags)
+    if flags.get("oppo_overcommit") == "auto" and batch is not None:
+        # as the patched DeepSpeed-Chat's: Delta within [0, B/4] (oppo.delta_max's default, 8,
+        # is more than a DeepSpeed-Chat batch of 4 or 1 takes)
+        put("oppo.delta_max", max(1, batch // 4))
+
+
+BATCH_FLAGS = ("per_device_generation_batch_size", "per_device_training_batch_size",
+               "generation_batches", "gradient_accumulation_steps")
+
+
+def _step_batch(flags: dict) -> Optional[int]:
+    """A step's prompts a rank, ppo.batch_size, from DeepSpeed-Chat's batch flags (their
+    defaults for those not given); None when none is given (the config's batch stands)."""
+    if not set(BATCH_FLAGS) & set(flags):
+        return None
+    return flags.get("per_device_generation_batch_size", 16) * flags.get("generation_batches", 1)
 
 
 def _batches(flags: dict, put) -> None:
+    batch = _step_batch(flags)
+    if batch is None:
+        return
     gen = flags.get("per_device_generation_batch_size", 16)
     train = flags.get("per_device_training_batch_size", 16)
     batches = flags.get("generation_batches", 1)
     accumulate = flags.get("gradient_accumulation_steps", 1)
-    if not {"per_device_generation_batch_size", "per_device_training_batch_size",
-            "generation_batches", "gradient_accumulation_steps"} & set(flags):
-        return
-    batch, mini = gen * batches, train * accumulate
+    mini = train * accumulate
     if batch % mini:
         raise ConfigError("--per_device_training_batch_size",
                           f"{train} x --gradient_accumulation_steps {accumulate} must divide "
@@ -449,8 +477,11 @@ def convert_dschat_reward_checkpoint(path: str, out: str) -> str:
     return out
 
 
-def critic_source(path: str, out_dir: str) -> str:
+def critic_source(path: str, out_dir: str, convert: bool = True) -> str:
+    """The critic / reward model's path for a --critic_model_name_or_path: DeepSpeed-Chat's
+    RewardModel checkpoint converted under ``out_dir`` (only named, with ``convert`` false:
+    --print-config), any other path as it is."""
     if os.path.isdir(path) and is_dschat_reward_checkpoint(path):
-        return convert_dschat_reward_checkpoint(
-            path, os.path.join(out_dir, "dschat_converted", "critic"))
+        out = os.path.join(out_dir, "dschat_converted", "critic")
+        return convert_dschat_reward_checkpoint(path, out) if convert else out
     return path
