@@ -494,3 +494,15 @@ def test_ranks_in_blocks_stop_at_the_token_the_per_token_protocol_does():
     assert results[0][4]["stopped"] and results[1][4]["stopped"] and tokens % 4
     # rank 0 had its row before rank 1 had its three, and went on decoding the others
     assert min(results[0][4]["lengths"]) < max(results[0][4]["lengths"]) == tokens
+
+
+def test_the_pools_tail_waste_is_over_the_ranks():
+    """rollout/tail_waste_frac with the pool was rank 0's own; the ranks decode in lock-step,
+    so each rank's rows count to the longest row anywhere, as the sequential figure pools
+    every rank's lengths: ranks of 4 rows (10 tokens, longest 5) and 2 rows (2 tokens)."""
+    from oppo_ds.pool_rollout import _tail_waste
+
+    assert _tail_waste((10.0, 2.0), (4, 2), (5, 1)) == pytest.approx(1 - 12 / (6 * 5))
+    assert _tail_waste((10.0,), (4,), (5,)) == pytest.approx(1 - 10 / 20)  # one rank
+    assert _tail_waste((0.0, 0.0), (0, 0), (0, 0)) == 0.0  # nothing decoded
+
