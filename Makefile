@@ -9,6 +9,10 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.oppo-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 CPU_TORCH := torch==2.13.0
+# PyPI's Linux torch wheel pulls CUDA libraries (gigabytes): the CPU build comes from torch's own
+# index, asked beside pip's when it answers (a machine without it, offline with a local mirror
+# of CPU wheels, installs the pin from what pip's configuration has)
+CPU_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CONSTRAINTS := $(VENV)/constraints.txt
 
 .PHONY: demo test bench install clean-cache gpu-wheels
@@ -20,7 +24,12 @@ ifeq ($(HAS_GPU),1)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(CONSTRAINTS)
 else
-	$(PIP) install -q "$(CPU_TORCH)"
+	if $(PY) -c "import urllib.request as u; u.urlopen('$(CPU_TORCH_INDEX)/torch/', timeout=10)" \
+		2>/dev/null; then \
+		$(PIP) install -q "$(CPU_TORCH)" --extra-index-url "$(CPU_TORCH_INDEX)"; \
+	else \
+		$(PIP) install -q "$(CPU_TORCH)"; \
+	fi
 	echo "$(CPU_TORCH)" > $(CONSTRAINTS)
 endif
 	DS_BUILD_OPS=0 $(PIP) install -q -c $(CONSTRAINTS) -e ".[test]"
