@@ -135,26 +135,24 @@ class Evaluating:
         """Generate for this rank's share of the evaluation prompts and score the responses;
         returns every rank's figures and records (the same on every rank). The actor is
         gathered once for all of it (under ZeRO-3 entering generation is collective, and the
-        ranks' shares may need a different number of batches)."""
+        ranks' shares may need a different number of batches; under the stage a shorter one
+        pads with empty rollouts, ``_pad_eval_rollouts``)."""
         e = self.cfg.eval
         t0 = time.perf_counter()
         data_rank = self.actor.rank
         mine = self.eval_prompts[data_rank::self.world_size]
-        answered = len(mine)
-        if self.stage is not None:
-            # the scorer rank serves every actor rank's rollouts in rounds, one each: every
-            # rank answers as many batches (a shorter share repeats its first prompt, whose
-            # record is left out), and the critic's copy there is brought up to date first
-            share = -(-len(self.eval_prompts) // self.world_size)
-            mine = mine + [self.eval_prompts[data_rank % len(self.eval_prompts)]] * (share - answered)
+        batch = self.cfg.ppo.batch_size
+        on_stage = self.stage is not None and self.reward_fn is None
+        if self.stage is not None:  # the critic's copy there up to date before any rollout
             self._send_critic_to_stage()
         params = self.sampling if e.temperature is None else \
             dataclasses.replace(self.sampling, temperature=e.temperature)
         # the same draws at every evaluation, none of training's
         rng = torch.Generator().manual_seed(self.cfg.seed * 1000 + EVAL_SEED_OFFSET + data_rank)
-        batch = self.cfg.ppo.batch_size
         records = []
         with self.actor.generation_context() as model:
+            if on_stage:
+                self._pad_eval_rollouts(-(-len(mine) // batch))
             for i in range(0, len(mine), batch):
                 prompts = mine[i:i + batch]
                 ids, mask = left_pad([p.input_ids for p in prompts], self.tokenizer.pad_token_id)
@@ -171,8 +169,19 @@ class Evaluating:
                 scores = self.normalized(scores)
                 records += text_records(self.tokenizer, [p.id for p in prompts], gen, scores, gold,
                                         params.eos_token_ids, params.max_new_tokens)
-        records = comm.gather_lists(records[:answered], self.dp_group)
+        records = comm.gather_lists(records, self.dp_group)
         return eval_metrics(records, time.perf_counter() - t0), records
+
+    def _pad_eval_rollouts(self, batches: int) -> None:
+        """The scorer rank serves every actor rank's rollouts in rounds, one of each: a rank
+        whose share of the evaluation prompts takes fewer batches than the longest share (rank
+        0's) sends an empty rollout for each batch it lacks, and nothing when the shares take
+        as many. (Padding the share with prompts instead changed its batches' shapes, so its
+        sampled answers: they differed from the inline run's.)"""
+        longest = -(-len(self.eval_prompts) // self.world_size)  # rank 0's share
+        for _ in range(-(-longest // self.cfg.ppo.batch_size) - batches):
+            if self.remote is not None:
+                self.remote.empty_rollout()
 
     def _stage_scores(self, actor, ids: torch.Tensor, mask: torch.Tensor, params, rng):
         """Answers to one batch and their rewards from the scorer rank: streamed to it as a

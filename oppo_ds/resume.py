@@ -131,7 +131,8 @@ class Resumable:
                 self.ema = ActorEMA(self.actor.module, self.cfg.model.actor_ema_beta)
 
     def _resume_pool(self, state: dict, tag: str) -> None:
-        """The rollout pool with its deferred rows, and the frozen scorers' caches of them."""
+        """The rollout pool with its deferred rows, and the frozen scorers' caches of them;
+        under the stage, the scores its finished rows lack from the scorer rank."""
         held = len(state["pool"]["entries"]) if state.get("pool") else 0
         if self.pool is None and held:
             raise ConfigError("oppo.overcommit", (
@@ -170,6 +171,8 @@ class Resumable:
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)
+            if self.stage is not None:  # finished rows no scorer there saw: scored there now
+                self._score_ended_rows_on_stage()
 
     def _log_resumed(self, state: dict, tag: str, notes: list) -> None:
         """Say where the run resumed, the controllers' notes, and every optimizer or objective

@@ -9,6 +9,7 @@ the scorer rank is in no world: each streaming actor rank reaches it over a link
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -18,12 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .config import ConfigError
 from .models import build_causal_lm, build_device, build_value_model
 from .preemption import StopOnSignal, signal_name
-from .rollout.scorer import StreamingScorer
+from .rollout.scorer import FROZEN_KINDS, StreamingScorer
 from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
-from .rollout.stage_stream import Replica
+from .rollout.stage_stream import Replica, stage_score_ended
 from .rollout.stage_layout import StageLayout
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ class StagePlacement:
         except ValueError as err:
             raise ConfigError("oppo.placement", str(err)) from None
         os.environ.update(stage.env_updates(dict(os.environ)))
+        # a process that ends before its links open (a bad path on an actor rank) says so in
+        # the store, so that the others stop at once rather than wait 30 minutes for it
+        atexit.register(stage.abort)
         if stage.rank == 0:
             kinds = self.cfg.streamed_scorers  # the stage streams: all of them are its
             senders = "" if stage.senders == stage.actor_ranks else \
@@ -97,6 +102,32 @@ class StagePlacement:
         self._critic_sent = self.step_count
         self.critic_send_s = time.perf_counter() - start
 
+    def _score_ended_rows_on_stage(self) -> None:
+        """After a resume: the rollout pool's finished rows that lack a result of a scorer on
+        the scorer rank (the reward model; the reference when it streams) get it from there,
+        since ``make_experience`` on an actor rank has no such model to score them with. A
+        checkpoint written with streaming off, or with the reference not streamed, holds
+        such rows (finished, not taken yet). Each goes to the stage as a new row with its
+        whole response and ends at once (``stage_score_ended``): the scores the inline
+        placement's whole-sequence scoring gives them. Collective over the actor ranks: when
+        any of them has such rows, every streaming rank sends one rollout (an empty one if
+        it has none), as the scorer rank serves one rollout of each a round."""
+        kinds = [k for k in FROZEN_KINDS if k in self.cfg.streamed_scorers]
+        rows = [e for e in self.pool.waiting() if any(k not in e.results for k in kinds)]
+        if not kinds or not comm.all_reduce_ints([len(rows)], group=self.actor_group)[0]:
+            return
+        self._send_critic_to_stage()  # a stage with a critic copy serves no rollout before
+        inputs = self.pool.decode_inputs(rows, self.tokenizer.pad_token_id, self.device) \
+            if rows else None
+        scored = stage_score_ended(self.remote, inputs, [e.uid for e in rows], self.replica)
+        for entry in rows:
+            for kind in kinds:
+                entry.results.setdefault(kind, scored[kind][entry.uid])
+        if rows:
+            logger.info("rank %d: %d finished sequence(s) of the resumed rollout pool had no %s "
+                        "scores (written without them streamed): scored on the scorer rank",
+                        self.rank, len(rows), " / ".join(kinds))
+
     def _open_stage_links(self) -> None:
         """Open this process's links to the other end(s): on the scorer rank before it reads
         the workload (the actor ranks open theirs after rank 0 has prepared it, so the scorer
@@ -140,7 +171,7 @@ class StagePlacement:
         if self.critic_on_stage:  # built as the actor ranks build theirs (LoRA included)
             critic = prepare_trained(disable_dropout(build_value_model(src.critic, **common)),
                                      self.cfg, "critic")
-            weights = StageWeights(prepare_frozen(critic, dtype))
+            weights = StageWeights(_frozen_as_trained(critic, dtype))
 
         def scorers():  # one set per actor rank: their rollouts are served at the same time
             out = [StreamingScorer(self.reward, "reward")] if self.reward is not None else []
@@ -188,3 +219,25 @@ class StagePlacement:
                     self.preempted = signal_name(max(stage.shutdown_signal
                                                      for stage in self.scorer_stages))
                     return None
+
+
+def _frozen_as_trained(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """The scorer rank's copy of the critic (in place): eval mode, no gradients, on this
+    process's device, and held as the actor ranks' engine holds its model: parameters cast
+    to ``dtype`` (WEIGHTS overwrite them), buffers left as built. DeepSpeed's bf16 / fp16
+    engine casts parameters only, so a rotary ``inv_freq`` stays fp32 there; ``prepare_frozen``
+    casts buffers too (as the inline placement's reward and reference are held, and the
+    stage's), which rounded the copy's rotary angles and moved its values by up to 4e-3 from
+    the actor rank's critic in bf16."""
+    from deepspeed.accelerator import get_accelerator
+
+    from .models import _torch_dtype
+
+    model.eval()
+    model.requires_grad_(False)
+    model.to(get_accelerator().current_device_name())  # no dtype: buffers keep theirs
+    target = _torch_dtype(dtype)
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(target)
+    return model

@@ -599,6 +599,55 @@ def test_one_rank_sends_the_critic_the_others_await_it():
     assert [n for kind, _, n in messages if kind == "served"] == [6]
 
 
+def _abort_worker(rank, port, out):
+    """Actor ranks 0 and 1 in a gloo world of their own, the scorer rank 2 in none; actor rank
+    1 ends before it opens its link (the trainer's ``atexit`` calls ``abort``), the others try
+    to open theirs."""
+    import os
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    from _builders import _exit_without_finalizing
+    from oppo_ds.rollout.stage_layout import StageAborted, StageLayout
+
+    torch.set_num_threads(1)
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        layout = StageLayout(rank, 3, [0, 1])
+        if not layout.is_scorer:
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2,
+                                    timeout=timedelta(seconds=60))
+        start = time.monotonic()
+        if rank != 1:
+            try:
+                layout.open_links("gloo", timedelta(minutes=10))
+                out.put(("linked", rank, None))
+            except StageAborted as err:
+                out.put(("aborted", rank, (str(err), time.monotonic() - start)))
+        layout.abort()  # at exit: rank 0 hosts the store until the scorer rank has read it
+    except BaseException:
+        out.put(("crash", rank, traceback.format_exc()))
+        raise
+    _exit_without_finalizing(out)
+
+
+def test_a_rank_ending_before_its_link_opened_stops_the_others_at_once():
+    """An actor rank that ends before its link opens (a bad path, say) says so in the store
+    at its exit; the scorer rank and the other actor rank, waiting to open theirs, stop within
+    seconds naming it, not after the link timeout (30 minutes in the trainer)."""
+    from _builders import spawn_and_collect
+
+    messages = spawn_and_collect(_abort_worker, lambda rank, port, out: (rank, port, out), 3,
+                                 JOIN_S)
+    got = sorted((rank, m) for kind, rank, m in messages if kind == "aborted")
+    assert [rank for rank, _ in got] == [0, 2], messages
+    for rank, (text, seconds) in got:
+        assert "actor rank 1 ended before its link to the scorer rank (rank 2) opened" in text
+        assert seconds < 30, (rank, seconds)
+
+
 # ------------------------------------------------------------------ the layout of a launch
 
 def test_layout_from_the_deepspeed_launcher():

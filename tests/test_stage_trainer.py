@@ -104,6 +104,19 @@ def test_stage_with_the_kl_off_holds_no_reference_and_gives_the_inline_run(cache
         assert "kl/mean" not in b[step]
 
 
+def test_stage_in_bf16_gives_the_inline_runs_values(cache_dir, tmp_path):
+    """system.dtype=bf16: the scorer rank's copy of the critic holds its buffers as the actor
+    rank's DeepSpeed critic does (DeepSpeed casts parameters only: the rotary ``inv_freq``
+    stays fp32), so its streamed values are the inline run's; cast to bf16 with the
+    parameters, that buffer moved them by up to 4e-3. The reward and reference models are
+    held alike under both placements."""
+    proc, a, b = inline_and_stage(cache_dir, tmp_path, "steps=1", "checkpoint.export_hf=false",
+                                  "system.dtype=bf16")
+    assert b[1]["response/lengths"] == a[1]["response/lengths"]
+    for key in ("reward/mean", "kl/mean", "value/mean", "loss/value"):
+        assert b[1][key] == pytest.approx(a[1][key], abs=1e-6), key
+
+
 def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
     run_in_process(cache_dir, tmp_path / "inline", "steps=3", "checkpoint.export_hf=false")
     out = tmp_path / "stage"
@@ -143,10 +156,15 @@ def test_stage_run_gives_the_inline_run_and_resumes(cache_dir, tmp_path):
 def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
     """3 processes: actor ranks 0 and 1, data parallel over their world, both served by
     scorer rank 2 (at once). Same metrics as a 2-rank inline run: the same prompt shards,
-    responses, scores and all-reduced updates (tolerances as above)."""
-    launch(tmp_path / "inline", cache_dir, "steps=2", "checkpoint.export_hf=false",
+    responses, scores and all-reduced updates (tolerances as above). An evaluation of 9
+    prompts after the last step: the shares, 5 and 4, take 2 batches and 1; the second rank
+    sends the stage an empty rollout for the batch it lacks, and the answers are the inline
+    run's."""
+    evaluation = ("eval.prompts=builtin", "eval.num_prompts=9", "eval.at_start=false")
+    launch(tmp_path / "inline", cache_dir, "steps=2", "checkpoint.export_hf=false", *evaluation,
            placement="inline")
-    launch(tmp_path / "stage", cache_dir, "steps=2", "checkpoint.export_hf=false", ranks=3)
+    launch(tmp_path / "stage", cache_dir, "steps=2", "checkpoint.export_hf=false", *evaluation,
+           ranks=3)
     summary = json.loads((tmp_path / "stage" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 2 * 4
     trainer_state = tmp_path / "stage" / "checkpoints" / "trainer" / "step2"
@@ -158,6 +176,12 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
         assert b[step]["response/lengths"] == a[step]["response/lengths"], step
         for key in ("reward/mean", "kl/mean", "value/mean") if step == 1 else DETERMINISTIC:
             assert b[step][key] == pytest.approx(a[step][key], abs=tol), (step, key)
+    inline, stage = ([json.loads(line) for line in (tmp_path / run / "eval_samples.jsonl").open()]
+                     for run in ("inline", "stage"))
+    assert len(stage) == 9 and len({r["prompt_id"] for r in stage}) == 9
+    for x, y in zip(inline, stage):
+        assert (y["prompt_id"], y["response"]) == (x["prompt_id"], x["response"])
+        assert y["reward"] == pytest.approx(x["reward"], abs=1e-4)
 
 
 def test_stage_with_dynamic_sampling_serves_every_round_and_gives_the_inline_run(cache_dir, tmp_path):
@@ -260,6 +284,51 @@ def test_placement_changed_on_resume_keeps_every_deferred_row(cache_dir, tmp_pat
     assert_trained_once(out / "checkpoints" / "trainer" / "step4" / "rank0.pt", 4, 4)
 
 
+def test_stage_scores_the_finished_rows_a_resumed_pool_never_streamed(cache_dir, tmp_path):
+    """A pool checkpoint written with streaming off holds finished rows, not taken yet, with
+    no reward or reference scores; under the stage the actor rank holds neither model (the
+    resumed step crashed calling the absent reference). At the resume the scorer rank scores
+    them, one rollout more (those rows with their whole responses, ended at once), and the
+    resumed step gives the inline resume's figures."""
+    common = ("checkpoint.every=1", "checkpoint.export_hf=false", *POOL)
+    out = tmp_path / "stage"
+    run_in_process(cache_dir, out, "steps=2", "oppo.streaming=false", *common)
+    state = torch.load(out / "checkpoints" / "trainer" / "step2" / "rank0.pt", weights_only=False)
+    assert any(e["finished"] and "reward" not in e["results"] for e in state["pool"]["entries"])
+    shutil.copytree(out, tmp_path / "inline")
+    run_in_process(cache_dir, tmp_path / "inline", "steps=3", *common)
+    proc = launch(out, cache_dir, "steps=3", *common)
+    logs = proc.stdout + proc.stderr
+    assert "had no reward / reference scores" in logs and "served 2 rollouts" in logs
+    a, b = _by_step(tmp_path / "inline" / "metrics.jsonl"), _by_step(out / "metrics.jsonl")
+    assert b[3]["response/lengths"] == a[3]["response/lengths"]
+    for key in DETERMINISTIC + POOL_KEYS:
+        assert b[3][key] == pytest.approx(a[3][key], abs=1e-5), key
+
+
+def test_an_actor_rank_ending_before_its_link_opened_stops_the_scorer_rank(cache_dir, tmp_path):
+    """A bad model path stops the actor rank (exit 2) before it opens its link to the scorer
+    rank, which waited 30 minutes for that link before; now the actor rank says so in the
+    store at its exit and the scorer rank stops at once, naming it."""
+    from _builders import rank_process
+
+    args = [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={tmp_path / 'run'}",
+            "steps=1", "oppo.placement=stage", "model.reward=/nonexistent/dir"]
+    port = find_free_port()
+    procs = [rank_process(rank, 2, port, args) for rank in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == 2 and "model.reward" in logs[0], logs[0][-2000:]
+    assert procs[1].returncode == 1, logs[1][-2000:]
+    assert "StageAborted: actor rank 0 ended before its link to the scorer rank (rank 1) " \
+        "opened" in logs[1], logs[1][-2000:]
+
+
 @pytest.mark.parametrize("signalled", [[1], [0, 1]], ids=["scorer-rank", "every-rank"])
 def test_a_signal_to_the_scorer_rank_stops_the_run_with_a_checkpoint(cache_dir, tmp_path, signalled):
     """srun passes the job's USR1 to every task, the scorer rank included, which had no
@@ -289,9 +358,8 @@ def test_a_signal_to_the_scorer_rank_stops_the_run_with_a_checkpoint(cache_dir, 
     assert sorted(_by_step(metrics)) == list(range(1, done + 2))
 
 
-# greedy: a shorter share answers one prompt more under the stage (see below), which would
-# change a sampled batch's draws
-EVAL = ("eval.prompts=builtin", "eval.num_prompts=5", "eval.every=1", "eval.temperature=0")
+# sampled, as training samples: the same draws under both placements
+EVAL = ("eval.prompts=builtin", "eval.num_prompts=5", "eval.every=1")
 
 
 def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tmp_path):
@@ -299,11 +367,12 @@ def test_two_actor_ranks_with_overcommitment_share_one_scorer_rank(cache_dir, tm
     scorer process is in no world. Same metrics as 2 ranks inline.
 
     With a held-out evaluation before the first step and after every step: the answers stream
-    to the scorer rank and get the inline run's rewards (1e-5 before training, 1e-4 after, as
-    training's figures). The shares of 5 prompts are 3 and 2: the second rank answers its first
-    prompt again so that the scorer rank serves both ranks one rollout each, and that record is
-    left out. The evaluation's rollouts make the stage drop the pool's carried rows, which the
-    next step sends again: training's figures stay the inline run's."""
+    to the scorer rank and are the inline run's, with its rewards (1e-5 before training, 1e-4
+    after, as training's figures). The shares of 5 prompts, 3 and 2, take one batch each: the
+    scorer rank serves both ranks one rollout each, with nothing added (the second rank
+    answered its first prompt again before, which changed its sampled answers). The
+    evaluation's rollouts make the stage drop the pool's carried rows, which the next step
+    sends again: training's figures stay the inline run's."""
     launch(tmp_path / "inline", cache_dir, "steps=3", "checkpoint.export_hf=false", *POOL,
            *EVAL, placement="inline")
     launch(tmp_path / "stage", cache_dir, "steps=3", "checkpoint.export_hf=false", *POOL,

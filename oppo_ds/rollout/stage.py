@@ -53,7 +53,9 @@ device for NCCL). Actor -> scorer:
     CONSUME      [CONSUME, chunk, A, c, n]              int64 (A * (2 + c) + n,): per row its
                                                         place, its count of new tokens and the
                                                         c tokens (right-padded), then the n rows
-                                                        that ended in this chunk
+                                                        that ended in this chunk (A = 0: it only
+                                                        ends rows whose whole response came
+                                                        with the BEGIN, a resumed pool's)
     END_ROLLOUT  [END_ROLLOUT]                          -> RESULTS (or nothing after an ERROR)
     ABORT        [ABORT]                                -> ABORTED (or nothing after an ERROR)
     SHUTDOWN     [SHUTDOWN, sig]                        ``serve`` returns; sig: the stop signal
@@ -360,7 +362,8 @@ class ScorerStage:
         active, width = head[2], 2 + head[3]
         table, ended = payload[:active * width].view(active, width), payload[active * width:]
         rows, lengths, tokens = ids[table[:, 0]], table[:, 1], table[:, 2:]
-        for scorer in self.scorers:
+        # no rows: a chunk that only ends rows whose whole response came with the BEGIN
+        for scorer in self.scorers if active else ():
             run(scorer.kind, f"consume {chunk}", scorer.consume, rows, tokens, lengths)
         if ended.numel():
             for scorer in self.scorers:

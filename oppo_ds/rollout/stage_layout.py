@@ -1,13 +1,16 @@
 """Which process is which under the ``stage`` placement and how the two ends of each link
 find each other: ``StageLayout`` (the launcher's ranks split into actor ranks and the scorer
 rank), ``replica_senders`` (one streaming rank per model replica) and ``Link`` /
-``connect_link`` (a standalone two-rank process group per streaming actor rank). The
-messages that travel over a link are ``stage.py``'s.
+``connect_link`` (a standalone two-rank process group per streaming actor rank), opened once
+both ends say in the store that they are ready, or given up at once when one says it ended
+(``StageLayout.abort``, ``StageAborted``). The messages that travel over a link are
+``stage.py``'s.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -70,6 +73,23 @@ class Link:
 # open theirs after preparing the workload and loading models' sources) and per message
 # (the scorer rank waits a whole training phase between rollouts)
 LINK_TIMEOUT = timedelta(minutes=30)
+# the scorer rank reaches the actor ranks' store (actor rank 0's, made as it joins its world at
+# start-up) within this long, or stops: rank 0 did not start, or ended without a word
+STORE_CONNECT_TIMEOUT = timedelta(minutes=5)
+# how long actor rank 0, ending before its link opened, keeps its store up for the scorer rank
+# to read why (it stops waiting as soon as the scorer rank has)
+ABORT_GRACE_S = 60.0
+_KEYS = "oppo_ds/stage/"
+_ABORT, _ABORT_SEEN = _KEYS + "abort", _KEYS + "abort_seen"
+
+
+class StageAborted(RuntimeError):
+    """A process of the stage ended before its links opened (``StageLayout.abort``): the
+    others stop too instead of waiting for it. Its own log says why."""
+
+
+def _ready_key(actor_rank: int, end: str) -> str:
+    return f"{_KEYS}ready/{actor_rank}/{end}"
 
 
 def connect_link(store, actor_rank: int, scorer_rank: int, on_scorer: bool,
@@ -115,6 +135,10 @@ class StageLayout:
     rank: int  # this process's rank among the launched ones
     launched: int
     senders: list[int]
+    # whether this process's links are open (``open_links`` returned), and whether it learnt
+    # that another process ended before they did (then it has nobody to tell)
+    linked: bool = field(default=False, init=False, repr=False)
+    told: bool = field(default=False, init=False, repr=False)
 
     @property
     def scorer_rank(self) -> int:
@@ -164,15 +188,99 @@ class StageLayout:
                     out[key] = actors
         return out
 
-    def open_links(self, backend: str, timeout: timedelta = LINK_TIMEOUT) -> dict[int, Link]:
+    @property
+    def name(self) -> str:
+        return "the scorer rank" if self.is_scorer else f"actor rank {self.rank}"
+
+    def open_links(self, backend: str, timeout: timedelta = LINK_TIMEOUT,
+                   connect_timeout: timedelta = STORE_CONNECT_TIMEOUT) -> dict[int, Link]:
         """This process's links, by actor rank: on the scorer rank one per sender, on a
         sender its own, on the other actor ranks none. Rendezvous through the launcher's
         store (MASTER_ADDR / MASTER_PORT, hosted by actor rank 0's process group, which must
-        exist by then); each link's open waits for both of its ends."""
+        exist by then; the scorer rank waits ``connect_timeout`` at most to reach it). Each
+        end says in the store that it is ready and waits for the other (the scorer rank for
+        every sender before it says so); a process that ends before its links open says so
+        instead (``abort``, at its exit), and the others raise ``StageAborted`` at once rather
+        than wait ``timeout`` (30 min) for it: an actor rank's bad path, say, stops every
+        process in seconds."""
         mine = self.senders if self.is_scorer else [a for a in self.senders if a == self.rank]
         if not mine:
+            self.linked = True
             return {}
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
-        return {a: connect_link(store, a, self.scorer_rank, self.is_scorer, backend, timeout)
-                for a in mine}
+        store = self._store(min(timeout, connect_timeout) if self.is_scorer else timeout)
+        store.set_timeout(timeout)
+        if self.is_scorer:
+            for a in mine:
+                self._await(store, _ready_key(a, "actor"), timeout)
+            for a in mine:
+                store.set(_ready_key(a, "scorer"), "1")
+        else:
+            store.set(_ready_key(self.rank, "actor"), "1")
+            self._await(store, _ready_key(self.rank, "scorer"), timeout)
+        links = {a: connect_link(store, a, self.scorer_rank, self.is_scorer, backend, timeout)
+                 for a in mine}
+        self.linked = True
+        return links
+
+    def _store(self, timeout: timedelta):
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 is_master=False, timeout=timeout)
+        except (RuntimeError, TimeoutError) as err:
+            if not self.is_scorer:
+                raise
+            self.told = True  # no store to tell anybody through
+            raise StageAborted(f"the scorer rank could not reach the actor ranks' store at "
+                               f"{address} within {timeout}: actor rank 0 did not start, or "
+                               f"ended (its log says why)") from err
+
+    def _await(self, store, key: str, timeout: timedelta) -> None:
+        """Wait until ``key`` is in ``store``; ``StageAborted`` as soon as a process says it
+        ended (``abort``) or the store is gone (actor rank 0, its host, ended)."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                why = store.get(_ABORT).decode() if store.check([_ABORT]) else None
+                if why is None and store.check([key]):
+                    return
+                if why is not None and self.is_scorer:
+                    store.set(_ABORT_SEEN, "1")  # actor rank 0 may end now
+            except RuntimeError as err:  # DistNetworkError: the connection closed
+                self.told = True
+                raise StageAborted(f"the actor ranks' store closed before {self.name}'s links "
+                                   f"opened: actor rank 0 ended (its log says why)") from err
+            if why is not None:
+                self.told = True
+                raise StageAborted(f"{why}; {self.name} stops too")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: the other end of its link was not ready "
+                                   f"within {timeout}")
+            time.sleep(0.1)
+
+    def abort(self, connect_s: float = 10.0) -> None:
+        """Say in the store that this process ends before its links opened, so that the
+        processes waiting for it in ``open_links`` stop at once; for the end of a process
+        (``atexit``), a no-op once its links opened or when it learnt of another's abort.
+        Actor rank 0 hosts the store: it keeps it up until the scorer rank has read why, at
+        most ``ABORT_GRACE_S``. Never raises."""
+        host = self.rank == 0 and not self.is_scorer
+        if self.linked or (self.told and not host):
+            return
+        if host and not (dist.is_available() and dist.is_initialized()):
+            return  # it ended before its store existed: the scorer rank's connect times out
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timedelta(seconds=connect_s))
+            other = "its links to the actor ranks" if self.is_scorer else \
+                f"its link to the scorer rank (rank {self.scorer_rank})"
+            # the first to end names itself
+            store.compare_set(_ABORT, "", f"{self.name} ended before {other} opened (its log "
+                                          f"says why)")
+            if self.is_scorer:
+                store.set(_ABORT_SEEN, "1")
+            deadline = time.monotonic() + ABORT_GRACE_S
+            while host and not store.check([_ABORT_SEEN]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:  # at exit, with nothing left to do about it
+            pass

@@ -95,6 +95,61 @@ def stage_stream_continue(actor, remote: Optional[RemoteScorers], start_inputs: 
                        package=package, stop=stop, partial=True, row_ids=ids)
 
 
+def stage_score_ended(remote: Optional[RemoteScorers], inputs: Optional[dict],
+                      row_ids: Sequence[int], replica: Optional[Replica] = None) -> dict:
+    """The stage's scores of rows whose responses have ended already, none of them streamed:
+    a resumed rollout pool's finished rows from a checkpoint written with streaming off (or a
+    scorer not streamed), which the actor rank cannot score, the stage holding that model.
+    One rollout of them: new rows with their whole response as the prefix the stage
+    prefills (``inputs``: ``prompt_ids``, ``prompt_mask``, ``prefix_ids``, ``prefix_lengths``),
+    ended at once by a chunk of no tokens. The scores of the whole sequences, as a streamed
+    row's are (the same weights see the same tokens at the same positions). No rows: an
+    empty rollout (the stage serves one rollout of every actor rank a round). Returns {kind:
+    {row id: result}}; ``replica`` as in ``stage_stream_generate``."""
+    ids = [int(r) for r in row_ids]
+    if replica is None or replica.sends:
+        finished = _on_sender(remote, replica, lambda: _score_ended(remote, inputs, ids))
+        if replica is not None:
+            _share(replica, {k: {i: v.cpu() for i, v in rows.items()}
+                             for k, rows in finished.items()})
+        return finished
+    shared = _share(replica, None)
+    if isinstance(shared, str):
+        raise RemoteScorerError(shared)
+    device = inputs["prompt_ids"].device if inputs is not None else "cpu"
+    return {k: {i: v.to(device) for i, v in rows.items()} for k, rows in shared.items()}
+
+
+def _on_sender(remote, replica, work):
+    """``work()`` on the rank that streams to the stage; when it fails, the other ranks of its
+    replica, which wait for its results, learn why before it raises."""
+    if remote is None:
+        raise ValueError("the rank that streams needs the scorer stage (remote)")
+    try:
+        return work()
+    except Exception as err:
+        if replica is not None:
+            _share(replica, f"rank {dist.get_rank()}, which streams for its replica, "
+                            f"failed: {type(err).__name__}: {err}")
+        raise
+
+
+def _score_ended(remote: RemoteScorers, inputs: Optional[dict], ids: list[int]) -> dict:
+    if not ids:
+        remote.empty_rollout()
+        return {}
+    try:
+        remote.begin(inputs["prompt_ids"], inputs["prompt_mask"], inputs["prefix_ids"],
+                     inputs["prefix_lengths"], row_ids=ids)
+        none = torch.zeros(0, dtype=torch.long)
+        remote.chunk(0, none, none.view(0, 0), none, torch.arange(len(ids)))
+        finished, _ = remote.results()
+    except BaseException:
+        remote.abort()
+        raise
+    return {kind: {ids[i]: v for i, v in per_row.items()} for kind, per_row in finished.items()}
+
+
 def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int, replica,
                 package, stop=None, partial: bool = False, row_ids=None):
     """One streamed rollout: on the rank that streams (no ``replica``, or its sender) to the
@@ -103,17 +158,9 @@ def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int,
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device = inputs["prompt_ids"].device
     if replica is None or replica.sends:
-        if remote is None:
-            raise ValueError("the rank that streams needs the scorer stage (remote)")
-        try:
-            state, finished, timing = _stream_to_stage(
-                actor, remote, inputs, params, generator, chunk_size, stop, partial,
-                hold_errors=replica is not None, row_ids=row_ids)
-        except Exception as err:
-            if replica is not None:  # the other ranks of the replica wait for the scores
-                _share(replica, f"rank {dist.get_rank()}, which streams for its replica, "
-                                f"failed: {type(err).__name__}: {err}")
-            raise
+        state, finished, timing = _on_sender(remote, replica, lambda: _stream_to_stage(
+            actor, remote, inputs, params, generator, chunk_size, stop, partial,
+            hold_errors=replica is not None, row_ids=row_ids))
         if replica is not None:
             _share(replica, ({k: {i: v.cpu() for i, v in rows.items()}
                               for k, rows in finished.items()}, timing))
