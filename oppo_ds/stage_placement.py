@@ -171,7 +171,9 @@ class StagePlacement:
         if self.critic_on_stage:  # built as the actor ranks build theirs (LoRA included)
             critic = prepare_trained(disable_dropout(build_value_model(src.critic, **common)),
                                      self.cfg, "critic")
-            weights = StageWeights(_frozen_as_trained(critic, dtype))
+            # parameters cast, buffers as built: as the actor ranks' engine holds the critic
+            # (a bf16-cast rotary inv_freq moved the copy's values by up to 4e-3)
+            weights = StageWeights(prepare_frozen(critic, dtype, buffers=False))
 
         def scorers():  # one set per actor rank: their rollouts are served at the same time
             out = [StreamingScorer(self.reward, "reward")] if self.reward is not None else []
@@ -219,25 +221,3 @@ class StagePlacement:
                     self.preempted = signal_name(max(stage.shutdown_signal
                                                      for stage in self.scorer_stages))
                     return None
-
-
-def _frozen_as_trained(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """The scorer rank's copy of the critic (in place): eval mode, no gradients, on this
-    process's device, and held as the actor ranks' engine holds its model: parameters cast
-    to ``dtype`` (WEIGHTS overwrite them), buffers left as built. DeepSpeed's bf16 / fp16
-    engine casts parameters only, so a rotary ``inv_freq`` stays fp32 there; ``prepare_frozen``
-    casts buffers too (as the inline placement's reward and reference are held, and the
-    stage's), which rounded the copy's rotary angles and moved its values by up to 4e-3 from
-    the actor rank's critic in bf16."""
-    from deepspeed.accelerator import get_accelerator
-
-    from .models import _torch_dtype
-
-    model.eval()
-    model.requires_grad_(False)
-    model.to(get_accelerator().current_device_name())  # no dtype: buffers keep theirs
-    target = _torch_dtype(dtype)
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(target)
-    return model

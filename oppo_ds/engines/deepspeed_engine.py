@@ -618,10 +618,14 @@ def _merged(base: dict, overrides: dict) -> dict:
 # Frozen models (reference, reward)
 # --------------------------------------------------------------------------------------
 
-def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | str | None = None
-                   ) -> torch.nn.Module:
+def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | str | None = None,
+                   buffers: bool = True) -> torch.nn.Module:
     """Make ``model`` (in place) a frozen scorer: eval mode, no gradients, cast to ``dtype``,
     on ``device`` (default: the accelerator's current device). Returns ``model``.
+
+    ``buffers=False`` casts the parameters only and leaves buffers as built, as DeepSpeed's
+    bf16 / fp16 training engine holds its model (a rotary ``inv_freq`` stays fp32): for a
+    frozen copy of a trained model that must give that model's numbers (the stage's critic).
 
     Every rank holds the full weights; :func:`prepare_partitioned` shards them instead.
     """
@@ -631,7 +635,13 @@ def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | st
         device = get_accelerator().current_device_name()
     model.eval()
     model.requires_grad_(False)
-    return model.to(device=device, dtype=_TORCH_DTYPES[dtype])
+    if buffers:
+        return model.to(device=device, dtype=_TORCH_DTYPES[dtype])
+    model.to(device=device)
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(_TORCH_DTYPES[dtype])
+    return model
 
 
 def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = False
