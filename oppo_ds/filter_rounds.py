@@ -144,12 +144,15 @@ class FilterRounds:
         a later round takes as many prompts as the neediest rank lacks, times
         ``ppo.filter_groups_oversample``, so a rank needing fewer keeps the difference."""
         pool = self.pool
-        due = sum(1 for e in pool.entries if e.deferrals + 1 >= pool.max_defer_steps)
-        back = []
+
+        def due(entries) -> int:  # rows that will have been deferred max_defer_steps times
+            return sum(1 for e in entries if e.deferrals + 1 >= pool.max_defer_steps)
+
+        held, back = due(pool.entries), []
         for entries in groups:
-            rows = sum(1 for e in entries if e.deferrals + 1 >= pool.max_defer_steps)
-            if due + rows <= pool.batch_size:
-                due += rows
+            rows = due(entries)
+            if held + rows <= pool.batch_size:
+                held += rows
                 back += entries
                 state.returned.add(entries[0].uid)
             else:
@@ -197,7 +200,6 @@ class FilterRounds:
                    "filter/prompts_drawn": totals[3]}
         if pooled:
             metrics["filter/surplus_dropped_groups"] = totals[4]
-        if pooled:
             trained = [e for _, rows in kept for e in rows]
             self.pool.ledger.drop([e.key for e in dropped_entries[fallback * n:]])
             self.pool.end_step()

@@ -110,14 +110,10 @@ def stage_score_ended(remote: Optional[RemoteScorers], inputs: Optional[dict],
     if replica is None or replica.sends:
         finished = _on_sender(remote, replica, lambda: _score_ended(remote, inputs, ids))
         if replica is not None:
-            _share(replica, {k: {i: v.cpu() for i, v in rows.items()}
-                             for k, rows in finished.items()})
+            _share(replica, _moved(finished, "cpu"))
         return finished
-    shared = _share(replica, None)
-    if isinstance(shared, str):
-        raise RemoteScorerError(shared)
-    device = inputs["prompt_ids"].device if inputs is not None else "cpu"
-    return {k: {i: v.to(device) for i, v in rows.items()} for k, rows in shared.items()}
+    return _moved(_from_sender(replica), inputs["prompt_ids"].device
+                  if inputs is not None else "cpu")
 
 
 def _on_sender(remote, replica, work):
@@ -162,8 +158,7 @@ def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int,
             actor, remote, inputs, params, generator, chunk_size, stop, partial,
             hold_errors=replica is not None, row_ids=row_ids))
         if replica is not None:
-            _share(replica, ({k: {i: v.cpu() for i, v in rows.items()}
-                              for k, rows in finished.items()}, timing))
+            _share(replica, (_moved(finished, "cpu"), timing))
         return (*package(state, finished), timing)
     if remote is not None:
         raise ValueError(f"rank {dist.get_rank()} does not stream for its replica "
@@ -171,12 +166,22 @@ def _on_replica(actor, remote, inputs: dict, params, generator, chunk_size: int,
     state = start_decode(actor, params=params, **inputs)
     _decode_in_chunks(actor, state, _Quiet(), _Timeline(0.0, []), params, generator,
                       chunk_size, stop=stop)
+    finished, timing = _from_sender(replica)
+    return (*package(state, _moved(finished, device)), timing)
+
+
+def _moved(finished: dict, device) -> dict:
+    """{kind: {row: result}} with every result on ``device``."""
+    return {k: {i: v.to(device) for i, v in rows.items()} for k, rows in finished.items()}
+
+
+def _from_sender(replica: Replica):
+    """What the replica's sender shares (``_share``): its results, or ``RemoteScorerError``
+    with the message it shared when it failed (``_on_sender``)."""
     shared = _share(replica, None)
     if isinstance(shared, str):
         raise RemoteScorerError(shared)
-    finished, timing = shared
-    finished = {k: {i: v.to(device) for i, v in rows.items()} for k, rows in finished.items()}
-    return (*package(state, finished), timing)
+    return shared
 
 
 def _share(replica: Replica, obj):
