@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from . import comm
+from .bench import idle_slots_frac
 from .data import repeat_samples
 from .rollout.generate import decode_steps, start_decode
 from .rollout.pool import (BatchStop, entries_to_generation, pool_stream_setup, staleness_metrics,
@@ -24,8 +25,7 @@ def _tail_waste(tokens, rows, longest) -> float:
     row's new tokens): rows that had ended while others went on, every rank's rows counted to
     the longest anywhere, since the ranks decode in lock-step (as the sequential rollout's
     figure, over the ranks' lengths)."""
-    slots = sum(rows) * max(longest, default=0)
-    return 1.0 - sum(tokens) / slots if slots else 0.0
+    return idle_slots_frac(sum(tokens), sum(rows) * max(longest, default=0))
 
 
 class PoolRollout:

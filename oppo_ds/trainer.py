@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import comm
 from . import workload as wl
 from .algo import masked_mean, overlong_penalty
+from .bench import tail_waste
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .config_types import require
@@ -640,7 +641,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             "response/lengths": [int(x) for x in lengths],  # for run-wide quantiles
             # decode slots spent waiting for the longest response when every row decodes to
             # the end of the batch (what overcommitment recovers)
-            "rollout/tail_waste_frac": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
+            "rollout/tail_waste_frac": tail_waste(lengths),
             "lr/actor": self.actor.lr(),
         }
         if self.cfg.ppo.overlong_buffer_len:
