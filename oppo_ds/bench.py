@@ -202,7 +202,9 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
     Timing fields (step_time_s, samples_per_s, phase_fraction, scoring_hidden_frac) use the
     steps after the first ``warmup`` (at least one step is always kept); reward, gold and tail
     waste use every step. ``hidden_default`` is scoring_hidden_frac when no step reports it
-    (0.0 for a mode that does not stream: nothing is hidden).
+    (0.0 for a mode that does not stream: nothing is hidden), and then also
+    scoring_overlap_frac's (the part of scoring that ran concurrently with the actor's decode;
+    a run logged before the key existed has None).
     """
     if not steps:
         raise ValueError("no steps to summarise")
@@ -229,6 +231,10 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
     # scoring; the planner's simulation weighs by scorer time)
     hidden = column(timed, "stream/scoring_hidden_frac")
     out["scoring_hidden_frac"] = _mean(hidden) if hidden else hidden_default
+    # the part that ran while the actor was busy: 0 inline, where scoring waits between chunks
+    overlap = column(timed, "stream/scoring_overlap_frac")
+    out["scoring_overlap_frac"] = _mean(overlap) if overlap else \
+        (0.0 if hidden_default == 0.0 else None)
     # the trainer reports the decode slots its rollout really left idle (with the pool, its
     # rows stop at the B-th finish); older runs only have the lengths
     waste = column(steps, "rollout/tail_waste_frac") or \
@@ -252,6 +258,7 @@ def add_speedups(modes: dict[str, dict]) -> None:
 # timing fields of a mode that differ from round to round; the rest (reward, gold, tail waste)
 # is the same in every round (same code, workload and seeds)
 ROUND_FIELDS = ("step_time_s", "samples_per_s", "speedup", "scoring_hidden_frac",
+                "scoring_overlap_frac",
                 "ideal_step_time_s", "of_ideal", "process_s", "outside_steps_s")
 
 
@@ -461,13 +468,14 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_table(modes: dict[str, dict]) -> str:
-    header = ("mode", "step_time_s", "samples/s", "speedup", "of ideal", "hidden", "tail waste",
-              "reward first->last")
+    header = ("mode", "step_time_s", "samples/s", "speedup", "of ideal", "hidden", "concurrent",
+              "tail waste", "reward first->last")
     rows = [header]
     for name, m in modes.items():
         rows.append((name, _fmt(m["step_time_s"], ".4f"), _fmt(m["samples_per_s"], ".2f"),
                      _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
-                     _fmt(m.get("of_ideal"), ".1%"), _fmt(m["scoring_hidden_frac"], ".1%"), _fmt(m["tail_waste_frac"], ".1%"),
+                     _fmt(m.get("of_ideal"), ".1%"), _fmt(m["scoring_hidden_frac"], ".1%"),
+                     _fmt(m.get("scoring_overlap_frac"), ".1%"), _fmt(m["tail_waste_frac"], ".1%"),
                      f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -503,15 +511,16 @@ def format_markdown(report: dict) -> str:
                (report.get("variants") or {}).items()],
              "",
              "| run | step time (median) | samples/s | speedup | of ideal | scoring hidden | "
-             "tail waste | reward first -> last | gold first -> last |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "scoring concurrent | tail waste | reward first -> last | gold first -> last |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = [(name, m) for name, m in report.get("modes", {}).items()]
     rows += [(f"{name} (peer)", m) for name, m in report.get("peers", {}).items()]
     for name, m in rows:
         lines.append(
             f"| {name} | {_fmt(m.get('step_time_s'), '.4f')} s | {_fmt(m.get('samples_per_s'), '.2f')} | "
             f"{_fmt(m.get('speedup'), '.2f')}x | {_fmt(m.get('of_ideal'), '.1%')} | "
-            f"{_fmt(m.get('scoring_hidden_frac'), '.1%')} | {_fmt(m.get('tail_waste_frac'), '.1%')} | "
+            f"{_fmt(m.get('scoring_hidden_frac'), '.1%')} | "
+            f"{_fmt(m.get('scoring_overlap_frac'), '.1%')} | {_fmt(m.get('tail_waste_frac'), '.1%')} | "
             f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')} | "
             f"{_fmt(m.get('gold_first'), '.3f')} -> {_fmt(m.get('gold_last'), '.3f')} |")
     if repeat > 1:

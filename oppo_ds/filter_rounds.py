@@ -169,12 +169,14 @@ class FilterRounds:
         state.drawn += ask
         with timer.phase("generate"):
             if taken is not None:
-                keys, _, gen, streamed, _, more, _, taken = self.rollout_pool(
+                keys, _, gen, streamed, timing, more, _, taken = self.rollout_pool(
                     chunk, batch=ask * n, defer=False)
                 state.decoded += more["pool/decoded_tokens"]
                 state.idle += more["pool/idle_ranks"]
             else:
-                keys, _, gen, streamed, _, _ = self._rollout(self.stream.take(ask), chunk)
+                keys, _, gen, streamed, timing, _ = self._rollout(self.stream.take(ask), chunk)
+        if timing is not None:  # the step's stream/ metrics and trace cover every round
+            self.rollout_timings.append(timing)
         with timer.phase("score"):
             return self.make_experience(keys, gen, streamed), taken
 

@@ -101,10 +101,14 @@ class Telemetry:
         for path in (self.eval_path, self.eval_samples_path):
             if os.path.isfile(path):  # a fresh start drops the old run's step-0 evaluation too
                 _truncate_history(path, start_step if start_step else -1)
+        _drop_traces_after(os.path.join(output_dir, "traces"), start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
+            # TensorBoard hides the older files' events from purge_step on: a resume's steps
+            # after its checkpoint, a fresh start's step-0 evaluation too
+            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else 0)
         if progress:
             from tqdm import tqdm
 
@@ -214,6 +218,18 @@ def read_history(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _drop_traces_after(trace_dir: str, last_step: int) -> None:
+    """Remove the step traces (``stepN.json``) an earlier run in the same output directory
+    wrote after ``last_step``: the run starting there writes its own."""
+    if not os.path.isdir(trace_dir):
+        return
+    for name in os.listdir(trace_dir):
+        step = name[len("step"):-len(".json")]
+        if name.startswith("step") and name.endswith(".json") and step.isdigit() \
+                and int(step) > last_step:
+            os.remove(os.path.join(trace_dir, name))
 
 
 def _truncate_history(path: str, last_step: int) -> None:

@@ -57,13 +57,21 @@ from .telemetry import PhaseTimer, Telemetry, profiled
 
 logger = logging.getLogger(__name__)
 
-def streaming_metrics(timing) -> dict:
-    """Per-step telemetry of the streaming scorers: busy time, the share of it done while the
-    actor was still decoding, and the scoring tail left after the actor's last token."""
-    return {"stream/scorer_busy_s": timing.scoring_busy_s,
-            "stream/scoring_tail_s": timing.scoring_tail_s,
-            "stream/scoring_hidden_frac": timing.scoring_hidden_frac,
-            "stream/chunks": timing.chunks}
+def streaming_metrics(timings: list) -> dict:
+    """Per-step telemetry of the streaming scorers over the step's rollouts (more than one
+    with ``ppo.filter_groups``' later rounds): busy time, the shares of it done before the
+    actor's last token and while the actor was busy, and the scoring tails left after the
+    actor's last token, summed."""
+    busy = sum(t.scoring_busy_s for t in timings)
+
+    def share(name: str) -> float:  # weighted by each rollout's busy time
+        return sum(getattr(t, name) * t.scoring_busy_s for t in timings) / busy if busy else 0.0
+
+    return {"stream/scorer_busy_s": busy,
+            "stream/scoring_tail_s": sum(t.scoring_tail_s for t in timings),
+            "stream/scoring_hidden_frac": share("scoring_hidden_frac"),
+            "stream/scoring_overlap_frac": share("scoring_overlap_frac"),
+            "stream/chunks": sum(t.chunks for t in timings)}
 
 
 def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
@@ -260,6 +268,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window, step_size=group) \
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
+        self.rollout_timings: list = []  # the step's streaming rollouts' StreamTiming, in order
         self.step_count = 0
 
     def _resume_and_announce(self, src) -> None:
@@ -346,8 +355,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                     self.stream.next_batch(), chunk)
         if self.sampling.cuda_graph:  # a capture costs two warm-up forwards and itself
             extra["rollout/graph_captures"] = static_decode.captures() - captured
+        self.rollout_timings = [timing] if timing is not None else []
         if timing is not None:
-            extra.update(streaming_metrics(timing))
             extra["oppo/chunk_size"] = chunk
             if self.critic_on_stage:  # inside generate: the critic's weights to the stage
                 extra["stream/critic_weights_s"] = self.critic_send_s
@@ -360,6 +369,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             exp, filtered = self._filter_groups(exp, chunk, timer,
                                                 taken if self.pool is not None else None)
             extra.update(filtered)
+        if self.rollout_timings:  # with the later filter rounds' rollouts
+            extra.update(streaming_metrics(self.rollout_timings))
         with timer.phase("advantages"):
             self.compute_advantages(exp)
             check_experience(exp, self.sources.models, self.cfg.system.dtype, group=self.dp_group)
@@ -379,7 +390,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 logger.info("step %d: %s", self.step_count, decision)
         every = self.cfg.logging.trace_every
         if every and self.step_count % every == 0 and self.is_main:
-            self._write_trace(timer, timing)
+            self._write_trace(timer, self.rollout_timings)
         metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
         metrics["time/step_s"] = time.perf_counter() - start
         period = self.cfg.logging.sample_period
@@ -442,13 +453,15 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         with self.actor.generation_context() as model:
             return generate(model, ids, mask, self.sampling, self.sample_gen, targets=targets)
 
-    def _write_trace(self, timer: PhaseTimer, timing) -> None:
+    def _write_trace(self, timer: PhaseTimer, timings: list) -> None:
         """Chrome/Perfetto trace of this step: the phases, and with streaming the actor's
-        decode chunks and every scorer's prefills, on one clock."""
+        decode chunks and every scorer's prefills of each rollout, on one clock (a rollout
+        begins inside its generate phase, after the pool's top-up, the critic's weights
+        sent to the stage, ...)."""
         events = list(timer.events)
-        if timing is not None:
-            generate_start = next(start for lane, name, start, _ in timer.events if name == "generate")
-            events += [(e.lane, e.name, generate_start + e.start_s, generate_start + e.end_s)
+        for timing in timings:
+            offset = timing.start - timer.origin
+            events += [(e.lane, e.name, offset + e.start_s, offset + e.end_s)
                        for e in timing.events]
         path = os.path.join(self.cfg.logging.output_dir, "traces", f"step{self.step_count}.json")
         chrome_trace([TimelineEvent(*e) for e in events], path, step=self.step_count)

@@ -554,9 +554,10 @@ def test_cli_help():
     assert "--config" in proc.stdout and "--print-config" in proc.stdout
 
 
-def test_only_rank_0_shows_transformers_progress_bars():
+def test_only_rank_0_shows_transformers_progress_bars(monkeypatch):
     """Each rank drew its own 'Loading weights' bar per model (eight ranks, four models: 32
-    bars interleaved); rank 0's stay."""
+    bars interleaved); rank 0's stay, on a terminal: into a log file a bar writes carriage
+    returns, as the trainer's own bar would."""
     import logging
 
     from transformers.utils import logging as hf_logging
@@ -566,9 +567,14 @@ def test_only_rank_0_shows_transformers_progress_bars():
     root = logging.getLogger()
     saved = root.level, list(root.handlers), os.environ.get("TRANSFORMERS_VERBOSITY"), os.environ.get("HF_HUB_OFFLINE")
     try:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
         _quiet_libraries(0)
         assert hf_logging.is_progress_bar_enabled()
         _quiet_libraries(1)
+        assert not hf_logging.is_progress_bar_enabled()
+        hf_logging.enable_progress_bar()
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+        _quiet_libraries(0)
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.enable_progress_bar()

@@ -4,6 +4,8 @@ are accounted for exactly: each is trained on, dropped by the rule, or (with sev
 rank's surplus; a resumed run continues exactly."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -74,6 +76,28 @@ def filtered_run(cache_dir, out_dir, *overrides):
     trainer.train()
     rows = read_history(str(out_dir / "metrics.jsonl"))
     return trainer, batches, drawn, rows, {pid: trainer.prompt_rows[pid][0] for pid in drawn}
+
+
+def check_every_rounds_streaming(out_dir, rows) -> None:
+    """A step's stream/ metrics and trace cover each of its filter rounds' rollouts: one
+    actor prefill per round in the trace, every rollout event inside a generate phase (the
+    rollout's own clock placed on the step's), the chunks in the metric those of the trace
+    (a later round that finds its rows finished in the pool decodes nothing)."""
+    prefills = []
+    for m in rows:
+        trace = json.loads((out_dir / "traces" / f"step{m['step']}.json").read_text())
+        lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e.get("name") == "thread_name"}
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        generate = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "generate"]
+        rollout = [e for e in spans if lanes[e["tid"]] != "phases"]
+        actor = [e["name"] for e in rollout if lanes[e["tid"]] == "actor"]
+        prefills.append(actor.count("prefill"))
+        assert 1 <= prefills[-1] <= len(generate) == m["filter/rounds"], m["step"]
+        assert len(actor) - prefills[-1] == m["stream/chunks"]
+        for e in rollout:  # microseconds, rounded in the file
+            assert any(a - 1 <= e["ts"] and e["ts"] + e["dur"] <= b + 1 for a, b in generate), e
+    assert max(prefills) >= 2  # a later round's rollout streamed, and is in its step's figures
 
 
 def checked_batch(keys, scores, groups, m, text) -> list[str]:
@@ -186,7 +210,10 @@ def test_with_the_pool_later_rounds_take_from_it_and_its_ledger_counts_the_drops
     trainer, batches, drawn, rows, text = filtered_run(
         cache_dir, tmp_path / "run", "steps=5", "oppo.overcommit=8",
         f"model.reward_function={rule}:parity",
-        *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []))
+        *(["oppo.streaming=true", "oppo.chunk_size=4", "logging.trace_every=1"]
+          if streaming else []))
+    if streaming:
+        check_every_rounds_streaming(tmp_path / "run", rows)
     trained = []
     for (keys, scores, groups), m in zip(batches, rows):
         prompts = checked_batch(keys, scores, groups, m, text)

@@ -11,6 +11,7 @@ give exactly what ``inline`` gives, surface a scorer's error, and never leave it
 import copy
 import json
 import threading
+import time
 import traceback
 
 import pytest
@@ -403,6 +404,15 @@ def test_timing_invariants_and_chrome_trace(placement, tmp_path):
     assert timing.scoring_hidden_frac == pytest.approx((busy - tail) / busy)
     # rows end at different chunks, so some scoring lies before the last token in any placement
     assert timing.chunks > 1 and timing.scoring_hidden_frac > 0
+    # concurrent with the actor's events: by hand from the intervals; none inline, where the
+    # actor waits for every scorer call, however much of it lies before the last token
+    actor_events = [e for e in timing.events if e.lane == "actor"]
+    inside = sum(max(0.0, min(s.end_s, a.end_s) - max(s.start_s, a.start_s))
+                 for s in timing.events if s.lane != "actor" for a in actor_events)
+    assert timing.scoring_overlap_frac == pytest.approx(min(1.0, inside / busy))
+    if placement == "inline":
+        assert timing.scoring_overlap_frac == 0.0
+    assert 0 < timing.start <= time.perf_counter() - timing.wall_s
 
     lanes = {}
     for e in timing.events:

@@ -136,6 +136,44 @@ def test_printed_samples(tmp_path, capsys):
     assert [x["step"] for x in read_history(str(tmp_path / "samples.jsonl"))] == [3, 3]
 
 
+def test_a_fresh_start_over_an_old_run_hides_its_tensorboard_steps_and_traces(tmp_path):
+    """Starting afresh (or resuming) in an output directory that holds another run: TensorBoard
+    (its own reader) shows each step once, the new run's (a fresh start's step-0 evaluation
+    included), and the old run's traces after the start are gone."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from oppo_ds.telemetry import Telemetry
+
+    def start(at, value, steps):
+        tel = Telemetry(str(tmp_path), enabled=True, tensorboard=True, progress=False,
+                        total_steps=9, start_step=at, log_every=0)
+        tel.log_eval(at, {"eval/reward_mean": value}, [])
+        for step in steps:
+            tel.log_step(step, {"reward/mean": value + step})
+        tel.writer.close()  # as close(), without the summary
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+
+    def traced(*steps):  # the trainer's step traces, written by the run
+        for step in steps:
+            (traces / f"step{step}.json").write_text("{}")
+
+    start(0, 1.0, [1, 2, 3])
+    traced(1, 2, 3)
+    start(0, 2.0, [1, 2])  # afresh: step 0 and steps 1-2 anew, step 3 gone
+    assert not list(traces.iterdir())
+    traced(1, 2, 3)
+    start(1, 3.0, [2])  # a resume after step 1
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    seen = {tag: [(e.step, e.tensor_proto.float_val[0]) for e in acc.Tensors(tag)]
+            for tag in ("eval/reward_mean", "reward/mean")}
+    assert seen == {"eval/reward_mean": [(0, 2.0), (1, 3.0)],
+                    "reward/mean": [(1, 3.0), (2, 5.0)]}
+    assert sorted(p.name for p in traces.iterdir()) == ["step1.json"]
+
+
 def test_summary_of_a_diverged_run_is_still_written():
     """A NaN reward (a run that diverged) gives NaN figures in the summary, not a crash at
     the end of the run (statistics.stdev raises AttributeError on NaN)."""

@@ -113,8 +113,9 @@ def _quiet_libraries(rank: int, scorer_rank: bool = False, bars: bool = True) ->
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
-    if rank != 0 or not bars:  # one set of transformers' loading / writing bars, not one per
-        # rank, and none under logging.progress: false
+    if rank != 0 or not bars or not sys.stderr.isatty():  # one set of transformers' loading
+        # and writing bars, not one per rank; none under logging.progress: false, nor into a
+        # log file (a bar redraws itself with carriage returns), as the trainer's own bar
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

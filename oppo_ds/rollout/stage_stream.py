@@ -232,7 +232,7 @@ def _stream_to_stage(actor, remote: RemoteScorers, inputs: dict, params, generat
         raise
     received_s = _clock(device) - start
 
-    timing = StreamTiming(chunks=chunks, row_tokens=row_tokens,
+    timing = StreamTiming(chunks=chunks, row_tokens=row_tokens, start=start,
                           scorers={k: ScorerTiming() for k in finished},
                           events=events + [e._replace(start_s=e.start_s + begin_s,
                                                       end_s=e.end_s + begin_s)

@@ -59,6 +59,11 @@ class StreamTiming:
         busy time before ``decode_end_s`` over ``scoring_busy_s`` (0 without scorer work).
         ``colocated``: work that ran concurrently with decoding. ``inline``: work interleaved
         between chunks, which the actor waited for (nothing runs concurrently there).
+    scoring_overlap_frac: the part of scoring that ran while the actor was busy in its
+        prefill or a decode chunk: scorer busy time inside the actor's events over
+        ``scoring_busy_s``, what the decode actually hid (0 under ``inline``, by
+        construction; ``stage``: the scorer rank's events on this rank's clock, from when the
+        rollout began there).
     scoring_tail_s: ``scoring_end_s - decode_end_s`` (>= 0), what the step waits for after
         the last token, work still queued for the scorer thread included.
     chunk_decode_s: the actor's time in its decode chunks (``decode_s`` less the prefill).
@@ -68,6 +73,7 @@ class StreamTiming:
         picture of how many rows are still running at each step).
     events: the timeline, ordered by start: lane "actor" holds the prompt prefill and one
         event per decode chunk; each scorer's lane (its kind) one event per call.
+    start: ``time.perf_counter()`` when the rollout's clock started (``*_s`` count from it).
     """
     decode_s: float = 0.0  # the actor's prefill and chunked decode
     wall_s: float = 0.0
@@ -77,11 +83,13 @@ class StreamTiming:
     scoring_end_s: float = 0.0
     scoring_busy_s: float = 0.0
     scoring_hidden_frac: float = 0.0
+    scoring_overlap_frac: float = 0.0
     scoring_tail_s: float = 0.0
     chunk_decode_s: float = 0.0
     handover_s: float = 0.0
     row_tokens: list[int] = field(default_factory=list)
     events: list[TimelineEvent] = field(default_factory=list)
+    start: float = 0.0
 
 
 def _chunk_tokens(state: DecodeState, rows: torch.Tensor,
@@ -357,8 +365,8 @@ def _check_stream_args(scorers, placement: str, chunk_size: int) -> None:
 
 def _open_scoring(scorers, placement: str, device: torch.device):
     """A rollout's timing, its clock (started now) and the scorers' placement."""
-    timing = StreamTiming(scorers={s.kind: ScorerTiming() for s in scorers})
     start = _clock(device)
+    timing = StreamTiming(scorers={s.kind: ScorerTiming() for s in scorers}, start=start)
     if device.type != "cuda":
         timeline = _Timeline(start, timing.events)
     elif placement == "inline":
@@ -395,6 +403,12 @@ def _decode_in_chunks(actor, state: DecodeState, sink, timeline: "_Timeline",
     return chunks, (state.lengths - start).tolist()
 
 
+def _overlap(event: TimelineEvent, lane: list[TimelineEvent]) -> float:
+    """Seconds of ``event`` inside the events of ``lane`` (one thread's: they do not overlap
+    each other)."""
+    return sum(max(0.0, min(event.end_s, e.end_s) - max(event.start_s, e.start_s)) for e in lane)
+
+
 def _summarize(timing: StreamTiming) -> None:
     """Fill the timing's totals from its events (see ``StreamTiming``)."""
     timing.events.sort(key=lambda e: e.start_s)
@@ -415,6 +429,8 @@ def _summarize(timing: StreamTiming) -> None:
     tail = sum(t.tail_s for t in timing.scorers.values())
     timing.scoring_busy_s = busy
     timing.scoring_hidden_frac = min(1.0, max(0.0, (busy - tail) / busy)) if busy > 0 else 0.0
+    overlap = sum(_overlap(e, actor) for e in scoring)
+    timing.scoring_overlap_frac = min(1.0, overlap / busy) if busy > 0 else 0.0
     timing.scoring_end_s = max((e.end_s for e in scoring), default=decode_end)
     timing.scoring_tail_s = max(0.0, timing.scoring_end_s - decode_end)
 
