@@ -92,6 +92,14 @@ class CheckpointManager:
                            map_location="cpu")
         if check is not None:  # before the engines: it may refuse what they would choke on
             check(state)
+        empty = [name for name in engines
+                 if not os.path.isdir(os.path.join(self.root, name, tag))
+                 or not os.listdir(os.path.join(self.root, name, tag))]
+        if empty:  # DeepSpeed would only assert on an empty list of its files
+            raise ConfigError("checkpoint.resume", (
+                f"checkpoint {tag} is incomplete: nothing of the {' and '.join(empty)} under "
+                f"{self.root}; resume from another tag, or start afresh with "
+                f"checkpoint.resume=never"))
         for name, engine in engines.items():
             engine.load(os.path.join(self.root, name), tag)
         random.setstate(state["python_rng"])

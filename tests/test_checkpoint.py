@@ -9,11 +9,15 @@ from oppo_ds.checkpoint import CheckpointManager
 from oppo_ds.config import ConfigError
 
 
-def _write(root, tag, ranks):
-    """Each rank's trainer state as the manager saves it (no engines, no process group)."""
+def _write(root, tag, ranks, engines=("actor",)):
+    """Each rank's trainer state as the manager saves it (no process group), and a file in
+    each engine's folder of the tag (an engine writes its own format there)."""
     for r in ranks:
         CheckpointManager(str(root), rank=r, world_size=len(ranks), keep_last=2).save(
             tag, {"step": 1}, engines={})
+    for name in engines:
+        (root / name / tag).mkdir(parents=True, exist_ok=True)
+        (root / name / tag / "model_states.pt").write_bytes(b"")
 
 
 class _Engine:
@@ -46,6 +50,22 @@ def test_an_incomplete_or_missing_tag_is_refused(tmp_path):
         manager.load("step1", {})
     with pytest.raises(ConfigError, match=r"no checkpoint step7 in .* \(it holds: step1\)"):
         manager.load("step7", {})
+
+
+def test_a_tag_without_an_engines_files_is_refused_before_the_engines(tmp_path):
+    """A tag whose engine folder is missing or empty (a kill while a tag was cleared, as a
+    finished run's final save once did) is refused naming it, not left to DeepSpeed's bare
+    assert on its list of files."""
+    _write(tmp_path, "step1", [0], engines=("actor",))
+    (tmp_path / "critic" / "step1").mkdir(parents=True)
+    engine = _Engine()
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2)
+    for engines, missing in (({"actor": engine, "critic": _Engine()}, "critic"),
+                             ({"actor": engine, "ema": _Engine()}, "ema")):
+        with pytest.raises(ConfigError, match=rf"checkpoint.resume: checkpoint step1 is "
+                                              rf"incomplete: nothing of the {missing} under"):
+            manager.load("step1", engines)
+        assert not engine.loaded
 
 
 def test_a_complete_tag_loads(tmp_path):
