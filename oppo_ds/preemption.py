@@ -9,6 +9,13 @@ a requeue. The resumed job continues from that checkpoint exactly (checkpoint.re
 
 A second TERM or INT stops the process at once (the default action), for a user who does
 not want to wait for the step to end.
+
+A USR1 that arrives before training begins (while the config resolves, the workload is
+prepared, the models load and DeepSpeed builds its ops: minutes for a big model) is held
+(:func:`hold_early_signals`) and handed to :class:`StopOnSignal`: every rank then stops before
+its first step, trains nothing, saves nothing (the checkpoint it resumed from stands) and
+exits with :data:`PREEMPTED_EXIT`. Without it USR1's default action ended every rank, and
+the job was not requeued.
 """
 from __future__ import annotations
 
@@ -27,6 +34,12 @@ logger = logging.getLogger(__name__)
 PREEMPTED_EXIT = 75
 """Exit code after a checkpoint on a signal (EX_TEMPFAIL: run the same command again)."""
 
+STOPPED_MARK = "stopped_on_signal"
+"""A file in ``logging.output_dir`` that rank 0 writes when every rank stopped on a signal
+(after the checkpoint, if one was due) and removes when a run starts: slurm/train.sh requeues
+on it even when a rank's exit code was lost (``srun --kill-on-bad-exit`` ends the ranks still
+tearing down once the first exits with 75)."""
+
 
 def signal_number(name: Optional[str]) -> int:
     """``"USR1"`` -> signal.SIGUSR1's number; None -> 0 (how the wire and flags say "none")."""
@@ -36,6 +49,37 @@ def signal_number(name: Optional[str]) -> int:
 def signal_name(number: int) -> Optional[str]:
     """The inverse of :func:`signal_number`."""
     return signal.Signals(number).name.removeprefix("SIG") if number else None
+
+
+_EARLY: dict = {"received": None, "previous": {}}  # hold_early_signals' state
+
+
+def hold_early_signals(names: tuple[str, ...] = ("USR1",)) -> None:
+    """Record ``names`` instead of taking their default action until a :class:`StopOnSignal`
+    takes over (see the module's docstring). USR1 only by default: a TERM or Ctrl-C while a
+    run starts still ends it, as a user who sends one expects. In the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in names:
+        number = signal_number(name)
+        _EARLY["previous"].setdefault(number, signal.signal(number, _hold))
+
+
+def _hold(signum, frame) -> None:
+    if _EARLY["received"] is None:
+        _EARLY["received"] = signal_name(signum)
+        logger.warning("SIG%s received while the run starts: it stops before its first step",
+                       _EARLY["received"])
+
+
+def release_early_signals() -> Optional[str]:
+    """The held signal (None if none), the process's own handlers back in place (a no-op
+    once a ``StopOnSignal`` took them over)."""
+    received, _EARLY["received"] = _EARLY["received"], None
+    for number, previous in _EARLY["previous"].items():
+        signal.signal(number, previous)
+    _EARLY["previous"].clear()
+    return received
 
 
 class StopOnSignal:
@@ -75,8 +119,13 @@ class StopOnSignal:
         # Python runs handlers in the main thread only; elsewhere (a trainer inside a worker
         # thread) the process keeps its own handling
         if threading.current_thread() is threading.main_thread():
+            early = release_early_signals()
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if early is not None and signal_number(early) in self.signals:
+                self._here, self.received = True, early  # _hold logged it
+            elif early is not None:  # not one to stop on (checkpoint.on_signals): as without us
+                signal.raise_signal(signal_number(early))
         return self
 
     def __exit__(self, *exc) -> None:

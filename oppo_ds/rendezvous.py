@@ -54,7 +54,9 @@ def slurm_rendezvous(env: dict[str, str]) -> dict[str, str] | None:
     SLURM_JOB_NODELIST / SLURM_NODELIST; task 0 runs there with srun's default block
     distribution), MASTER_PORT = from ``env`` if set, else 10000 + SLURM_JOB_ID mod 20000:
     every task computes the same port with no communication, below Linux's ephemeral range
-    (32768+). Variables already in ``env`` are kept."""
+    (32768+). MASTER_ADDR and MASTER_PORT already in ``env`` are kept (a chosen interface or
+    port); LOCAL_RANK is the task's own (one exported by the submitting shell would put every
+    task of a node on its first GPU)."""
     if "SLURM_PROCID" not in env or "RANK" in env or "WORLD_SIZE" in env:
         return None
     tasks = env.get("SLURM_STEP_NUM_TASKS")
@@ -69,4 +71,5 @@ def slurm_rendezvous(env: dict[str, str]) -> dict[str, str] | None:
         "MASTER_ADDR": expand_hostlist(nodelist)[0],
         "MASTER_PORT": str(10000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
     }
-    return {key: env.get(key, value) for key, value in derived.items()}
+    return {key: env.get(key, value) if key.startswith("MASTER_") else value
+            for key, value in derived.items()}

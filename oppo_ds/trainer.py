@@ -47,7 +47,7 @@ from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, str
 from .pool_rollout import PoolRollout
 from .ppo_update import PPOUpdate
 from .ptx import ptx_block_len, ptx_blocks
-from .preemption import StopOnSignal, signal_name, signal_number
+from .preemption import STOPPED_MARK, StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .reward_fn import RewardFunction
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
@@ -714,12 +714,21 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         cfg = self.cfg
         t0 = time.time()
         stop = StopOnSignal(cfg.checkpoint.on_signals)
+        stopped = os.path.join(cfg.logging.output_dir, STOPPED_MARK)
+        if self.is_main and os.path.exists(stopped):
+            os.remove(stopped)
         try:
             with stop:
                 start = self.step_count
-                if start == 0 and self._eval_due():  # the starting actor: the figures' baseline
+                # a signal held while the run started (hold_early_signals): stop before step 1
+                self.preempted = stop.agreed(self.actor_group)
+                if self.preempted:
+                    logger.warning("rank %d: stopped by SIG%s before its first step, nothing "
+                                   "trained or saved; the same command starts at step %d",
+                                   self.rank, self.preempted, self.step_count)
+                elif start == 0 and self._eval_due():  # the starting actor: the figures' baseline
                     self._evaluate_and_log()
-                while self.step_count < cfg.steps:
+                while not self.preempted and self.step_count < cfg.steps:
                     number = self.step_count + 1
                     try:
                         with profiled(self._profile_stem(number)):
@@ -747,12 +756,18 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                        "the same command resumes from it", self.rank, self.preempted,
                                        self.step_count)
                         break
+                if self.preempted:
+                    if self.is_main:  # for a job script: requeue, whatever the exit codes say
+                        with open(stopped, "w") as f:
+                            f.write(f"SIG{self.preempted} step{self.step_count}\n")
                 else:
                     # (not when a finished run is started again: it evaluated then)
                     if self.step_count > start and self._eval_due(after_last=True):
                         self._evaluate_and_log()
-                    if cfg.checkpoint.final and (not cfg.checkpoint.every
-                                                 or self.step_count % cfg.checkpoint.every):
+                    # not when a finished run is started again either: re-saving the tag it
+                    # loaded clears it first, and a kill then would leave no checkpoint
+                    if cfg.checkpoint.final and self.step_count > start and (
+                            not cfg.checkpoint.every or self.step_count % cfg.checkpoint.every):
                         self.save_checkpoint()
                     if cfg.checkpoint.export_hf:
                         self.export(cfg.logging.output_dir)

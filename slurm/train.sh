@@ -6,7 +6,7 @@
 #   LAUNCHER=deepspeed: the `deepspeed` launcher on the first node with a hostfile written
 #     from SLURM_JOB_NODELIST (one line per node, `slots` = GPUs or tasks per node) under
 #     $OUTPUT_DIR; across nodes it reaches the others by pdsh over passwordless ssh (DeepSpeed's
-#     default), or DS_LAUNCHER=slurm makes DeepSpeed start them with srun instead.
+#     default; DS_LAUNCHER picks another of its launchers, but not slurm: LAUNCHER=srun).
 #
 #   sbatch slurm/train.sh                                     # the values below
 #   CONFIG=examples/configs/llama3_8b_zero3.yaml sbatch --nodes=2 slurm/train.sh
@@ -19,12 +19,15 @@
 #
 # Preemption and time limit: Slurm sends USR1 to this script 300 s before the time limit
 # (--signal=B:USR1@300). With srun the trap forwards it to the tasks: the trainer finishes
-# the step it is in, every rank saves the same checkpoint and exits with code 75, and the
-# script requeues the job (--requeue), which resumes from that checkpoint exactly
-# (checkpoint.resume=auto; checkpoint.on_signals lists the signals). Choose the lead time
-# to cover one step plus a checkpoint save. With LAUNCHER=deepspeed the job is requeued at
-# once and resumes from the latest periodic checkpoint (checkpoint.every): the launcher does
-# not pass USR1 on to its ranks.
+# the step it is in, every rank saves the same checkpoint and exits with code 75, rank 0
+# writes $OUTPUT_DIR/stopped_on_signal, and the script requeues the job (--requeue), which
+# resumes from that checkpoint exactly (checkpoint.resume=auto; checkpoint.on_signals lists
+# the signals). The file decides, not srun's exit code alone: the first rank to exit with 75
+# makes srun (--kill-on-bad-exit) end the others, still tearing down. A USR1 while the run
+# starts (models loading) stops it before its first step, and the job requeues likewise.
+# Choose the lead time to cover one step plus a checkpoint save. With LAUNCHER=deepspeed the
+# job is requeued at once and resumes from the latest periodic checkpoint
+# (checkpoint.every): the launcher does not pass USR1 on to its ranks.
 # A checkpoint holds, under $OUTPUT_DIR/checkpoints: the actor and critic DeepSpeed engines
 # (weights, optimizer, LR scheduler), each rank's trainer state (step, prompt stream cursor,
 # RNG states, rollout pool) and `latest`, written last (a job killed mid-save resumes from
@@ -54,8 +57,10 @@ LAUNCHER=${LAUNCHER:-srun}                        # srun | deepspeed
 set -euo pipefail
 cd "${REPO_DIR:-${SLURM_SUBMIT_DIR:-.}}"
 
-# one rank per task: torch's intra-op threads from the CPUs Slurm gave the task
+# one rank per task: torch's intra-op threads from the CPUs Slurm gave the task; srun of
+# Slurm 22.05-23.02 does not take --cpus-per-task from sbatch unless told
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+[[ -n ${SLURM_CPUS_PER_TASK:-} ]] && export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK}
 # first host of the allocation hosts rank 0; the port is derived from SLURM_JOB_ID unless set
 # here (export MASTER_PORT=29500 to fix it). sbatch exports the submitting shell's variables:
 # a launcher's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR left there would make every task take
@@ -63,6 +68,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
 
 PREEMPTED_EXIT=75  # oppo_ds.preemption.PREEMPTED_EXIT: stopped on a signal after a checkpoint
+STOPPED_MARK=${OUTPUT_DIR}/stopped_on_signal  # oppo_ds.preemption.STOPPED_MARK, by rank 0
+TRAIN_PID=  # set once the launcher runs: a USR1 before that has no one to pass it to
 requeue() {
     echo "oppo-train: requeueing job ${SLURM_JOB_ID}; it resumes from the latest checkpoint" \
          "under ${OUTPUT_DIR}/checkpoints"
@@ -71,7 +78,8 @@ requeue() {
 on_usr1() {
     if [[ ${LAUNCHER} == srun ]]; then
         echo "oppo-train: USR1 (time limit or preemption): the ranks checkpoint after this step"
-        kill -USR1 "${TRAIN_PID}" 2>/dev/null || true  # srun passes it on to every task
+        [[ -n ${TRAIN_PID} ]] && kill -USR1 "${TRAIN_PID}" 2>/dev/null  # srun: to every task
+        true
     else
         echo "oppo-train: USR1 (time limit or preemption)"
         requeue
@@ -84,6 +92,8 @@ echo "oppo-train: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLU
 ARGS=(--config "${CONFIG}" "logging.output_dir=${OUTPUT_DIR}" checkpoint.resume=auto)
 # shellcheck disable=SC2206  # OVERRIDES is a list of words
 ARGS+=(${OVERRIDES})
+mkdir -p "${OUTPUT_DIR}"
+rm -f "${STOPPED_MARK}"  # an earlier run's, already requeued on
 # the launchers run in the background so that the shell can run the trap when USR1 arrives
 # (bash defers traps until a foreground child exits)
 case ${LAUNCHER} in
@@ -91,15 +101,20 @@ case ${LAUNCHER} in
         srun --kill-on-bad-exit=1 "${PYTHON}" -m oppo_ds.train "${ARGS[@]}" &
         ;;
     deepspeed)
-        mkdir -p "${OUTPUT_DIR}"
         HOSTFILE=${HOSTFILE:-${OUTPUT_DIR}/hostfile}
         SLOTS=${SLOTS:-${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}}
         [[ ${SLOTS} == 0 ]] && SLOTS=${SLURM_NTASKS_PER_NODE:-1}  # a CPU-only allocation
         scontrol show hostnames "${SLURM_JOB_NODELIST}" | sed "s/\$/ slots=${SLOTS}/" > "${HOSTFILE}"
         MASTER=$(head -n 1 "${HOSTFILE}" | cut -d' ' -f1)
-        PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+        # as oppo_ds.rendezvous derives it under srun: below Linux's ephemeral ports (32768+)
+        PORT=${MASTER_PORT:-$(( 10000 + SLURM_JOB_ID % 20000 ))}
         if [[ $(wc -l < "${HOSTFILE}") == 1 ]]; then
             DS_ARGS=(--no_ssh_check)  # one node: DeepSpeed starts the ranks here, no ssh
+        elif [[ ${DS_LAUNCHER:-pdsh} == slurm ]]; then
+            # DeepSpeed 0.19.8's slurm runner drops --module (it runs `python oppo_ds.train`)
+            echo "oppo-train: DS_LAUNCHER=slurm cannot start oppo_ds.train; LAUNCHER=srun" \
+                 "starts the ranks with srun" >&2
+            exit 2
         else
             DS_ARGS=(--launcher "${DS_LAUNCHER:-pdsh}")  # pdsh needs passwordless ssh
         fi
@@ -119,8 +134,15 @@ while true; do
     rc=$?
     kill -0 "${TRAIN_PID}" 2>/dev/null || break
 done
+# the launcher may have exited while the trap ran: then that wait returned the trap's 138,
+# and this one returns the launcher's code (127 once it was collected)
+wait "${TRAIN_PID}" 2>/dev/null
+last=$?
+[[ ${last} != 127 ]] && rc=${last}
 set -e
-if [[ ${rc} == "${PREEMPTED_EXIT}" ]]; then
+if [[ ${rc} == "${PREEMPTED_EXIT}" || -f ${STOPPED_MARK} ]]; then
+    echo "oppo-train: the ranks stopped on a signal ($(cat "${STOPPED_MARK}" 2>/dev/null ||
+          echo "exit ${rc}"))"
     requeue
     exit 0
 fi

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 
 from _builders import single_process_env, tiny_run_overrides
 from oppo_ds.engines.deepspeed_engine import find_free_port
-from oppo_ds.preemption import PREEMPTED_EXIT, StopOnSignal
+from oppo_ds.preemption import (PREEMPTED_EXIT, STOPPED_MARK, StopOnSignal, hold_early_signals,
+                                release_early_signals)
 from oppo_ds.telemetry import read_history
 
 
@@ -46,6 +47,8 @@ def test_usr1_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_by_signal"] == "SIGUSR1" and summary["steps"] == done
     assert not (tmp_path / "run" / "actor").exists()  # no export of an unfinished run
+    mark = tmp_path / "run" / STOPPED_MARK  # what slurm/train.sh requeues on
+    assert mark.read_text() == f"SIGUSR1 step{done}\n"
 
     # the same command, two steps further: resumes at the signalled step
     args[0] = f"steps={done + 2}"
@@ -54,6 +57,30 @@ def test_usr1_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert f"resumed from step{done} at step {done}" in out
     assert [r["step"] for r in read_history(str(metrics))] == list(range(1, done + 3))
+    assert not mark.exists()
+
+    # a USR1 while the run starts (here before its config is read; on a cluster while the
+    # models load): USR1's default action ended every rank and the job was not requeued; it
+    # is held until training begins, and the run stops before its first step
+    args[0] = f"steps={done + 4}"
+    proc = _train(args)
+    while not _catches(proc.pid, signal.SIGUSR1):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == PREEMPTED_EXIT, out[-3000:]
+    assert "stopped by SIGUSR1 before its first step" in out
+    assert [r["step"] for r in read_history(str(metrics))] == list(range(1, done + 3))
+    assert (ckpt / "latest").read_text().strip() == f"step{done + 2}"
+    assert mark.read_text() == f"SIGUSR1 step{done + 2}\n"
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux: /proc/PID/status SigCgt)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
 
 
 def _rank(rank: int, port: int, signalled: int, out) -> None:
@@ -84,6 +111,35 @@ def test_a_signal_to_one_rank_stops_every_rank():
     assert got == [(0, [None, "USR1"], True), (1, [None, "USR1"], True)]
 
 
+def test_a_usr1_while_the_run_starts_is_held_for_training():
+    """hold_early_signals: a USR1 before training is recorded, not fatal, and the training's
+    StopOnSignal takes it over; the process's own handlers come back after either."""
+    before = signal.getsignal(signal.SIGUSR1)
+    hold_early_signals()
+    signal.raise_signal(signal.SIGUSR1)  # USR1's default action would end pytest here
+    with StopOnSignal(["USR1", "TERM"]) as stop:
+        assert stop.received == "USR1"
+        assert signal.getsignal(signal.SIGUSR1) == stop._handle
+    assert signal.getsignal(signal.SIGUSR1) == before
+    hold_early_signals()
+    assert release_early_signals() is None  # a run that ended before training: nothing held
+    assert signal.getsignal(signal.SIGUSR1) == before
+    # held, but not one of checkpoint.on_signals: its default action once training begins
+    code = ("import signal\nfrom oppo_ds.preemption import StopOnSignal, hold_early_signals\n"
+            "hold_early_signals()\nsignal.raise_signal(signal.SIGUSR1)\n"
+            "print('held', flush=True)\nwith StopOnSignal(['TERM']):\n"
+            "    print('not reached', flush=True)\n")
+    _dies_of(code, signal.SIGUSR1, after="held")
+
+
+def _dies_of(code: str, sig: int, after: str) -> None:
+    """Python ``code`` run in a child (so that pytest survives) prints ``after``, then the
+    default action of ``sig`` ends it before it prints 'not reached'."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -sig, proc.stderr[-2000:]
+    assert after in proc.stdout and "not reached" not in proc.stdout
+
+
 def test_handlers_are_restored_and_a_second_term_is_not_swallowed():
     before = signal.getsignal(signal.SIGUSR1)
     with StopOnSignal(["USR1"]) as stop:
@@ -97,6 +153,4 @@ def test_handlers_are_restored_and_a_second_term_is_not_swallowed():
             "with StopOnSignal(['TERM']):\n"
             "    signal.raise_signal(signal.SIGTERM)\n    print('first TERM recorded', flush=True)\n"
             "    signal.raise_signal(signal.SIGTERM)\n    print('not reached', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == -signal.SIGTERM
-    assert "first TERM recorded" in proc.stdout and "not reached" not in proc.stdout
+    _dies_of(code, signal.SIGTERM, after="first TERM recorded")

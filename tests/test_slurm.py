@@ -48,6 +48,9 @@ def test_slurm_rendezvous_from_srun_variables():
     other = dict(SRUN_TASK, SLURM_PROCID="0", SLURM_LOCALID="0")
     assert slurm_rendezvous(other)["MASTER_PORT"] == slurm_rendezvous(SRUN_TASK)["MASTER_PORT"]
     assert slurm_rendezvous(dict(SRUN_TASK, MASTER_PORT="29500"))["MASTER_PORT"] == "29500"
+    # a LOCAL_RANK left in the environment (sbatch exports the submitting shell's) is not the
+    # task's: every task of a node would take GPU 0
+    assert slurm_rendezvous(dict(SRUN_TASK, LOCAL_RANK="0"))["LOCAL_RANK"] == "1"
 
 
 def test_oppo_train_reads_its_rank_before_the_group_exists():
@@ -223,11 +226,11 @@ def workload_cache(tmp_path_factory):
 
 
 def _sbatch_70b(env, tmp_path, cache, steps: int, wait: bool = True, launcher: str = "srun",
-                extra: tuple = ()) -> tuple[str, str]:
+                extra: tuple = (), python: str = sys.executable) -> tuple[str, str]:
     """Submits slurm/train_70b.sh on the tiny config with 2 CPU tasks; returns the job id and
     the path of its output file (complete once the job ended, when ``wait``)."""
     job_env = dict(env, CONFIG="examples/configs/tiny.yaml", OUTPUT_DIR=str(tmp_path / "run"),
-                   PYTHON=sys.executable, OMP_NUM_THREADS="1", LAUNCHER=launcher,
+                   PYTHON=python, OMP_NUM_THREADS="1", LAUNCHER=launcher,
                    OVERRIDES=" ".join([*SMALL, f"steps={steps}", f"workload.cache_dir={cache}", *extra]))
     log = tmp_path / f"job-steps{steps}-{launcher}.out"
     # sbatch flags override the script's #SBATCH lines: one node of 2 CPUs, no GPUs
@@ -278,11 +281,19 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
     """What the time limit does (--signal=B:USR1@300): USR1 to the batch shell, whose trap
     passes it to the srun tasks; both ranks stop after the same step with a checkpoint (no
     periodic ones here), exit 75, the script requeues the job, and the requeued job resumes
-    from exactly that step."""
+    from exactly that step. Rank 0 here takes 5 s longer to end, as its teardown (summary,
+    TensorBoard) can: rank 1's 75 makes srun (--kill-on-bad-exit) end it, and srun's exit
+    code is no longer 75 (the job ended FAILED 143 then); the file rank 0 wrote requeues it."""
     out = tmp_path / "run"
     steps = 60  # far more than run before the signal (a tiny 2-rank step: ~0.1-0.3 s)
+    slow = tmp_path / "python-rank0-ends-last"
+    # srun signals every process of a task: the wrapper's own USR1 is a no-op (not ignored,
+    # which python would inherit); srun's TERM still ends it while it sleeps
+    slow.write_text(f'#!/bin/bash\ntrap : USR1\n"{sys.executable}" "$@"\nrc=$?\n'
+                    '[[ ${SLURM_PROCID} == 0 && ${rc} == 75 ]] && sleep 5\nexit ${rc}\n')
+    slow.chmod(0o755)
     job, log = _sbatch_70b(slurm_cluster, tmp_path, workload_cache, steps=steps, wait=False,
-                           extra=("checkpoint.every=0",))
+                           extra=("checkpoint.every=0",), python=str(slow))
     metrics = out / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
               "two steps logged", 240, poll=0.1)
@@ -305,6 +316,7 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
     assert sorted(r for r, _ in stopped) == ["0", "1"], text[-3000:]  # both ranks, same step
     (at,) = {int(n) for _, n in stopped}
     assert 2 <= at < steps
+    assert "the ranks stopped on a signal (SIGUSR1 step" in text, text[-3000:]
     assert "requeueing job" in text and f"job {job} restart 1" in text, text[-3000:]
     assert f"resumed from step{at} at step {at}" in text, text[-3000:]
     assert [r["step"] for r in read_history(str(metrics))] == list(range(1, steps + 1))

@@ -323,6 +323,17 @@ def test_a_crash_while_saving_a_tag_again_leaves_latest_on_a_whole_checkpoint(ca
     assert "resumed from step2 at step 2" in caplog.text
     assert (ckpt / "latest").read_text().strip() == "step4"
 
+    # the finished run started again (with a final save due: checkpoint.every 0) trains
+    # nothing and saves nothing: re-saving step 4 cleared it first, and a kill in that save
+    # left no checkpoint at all
+    from oppo_ds.checkpoint import CheckpointManager
+
+    def no_save(*args):
+        raise AssertionError("a finished run started again saved its checkpoint again")
+    monkeypatch.setattr(CheckpointManager, "save", no_save)
+    run(cache_dir, tmp_path / "r", "steps=4", "checkpoint.every=0", "checkpoint.export_hf=false")
+    assert (ckpt / "latest").read_text().strip() == "step4"
+
 
 @pytest.mark.parametrize("mode, level", [("token_mean", "token"), ("seq_mean_token_mean", "token"),
                                          ("seq_mean_token_mean", "sequence")])

@@ -137,6 +137,16 @@ def _close_process_groups() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..preemption import hold_early_signals, release_early_signals
+
+    hold_early_signals()  # a cluster's USR1 while the run starts: stop before step 1, requeue
+    try:
+        return _main(argv)
+    finally:  # a run that ended before training began (a bad config) holds no signal after
+        release_early_signals()
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     rank, world = launch_rank(dict(os.environ))
     try:
