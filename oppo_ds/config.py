@@ -12,6 +12,7 @@ Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory se
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from .config_checks import check_across_sections
 from .config_ppo import PPOConfig
 from .config_types import ConfigError, build_dataclass
 from .config_types import require as _require
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -455,6 +458,12 @@ class WorkloadConfig:
     tail_sigma: float = 0.9
     """Log-normal spread of response lengths; p99/median = exp(2.33 * tail_sigma)."""
 
+    def __post_init__(self):
+        for key, least in (("num_prompts", 1), ("sft_steps", 0), ("reward_steps", 0),
+                           ("median_len", 1), ("tail_sigma", 0)):
+            _require(getattr(self, key) >= least, key,
+                     f"must be >= {least}, got {getattr(self, key)}")
+
 
 @dataclass
 class LoggingConfig:
@@ -486,6 +495,8 @@ class LoggingConfig:
     0 = never. The profiler slows the step it watches."""
 
     def __post_init__(self):
+        _require(bool(self.output_dir.strip()), "output_dir",
+                 f"must not be empty: name the run directory, got {self.output_dir!r}")
         for key in ("log_every", "samples", "samples_every", "trace_every", "profile_step"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
@@ -554,7 +565,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints to keep (older ones are removed)."""
     final: bool = True
-    """Save a checkpoint when training ends (unless `every` just saved one). Off only where
+    """Save a checkpoint when training ends (unless `every` just saved one, or nothing trained
+    since the checkpoint the run resumed from: a finished run started again). Off only where
     nothing will continue the run: oppo-bench's timed runs, which would otherwise write the
     actor's and critic's weights and optimizer states (13 GB at 0.5B) after their last step."""
     export_hf: bool = True
@@ -641,6 +653,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(text, "overrides take the form key.sub=value")
     key, raw = text.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):  # `=5`, `ppo.=5`, `ppo..kl_coef=1`
+        raise ConfigError("", f"malformed override {text!r}: expected KEY=VALUE with a dotted "
+                              "key, e.g. ppo.kl_coef=0.05")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -648,18 +663,70 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *anchor`
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping (two `ppo:`
+    sections, `steps:` twice), which PyYAML resolves by keeping the last, is a
+    ``ConfigError`` naming the dotted key, the file and both lines. A key beside a merge
+    (`<<: *anchor`) still replaces the merged one."""
+
+    def __init__(self, stream, path: str):
+        super().__init__(stream)
+        self.path = path
+
+    def construct_document(self, node):
+        self._check_unique(node, "", set())
+        return super().construct_document(node)
+
+    def _check_unique(self, node, prefix: str, seen: set) -> None:
+        if id(node) in seen:  # an alias: its node was checked where its anchor is
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_unique(item, f"{prefix}[{i}]", seen)
+        if not isinstance(node, yaml.MappingNode):
+            return
+        first_line: dict = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+                continue
+            key = f"{prefix}.{key_node.value}" if prefix else key_node.value
+            line, name = key_node.start_mark.line + 1, (key_node.tag, key_node.value)
+            if name in first_line:
+                raise ConfigError(key, f"given twice in {self.path} (lines {first_line[name]} and "
+                                       f"{line}); the later one would silently replace the "
+                                       "earlier: keep one")
+            first_line[name] = line
+            self._check_unique(value_node, key, seen)
+
+
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     data: dict = {}
     if path is not None:
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
+            with open(path, encoding="utf-8") as f:
+                loader = _ConfigLoader(f, path)
+                try:
+                    data = loader.get_single_data()
+                finally:
+                    loader.dispose()
         except FileNotFoundError:
             raise ConfigError("--config", f"no such file: {path}") from None
         except OSError as err:  # a directory, no permission: still one line, not a traceback
             raise ConfigError("--config", f"cannot read {path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError("--config", f"{path} is not UTF-8 text (byte "
+                                          f"0x{err.object[err.start]:02x} at offset {err.start}); "
+                                          "save it as UTF-8") from None
         except yaml.YAMLError as err:
             raise ConfigError("--config", f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if data is None:  # empty, or only comments
+            logger.warning("--config %s sets no key (empty or only comments): every key has its "
+                           "default", path)
+            data = {}
         if not isinstance(data, dict):
             raise ConfigError("--config", f"{path} must hold a mapping of sections")
     for text in overrides:

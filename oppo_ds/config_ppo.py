@@ -202,6 +202,12 @@ class PPOConfig:
         _require(self.dual_clip is None or self.dual_clip > 1, "dual_clip",
                  f"must be > 1 or null (the bound is dual_clip x |advantage|), got {self.dual_clip}")
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        for key in ("weight_decay", "warmup_steps"):
+            _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        _require(self.grad_clip is None or self.grad_clip >= 0, "grad_clip",
+                 f"must be >= 0 or null (null or 0 = off), got {self.grad_clip}")
+        _require(self.reward_clip is None or self.reward_clip > 0, "reward_clip",
+                 f"must be > 0 or null (null = off), got {self.reward_clip}")
         _require(self.kl_penalty == "reward" or self.kl_estimator in ("mse", "k3"), "kl_estimator", (
             f"{self.kl_estimator} with kl_penalty: loss: as a loss only mse's and k3's gradients "
             "pull the policy toward the reference (k1's is zero in expectation); use mse or k3"))

@@ -1,11 +1,13 @@
 """Typed dataclasses from plain mappings (YAML, dotted overrides): the conversion rules of
 ``oppo_ds.config``. A value is checked against its field's annotation (bool, int, float, str,
 None, Literal, list, Optional/Union, nested dataclasses); anything else raises ``ConfigError``
-naming the dotted key and what it allows, and an unknown key names the keys that exist."""
+naming the dotted key and what it allows, and an unknown key names the keys that exist. No
+key takes a non-finite number (YAML's .inf, .nan)."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from typing import Any, Literal, Union
@@ -50,14 +52,28 @@ def describe_type(tp) -> str:
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
+class _NotFinite(ConfigError):
+    """A number key given inf or nan (raised by ``_convert``, whose Union arms tell it from a
+    value of the wrong type)."""
+
+
+def _not_finite(key: str, value: Any, tp) -> _NotFinite:
+    return _NotFinite(key, f"got {value!r}, expected {describe_type(tp)} (finite: not inf or nan)")
+
+
 def _convert(key: str, value: Any, tp) -> Any:
     origin = typing.get_origin(tp)
     if origin is Union:
+        not_finite = False
         for arg in typing.get_args(tp):
             try:
                 return _convert(key, value, arg)
+            except _NotFinite:
+                not_finite = True
             except ConfigError:
                 continue
+        if not_finite:
+            raise _not_finite(key, value, tp)
         raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
     if origin is list:
         if not isinstance(value, list):
@@ -81,10 +97,15 @@ def _convert(key: str, value: Any, tp) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-            return float(value)
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer too large for a float
+                number = math.inf
+            if not math.isfinite(number):  # .inf, .nan, 1e999
+                raise _not_finite(key, value, tp)
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -145,8 +145,8 @@ def encode_prompts(
             if overlong == "error":
                 raise DataError(
                     f"{row.where}: prompt {row.id!r} is {len(ids)} tokens, over "
-                    f"max_prompt_len={max_prompt_len} (set overlong to 'truncate' or 'skip' "
-                    "to allow this)"
+                    f"generation.max_prompt_len={max_prompt_len} (set data.overlong to "
+                    "truncate or skip to allow this)"
                 )
             if overlong == "skip":
                 out.n_skipped += 1

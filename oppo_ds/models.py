@@ -94,9 +94,14 @@ def _torch_dtype(dtype: str | torch.dtype | None):
     return table[dtype]
 
 
-def source_problem(source: str) -> Optional[str]:
-    """Why ``source`` is not a model source (a local checkpoint directory with a config.json,
-    or an architecture built from config), or None."""
+def source_problem(source: str, *, trust_remote_code: bool = False) -> Optional[str]:
+    """Why ``source`` is not a model source (a local checkpoint directory whose config.json
+    names a causal language model transformers has, or an architecture built from config), or
+    None."""
+    return _path_problem(source) or _architecture_problem(source, trust_remote_code)
+
+
+def _path_problem(source: str) -> Optional[str]:
     if source in FROM_CONFIG_ARCHS:
         return None
     if not os.path.isdir(source):
@@ -108,10 +113,51 @@ def source_problem(source: str) -> Optional[str]:
     return None
 
 
-def _check_local_dir(path: str) -> None:
-    problem = source_problem(path)
+def _architecture_problem(source: str, trust_remote_code: bool) -> Optional[str]:
+    """Why the checkpoint directory ``source`` cannot be built as a causal LM (the actor, the
+    reference) or the body of one (the critic, the reward model): its config.json is not a
+    JSON object, or its `model_type` is not one transformers knows (a typo, a newer release)
+    or not a causal LM's (T5, BART, BERT-style encoders: AutoModelForCausalLM has no class for
+    it). None for an architecture built from config, a config.json without a model_type
+    (transformers then goes by the directory's name), and a checkpoint that ships its own
+    code (`auto_map`) under ``trust_remote_code``."""
+    if source in FROM_CONFIG_ARCHS:
+        return None
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    file = os.path.join(source, "config.json")
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"{file} cannot be read as JSON: {err}"
+    if not isinstance(config, dict):
+        return f"{file} holds no JSON object: not a Hugging Face model config"
+    model_type = config.get("model_type")
+    if model_type is None or (trust_remote_code and "auto_map" in config):
+        return None
+    supported = ("supported: a model type that transformers' AutoModelForCausalLM loads (e.g. "
+                 "llama, qwen2, mistral, gemma, gpt2, opt)")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        own_code = ("; it ships code of its own (auto_map): set model.trust_remote_code: true to "
+                    "run it" if "auto_map" in config else "")
+        return (f"{source}: config.json has model_type {model_type!r}, which transformers "
+                f"{__version__} does not know; {supported}{own_code}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (f"{source}: config.json has model_type {model_type!r}, not a causal language "
+                f"model (every model of a run decodes or scores left to right); {supported}")
+    return None
+
+
+def _check_local_dir(path: str, trust_remote_code: bool = False) -> None:
+    problem = _path_problem(path)
     if problem:
         raise FileNotFoundError(problem)
+    problem = _architecture_problem(path, trust_remote_code)
+    if problem:
+        raise ValueError(problem)
 
 
 def build_device(zero_stage: int = 0) -> Optional[torch.device]:
@@ -158,7 +204,7 @@ def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None
     if source in FROM_CONFIG_ARCHS:
         return _build_tiny(AutoModelForCausalLM.from_config, source, vocab_size, dtype, seed,
                            device)
-    _check_local_dir(source)
+    _check_local_dir(source, trust_remote_code)
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
     return _load_checked(AutoModelForCausalLM, source, config=config,
@@ -279,7 +325,7 @@ class ValueHeadModel(nn.Module):
         carries no scalar head (a reward model without one would score noise)."""
         from transformers import AutoModel
 
-        _check_local_dir(path)
+        _check_local_dir(path, trust_remote_code)
         # the body only: a causal LM's head and any scalar head are not its weights
         heads = ("lm_head.", *(k.rsplit(".", 1)[0] + "." for k in HEAD_KEYS))
         body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,

@@ -125,12 +125,13 @@ def oracle_vocab(arch: str) -> int:
 
 
 def check_paths(cfg: Config, src: Sources) -> None:
-    """Each model source is a checkpoint directory or an architecture built from config, and
-    the reward checkpoint has a scalar head: ``ConfigError`` naming the key otherwise, before
-    the tokenizer is chosen (a missing actor directory would otherwise fall back to the
-    built-in tokenizer and fail on the prompts) or any model is built."""
+    """Each model source is a checkpoint directory of a causal LM transformers has, or an
+    architecture built from config, and the reward checkpoint has a scalar head:
+    ``ConfigError`` naming the key otherwise, before the tokenizer is chosen (a missing actor
+    directory would otherwise fall back to the built-in tokenizer and fail on the prompts) or
+    any model is built."""
     for key, source in src.models.items():
-        problem = source_problem(source)
+        problem = source_problem(source, trust_remote_code=cfg.model.trust_remote_code)
         if problem:
             raise ConfigError(f"model.{key}", problem)
     if src.reward_model and src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):

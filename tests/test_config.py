@@ -348,12 +348,57 @@ def test_value_outside_literal_lists_allowed(override, allowed):
      "which system.hybrid_engine: True replaces"),
     (["generation.static_cache=true", "system.backend=megatron"], "generation.static_cache",
      "which system.backend: megatron replaces"),
+    # was a ValueError traceback from algo/rewards.py at step 1
+    (["ppo.reward_clip=0"], "ppo.reward_clip", "must be > 0 or null (null = off), got 0.0"),
+    (["ppo.reward_clip=-2"], "ppo.reward_clip", "must be > 0 or null"),
+    (["ppo.weight_decay=-0.1"], "ppo.weight_decay", "must be >= 0, got -0.1"),
+    (["ppo.warmup_steps=-1"], "ppo.warmup_steps", "must be >= 0, got -1"),
+    (["ppo.grad_clip=-1"], "ppo.grad_clip", "must be >= 0 or null (null or 0 = off), got -1.0"),
+    (["workload.num_prompts=0"], "workload.num_prompts", "must be >= 1, got 0"),
+    (["workload.sft_steps=-1"], "workload.sft_steps", "must be >= 0, got -1"),
+    (["workload.reward_steps=-3"], "workload.reward_steps", "must be >= 0, got -3"),
+    (["workload.median_len=0"], "workload.median_len", "must be >= 1, got 0"),
+    (["workload.tail_sigma=-0.5"], "workload.tail_sigma", "must be >= 0, got -0.5"),
+    (["logging.output_dir="], "logging.output_dir", "must not be empty"),
+    (["logging.output_dir=' '"], "logging.output_dir", "must not be empty"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert err.value.key == key
     assert words in str(err.value)
+
+
+def test_zero_grad_clip_and_zero_workload_training_steps_are_allowed():
+    cfg = load_config(None, ["ppo.grad_clip=0", "workload.sft_steps=0", "workload.reward_steps=0",
+                             "workload.tail_sigma=0", "ppo.reward_clip=null"])
+    assert cfg.ppo.grad_clip == 0.0 and cfg.ppo.reward_clip is None
+
+
+NUMBER, NUMBER_OR_NULL = "a number", "a number or null"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("ppo.actor_lr=.inf", NUMBER), ("ppo.clip_eps=.nan", NUMBER), ("ppo.kl_coef=.inf", NUMBER),
+    ("generation.temperature=.inf", NUMBER), ("ppo.weight_decay=.nan", NUMBER),
+    ("ppo.entropy_coef=-.inf", NUMBER), ("workload.tail_sigma=.inf", NUMBER),
+    ("ppo.actor_lr=1e999", NUMBER), ("ppo.kl_coef=" + "9" * 400, NUMBER),
+    ("ppo.grad_clip=.inf", NUMBER_OR_NULL), ("eval.temperature=.nan", NUMBER_OR_NULL),
+    ("ppo.filter_groups_reward_range=[0, .inf]", "a list of numbers or null"),
+])
+def test_non_finite_float_rejected(override, expected):
+    """.inf and .nan are YAML floats: every float key took them unless a range check happened
+    to refuse them (ppo.actor_lr=.inf trained; entropy_coef has no range at all)."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key
+    assert str(err.value).endswith(f"expected {expected} (finite: not inf or nan)")
+
+
+def test_non_finite_float_rejected_in_a_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"^ppo\.dual_clip: got inf, expected a number or null"):
+        load_config(_write(tmp_path, "ppo:\n  dual_clip: .inf\n"))
 
 
 def test_delta_in_rows_is_free_without_a_group_baseline():
@@ -405,8 +450,65 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
     assert err.value.key == "--config"
 
 
-def test_empty_yaml_gives_defaults(tmp_path):
-    assert load_config(_write(tmp_path, "# nothing here\n")) == Config()
+@pytest.mark.parametrize("text", ["# nothing here\n", "", "\n\n"])
+def test_empty_yaml_gives_defaults_and_says_so(tmp_path, caplog, text):
+    path = _write(tmp_path, text)
+    with caplog.at_level("WARNING", logger="oppo_ds.config"):
+        assert load_config(path) == Config()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--config {path} sets no key (empty or only comments): every key has its default"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="oppo_ds.config"):
+        load_config(_write(tmp_path, "steps: 3\n"))
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("steps: 4\nsteps: 5\n", "steps", "lines 1 and 2"),
+    ("ppo:\n  kl_coef: 0.1\nseed: 1\nppo:\n  batch_size: 8\n", "ppo", "lines 1 and 4"),
+    ("ppo:\n  kl_coef: 0.1\n  batch_size: 8\n  kl_coef: 0.2\n", "ppo.kl_coef", "lines 2 and 4"),
+    ("data:\n  prompts: [{a: 1, a: 2}]\n", "data.prompts[0].a", "lines 2 and 2"),
+    ("ppo: {kl_coef: 0.1, kl_coef: 0.2}\n", "ppo.kl_coef", "lines 1 and 1"),
+])
+def test_key_given_twice_in_yaml(tmp_path, text, key, lines):
+    """PyYAML keeps the last of two equal keys: a second `ppo:` section dropped the first
+    one's settings without a word."""
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == key
+    assert str(err.value) == (f"{key}: given twice in {path} ({lines}); the later one would "
+                              "silently replace the earlier: keep one")
+
+
+def test_yaml_merge_key_may_be_overridden(tmp_path):
+    """A key beside a merge (`<<: *gen`) replaces the merged one: not a key given twice."""
+    path = _write(tmp_path, "generation: &gen {temperature: 0.7, top_p: 0.9}\n"
+                            "eval:\n  <<: *gen\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError, match="^eval.top_p: unknown key"):  # merged, so read
+        load_config(path)
+    path = _write(tmp_path, "generation: &gen {temperature: 0.7}\n"
+                            "eval:\n  <<: *gen\n  temperature: 0.5\n")
+    cfg = load_config(path)
+    assert cfg.generation.temperature == 0.7 and cfg.eval.temperature == 0.5
+
+
+def test_config_file_not_utf8(tmp_path):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfesteps: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert err.value.key == "--config"
+    assert str(err.value) == (f"--config: {path} is not UTF-8 text (byte 0xff at offset 0); "
+                              "save it as UTF-8")
+
+
+@pytest.mark.parametrize("override", ["=5", " =5", "ppo.=5", ".kl_coef=1", "ppo..kl_coef=1"])
+def test_override_without_a_key_is_malformed(override):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == (f"malformed override {override!r}: expected KEY=VALUE with a "
+                              "dotted key, e.g. ppo.kl_coef=0.05")
 
 
 def test_missing_file():

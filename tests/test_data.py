@@ -538,8 +538,9 @@ def test_overlong_error_names_row_and_lengths(plain_tok):
     rows = rows_of("a", "a b c d e f", source="data.jsonl")  # second: 7 tokens with <bos>
     with pytest.raises(DataError) as err:
         encode_prompts(rows, plain_tok, max_prompt_len=4)
-    assert str(err.value).startswith("data.jsonl:2: ")
-    assert "7 tokens" in str(err.value) and "max_prompt_len=4" in str(err.value)
+    assert str(err.value) == ("data.jsonl:2: prompt 'r2' is 7 tokens, over "
+                              "generation.max_prompt_len=4 (set data.overlong to truncate or "
+                              "skip to allow this)")
 
 
 def test_overlong_truncate_keeps_the_last_tokens(plain_tok):

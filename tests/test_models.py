@@ -365,6 +365,71 @@ def test_dir_without_config_json(build, tmp_path):
         build(str(tmp_path))
 
 
+def _config_dir(root, name, **config):
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+SUPPORTED = ("supported: a model type that transformers' AutoModelForCausalLM loads (e.g. "
+             "llama, qwen2, mistral, gemma, gpt2, opt)")
+
+
+def test_a_checkpoint_that_is_no_causal_lm_is_a_config_error_naming_the_key(tmp_path):
+    """An unknown model_type (a typo, a newer transformers) or an encoder-decoder (T5) was a
+    transformers traceback from the model build; now check_paths, before anything is built,
+    names the key, the path and what is supported."""
+    from oppo_ds.config import Config, ConfigError
+    from oppo_ds.sources import Sources, check_paths
+
+    florp = _config_dir(tmp_path, "florp", model_type="florp", architectures=["LlamaForCausalLM"])
+    t5 = _config_dir(tmp_path, "t5", model_type="t5", architectures=["T5ForConditionalGeneration"])
+    llama = _config_dir(tmp_path, "llama", model_type="llama")
+
+    def sources(**paths):
+        base = dict(actor=llama, reference=llama, reward="tiny-llama", critic=llama)
+        return Sources(**{**base, **paths}, tokenizer=None, prompts="p.jsonl",
+                       builtin_prompts=False)
+
+    check_paths(Config(), sources())
+    with pytest.raises(ConfigError) as err:
+        check_paths(Config(), sources(actor=florp))
+    assert str(err.value) == (f"model.actor: {florp}: config.json has model_type 'florp', which "
+                              f"transformers {transformers.__version__} does not know; "
+                              f"{SUPPORTED}")
+    with pytest.raises(ConfigError) as err:
+        check_paths(Config(), sources(critic=t5))
+    assert str(err.value) == (f"model.critic: {t5}: config.json has model_type 't5', not a causal "
+                              "language model (every model of a run decodes or scores left to "
+                              f"right); {SUPPORTED}")
+
+
+def test_checkpoint_architecture_checks(tmp_path):
+    from oppo_ds.models import source_problem
+
+    own = _config_dir(tmp_path, "own", model_type="florp", auto_map={"AutoModel": "m.Florp"})
+    assert source_problem(own).endswith("; it ships code of its own (auto_map): set "
+                                        "model.trust_remote_code: true to run it")
+    assert source_problem(own, trust_remote_code=True) is None
+    # no model_type: transformers goes by the directory's name, as it did
+    assert source_problem(_config_dir(tmp_path, "llama-untyped", vocab_size=3)) is None
+    bad = _config_dir(tmp_path, "bad", model_type="llama")
+    (tmp_path / "bad" / "config.json").write_text("{model_type: llama")
+    assert source_problem(bad).startswith(f"{bad}/config.json cannot be read as JSON: ")
+    assert source_problem(_config_dir(tmp_path, "list")) is None  # {} : no model_type
+    (tmp_path / "list" / "config.json").write_text("[]")
+    assert "holds no JSON object" in source_problem(str(tmp_path / "list"))
+    assert source_problem("tiny-gpt2") is None
+
+
+@pytest.mark.parametrize("build", [build_causal_lm, build_value_model])
+def test_building_a_non_causal_checkpoint_fails_before_transformers(build, tmp_path):
+    t5 = _config_dir(tmp_path, "t5", model_type="t5")
+    with pytest.raises(ValueError, match=r"model_type 't5', not a causal language model"):
+        build(t5)
+
+
 def test_trust_remote_code_off_by_default_and_passed_through(tmp_path, monkeypatch):
     from oppo_ds.config import ModelConfig
 
