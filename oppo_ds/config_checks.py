@@ -8,6 +8,12 @@ from __future__ import annotations
 from .config_types import require
 
 
+def optimizer_updates(cfg) -> int:
+    """The run's optimizer updates of each trained model: steps x ppo_epochs x mini-batches."""
+    p = cfg.ppo
+    return cfg.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
+
+
 def check_across_sections(cfg) -> None:
     """The rules of a ``Config`` that tie its sections together (each section's own rules are
     its ``__post_init__``'s): ``ConfigError`` naming the key; scorers the run builds none of
@@ -30,6 +36,10 @@ def check_across_sections(cfg) -> None:
             "ppo.ptx_coef" if cfg.data.ptx is None else "data.ptx",
             "PPO-ptx needs both ppo.ptx_coef > 0 and data.ptx (pretraining text); "
             f"got ppo.ptx_coef={cfg.ppo.ptx_coef}, data.ptx={cfg.data.ptx!r}")
+    updates = optimizer_updates(cfg)
+    require(cfg.ppo.warmup_steps <= updates, "ppo.warmup_steps", (
+        f"must be at most the run's optimizer updates, steps x ppo.ppo_epochs x "
+        f"ppo.batch_size / ppo.mini_batch_size = {updates}, got {cfg.ppo.warmup_steps}"))
     require(cfg.ppo.overlong_buffer_len <= cfg.generation.max_new_tokens,
             "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
             f"({cfg.generation.max_new_tokens}), got {cfg.ppo.overlong_buffer_len}")

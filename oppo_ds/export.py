@@ -7,12 +7,18 @@ shards are collected by every rank and written by rank 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from typing import Optional
 
 import torch.distributed as dist
 
 from .lora import has_lora, merged_state_dict
+
+logger = logging.getLogger("oppo_ds.trainer")
+
+EXPORTS = {"actor", "critic", "actor_ema"}  # the folders of a run's final export
 
 
 def write_end_ids(path: str, ids: tuple[int, ...]) -> None:
@@ -49,18 +55,30 @@ class Exporting:
 
     def export(self, out_dir: str) -> None:
         """Final actor (and critic, where there is one; the actor's average with
-        model.actor_ema) in Hugging Face format, DeepSpeed-Chat's layout."""
-        self._export_models(out_dir, tuple(self.trained_engines.items()))
+        model.actor_ema) in Hugging Face format, DeepSpeed-Chat's layout. Each is written to
+        a temporary folder that then replaces its own: none holds files of an earlier run's
+        export in the same directory (its chat template, say), and an export slot this run
+        does not fill (``critic`` after a critic-free run) is removed, not left beside it."""
+        engines = tuple(self.trained_engines.items())
+        self._export_models(out_dir, engines)
         if self.ema is not None:
             with self.ema.swapped_in(self.actor.module):
                 self._export_models(out_dir, (("actor_ema", self.actor),))
+        written = {name for name, _ in engines} | ({"actor_ema"} if self.ema is not None else set())
+        for stale in EXPORTS - written:
+            if self.is_main and os.path.isdir(os.path.join(out_dir, stale)):
+                logger.info("removed %s: an earlier run's export (this run has no %s)",
+                            os.path.join(out_dir, stale), stale)
+                shutil.rmtree(os.path.join(out_dir, stale))
         if dist.is_initialized():
             dist.barrier()
 
     def _export_models(self, out_dir: str, named_engines) -> None:
         for name, engine in named_engines:
+            final, path = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
+            if self.is_main:  # one a crash mid-export left
+                shutil.rmtree(path, ignore_errors=True)
             with engine.generation_context() as model:
-                path = os.path.join(out_dir, name)
                 if getattr(model, "collective_save", False):
                     # Megatron shards: every rank sends its part, rank 0 writes
                     model.save_pretrained(path)
@@ -74,3 +92,6 @@ class Exporting:
                     write_end_ids(path, self.sampling.eos_token_ids)
                 if self.is_main and name == "critic":
                     write_pad_id(path, self.tokenizer.pad_token_id)
+            if self.is_main:
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(path, final)

@@ -199,8 +199,11 @@ class Resumable:
     def _checkpoint_settings(self) -> dict:
         values = self.cfg.to_dict()
         settings = {key: values[key.split(".")[0]][key.split(".")[1]] for key in CHECKPOINT_SETTINGS}
-        for key in ("model.actor", "model.critic"):  # ./ckpt and /abs/ckpt are one model
-            if isinstance(settings[key], str) and os.path.exists(settings[key]):
+        if self.critic is not None and settings["model.critic"] is None:
+            # the critic starts from the reward model: its source is the critic's too
+            settings["model.reward"] = values["model"]["reward"]
+        for key in ("model.actor", "model.critic", "model.reward"):  # ./ckpt, /abs/ckpt: one
+            if isinstance(settings.get(key), str) and os.path.exists(settings[key]):
                 settings[key] = os.path.realpath(settings[key])
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
             settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
@@ -218,7 +221,10 @@ class Resumable:
                 + "".join(f"; {key}: {now[key]}, written with {saved[key]}" for key in others)
                 + ": its actor and critic are those models; resume with the settings it was "
                   "written with, or start afresh (checkpoint.resume=never, or another "
-                  "logging.output_dir)"))
+                  "logging.output_dir)"
+                + ("; with model.critic null the critic started from model.reward: to score "
+                   "with another reward model, set model.critic to the one it started from"
+                   if "model.reward" in changed else "")))
 
     def save_checkpoint(self) -> None:
         engines = self.trained_engines

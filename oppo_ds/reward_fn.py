@@ -11,13 +11,15 @@ responses as
 with ``prompts`` the prompts as the data file holds them (a string, or a list of chat
 messages), ``completions`` the responses decoded to text (special tokens left out), and one
 keyword per other field of the prompts' rows (``answer=[...]``; None where a row has no such
-field), as TRL passes a data set's columns. Accept ``**kwargs`` to ignore fields. A score
+field, for every row when the function names a field no row of the batch has), as TRL
+passes a data set's columns. Accept ``**kwargs`` to ignore fields. A score
 that is not a finite number stops the run naming the function and the response.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -67,16 +69,31 @@ class RewardFunctionError(RuntimeError):
     """A reward function returned something other than one finite number per response."""
 
 
+def _named_parameters(fn: Callable) -> set[str]:
+    """The keyword arguments ``fn`` names without a default (none for a callable whose
+    signature Python cannot read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty}
+
+
 class RewardFunction:
     """``model.reward_function`` loaded, called on decoded responses: (B,) float32 scores."""
 
     def __init__(self, spec: str):
         self.spec = spec
         self.fn = load_reward_function(spec)
+        self.wants = _named_parameters(self.fn)
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
                  fields: Sequence[dict]) -> torch.Tensor:
         names = sorted({k for f in fields for k in f} - {"prompts", "completions"})
+        # a field the function names but no row of this batch has: None for each row, as
+        # for a row that lacks it (``answer`` of prompts without one)
+        names += sorted(self.wants - set(names) - {"prompts", "completions"})
         columns = {k: [f.get(k) for f in fields] for k in names}
         try:
             scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)

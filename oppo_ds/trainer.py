@@ -25,6 +25,7 @@ from .algo import masked_mean, overlong_penalty
 from .bench import tail_waste
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
+from .config_checks import optimizer_updates
 from .config_types import require
 from .data import PromptStream, encode_prompts, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
@@ -198,8 +199,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
         cfg = self.cfg
         p, s = cfg.ppo, cfg.system
-        updates = cfg.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
-        engine_args = dict(total_steps=updates, weight_decay=p.weight_decay, warmup_steps=p.warmup_steps,
+        engine_args = dict(total_steps=optimizer_updates(cfg), weight_decay=p.weight_decay,
+                           warmup_steps=p.warmup_steps,
                            scheduler=p.lr_schedule, micro_batch_size=p.micro_batch_size,
                            gradient_accumulation_steps=p.mini_batch_size // p.micro_batch_size,
                            zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,

@@ -361,6 +361,11 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["workload.tail_sigma=-0.5"], "workload.tail_sigma", "must be >= 0, got -0.5"),
     (["logging.output_dir="], "logging.output_dir", "must not be empty"),
     (["logging.output_dir=' '"], "logging.output_dir", "must not be empty"),
+    # was a ValueError traceback from the engines' schedule, naming neither key nor steps
+    (["steps=2", "ppo.batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
+      "ppo.warmup_steps=10"], "ppo.warmup_steps",
+     "must be at most the run's optimizer updates, steps x ppo.ppo_epochs x ppo.batch_size / "
+     "ppo.mini_batch_size = 4, got 10"),
 ])
 def test_cross_field_and_range_validation(overrides, key, words):
     with pytest.raises(ConfigError) as err:

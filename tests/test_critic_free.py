@@ -54,6 +54,11 @@ def test_rloo_advantages_by_hand_and_no_critic_anywhere(cache_dir, tmp_path, mon
     advantage score - mean(the other 3 responses' scores), to float rounding (1e-5)."""
     seen = _record_experience(monkeypatch)
     out = tmp_path / "rloo"
+    # an earlier run's export in the same directory: a critic, and a file of its actor's that
+    # this run's actor does not write (they stayed beside this run's export)
+    for stale in (out / "critic" / "config.json", out / "actor" / "chat_template.jinja"):
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text("{}")
     trainer, summary = run(cache_dir, out, "steps=2", *RLOO, "ppo.kl_coef=0",
                            "ppo.reward_clip=null", "ppo.whiten_advantages=false",
                            "checkpoint.every=1")
@@ -79,6 +84,8 @@ def test_rloo_advantages_by_hand_and_no_critic_anywhere(cache_dir, tmp_path, mon
         assert not {"value/mean", "loss/value", "lr/critic", "grad_norm/critic"} & set(r)
     assert sorted(os.listdir(out / "checkpoints")) == ["actor", "latest", "trainer"]
     assert not os.path.exists(out / "critic") and os.path.isdir(out / "actor")
+    assert not os.path.exists(out / "actor" / "chat_template.jinja")
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
 
 
 def test_group_norm_with_the_pool_trains_whole_groups_once(cache_dir, tmp_path, monkeypatch):

@@ -3,9 +3,13 @@ decoded responses (oppo_ds/reward_fn.py); the built-in task's rule as one."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from _builders import single_process_env, tiny_run_overrides
 
 from oppo_ds import workload as wl
 from oppo_ds.config import ConfigError
@@ -85,6 +89,37 @@ def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
                                                   r"answer\)") as err:
         reward(["p"], ["a"], [{"answer": "4"}])
     assert isinstance(err.value.__cause__, KeyError)
+
+
+def test_a_field_the_function_names_and_no_row_has_arrives_as_nones(tmp_path):
+    """``def f(prompts, completions, answer, **_)`` on prompts none of which has an answer
+    (an evaluation set without them) was called without ``answer``: a TypeError. It gets one
+    None per response, as for a row that lacks the field; a named argument with a default
+    keeps its default."""
+    path = tmp_path / "rewards.py"
+    path.write_text("def f(prompts, completions, answer, level=7, **_):\n"
+                    "    return [len(a or '') + level for a in answer]\n")
+    reward = RewardFunction(f"{path}:f")
+    assert reward(["p", "q"], ["a", "b"], [{}, {}]).tolist() == [7.0, 7.0]
+    assert reward(["p", "q"], ["a", "b"], [{"answer": "xy"}, {}]).tolist() == [9.0, 7.0]
+
+
+def test_an_error_in_the_function_ends_oppo_train_with_its_frames_and_one_line(tmp_path):
+    """The user's function failing in a run: its own frames (where in their file), then one
+    line naming the key and the function, exit 1; not the trainer's traceback around it."""
+    path = tmp_path / "rewards.py"
+    path.write_text("def f(prompts, completions, **_):\n    return [1 / 0 for c in completions]\n")
+    proc = subprocess.run([sys.executable, "-m", "oppo_ds.train",
+                           *tiny_run_overrides(tmp_path, 1), f"model.reward_function={path}:f",
+                           "ppo.advantage_estimator=rloo", "data.samples_per_prompt=2"],
+                          env=single_process_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("oppo-train: error: rank 0: model.reward_function "
+                                f"{path}:f raised ZeroDivisionError: division by zero")
+    assert f'File "{path}", line 2, in <listcomp>' in proc.stderr or \
+        f'File "{path}", line 2, in f' in proc.stderr
+    assert "trainer.py" not in proc.stderr  # none of our frames around it
 
 
 def test_gold_reward_is_the_hidden_rule():

@@ -790,6 +790,12 @@ def test_resume_refuses_a_checkpoint_of_other_models(cache_dir, tmp_path):
     torch.save(state, state_file)
     run(cache_dir, out, "steps=3", "checkpoint.export_hf=false")
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
+    # model.critic null: the critic started from the reward model, so another model.reward
+    # is another critic source (it resumed the old critic while the log named the new one)
+    with pytest.raises(ConfigError, match=r"^model.reward: tiny-llama, but checkpoint step3 was "
+                                          r"written with builtin: .* set model.critic to the one it "
+                                          r"started from$"):
+        run(cache_dir, out, "steps=4", "checkpoint.export_hf=false", "model.reward=tiny-llama")
 
 
 def test_resume_refuses_another_lora_scale(cache_dir, tmp_path):

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 
 from ..config import ConfigError, load_config
@@ -173,6 +174,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
     from ..finite import NonFiniteError
+    from ..reward_fn import RewardFunctionError
 
     try:
         summary = trainer.train()
@@ -182,6 +184,11 @@ def _main(argv: list[str] | None) -> int:
         trainer.close()
         _close_process_groups()
         return 1
+    except RewardFunctionError as err:  # the user's function: its frames and one line, not ours
+        if err.__cause__ is not None:
+            print("".join(traceback.format_exception(err.__cause__)), end="", file=sys.stderr)
+        print(f"oppo-train: error: rank {rank}: {err}", file=sys.stderr)
+        return 1  # the launcher ends the other ranks, as after a traceback
     trainer.close()  # the stage placement's links, then the world's groups; after a failure
     _close_process_groups()  # the traceback is printed and the launcher ends all
     if summary is not None:
