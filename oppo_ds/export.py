@@ -75,12 +75,18 @@ class Exporting:
 
     def _export_models(self, out_dir: str, named_engines) -> None:
         for name, engine in named_engines:
-            final, path = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
-            if self.is_main:  # one a crash mid-export left
-                shutil.rmtree(path, ignore_errors=True)
+            final = os.path.join(out_dir, name)
             with engine.generation_context() as model:
-                if getattr(model, "collective_save", False):
-                    # Megatron shards: every rank sends its part, rank 0 writes
+                # Megatron shards: every rank sends its part, and each replica's gathering rank
+                # writes, into the folder itself (cleared first, before any rank writes);
+                # otherwise rank 0 writes a temporary folder that then replaces it
+                collective = getattr(model, "collective_save", False)
+                path = final if collective else os.path.join(out_dir, f".{name}.tmp")
+                if self.is_main:  # an earlier export, or one a crash mid-export left
+                    shutil.rmtree(path, ignore_errors=True)
+                if collective:
+                    if dist.is_initialized():
+                        dist.barrier()
                     model.save_pretrained(path)
                 elif self.is_main:
                     # LoRA folded into the weights: a plain checkpoint of the base architecture
@@ -92,6 +98,6 @@ class Exporting:
                     write_end_ids(path, self.sampling.eos_token_ids)
                 if self.is_main and name == "critic":
                     write_pad_id(path, self.tokenizer.pad_token_id)
-            if self.is_main:
+            if self.is_main and path != final:
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(path, final)
