@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import time
 from contextlib import contextmanager
@@ -226,9 +227,8 @@ def _drop_traces_after(trace_dir: str, last_step: int) -> None:
     if not os.path.isdir(trace_dir):
         return
     for name in os.listdir(trace_dir):
-        step = name[len("step"):-len(".json")]
-        if name.startswith("step") and name.endswith(".json") and step.isdigit() \
-                and int(step) > last_step:
+        match = re.fullmatch(r"step(\d+)\.json", name)
+        if match and int(match.group(1)) > last_step:
             os.remove(os.path.join(trace_dir, name))
 
 
