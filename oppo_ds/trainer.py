@@ -298,9 +298,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
     def _load_prompts(self, prompts: str | list[str]):
         d, g = self.cfg.data, self.cfg.generation
         if self.sources.oracle and prompts == "builtin":
-            w = self.cfg.workload
-            return wl.oracle_prompts(w.num_prompts, len(self.tokenizer), self.cfg.seed, w.median_len,
-                                     w.tail_sigma, g.max_new_tokens)
+            return wl.run_oracle_prompts(self.cfg, len(self.tokenizer))
         rows = read_rows(self.cfg, prompts)
         if self.reward_fn is not None:
             self.prompt_rows = {r.id: (r.text_or_messages, r.fields) for r in rows}

@@ -161,6 +161,14 @@ def build_oracle_tokenizer(vocab_size: int):
                                    pad_token="<pad>", unk_token="<unk>")
 
 
+def run_oracle_prompts(cfg, vocab_size: int):
+    """The length oracle's prompts of a run with config ``cfg`` (its ``workload``, seed and
+    ``generation.max_new_tokens``): the same for our trainer and the TRL peer."""
+    w = cfg.workload
+    return oracle_prompts(w.num_prompts, vocab_size, cfg.seed, w.median_len, w.tail_sigma,
+                          cfg.generation.max_new_tokens)
+
+
 def oracle_prompts(num: int, vocab_size: int, seed: int, median_len: int, tail_sigma: float,
                    max_new_tokens: int, prompt_len: tuple[int, int] = (8, 32)):
     """``num`` prompts of random token ids with a target response length each, drawn from the

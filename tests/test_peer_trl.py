@@ -233,3 +233,43 @@ def test_settings_name_what_trl_has_no_counterpart_for(tmp_path):
     assert plain["missing_eos_penalty"] is None and not [n for n in notes if "ptx" in n or "eval" in n or "kl_target" in n
                                           or "freeze" in n or "dual_clip" in n
                                           or "normalize" in n]
+
+
+@needs_trl
+def test_length_oracle_run_ends_each_response_at_its_prompts_target(tmp_path, torch_one_thread):
+    """Under `workload.kind: length_oracle` (random-weight models of a real shape, speed only)
+    our decode ends each row at its prompt's target length; the peer's HF generate would run
+    every row to max_new_tokens. The peer ends each row at the same target, and stops the
+    decode when the batch's longest target is reached, as ours: the same work per step."""
+    from oppo_ds import workload as wl
+    from oppo_ds.sources import oracle_vocab
+
+    settings = ["workload.kind=length_oracle", "model.builtin_arch=tiny-qwen2",
+                "generation.max_new_tokens=48", "ppo.batch_size=8", "ppo.mini_batch_size=4",
+                "ppo.micro_batch_size=4"]
+    rows = trl_peer.run_trl_peer(None, settings, 2, 0, str(tmp_path / "trl"))
+
+    cfg = load_config(None, [*settings, "steps=2", "seed=0"])
+    prompts = wl.run_oracle_prompts(cfg, oracle_vocab("tiny-qwen2"))
+    target = {tuple(p.input_ids): p.target_len for p in prompts}
+    order = trl_peer._ordered_prompt_ids(prompts, cfg)  # step k's prompts, as ours takes them
+    for step, row in enumerate(rows):
+        expected = [target[tuple(ids)] for ids in order[step * 8:(step + 1) * 8]]
+        assert row["response/lengths"] == expected
+        # the decode stopped at the batch's longest target: 8 rows of max(expected) slots
+        idle = 1 - sum(expected) / (8 * max(expected))
+        assert row["rollout/tail_waste_frac"] == pytest.approx(idle)
+    assert min(max(r["response/lengths"]) for r in rows) < 48  # a step ended before the limit
+
+
+def test_settings_train_bf16_models_in_bf16_and_say_how():
+    """A bf16 config: the peer builds its models in bf16 and TRL trains with bf16=True (as a
+    TRL user on a GPU does), noting that TRL keeps no fp32 master weights; fp16 stays fp32."""
+    bf16 = load_config(None, ["system.dtype=bf16"])
+    settings, notes = trl_peer.trl_settings(bf16, out_dir="", eos_token_ids=(2,), use_cpu=True)
+    assert trl_peer.peer_dtype(bf16) == "bf16" and settings["bf16"] is True
+    assert any("the peer's models are bf16" in n for n in notes)
+    fp32 = load_config(None, [])
+    settings, notes = trl_peer.trl_settings(fp32, out_dir="", eos_token_ids=(2,), use_cpu=True)
+    assert trl_peer.peer_dtype(fp32) == "fp32" and settings["bf16"] is False
+    assert not [n for n in notes if "dtype" in n]

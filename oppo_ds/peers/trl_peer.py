@@ -198,8 +198,12 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         notes.append(f"generation.top_k={g.top_k}, top_p={g.top_p}: TRL samples with top_k=0, top_p=1")
     if g.temperature == 0:
         notes.append("generation.temperature=0 (greedy): TRL samples at temperature 1e-7")
-    if cfg.system.dtype != "fp32":
-        notes.append(f"system.dtype={cfg.system.dtype}: the peer runs in fp32")
+    if cfg.system.dtype == "fp16":
+        notes.append("system.dtype=fp16: the peer runs in fp32 (TRL's fp16 needs fp32 weights "
+                     "under a gradient scaler; ours trains fp16 weights)")
+    elif cfg.system.dtype == "bf16":
+        notes.append("system.dtype=bf16: the peer's models are bf16 and TRL trains them with "
+                     "bf16=True (AdamW on the bf16 weights; our engines keep fp32 master weights)")
     stop = eos_token_ids[0] if eos_token_ids else None
     if len(eos_token_ids) > 1:
         notes.append(f"responses end at token ids {list(eos_token_ids)} in oppo-ds; TRL stops "
@@ -225,7 +229,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         max_grad_norm=p.grad_clip if p.grad_clip is not None else 0.0,  # unused by TRL's PPO loop
         lr_scheduler_type=schedule, warmup_steps=warmup,
         # precision and memory
-        bf16=False, fp16=False, **{_checkpointing_key(): False},
+        bf16=peer_dtype(cfg) == "bf16", fp16=False, **{_checkpointing_key(): False},
         # nothing but training: no reports, saves, evals or sample generations
         report_to=[], save_strategy="no", eval_strategy="no", push_to_hub=False,
         num_sample_generations=0, logging_steps=1, disable_tqdm=True,
@@ -233,6 +237,12 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         sft_model_path=sft_model_path, reward_model_path=reward_model_path,
     )
     return settings, notes
+
+
+def peer_dtype(cfg) -> str:
+    """The dtype the peer builds its models in: bf16 as ours, else fp32 (fp16 too, see
+    :func:`trl_settings`)."""
+    return "bf16" if cfg.system.dtype == "bf16" else "fp32"
 
 
 def check_settings(config_path: Optional[str], overrides: list[str], steps: int,
@@ -397,8 +407,63 @@ def _make_recorder(**kwargs) -> _StepRecorder:
     return cls(**kwargs)
 
 
+def _prompt_key(row: torch.Tensor, pad_token_id: int) -> tuple:
+    return tuple(row[row != pad_token_id].tolist())
+
+
 @contextmanager
-def _instrumented(module, trainer, recorder: _StepRecorder):
+def _oracle_generation(model, queries: torch.Tensor, pad_token_id: int,
+                       targets: Optional[dict]):
+    """While the block runs, ``model.generate`` stops each row of ``queries`` (left-padded
+    prompts) after its prompt's target length in ``targets`` (prompt ids -> tokens), and the
+    whole decode when every row has reached its own, as our decode loop ends rows under the
+    length oracle. Yields the function that cuts ``batch_generation``'s result: tokens past a
+    row's target (HF generate samples on for a row a stopping criterion ended, unless an EOS
+    criterion is configured) become pads, so that TRL's length (up to the first pad) is the
+    target. Without targets: nothing changes."""
+    if not targets:
+        yield lambda out: out
+        return
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    context = queries.shape[1]
+    limit = torch.tensor([targets.get(_prompt_key(q, pad_token_id), 1 << 30)
+                          for q in queries.cpu()], device=queries.device)
+
+    class OracleStop(StoppingCriteria):
+        def __init__(self, rows: torch.Tensor):
+            self.rows = rows
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[1] - context >= self.rows
+
+    generate, done = model.generate, [0]
+
+    def oracle_generate(*args, **kwargs):
+        # batch_generation hands generate the rows in order, in slices of its batch size
+        n = kwargs["input_ids"].shape[0]
+        stop = OracleStop(limit[done[0]:done[0] + n])
+        done[0] += n
+        kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [*(kwargs.get("stopping_criteria") or ()), stop])
+        return generate(*args, **kwargs)
+
+    def cut(out):
+        query_responses, logits = out
+        positions = torch.arange(query_responses.shape[1] - context, device=limit.device)
+        past = positions[None, :] >= limit[:, None]
+        query_responses[:, context:][past] = pad_token_id
+        return query_responses, logits
+
+    model.generate = oracle_generate
+    try:
+        yield cut
+    finally:
+        del model.generate  # the instance attribute; the class's method shows again
+
+
+@contextmanager
+def _instrumented(module, trainer, recorder: _StepRecorder, targets: Optional[dict] = None):
     """The one place that patches TRL, only while the block runs.
 
     ``PPOTrainer.train()`` is one long function; it reaches three functions and the ``gc``
@@ -408,13 +473,17 @@ def _instrumented(module, trainer, recorder: _StepRecorder):
     reward model forwards; for the reward model the wrapper also passes on the scored
     sequences and their scores), ``forward`` (reference forward in the rollout, policy+value
     forward in the update) and ``gc.collect``. The originals are restored on exit, also on
-    error."""
+    error. With ``targets`` (the length oracle's: prompt ids -> response length)
+    ``batch_generation`` also ends every row at its prompt's target (:func:`_oracle_generation`),
+    as our decode loop does."""
     names = ("batch_generation", "get_reward", "forward", "gc")
     originals = {name: getattr(module, name) for name in names}
 
-    def batch_generation(*args, **kwargs):
+    def batch_generation(model, queries, batch_size, pad_token_id, generation_config):
         start = time.perf_counter()
-        out = originals["batch_generation"](*args, **kwargs)
+        with _oracle_generation(model, queries, pad_token_id, targets) as cut:
+            out = cut(originals["batch_generation"](model, queries, batch_size, pad_token_id,
+                                                    generation_config))
         recorder.on_generated(start, time.perf_counter())
         return out
 
@@ -480,9 +549,9 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     from .. import workload as wl
     from ..config import load_config, save_config
     from ..data import encode_prompts
-    from ..models import (build_causal_lm, build_device, build_value_model, disable_dropout,
-                          load_tokenizer, response_end_ids)
-    from ..sources import check_prompt_format, read_rows, resolve_sources
+    from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
+    from ..rollout.generate import cudnn_attention
+    from ..sources import check_prompt_format, end_ids, read_rows, resolve_sources, run_tokenizer
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
                                     f"logging.output_dir={out_dir}"])
@@ -496,18 +565,23 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
 
     # the same sources, tokenizer and prompts as our trainer
     src = resolve_sources(cfg, rank=0)
-    tokenizer = load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code) \
-        if src.tokenizer else wl.build_tokenizer()
+    tokenizer = run_tokenizer(cfg, src)
     tokenizer.padding_side = "left"  # TRL's collator pads the queries; PPO needs them left-padded
     check_prompt_format(cfg, src, tokenizer)
     d, g = cfg.data, cfg.generation
-    rows = read_rows(cfg, src.prompts)
-    prompts = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
-                             chat_template=d.chat_template, input_template=d.input_template).prompts
+    if src.oracle and src.prompts == "builtin":
+        prompts = wl.run_oracle_prompts(cfg, len(tokenizer))
+    else:
+        rows = read_rows(cfg, src.prompts)
+        prompts = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
+                                 chat_template=d.chat_template,
+                                 input_template=d.input_template).prompts
+    # the length oracle's target of each prompt (prompts are random ids, so their ids are keys)
+    targets = {tuple(p.input_ids): p.target_len for p in prompts if p.target_len}
     dataset = Dataset.from_dict({"input_ids": _ordered_prompt_ids(prompts, cfg)})
 
     # made where our trainer makes them (build_device), so that the seed gives the same weights
-    common = dict(vocab_size=len(tokenizer), dtype="fp32",
+    common = dict(vocab_size=len(tokenizer), dtype=peer_dtype(cfg),
                   trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
                   device=build_device(cfg.system.zero_stage))
     policy = disable_dropout(build_causal_lm(src.actor, **common))
@@ -515,7 +589,7 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     reward = to_sequence_classifier(build_value_model(src.reward, require_head=True, **common))
     value = disable_dropout(to_sequence_classifier(build_value_model(src.critic, **common)))
 
-    ends = response_end_ids(cfg.generation.eos_token_ids, src.actor, tokenizer)
+    ends = end_ids(cfg, src, tokenizer, log=False)
     settings, notes = trl_settings(cfg, out_dir=out_dir, eos_token_ids=ends,
                                    use_cpu=not torch.cuda.is_available(),
                                    sft_model_path=src.actor, reward_model_path=src.reward)
@@ -542,7 +616,11 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
                                                             "local_mini_batch_size",
                                                             "num_total_batches")}},
                   f, indent=2, default=str)
-    with _instrumented(module, trainer, recorder):
+    # the attention backends our runs use (system.cudnn_attention: on a GPU, cuDNN's builds a
+    # plan for every new shape, most of a decode's time when rows end), so that the two
+    # compare schedules, not a torch backend
+    with cudnn_attention(cfg.system.cudnn_attention), \
+            _instrumented(module, trainer, recorder, targets):
         trainer.train()
     return recorder.rows
 
