@@ -68,6 +68,12 @@ gpu-wheels: $(STAMP)
 	$(PIP) download -q --only-binary=:all: --python-version $(PYVER) --implementation cp \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) \
 		pydantic hjson py-cpuinfo msgpack ninja psutil einops pytest
+	# the TRL peer (the image has accelerate, pandas, pyarrow, xxhash; not these)
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(PYVER) --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) \
+		"trl==$$($(PY) -c 'from importlib.metadata import version; print(version("trl"))')" \
+		"datasets==$$($(PY) -c 'from importlib.metadata import version; print(version("datasets"))')" \
+		dill multiprocess
 
 clean-cache:
 	rm -rf .cache/oppo-builtin

@@ -6,24 +6,41 @@
 #   bash tools/gpu_session.sh [OUT]        OUT: default $OUT, else gpu-out/
 #
 # 1. device.txt: nvidia-smi -L and the versions of torch, transformers, deepspeed.
-# 2. gpu-test.txt: the CUDA-graph tests (tests/test_static_decode.py -k cuda_graph).
-# 3. profile-step4.txt: torch's profile of step 4 of a sequential run decoding with the static
-#    cache and a CUDA graph (logging.profile_step=4): where its training phase goes.
-# 4. bench.json / bench.md / bench.runs/: one oppo-bench of every entry of MODES (default
+# 2. gpu-test.txt: the tests that need a GPU (the CUDA graph's, the colocated side stream's).
+# 3. bench.json / bench.md / bench.runs/: one oppo-bench of every entry of MODES (default
 #    below) against the same plain sequential run, medians of STEPS - WARMUP steps.
-# 5. calibrate.txt: oppo-plan's cost model fitted to that sequential run, the others predicted.
+# 4. peer-trl/ and peer-trl.json: TRL 1.12's PPO on the same settings and steps (PEER=0 skips
+#    it), when trl imports, and oppo-bench's summary of its steps (samples_per_s, ...).
+# 5. profile-run/profile/step_4.txt, when PROFILE=1 and time is left: torch's profile of step
+#    4 of a sequential run decoding with the static cache and a CUDA graph.
+# 6. calibrate.txt: oppo-plan's cost model fitted to that sequential run, the others predicted.
+#
+# Everything is written under a work folder (/tmp/gpu-work) and, on exit, packed into
+# OUT/session.tgz (model weights and checkpoints left out) with the few summaries beside it:
+# the device tool brings back at most 8 files from OUT.
 #
 # Environment: BUDGET_S (default 570: the whole call's deadline, each part gets what is
-# left), STEPS (8), WARMUP (2), MODES, ARCH (qwen2.5-0.5b), SETTINGS (the overrides of every
-# run, default the GPU runs' length-oracle workload below), GRAPH, WHEELS (.whl), PYTHON.
+# left), TESTS_S (150: the tests' own limit), STEPS (8), WARMUP (2), MODES, ARCH
+# (qwen2.5-0.5b), SETTINGS (the overrides of every run, default the GPU runs' length-oracle
+# workload below), GRAPH, PEER (1), PROFILE (0), WORK (/tmp/gpu-work), WHEELS (.whl), PYTHON.
 #
 # A machine without deepspeed (the lent GPU machines' image has torch, transformers, no
 # deepspeed, no registry): build the wheels here with `make gpu-wheels` (pure-Python deepspeed
 # and its small dependencies, for the GPU machine's Python, PYVER=3.12 by default) and carry
 # .whl; this script installs them into a private directory first, nothing else.
 set -u
-OUT=${1:-${OUT:-gpu-out}}
+OUT=$(realpath -m "${1:-${OUT:-gpu-out}}")
 mkdir -p "$OUT"
+W=${WORK:-/tmp/gpu-work}
+rm -rf "$W" && mkdir -p "$W"
+pack() {
+    tar czf "$OUT/session.tgz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' \
+        --exclude='*.bin' --exclude='checkpoints' . 2>/dev/null
+    for f in device.txt gpu-test.txt bench.md calibrate.txt peer-trl.json; do
+        if [ -f "$W/$f" ]; then cp "$W/$f" "$OUT/"; fi
+    done
+}
+trap pack EXIT
 DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
 left() { echo $((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1)); }
 PY=${PYTHON:-python}
@@ -46,8 +63,8 @@ export DS_BUILD_OPS=0 HF_HUB_OFFLINE=1
     $PY -c "import torch, transformers, deepspeed as ds
 print('torch', torch.__version__, '| transformers', transformers.__version__,
       '| deepspeed', ds.__version__)"
-} > "$OUT/device.txt" 2>&1
-cat "$OUT/device.txt"
+} > "$W/device.txt" 2>&1
+cat "$W/device.txt"
 
 DEFAULT_SETTINGS="workload.kind=length_oracle model.builtin_arch=${ARCH:-qwen2.5-0.5b}
     system.dtype=bf16 generation.max_new_tokens=160 workload.median_len=32 ppo.batch_size=32
@@ -55,38 +72,55 @@ DEFAULT_SETTINGS="workload.kind=length_oracle model.builtin_arch=${ARCH:-qwen2.5
 SETTINGS=${SETTINGS:-$DEFAULT_SETTINGS}
 GRAPH=${GRAPH:-"generation.static_cache=true,generation.cuda_graph=true"}
 
-echo "== graph tests ($(left) s left)"
-timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py \
-    -k cuda_graph > "$OUT/gpu-test.txt" 2>&1
-tail -3 "$OUT/gpu-test.txt"
+echo "== GPU tests ($(left) s left)"
+timeout "$(( $(left) < ${TESTS_S:-150} ? $(left) : ${TESTS_S:-150} ))" \
+    $PY -m pytest -q -p no:cacheprovider -rs tests/test_static_decode.py \
+    tests/test_streaming.py -k "cuda_graph or on_cuda" > "$W/gpu-test.txt" 2>&1
+tail -3 "$W/gpu-test.txt"
 
-echo "== profile of step 4, sequential with the graph ($(left) s left)"
-rm -rf /tmp/oppo-profile-run
-# shellcheck disable=SC2086
-timeout "$(left)" $PY -m oppo_ds.train steps=4 logging.profile_step=4 $SETTINGS ${GRAPH//,/ } \
-    logging.output_dir=/tmp/oppo-profile-run logging.progress=false checkpoint.resume=never \
-    checkpoint.final=false checkpoint.export_hf=false eval.prompts=null oppo.streaming=false \
-    oppo.overcommit=0 oppo.placement=inline > "$OUT/profile-run.txt" 2>&1
-cp /tmp/oppo-profile-run/profile/step_4.txt "$OUT/profile-step4.txt" 2>/dev/null
-cp /tmp/oppo-profile-run/metrics.jsonl "$OUT/profile-metrics.jsonl" 2>/dev/null
-head -40 "$OUT/profile-step4.txt" 2>/dev/null || tail -20 "$OUT/profile-run.txt"
-
-DEFAULT_MODES="sequential,sequential@graph,oppo@graph,oppo,sequential@blocks,sequential@cudnn"
-MODES=${MODES:-$DEFAULT_MODES,sequential@static,inter@graph}
+DEFAULT_MODES="sequential,sequential@graph,intra@graph,inter@graph,oppo@graph,oppo"
+MODES=${MODES:-$DEFAULT_MODES}
 echo "== oppo-bench $MODES ($(left) s left)"
 # shellcheck disable=SC2086
 timeout "$(left)" $PY -m oppo_ds.cli.bench --modes "$MODES" --steps "${STEPS:-8}" \
-    --warmup "${WARMUP:-2}" --json "$OUT/bench.json" --table "$OUT/bench.md" \
-    --workdir "$OUT/bench.runs" \
+    --warmup "${WARMUP:-2}" --json "$W/bench.json" --table "$W/bench.md" \
+    --workdir "$W/bench.runs" \
     --variant "graph:$GRAPH" --variant "blocks:$GRAPH,generation.sync_every=16" \
     --variant cudnn:system.cudnn_attention=true --variant static:generation.static_cache=true \
-    $SETTINGS > "$OUT/bench.txt" 2>&1
+    $SETTINGS > "$W/bench.txt" 2>&1
 echo "bench exit $?"
-cat "$OUT/bench.md" 2>/dev/null || tail -20 "$OUT/bench.txt"
+cat "$W/bench.md" 2>/dev/null || tail -20 "$W/bench.txt"
+
+# TRL's PPO on the same settings, prompts and steps, its own process after the bench (whose
+# JSON is then written whatever TRL does); its summary is oppo-bench's for a peer
+if [ "${PEER:-1}" = 1 ] && $PY -c "import trl, datasets" 2>/dev/null; then
+    echo "== TRL peer ($(left) s left)"
+    # shellcheck disable=SC2086
+    timeout "$(left)" $PY -m oppo_ds.peers.trl_peer --steps "${STEPS:-8}" --seed 0 \
+        --out "$W/peer-trl" $SETTINGS > "$W/peer-trl.txt" 2>&1
+    echo "peer exit $?"
+    $PY -c "import json, sys; from oppo_ds import bench
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(json.dumps(bench.summarize_mode(rows, ${WARMUP:-2}, hidden_default=0.0), indent=1))" \
+        "$W/peer-trl/metrics.jsonl" > "$W/peer-trl.json" 2>&1
+    cat "$W/peer-trl.json"
+fi
+
+# where a sequential step with the graph goes, if time is left (about 60 s)
+if [ "${PROFILE:-0}" = 1 ] && [ "$(left)" -gt 90 ]; then
+    echo "== profile of step 4, sequential with the graph ($(left) s left)"
+    # shellcheck disable=SC2086
+    timeout "$(left)" $PY -m oppo_ds.train steps=4 logging.profile_step=4 $SETTINGS \
+        ${GRAPH//,/ } logging.output_dir="$W/profile-run" logging.progress=false \
+        checkpoint.resume=never checkpoint.final=false checkpoint.export_hf=false \
+        eval.prompts=null oppo.streaming=false oppo.overcommit=0 oppo.placement=inline \
+        > "$W/profile-run.txt" 2>&1
+    head -40 "$W/profile-run/profile/step_4.txt" 2>/dev/null || tail -20 "$W/profile-run.txt"
+fi
 
 # the planner's costs fitted to this machine's sequential run, its other modes predicted
 # (docs/scaling.md, "Checked against reality"); keep bench.json and bench.runs/*/{metrics.jsonl,
 # config.yaml} in tests/data/ to repeat it without the machine
 echo "== oppo-plan --calibrate ($(left) s left)"
-timeout "$(left)" $PY -m oppo_ds.cli.plan --calibrate "$OUT/bench.json" > "$OUT/calibrate.txt" 2>&1
-cat "$OUT/calibrate.txt"
+timeout "$(left)" $PY -m oppo_ds.cli.plan --calibrate "$W/bench.json" > "$W/calibrate.txt" 2>&1
+cat "$W/calibrate.txt"
