@@ -47,9 +47,11 @@ def read_bench(results_path: str) -> tuple[dict, str]:
                                          f"bench/results.json)") from None
     except json.JSONDecodeError as err:
         raise ConfigError("--calibrate", f"{results_path} is not JSON: {err}") from None
-    runs = results.get("workdir") or results_path[:-len(".json")] + ".runs"
-    if not os.path.isdir(runs):  # the JSON moved with its runs: look beside it
-        runs = os.path.splitext(results_path)[0] + ".runs"
+    # beside the JSON first (oppo-bench's default, and where a copy keeps them: the workdir it
+    # names may hold another run's by now, e.g. the GPU script's /tmp/gpu-work), else its workdir
+    runs = os.path.splitext(results_path)[0] + ".runs"
+    if not os.path.isdir(runs) and results.get("workdir"):
+        runs = results["workdir"]
     if not os.path.isfile(os.path.join(runs, "sequential", "metrics.jsonl")):
         raise ConfigError("--calibrate", f"{runs}/sequential/metrics.jsonl is missing: the "
                                          f"calibration fits the sequential run's phases")
