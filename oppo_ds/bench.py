@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from .rollout.waste import tail_waste
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -182,18 +184,6 @@ def trace_step(steps: int, warmup: int) -> int:
 
 def _mean(xs: list[float]) -> Optional[float]:
     return statistics.fmean(xs) if xs else None
-
-
-def idle_slots_frac(used: float, slots: float) -> float:
-    """Share of ``slots`` decode slots not spent on a token (0 when nothing was decoded)."""
-    return 1.0 - used / slots if slots > 0 else 0.0
-
-
-def tail_waste(lengths: list[int], slots: Optional[int] = None) -> float:
-    """Share of decode slots spent waiting for the longest response, for a batch that decodes
-    every row until its longest one ends: 1 - sum(lengths) / (rows * max(lengths)); or
-    against ``slots`` decoded when that is more (a decode that ran past a row's counted end)."""
-    return idle_slots_frac(sum(lengths), max(slots or 0, len(lengths) * max(lengths, default=0)))
 
 
 def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[float] = None) -> dict:

@@ -11,13 +11,13 @@ from typing import Optional
 import torch
 
 from . import comm
-from .bench import idle_slots_frac
 from .data import repeat_samples
 from .rollout.generate import decode_steps, start_decode
 from .rollout.pool import (BatchStop, entries_to_generation, pool_stream_setup, staleness_metrics,
                            staleness_rows)
 from .rollout.stage_stream import stage_stream_continue
 from .rollout.streaming import StreamingScorer, stream_continue
+from .rollout.waste import idle_slots_frac
 
 
 def _tail_waste(tokens, rows, longest) -> float:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from . import comm
 from . import workload as wl
 from .algo import masked_mean, overlong_penalty
-from .bench import tail_waste
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .config_checks import optimizer_updates
@@ -43,6 +42,7 @@ from .rollout import static_decode
 from .rollout.static_length import run_cache_length
 from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
+from .rollout.waste import tail_waste
 from .rollout.stage_stream import stage_stream_generate
 from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, stream_generate
 from .pool_rollout import PoolRollout

@@ -119,8 +119,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     micro-batch size, a memory knob, has no TRL counterpart)."""
     p, g = cfg.ppo, cfg.generation
     notes = []
-    updates_per_step = p.ppo_epochs * (p.batch_size // p.mini_batch_size)
-    warmup = math.ceil(p.warmup_steps / updates_per_step) if p.warmup_steps else 0
+    warmup = math.ceil(p.warmup_steps / p.updates_per_step) if p.warmup_steps else 0
     if p.warmup_steps:
         notes.append(f"ppo.warmup_steps={p.warmup_steps} updates -> {warmup} PPO steps "
                      f"(TRL steps its scheduler once per PPO step)")
@@ -356,7 +355,7 @@ class _StepRecorder:
         self.step_start = time.perf_counter()
 
     def _row(self, step: int, end: float) -> dict:
-        from ..bench import tail_waste
+        from ..rollout.waste import tail_waste
 
         scores = torch.cat([s.float().cpu() for _, _, s in self.scored]) if self.scored else torch.zeros(0)
         lengths, gold, slots = [], [], 0
