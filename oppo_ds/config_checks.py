@@ -10,8 +10,7 @@ from .config_types import require
 
 def optimizer_updates(cfg) -> int:
     """The run's optimizer updates of each trained model: steps x ppo_epochs x mini-batches."""
-    p = cfg.ppo
-    return cfg.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
+    return cfg.steps * cfg.ppo.updates_per_step
 
 
 def check_across_sections(cfg) -> None:

@@ -242,6 +242,11 @@ class PPOConfig:
                  f"steps train the critic alone, and this estimator has none")
 
     @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates of each trained model per PPO step: ppo_epochs x mini-batches."""
+        return self.ppo_epochs * (self.batch_size // self.mini_batch_size)
+
+    @property
     def uses_critic(self) -> bool:
         """Whether the advantages come from a critic (``gae``), which is then built and trained."""
         return self.advantage_estimator == "gae"
