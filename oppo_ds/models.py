@@ -94,6 +94,15 @@ def _torch_dtype(dtype: str | torch.dtype | None):
     return table[dtype]
 
 
+def checkpoint_config(path: str) -> Optional[dict]:
+    """The ``config.json`` of the checkpoint directory ``path``, or None where it has none."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
 def source_problem(source: str, *, trust_remote_code: bool = False) -> Optional[str]:
     """Why ``source`` is not a model source (a local checkpoint directory whose config.json
     names a causal language model transformers has, or an architecture built from config), or
@@ -457,11 +466,9 @@ def position_limit(source: str, vocab_size: Optional[int] = None) -> Optional[tu
         config = (shape_config(source) if source in SHAPES else
                   tiny_config(source, vocab_size or 1)).to_dict()
     else:
-        config_file = os.path.join(source, "config.json")
-        if not os.path.isfile(config_file):
+        config = checkpoint_config(source)
+        if config is None:
             return None
-        with open(config_file) as f:
-            config = json.load(f)
     config = config.get("text_config") or config
     learned = LEARNED_POSITIONS.get(config.get("model_type"))
     for key in ([learned] if learned else ["max_position_embeddings", "n_positions"]):
@@ -501,11 +508,10 @@ def tokenizer_mismatch(path: str, tokenizer, *, trust_remote_code: bool = False
     IndexError mid-step on the CPU), or a saved tokenizer that gives a token another id (it
     scores other words). A warning: tokens only one of the two tokenizers has (e.g. a pad
     token added to one of them), harmless unless the actor samples them."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
+    config = checkpoint_config(path)
+    if config is None:
         return None, None
-    with open(config_file) as f:
-        size = _embedded_ids(json.load(f))
+    size = _embedded_ids(config)
     n = len(tokenizer)
     if size is not None and size < n:
         return (f"its embedding holds {size} token ids, the actor's tokenizer has {n}: it was "

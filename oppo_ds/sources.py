@@ -5,7 +5,6 @@ positions, and the ids that end a response.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -15,8 +14,9 @@ import torch.distributed as dist
 
 from . import workload as wl
 from .config import Config, ConfigError
-from .models import (FROM_CONFIG_ARCHS, NO_HEAD, has_value_head, load_tokenizer, position_limit,
-                     response_end_ids, source_problem, tokenizer_mismatch)
+from .models import (FROM_CONFIG_ARCHS, NO_HEAD, checkpoint_config, has_value_head,
+                     load_tokenizer, position_limit, response_end_ids, source_problem,
+                     tokenizer_mismatch)
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +160,7 @@ def reward_normalization(cfg: Config, src: Sources) -> Optional[tuple[float, flo
     if not cfg.model.reward_normalize:
         return None
     path = os.path.join(src.reward, "config.json")
-    config = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            config = json.load(f)
+    config = checkpoint_config(src.reward) or {}
 
     def number(key):
         value = config.get(key)
