@@ -353,6 +353,37 @@ def _lines(path: str):
                             f"{type(e).__name__}: {e}") from None
 
 
+class _Object(dict):
+    """A JSON object as read: ``duplicated`` names a key it gave twice (json keeps the last)."""
+    duplicated: Optional[str] = None
+
+
+def _object(pairs: list) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        obj.duplicated = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return obj
+
+
+def _duplicated_key(value) -> Optional[str]:
+    """The first key some object in ``value`` (read with ``_object``) gave twice, or None."""
+    if isinstance(value, list):
+        return next((k for k in map(_duplicated_key, value) if k is not None), None)
+    if isinstance(value, dict):
+        if getattr(value, "duplicated", None) is not None:
+            return value.duplicated
+        return _duplicated_key(list(value.values()))
+    return None
+
+
+def _check_unique_keys(record, where: str) -> None:
+    key = _duplicated_key(record)
+    if key is not None:
+        raise DataError(f"{where}: key {key!r} appears twice in one object (JSON would keep "
+                        f"the last one silently); keep the one you mean")
+
+
 def _read_jsonl(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     rows: list[PromptRow] = []
     blank_line = None  # first blank line not yet followed by a record
@@ -372,11 +403,12 @@ def _read_jsonl(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
                 f"(next record at line {line_no})"
             )
         try:
-            record = json.loads(text)
+            record = json.loads(text, object_pairs_hook=_object)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
+        _check_unique_keys(record, where)
         rows.append(_make_row(record, prompt_key, path, line_no, "line"))
     return rows
 
@@ -392,7 +424,7 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     except _DECOMPRESS_ERRORS as e:
         raise DataError(f"{path}: cannot decompress: {type(e).__name__}: {e}") from None
     try:
-        records = json.loads(data.decode("utf-8-sig"))
+        records = json.loads(data.decode("utf-8-sig"), object_pairs_hook=_object)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -401,6 +433,7 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     for i, record in enumerate(records):
         if not isinstance(record, dict):
             raise DataError(f"{path}: row {i}: expected a JSON object, got {_type_name(record)}")
+        _check_unique_keys(record, f"{path}: row {i}")
         rows.append(_make_row(record, prompt_key, path, i, "row"))
     return rows
 

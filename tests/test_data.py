@@ -187,6 +187,9 @@ GOOD = '{"prompt": "a b"}'
         ([GOOD, '{"prompt": [{"role": "user", "content": " "}]}'], 2, "all empty"),
         ([GOOD, '{"prompt": "a", "id": [1]}'], 2, "'id' must be a string or an integer"),
         ([GOOD, "", GOOD], 2, "blank line before the end"),
+        ([GOOD, '{"prompt": "a", "prompt": "b"}'], 2, "key 'prompt' appears twice in one object"),
+        ([GOOD, '{"prompt": [{"role": "user", "content": "a", "content": "b"}]}'], 2,
+         "key 'content' appears twice"),
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, lines, bad_line, fragment):
@@ -328,6 +331,9 @@ def test_json_arrays_and_json_lines(tmp_path):
     assert as_tuples(read_prompt_rows(lines)) == [(r["prompt"], r["id"]) for r in TEXT_RECORDS]
     array.write_text(json.dumps([{"prompt": "a"}, ["b"]]))
     with pytest.raises(DataError, match=rf"^{re.escape(str(array))}: row 1: expected a JSON object, got array"):
+        read_prompt_rows(str(array))
+    array.write_text('[{"prompt": "a"}, {"prompt": "b", "id": 1, "id": 2}]')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(array))}: row 1: key 'id' appears twice"):
         read_prompt_rows(str(array))
     array.write_text('[{"prompt": "a"},\n {"prompt": }]')
     with pytest.raises(DataError, match=rf"^{re.escape(str(array))}:2: invalid JSON"):
