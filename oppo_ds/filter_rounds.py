@@ -73,6 +73,7 @@ class _Rounds:
     rounds: int = 0
     decoded: float = 0.0  # tokens the later rounds decoded from the pool
     idle: int = 0  # ranks the later rounds found with nothing to decode, summed
+    timings: list = field(default_factory=list)  # the later rounds' streaming StreamTiming
 
 
 class FilterRounds:
@@ -83,8 +84,9 @@ class FilterRounds:
         """Dynamic sampling on a scored first round ``exp``: drop the prompts that
         ``informative_groups`` rejects, generate and score more prompts in their place, and
         return a batch of exactly ``ppo.batch_size`` rows (the kept prompts in the order they
-        were drawn, then, if the rounds ran out, dropped ones) with the step's filter/ counts
-        summed over the actor ranks. The rounds are agreed over the actor ranks: each runs as
+        were drawn, then, if the rounds ran out, dropped ones), the step's filter/ counts
+        summed over the actor ranks, and the later rounds' streaming timings (StreamTiming;
+        none without streaming). The rounds are agreed over the actor ranks: each runs as
         many as the rank that needs most, so that all run the same collective forwards
         (ZeRO-3); a rank that needs fewer prompts generates the others' number and trains on
         none of its extra ones (its surplus).
@@ -109,7 +111,7 @@ class FilterRounds:
             if need == 0 or state.rounds == self.cfg.ppo.filter_groups_max_rounds:
                 break
             exp, taken = self._more_round(state, need, chunk, timer, taken)
-        return self._filtered_batch(state, taken is not None)
+        return (*self._filtered_batch(state, taken is not None), state.timings)
 
     def _sort_round(self, state: _Rounds, exp: Experience, taken: Optional[list]) -> None:
         """Split one scored round into the prompts kept, those beyond the batch (the surplus:
@@ -176,7 +178,7 @@ class FilterRounds:
             else:
                 keys, _, gen, streamed, timing, _ = self._rollout(self.stream.take(ask), chunk)
         if timing is not None:  # the step's stream/ metrics and trace cover every round
-            self.rollout_timings.append(timing)
+            state.timings.append(timing)
         with timer.phase("score"):
             return self.make_experience(keys, gen, streamed), taken
 

@@ -269,7 +269,6 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         self.delta_ctl = DeltaController(o.delta_min, o.delta_max, o.delta_window, step_size=group) \
             if o.overcommit == "auto" else None
         self.carried_scorers: dict[str, StreamingScorer] = {}  # frozen scorers' caches, by kind
-        self.rollout_timings: list = []  # the step's streaming rollouts' StreamTiming, in order
         self.step_count = 0
 
     def _resume_and_announce(self, src) -> None:
@@ -354,7 +353,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                     self.stream.next_batch(), chunk)
         if self.sampling.cuda_graph:  # a capture costs two warm-up forwards and itself
             extra["rollout/graph_captures"] = static_decode.captures() - captured
-        self.rollout_timings = [timing] if timing is not None else []
+        timings = [timing] if timing is not None else []  # the step's streaming rollouts'
         if timing is not None:
             extra["oppo/chunk_size"] = chunk
             if self.critic_on_stage:  # inside generate: the critic's weights to the stage
@@ -365,11 +364,12 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         if self.chunk_ctl is not None:  # on the first round's cost (ppo.filter_groups adds rounds)
             self._control_chunk_size(chunk, timer.times, timing, produced)
         if self.cfg.ppo.filter_groups:
-            exp, filtered = self._filter_groups(exp, chunk, timer,
-                                                taken if self.pool is not None else None)
+            exp, filtered, later = self._filter_groups(exp, chunk, timer,
+                                                       taken if self.pool is not None else None)
             extra.update(filtered)
-        if self.rollout_timings:  # with the later filter rounds' rollouts
-            extra.update(streaming_metrics(self.rollout_timings))
+            timings += later
+        if timings:  # with the later filter rounds' rollouts
+            extra.update(streaming_metrics(timings))
         with timer.phase("advantages"):
             self.compute_advantages(exp)
             check_experience(exp, self.sources.models, self.cfg.system.dtype, group=self.dp_group)
@@ -389,7 +389,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 logger.info("step %d: %s", self.step_count, decision)
         every = self.cfg.logging.trace_every
         if every and self.step_count % every == 0 and self.is_main:
-            self._write_trace(timer, self.rollout_timings)
+            self._write_trace(timer, timings)
         metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
         metrics["time/step_s"] = time.perf_counter() - start
         period = self.cfg.logging.sample_period
