@@ -273,3 +273,12 @@ def test_settings_train_bf16_models_in_bf16_and_say_how():
     settings, notes = trl_peer.trl_settings(fp32, out_dir="", eos_token_ids=(2,), use_cpu=True)
     assert trl_peer.peer_dtype(fp32) == "fp32" and settings["bf16"] is False
     assert not [n for n in notes if "dtype" in n]
+
+
+def test_oracle_generation_refuses_prompts_without_a_target():
+    """A prompt of TRL's batch that the oracle gave no target would decode to max_new_tokens,
+    unlike ours: an error, not a silently unequal comparison (left pads are not the key)."""
+    queries = torch.tensor([[0, 5, 6], [7, 8, 9]])  # pad id 0
+    with pytest.raises(RuntimeError, match="1 of 2 prompts of TRL's batch have no target"):
+        with trl_peer._oracle_generation(object(), queries, 0, {(5, 6): 3}):
+            pass

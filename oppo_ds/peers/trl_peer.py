@@ -426,8 +426,12 @@ def _oracle_generation(model, queries: torch.Tensor, pad_token_id: int,
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     context = queries.shape[1]
-    limit = torch.tensor([targets.get(_prompt_key(q, pad_token_id), 1 << 30)
-                          for q in queries.cpu()], device=queries.device)
+    keys = [_prompt_key(q, pad_token_id) for q in queries.cpu()]
+    missing = sum(key not in targets for key in keys)
+    if missing:  # it would decode to max_new_tokens, unlike ours: a wrong comparison
+        raise RuntimeError(f"length oracle: {missing} of {len(keys)} prompts of TRL's batch have "
+                           f"no target length (their ids differ from the oracle's prompts)")
+    limit = torch.tensor([targets[key] for key in keys], device=queries.device)
 
     class OracleStop(StoppingCriteria):
         def __init__(self, rows: torch.Tensor):
