@@ -157,6 +157,7 @@ class Resumable:
                     f"data.samples_per_prompt={groups}, as it was written, or start afresh with "
                     f"checkpoint.resume=never"))
             self.pool.load_state_dict(state["pool"])
+            self._check_deferral_bound(state, tag)
             limit = self.cfg.generation.max_new_tokens
             longest = max((len(e.tokens) for e in self.pool.running()), default=0)
             if longest >= limit:  # such a row could neither continue nor end where it was cut
@@ -173,6 +174,29 @@ class Resumable:
                     self._carried_scorer(kind).load_state_dict(scorer_state)
             if self.stage is not None:  # finished rows no scorer there saw: scored there now
                 self._score_ended_rows_on_stage()
+
+    def _check_deferral_bound(self, state: dict, tag: str) -> None:
+        """Refuse a resume whose deferred rows this run could not train within
+        ``oppo.max_defer_steps`` (a smaller ``ppo.batch_size`` or bound than the checkpoint's):
+        they would be trained later than the bound, deferred again and again."""
+        bound, batch = self.cfg.oppo.max_defer_steps, self.cfg.ppo.batch_size
+        written = state["pool"].get("batch_size")
+        as_written = f" ({written} a rank)" if written not in (None, self.pool.batch_size) else ""
+        most = max((e.deferrals for e in self.pool.entries), default=0)
+        if most > bound:
+            raise ConfigError("oppo.max_defer_steps", (
+                f"{bound}, but checkpoint {tag} holds a sequence deferred {most} times already; "
+                f"resume with oppo.max_defer_steps={most} or more, as it was written, or start "
+                f"afresh with checkpoint.resume=never"))
+        late = self.pool.overdue()
+        if late is not None:
+            k, n = late
+            raise ConfigError("ppo.batch_size", (
+                f"{batch}, but checkpoint {tag} holds {n} deferred sequence(s) on a rank that "
+                f"oppo.max_defer_steps={bound} requires trained within the next {k} step(s), "
+                f"more than {k} step(s) of {self.pool.batch_size} rows a rank train; resume "
+                f"with the ppo.batch_size it was written with{as_written}, or start afresh "
+                f"with checkpoint.resume=never"))
 
     def _log_resumed(self, state: dict, tag: str, notes: list) -> None:
         """Say where the run resumed, the controllers' notes, and every optimizer or objective

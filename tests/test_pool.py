@@ -506,3 +506,24 @@ def test_the_pools_tail_waste_is_over_the_ranks():
     assert _tail_waste((10.0,), (4,), (5,)) == pytest.approx(1 - 10 / 20)  # one rank
     assert _tail_waste((0.0, 0.0), (0, 0), (0, 0)) == 0.0  # nothing decoded
 
+
+
+def test_overdue_names_the_first_steps_whose_forced_rows_outnumber_their_batches():
+    """An entry deferred d times must be trained by step max(1, max_defer_steps - d + 1); the
+    pool is overdue when more entries must be trained within k steps than k batches hold
+    (what a resume with a smaller batch can leave), and never in a state a run reaches
+    (at most Delta <= B rows carried)."""
+    from oppo_ds.rollout.pool import PoolEntry
+
+    def pool(batch, bound, deferrals):
+        p = RolloutPool(batch_size=batch, max_defer_steps=bound)
+        p.entries = [PoolEntry(uid=i, key=f"p{i}", prompt=[1], deferrals=d)
+                     for i, d in enumerate(deferrals)]
+        return p
+
+    assert pool(8, 2, [1] * 8).overdue() is None  # Delta = B rows, all due in 2 steps
+    assert pool(8, 2, [2] * 8).overdue() is None  # B rows forced next step: one batch
+    assert pool(2, 2, [1] * 8).overdue() == (2, 8)  # 8 rows within 2 steps of 2
+    assert pool(2, 2, [2, 2, 2, 1]).overdue() == (1, 3)  # 3 forced next step, a batch of 2
+    assert pool(2, 3, [1] * 5).overdue() is None  # 3 steps of 2 hold them
+    assert pool(2, 1, []).overdue() is None

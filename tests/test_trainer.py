@@ -704,6 +704,41 @@ def test_resume_refuses_to_drop_or_invent_a_pool(cache_dir, tmp_path):
         run(cache_dir, plain, "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=4")
 
 
+def test_resume_refuses_a_batch_or_bound_that_would_overrun_the_deferral_bound(cache_dir,
+                                                                              tmp_path):
+    """A checkpoint carrying Delta = 8 deferred rows resumed with a batch of 2 (found by the
+    29th session's audit: accepted, then rows trained 4 steps late, `pool/deferrals_max` 4
+    with oppo.max_defer_steps 2), or with a bound below what a row was deferred already:
+    refused, naming the key; the same settings resume."""
+    from oppo_ds.config import ConfigError
+
+    out = tmp_path / "run"
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", "checkpoint.export_hf=false",
+        "oppo.overcommit=8")
+    entries = torch.load(out / "checkpoints" / "trainer" / "step2" / "rank0.pt",
+                         weights_only=False)["pool"]["entries"]
+    assert len(entries) == 8
+    smaller = ["ppo.batch_size=2", "ppo.mini_batch_size=2", "ppo.micro_batch_size=2",
+               "oppo.overcommit=1"]
+    with pytest.raises(ConfigError, match=r"ppo.batch_size: 2, but checkpoint step2 holds \d+ "
+                                          r"deferred sequence\(s\) on a rank that "
+                                          r"oppo.max_defer_steps=2 requires trained within the "
+                                          r"next \d step\(s\), more than \d step\(s\) of 2 rows "
+                                          r"a rank train; resume with the ppo.batch_size it was "
+                                          r"written with \(8 a rank\)"):
+        run(cache_dir, out, "steps=4", "checkpoint.export_hf=false", *smaller)
+    most = max(e["deferrals"] for e in entries)
+    with pytest.raises(ConfigError, match=rf"oppo.max_defer_steps: {most - 1}, but checkpoint "
+                                          rf"step2 holds a sequence deferred {most} times"):
+        run(cache_dir, out, "steps=4", "checkpoint.export_hf=false", "oppo.overcommit=8",
+            f"oppo.max_defer_steps={most - 1}")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
+    run(cache_dir, out, "steps=3", "checkpoint.export_hf=false", "oppo.overcommit=8")
+    history = read_history(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert all(r["pool/deferrals_max"] <= 2 for r in history if "pool/deferrals_max" in r)
+
+
 def test_checkpoint_final_false_saves_only_the_periodic_checkpoints(cache_dir, tmp_path):
     """`checkpoint.final: false` (oppo-bench's timed runs) skips the save after the last step,
     not the ones `every` asks for."""

@@ -256,6 +256,20 @@ class RolloutPool:
                 "ledger": self.ledger.state_dict(), "batch_size": self.batch_size,
                 "group_size": self.group_size}
 
+    def overdue(self) -> Optional[tuple[int, int]]:
+        """None when every entry the pool holds can be trained within ``max_defer_steps``;
+        else ``(k, n)``: ``n`` entries must be trained within the next ``k`` steps (1: the
+        next), more than ``k`` batches hold. An entry deferred ``d`` times is forced in step
+        ``max(1, max_defer_steps - d + 1)`` and trained first there (``take``). A run keeps
+        this by construction (Delta <= B, ``FilterRounds._carry_surplus``); a resume with a
+        smaller batch or bound may not."""
+        deadlines = [max(1, self.max_defer_steps - e.deferrals + 1) for e in self.entries]
+        for k in sorted(set(deadlines)):
+            n = sum(d <= k for d in deadlines)
+            if n > k * self.batch_size:
+                return k, n
+        return None
+
     def load_state_dict(self, state: dict) -> None:
         entries = []
         for e in state["entries"]:
