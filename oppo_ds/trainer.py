@@ -291,6 +291,12 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                         src.critic if self.critic is not None else f"none ({p.advantage_estimator})",
                         reward, src.reference if p.uses_reference else "none (ppo.kl_coef 0)",
                         len(self.prompts), self.world_size, self.actor.hybrid_engine_path)
+            if cfg.oppo.placement != "inline" and not cfg.oppo.streaming:
+                # (stage without streaming is refused; colocated is accepted so that one set of
+                # overrides serves every oppo-bench mode and the TRL peer)
+                logger.warning("oppo.placement=%s has no effect with oppo.streaming=false: "
+                               "nothing streams, the scorers run after the decode; set "
+                               "oppo.streaming=true to overlap them", cfg.oppo.placement)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -354,10 +360,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         if self.sampling.cuda_graph:  # a capture costs two warm-up forwards and itself
             extra["rollout/graph_captures"] = static_decode.captures() - captured
         timings = [timing] if timing is not None else []  # the step's streaming rollouts'
-        if timing is not None:
-            extra["oppo/chunk_size"] = chunk
-            if self.critic_on_stage:  # inside generate: the critic's weights to the stage
-                extra["stream/critic_weights_s"] = self.critic_send_s
+        if timing is not None and self.critic_on_stage:
+            # inside generate: the critic's weights to the stage
+            extra["stream/critic_weights_s"] = self.critic_send_s
         with timer.phase("score"):
             exp = self.make_experience(keys, gen, streamed)
             exp.groups = None if groups is None else groups.to(self.device)
@@ -368,7 +373,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                                        taken if self.pool is not None else None)
             extra.update(filtered)
             timings += later
-        if timings:  # with the later filter rounds' rollouts
+        if timings:  # with the later filter rounds' rollouts (the first may have decoded nothing)
+            extra["oppo/chunk_size"] = chunk
             extra.update(streaming_metrics(timings))
         with timer.phase("advantages"):
             self.compute_advantages(exp)

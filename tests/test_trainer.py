@@ -739,6 +739,16 @@ def test_resume_refuses_a_batch_or_bound_that_would_overrun_the_deferral_bound(c
     assert all(r["pool/deferrals_max"] <= 2 for r in history if "pool/deferrals_max" in r)
 
 
+def test_a_placement_without_streaming_is_named_in_a_warning(cache_dir, tmp_path, caplog):
+    """`oppo.placement: colocated` with streaming off runs the sequential baseline: said once
+    at the start (accepted, not refused, so that one set of oppo-bench overrides serves its
+    non-streaming modes and the TRL peer; stage without streaming is refused)."""
+    with caplog.at_level("WARNING", logger="oppo_ds.trainer"):
+        run(cache_dir, tmp_path / "run", "steps=1", "checkpoint.final=false",
+            "oppo.placement=colocated")
+    assert "oppo.placement=colocated has no effect with oppo.streaming=false" in caplog.text
+
+
 def test_checkpoint_final_false_saves_only_the_periodic_checkpoints(cache_dir, tmp_path):
     """`checkpoint.final: false` (oppo-bench's timed runs) skips the save after the last step,
     not the ones `every` asks for."""
