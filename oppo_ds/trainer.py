@@ -42,9 +42,9 @@ from .rollout import static_decode
 from .rollout.static_length import run_cache_length
 from .rollout.pool import RolloutPool
 from .rollout.stage import RemoteScorers
-from .rollout.waste import tail_waste
 from .rollout.stage_stream import stage_stream_generate
 from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, stream_generate
+from .rollout.waste import tail_waste
 from .pool_rollout import PoolRollout
 from .ppo_update import PPOUpdate
 from .ptx import ptx_block_len, ptx_blocks
@@ -359,7 +359,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                     self.stream.next_batch(), chunk)
         if self.sampling.cuda_graph:  # a capture costs two warm-up forwards and itself
             extra["rollout/graph_captures"] = static_decode.captures() - captured
-        timings = [timing] if timing is not None else []  # the step's streaming rollouts'
+        timings = [timing] if timing is not None else []  # the step's streaming rollouts
         if timing is not None and self.critic_on_stage:
             # inside generate: the critic's weights to the stage
             extra["stream/critic_weights_s"] = self.critic_send_s
