@@ -353,32 +353,34 @@ def _lines(path: str):
                             f"{type(e).__name__}: {e}") from None
 
 
-class _Object(dict):
-    """A JSON object as read: ``duplicated`` names a key it gave twice (json keeps the last)."""
-    duplicated: Optional[str] = None
+def _loads(text: str):
+    """``json.loads``, and the objects in it that gave a key twice (json keeps the last one),
+    each ``id`` with that key. The check costs a dict per object; a walk of the result, run
+    only where a key did repeat, finds the row."""
+    repeated: dict[int, str] = {}
+
+    def pairs_to_dict(pairs: list) -> dict:
+        obj = dict(pairs)
+        if len(obj) < len(pairs):
+            seen = set()
+            repeated[id(obj)] = next(k for k, _ in pairs if k in seen or seen.add(k))
+        return obj
+    return json.loads(text, object_pairs_hook=pairs_to_dict), repeated
 
 
-def _object(pairs: list) -> _Object:
-    obj = _Object(pairs)
-    if len(obj) < len(pairs):
-        seen = set()
-        obj.duplicated = next(k for k, _ in pairs if k in seen or seen.add(k))
-    return obj
-
-
-def _duplicated_key(value) -> Optional[str]:
-    """The first key some object in ``value`` (read with ``_object``) gave twice, or None."""
+def _repeated_key(value, repeated: dict[int, str]) -> Optional[str]:
+    """The key an object in ``value`` gave twice (``repeated`` from ``_loads``), or None."""
     if isinstance(value, list):
-        return next((k for k in map(_duplicated_key, value) if k is not None), None)
+        return next((k for k in (_repeated_key(v, repeated) for v in value) if k is not None),
+                    None)
     if isinstance(value, dict):
-        if getattr(value, "duplicated", None) is not None:
-            return value.duplicated
-        return _duplicated_key(list(value.values()))
+        key = repeated.get(id(value))
+        return key if key is not None else _repeated_key(list(value.values()), repeated)
     return None
 
 
-def _check_unique_keys(record, where: str) -> None:
-    key = _duplicated_key(record)
+def _check_unique_keys(record, repeated: dict[int, str], where: str) -> None:
+    key = _repeated_key(record, repeated) if repeated else None
     if key is not None:
         raise DataError(f"{where}: key {key!r} appears twice in one object (JSON would keep "
                         f"the last one silently); keep the one you mean")
@@ -403,12 +405,12 @@ def _read_jsonl(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
                 f"(next record at line {line_no})"
             )
         try:
-            record = json.loads(text, object_pairs_hook=_object)
+            record, repeated = _loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
-        _check_unique_keys(record, where)
+        _check_unique_keys(record, repeated, where)
         rows.append(_make_row(record, prompt_key, path, line_no, "line"))
     return rows
 
@@ -424,7 +426,7 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     except _DECOMPRESS_ERRORS as e:
         raise DataError(f"{path}: cannot decompress: {type(e).__name__}: {e}") from None
     try:
-        records = json.loads(data.decode("utf-8-sig"), object_pairs_hook=_object)
+        records, repeated = _loads(data.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -433,7 +435,7 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     for i, record in enumerate(records):
         if not isinstance(record, dict):
             raise DataError(f"{path}: row {i}: expected a JSON object, got {_type_name(record)}")
-        _check_unique_keys(record, f"{path}: row {i}")
+        _check_unique_keys(record, repeated, f"{path}: row {i}")
         rows.append(_make_row(record, prompt_key, path, i, "row"))
     return rows
 
