@@ -23,12 +23,12 @@ import torch
 from . import comm
 from . import workload as wl
 from .algo import truncated_rows
-from .data import Prompt, encode_prompts, left_pad
+from .data import Prompt, left_pad
 from .datafiles import DataError, PromptRow, read_prompt_rows
 from .experience import sequence_scores
 from .rollout.generate import Generation, generate
 from .rollout.stage_stream import stage_stream_generate
-from .sources import prompts_label
+from .sources import encode_rows, prompts_label
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ class Evaluating:
             rows = rows[:e.num_prompts]
         if self.reward_fn is not None:
             self.eval_rows = {r.id: (r.text_or_messages, r.fields) for r in rows}
-        encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
-                                 chat_template=d.chat_template, input_template=d.input_template)
+        encoded = encode_rows(self.cfg, rows, self.tokenizer, label, log=self.is_main)
         if not encoded.prompts:
             raise DataError(f"{label}: no usable prompt (all over generation.max_prompt_len "
                             f"= {g.max_prompt_len} tokens, data.overlong: skip)")
@@ -113,9 +112,6 @@ class Evaluating:
             if shared:
                 logger.warning("%s: %d of %d evaluation prompts are training prompts too: their "
                                "figures are not held out", label, shared, len(encoded.prompts))
-            if encoded.n_truncated or encoded.n_skipped:
-                logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", label,
-                               encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
         return encoded.prompts
 
     def _eval_due(self, after_last: bool = False) -> bool:

@@ -111,6 +111,36 @@ def read_rows(cfg: Config, prompts: str | list[str]):
     return rows[:d.max_samples] if d.max_samples else rows
 
 
+def load_prompts(cfg: Config, src: Sources, tokenizer, *, log: bool):
+    """The run's prompts, encoded, and the rows they came from: the length oracle's prompts
+    (``None`` for the rows) when its built-in prompts are used, else ``src.prompts`` read by
+    ``read_rows`` and put through ``encode_rows``. The trainer, the TRL peer and the
+    DeepSpeed-Chat flags' epoch count read their prompts through it, so all see the same ones."""
+    if src.oracle and src.prompts == "builtin":
+        return wl.run_oracle_prompts(cfg, len(tokenizer)), None
+    rows = read_rows(cfg, src.prompts)
+    return encode_rows(cfg, rows, tokenizer, prompts_label(src.prompts), log=log).prompts, rows
+
+
+def encode_rows(cfg: Config, rows, tokenizer, label: str, *, log: bool):
+    """``rows`` encoded as every prompt of a run is (``data.chat_template``,
+    ``data.input_template``, ``generation.max_prompt_len``, ``data.overlong``); with ``log``
+    the prompts truncated, skipped and continuing an assistant message are counted in the log
+    under ``label``."""
+    from .data import encode_prompts
+
+    d, g = cfg.data, cfg.generation
+    encoded = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
+                             chat_template=d.chat_template, input_template=d.input_template)
+    if log and (encoded.n_truncated or encoded.n_skipped):
+        logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", label,
+                       encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
+    if log and encoded.n_continued:
+        logger.info("%s: %d prompts end with an assistant message; their responses continue it "
+                    "(no end of turn after it, as TRL does)", label, encoded.n_continued)
+    return encoded
+
+
 def prompts_label(prompts: str | list[str]) -> str:
     """A prompt source or several, for a message."""
     return prompts if isinstance(prompts, str) else " + ".join(prompts)

@@ -26,7 +26,7 @@ from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, save_config
 from .config_checks import optimizer_updates
 from .config_types import require
-from .data import PromptStream, encode_prompts, left_pad, repeat_samples
+from .data import PromptStream, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
 from .experience import (Experience, response_logprobs, response_values,
                          sequence_scores, used_widths)
@@ -51,8 +51,8 @@ from .ptx import ptx_block_len, ptx_blocks
 from .preemption import STOPPED_MARK, StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .reward_fn import RewardFunction
-from .sources import (check_paths, check_prompt_format, check_sources, end_ids, prompts_label,
-                      read_rows, resolve_sources, reward_normalization, run_tokenizer)
+from .sources import (check_paths, check_prompt_format, check_sources, end_ids, load_prompts,
+                      prompts_label, resolve_sources, reward_normalization, run_tokenizer)
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry, profiled
 
@@ -181,7 +181,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             if not cfg.model.uses_reward_model else None
         self.prompt_rows: dict[str, tuple] = {}
         self.eval_rows: dict[str, tuple] = {}
-        self.prompts = None if scorer_rank else self._load_prompts(src.prompts)
+        self.prompts = None if scorer_rank else self._load_prompts(src)
         # read before any engine loads, so that a bad evaluation set stops the run at once
         self.eval_prompts = self._load_eval_prompts() if cfg.eval.enabled and not scorer_rank else []
         self.ptx_blocks = self._load_ptx() if cfg.data.ptx is not None and not scorer_rank else None
@@ -300,26 +300,14 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _load_prompts(self, prompts: str | list[str]):
-        d, g = self.cfg.data, self.cfg.generation
-        if self.sources.oracle and prompts == "builtin":
-            return wl.run_oracle_prompts(self.cfg, len(self.tokenizer))
-        rows = read_rows(self.cfg, prompts)
-        if self.reward_fn is not None:
+    def _load_prompts(self, src):
+        prompts, rows = load_prompts(self.cfg, src, self.tokenizer, log=self.is_main)
+        if rows is not None and self.reward_fn is not None:
             self.prompt_rows = {r.id: (r.text_or_messages, r.fields) for r in rows}
-        path = prompts_label(prompts)
-        encoded = encode_prompts(rows, self.tokenizer, g.max_prompt_len, overlong=d.overlong,
-                                 chat_template=d.chat_template, input_template=d.input_template)
-        if self.is_main and (encoded.n_truncated or encoded.n_skipped):
-            logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", path,
-                           encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
-        if self.is_main and encoded.n_continued:
-            logger.info("%s: %d prompts end with an assistant message; their responses continue "
-                        "it (no end of turn after it, as TRL does)", path, encoded.n_continued)
-        if len(encoded.prompts) < self.world_size:
-            raise DataError(f"{path}: {len(encoded.prompts)} usable prompts for {self.world_size} "
-                            f"ranks; every rank needs at least one")
-        return encoded.prompts
+        if len(prompts) < self.world_size:
+            raise DataError(f"{prompts_label(src.prompts)}: {len(prompts)} usable prompts for "
+                            f"{self.world_size} ranks; every rank needs at least one")
+        return prompts
 
     def _load_ptx(self):
         d = self.cfg.data

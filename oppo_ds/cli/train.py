@@ -60,22 +60,17 @@ def resolve_config(args, prepare_files: bool = True):
     explicit = {text.split("=", 1)[0].strip() for text in args.overrides}
     if "steps" not in explicit:
         def num_prompts() -> int:
-            from ..data import encode_prompts
-            from ..sources import read_rows, resolve_sources, run_tokenizer
+            from ..sources import load_prompts, read_rows, resolve_sources, run_tokenizer
 
             current = load_config(args.config, mapped + extra + list(args.overrides))
             if current.data.prompts == "builtin":
                 return current.workload.num_prompts
-            rows = read_rows(current, current.data.prompts)
-            d = current.data
-            if d.overlong != "skip":
-                return len(rows)
+            if current.data.overlong != "skip":
+                return len(read_rows(current, current.data.prompts))
             # the prompts left after those over the limit (--max_prompt_seq_len) are
             # skipped: DeepSpeed-Chat counts its epoch after that filter too
-            tokenizer = run_tokenizer(current, resolve_sources(current, rank=0))
-            return len(encode_prompts(rows, tokenizer, current.generation.max_prompt_len,
-                                      overlong="skip", chat_template=d.chat_template,
-                                      input_template=d.input_template).prompts)
+            src = resolve_sources(current, rank=0)
+            return len(load_prompts(current, src, run_tokenizer(current, src), log=False)[0])
         steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts)
         if steps is not None:
             extra.append(f"steps={steps}")

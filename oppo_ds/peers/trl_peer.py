@@ -549,12 +549,11 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     from torch.utils.data import DataLoader
     from transformers import PrinterCallback, ProgressCallback, set_seed
 
-    from .. import workload as wl
     from ..config import load_config, save_config
-    from ..data import encode_prompts
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from ..rollout.generate import cudnn_attention
-    from ..sources import check_prompt_format, end_ids, read_rows, resolve_sources, run_tokenizer
+    from ..sources import (check_prompt_format, end_ids, load_prompts, resolve_sources,
+                           run_tokenizer)
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}",
                                     f"logging.output_dir={out_dir}"])
@@ -571,14 +570,7 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
     tokenizer = run_tokenizer(cfg, src)
     tokenizer.padding_side = "left"  # TRL's collator pads the queries; PPO needs them left-padded
     check_prompt_format(cfg, src, tokenizer)
-    d, g = cfg.data, cfg.generation
-    if src.oracle and src.prompts == "builtin":
-        prompts = wl.run_oracle_prompts(cfg, len(tokenizer))
-    else:
-        rows = read_rows(cfg, src.prompts)
-        prompts = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
-                                 chat_template=d.chat_template,
-                                 input_template=d.input_template).prompts
+    prompts, _ = load_prompts(cfg, src, tokenizer, log=True)
     # the length oracle's target of each prompt (prompts are random ids, so their ids are keys)
     targets = {tuple(p.input_ids): p.target_len for p in prompts if p.target_len}
     dataset = Dataset.from_dict({"input_ids": _ordered_prompt_ids(prompts, cfg)})
