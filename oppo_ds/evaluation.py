@@ -13,7 +13,9 @@ scorer rank: the answers stream to it as a training rollout's do (``_stage_score
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import statistics
 import time
 from typing import Optional
@@ -192,6 +194,37 @@ class Evaluating:
             actor, self.remote, ids, mask, params, rng, chunk, replica=self.replica,
             row_ids=range(first, first + ids.shape[0]))
         return gen, streamed["reward"].float()
+
+    def evaluate_only(self) -> Optional[dict]:
+        """``oppo-train --evaluate``: one evaluation of the actor as the run loaded it (the
+        checkpoint ``checkpoint.resume`` names, else ``model.actor``), nothing trained or
+        saved, the run's own logs untouched (the trainer built with ``evaluate_only``). Rank 0
+        writes the figures to ``evaluations/step_N.json`` under ``logging.output_dir`` and every
+        answer to ``step_N_samples.jsonl`` beside it (N: the checkpoint's step, 0 without one),
+        and returns the figures; the other ranks, None."""
+        from .rollout.generate import cudnn_attention
+
+        with cudnn_attention(self.cfg.system.cudnn_attention):
+            if self.stage is not None and self.stage.is_scorer:
+                return self._serve_as_scorer_rank()  # until the actor ranks close the stage
+            metrics, records = self.evaluate()
+        if self.remote is not None:
+            self.remote.close()
+        if not self.is_main:
+            return None
+        actor = f"checkpoint {self.resumed_from}" if self.resumed_from else self.sources.actor
+        result = {"step": self.step_count, "actor": actor, **metrics}
+        folder = os.path.join(self.cfg.logging.output_dir, "evaluations")
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, f"step_{self.step_count}")
+        for path, text in ((stem + "_samples.jsonl", "".join(
+                json.dumps(r, ensure_ascii=False) + "\n" for r in records)),
+                           (stem + ".json", json.dumps(result, indent=2) + "\n")):
+            with open(path + ".tmp", "w") as f:  # whole or not at all: a kill leaves the last
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        logger.info("evaluated %s (step %d): %s", actor, self.step_count, stem + ".json")
+        return result
 
     def _evaluate_and_log(self) -> None:
         metrics, records = self.evaluate()

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 from functools import partial
+from typing import Optional
 
 from .config import ConfigError
 from .data import StreamMismatch
@@ -61,11 +62,13 @@ class Resumable:
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume
+        self.resumed_from: Optional[str] = None  # the checkpoint's tag, once loaded
         if resume == "never":
             return
         tag = self.ckpt.latest() if resume == "auto" else resume
         if tag is None:
             return
+        self.resumed_from = tag
         state = self.ckpt.load(tag, engines=self.trained_engines,
                                check=partial(self._check_checkpoint_settings, tag))
         self.step_count = state["step"]

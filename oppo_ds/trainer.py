@@ -104,8 +104,11 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
 
 
 class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, evaluate_only: bool = False):
+        """``evaluate_only``: for ``evaluate_only()`` alone (``oppo-train --evaluate``): the run's
+        logs and configuration in ``logging.output_dir`` are neither opened nor rewritten."""
         self.cfg = cfg
+        self.evaluating_only = evaluate_only
         self.preempted: Optional[str] = None  # the signal that stopped training early
         self.kl_coef = cfg.ppo.kl_coef  # adapted after every step with ppo.kl_target
         if cfg.system.torch_threads:
@@ -279,6 +282,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                       rank=self.rank, world_size=self.actor_ranks,  # a file each
                                       keep_last=cfg.checkpoint.keep_last)
         self._maybe_resume()
+        if self.evaluating_only:  # a run's history is its own: nothing truncated or rewritten
+            self.telemetry = None
+            return
         self.telemetry = Telemetry(cfg.logging.output_dir, enabled=self.is_main,
                                    tensorboard=cfg.logging.tensorboard,
                                    progress=cfg.logging.progress, total_steps=cfg.steps,

@@ -181,6 +181,75 @@ def test_a_resumed_run_evaluates_as_an_uninterrupted_one(cache_dir, tmp_path):
     assert [r["step"] for r in read_history(str(tmp_path / "cut" / "eval.jsonl"))] == [0, 1]
 
 
+def _files(root):
+    """Every file under ``root`` with its bytes."""
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir, tmp_path):
+    """``oppo-train --evaluate`` (``PPOTrainer(evaluate_only=True).evaluate_only()``) on a
+    finished run: the step-2 checkpoint's actor gives the figures and answers the run's own
+    evaluation after step 2 gave (1e-6: the checkpoint round trip is exact, the draws repeat);
+    ``checkpoint.resume=never`` evaluates the starting actor as the run's step-0 evaluation
+    did; nothing of the run (logs, TensorBoard, config, checkpoints) changes."""
+    from oppo_ds.trainer import PPOTrainer
+
+    out = tmp_path / "run"
+    settings = ("steps=2", "checkpoint.every=2", *EVAL)
+    run(cache_dir, out, *settings)
+    before = _files(out)
+    evals = _by_step(out / "eval.jsonl")
+    answers = read_history(str(out / "eval_samples.jsonl"))
+    for resume, step in (("auto", 2), ("never", 0)):
+        cfg = load_config(None, [*SMALL, f"workload.cache_dir={cache_dir}",
+                                 f"logging.output_dir={out}", *settings,
+                                 f"checkpoint.resume={resume}"])
+        trainer = PPOTrainer(cfg, evaluate_only=True)
+        result = trainer.evaluate_only()
+        trainer.close()
+        assert result["step"] == step
+        assert result["actor"] == ("checkpoint step2" if step else trainer.sources.actor)
+        for key in ("eval/reward_mean", "eval/gold_mean", "eval/response_len_mean",
+                    "eval/ended_frac", "eval/prompts"):
+            assert result[key] == pytest.approx(evals[step][key], abs=1e-6), (step, key)
+        written = out / "evaluations" / f"step_{step}.json"
+        assert json.loads(written.read_text()) == result
+        mine = read_history(str(out / "evaluations" / f"step_{step}_samples.jsonl"))
+        theirs = [{k: v for k, v in a.items() if k != "step"} for a in answers if a["step"] == step]
+        assert [a["response"] for a in mine] == [a["response"] for a in theirs]
+        assert [a["reward"] for a in mine] == pytest.approx([a["reward"] for a in theirs], abs=1e-6)
+    after = _files(out)
+    assert {k: v for k, v in after.items() if k.parts[0] != "evaluations"} == before
+    assert sorted(str(k) for k in after if k.parts[0] == "evaluations") == [
+        "evaluations/step_0.json", "evaluations/step_0_samples.jsonl",
+        "evaluations/step_2.json", "evaluations/step_2_samples.jsonl"]
+
+
+def test_the_evaluate_flag_runs_from_the_command_line(cache_dir, tmp_path, capsys):
+    """``oppo-train --evaluate`` as a user runs it (a process of its own): the figures printed
+    and written; without ``eval.prompts`` an error naming that key, before anything is built."""
+    import subprocess
+    import sys
+
+    from _builders import single_process_env
+    from oppo_ds.cli.train import main as train_main
+
+    out = tmp_path / "run"
+    assert train_main(["--evaluate", *SMALL, f"logging.output_dir={out}"]) == 2
+    assert capsys.readouterr().err.startswith("oppo-train: error: eval.prompts: null, and "
+                                              "--evaluate evaluates on it")
+    assert not out.exists()
+    proc = subprocess.run([sys.executable, "-m", "oppo_ds.train", "--evaluate", *SMALL, *EVAL,
+                           f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}",
+                           "system.torch_threads=1"],
+                          capture_output=True, text=True, env=single_process_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+    assert printed["step"] == 0 and printed["eval/prompts"] == 6
+    assert json.loads((out / "evaluations" / "step_0.json").read_text()) == printed
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
 def test_evaluation_prompts_from_a_file(cache_dir, tmp_path, caplog):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"prompt": f"warm {c} b ->"}) + "\n" for c in "cdefghij"))

@@ -159,7 +159,7 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
     responses, scores and all-reduced updates (tolerances as above). An evaluation of 9
     prompts after the last step: the shares, 5 and 4, take 2 batches and 1; the second rank
     sends the stage an empty rollout for the batch it lacks, and the answers are the inline
-    run's."""
+    run's, and those of ``--evaluate`` on the run's checkpoint after it."""
     evaluation = ("eval.prompts=builtin", "eval.num_prompts=9", "eval.at_start=false")
     launch(tmp_path / "inline", cache_dir, "steps=2", "checkpoint.export_hf=false", *evaluation,
            placement="inline")
@@ -182,6 +182,16 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
     for x, y in zip(inline, stage):
         assert (y["prompt_id"], y["response"]) == (x["prompt_id"], x["response"])
         assert y["reward"] == pytest.approx(x["reward"], abs=1e-4)
+
+    # oppo-train --evaluate on the same three processes: the step-2 checkpoint answers as the
+    # run's own last evaluation did (the scorer rank serves it and stops when it ends)
+    launch(tmp_path / "stage", cache_dir, "--evaluate", "steps=2", *evaluation, ranks=3)
+    again = [json.loads(line) for line in
+             (tmp_path / "stage" / "evaluations" / "step_2_samples.jsonl").open()]
+    assert [(r["prompt_id"], r["response"]) for r in again] == \
+        [(r["prompt_id"], r["response"]) for r in stage]
+    assert [r["reward"] for r in again] == pytest.approx([r["reward"] for r in stage], abs=1e-5)
+    assert sorted(os.listdir(tmp_path / "stage" / "checkpoints" / "trainer")) == ["step2"]
 
 
 def test_stage_with_dynamic_sampling_serves_every_round_and_gives_the_inline_run(cache_dir, tmp_path):

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config file (see examples/configs/)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML and exit")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="evaluate the actor once on eval.prompts and exit, training nothing: "
+                             "the latest checkpoint in logging.output_dir (checkpoint.resume), "
+                             "else model.actor; figures to OUTPUT_DIR/evaluations/step_N.json")
     # set by the deepspeed launcher; the rank is read from the environment instead
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -143,10 +147,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    # intermixed: KEY=VALUE overrides before and after a flag (`steps=2 --evaluate eval.x=y`)
+    args = build_parser().parse_intermixed_args(argv)
     rank, world = launch_rank(dict(os.environ))
     try:
         cfg, notes = resolve_config(args, prepare_files=not args.print_config)
+        if args.evaluate and not cfg.eval.enabled:
+            raise ConfigError("eval.prompts", "null, and --evaluate evaluates on it: name a prompt "
+                              "file or directory, or builtin (the built-in task's held-out set)")
         if not args.print_config:
             check_output_dir(cfg.logging.output_dir)
     except (ConfigError, DataError) as err:
@@ -164,7 +172,7 @@ def _main(argv: list[str] | None) -> int:
     from ..trainer import PPOTrainer
 
     try:
-        trainer = PPOTrainer(cfg)
+        trainer = PPOTrainer(cfg, evaluate_only=args.evaluate)
     except (ConfigError, DataError, FileNotFoundError) as err:  # a checkpoint the settings cannot continue
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
@@ -172,7 +180,7 @@ def _main(argv: list[str] | None) -> int:
     from ..reward_fn import RewardFunctionError
 
     try:
-        summary = trainer.train()
+        summary = trainer.evaluate_only() if args.evaluate else trainer.train()
     except NonFiniteError as err:  # every actor rank stops alike, before anything is saved
         if rank == 0:
             print(f"oppo-train: error: {err}", file=sys.stderr)
