@@ -752,8 +752,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                         if not saved:
                             self.save_checkpoint()
                         logger.warning("rank %d: stopped by SIG%s after step %d with a checkpoint; "
-                                       "the same command resumes from it", self.rank, self.preempted,
-                                       self.step_count)
+                                       "%s", self.rank, self.preempted, self.step_count,
+                                       self._resume_hint("it"))
                         break
                 if self.preempted:
                     if self.is_main:  # for a job script: requeue, whatever the exit codes say
@@ -783,7 +783,18 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         """``err`` with the step it stopped at and the checkpoints to go back to (the latest
         holds the weights of the step before, which may be what went wrong)."""
         tags = self.ckpt.tags()
-        where = (f"checkpoints under {self.ckpt.root}: {', '.join(tags)} (the same command resumes "
-                 "from the latest; checkpoint.resume=TAG from another)" if tags
-                 else "no checkpoint was written")
+        where = (f"checkpoints under {self.ckpt.root}: {', '.join(tags)} "
+                 f"({self._resume_hint('the latest')}; checkpoint.resume=TAG from another)"
+                 if tags else "no checkpoint was written")
         return f"step {step}: {err}; {where}"
+
+    def _resume_hint(self, what: str) -> str:
+        """How to resume from ``what`` (the latest checkpoint): the same command under
+        ``checkpoint.resume: auto``; under ``never`` or a tag, that command would start afresh
+        or load its tag again."""
+        resume = self.cfg.checkpoint.resume
+        if resume == "auto":
+            return f"the same command resumes from {what}"
+        again = "start afresh" if resume == "never" else f"load {resume} again"
+        return (f"checkpoint.resume=auto resumes from {what} (this run's "
+                f"checkpoint.resume={resume} would {again})")

@@ -154,3 +154,23 @@ def test_handlers_are_restored_and_a_second_term_is_not_swallowed():
             "    signal.raise_signal(signal.SIGTERM)\n    print('first TERM recorded', flush=True)\n"
             "    signal.raise_signal(signal.SIGTERM)\n    print('not reached', flush=True)\n")
     _dies_of(code, signal.SIGTERM, after="first TERM recorded")
+
+
+def test_the_resume_hint_follows_checkpoint_resume():
+    """After a stop (or a non-finite step) the log says how to resume: the same command under
+    ``checkpoint.resume: auto``; under ``never`` or a tag that command would start afresh or
+    load its tag again, so the hint names ``auto`` instead."""
+    from types import SimpleNamespace
+
+    from oppo_ds.config import load_config
+    from oppo_ds.trainer import PPOTrainer
+
+    def hint(resume):
+        trainer = SimpleNamespace(cfg=load_config(None, [f"checkpoint.resume={resume}"]))
+        return PPOTrainer._resume_hint(trainer, "it")
+
+    assert hint("auto") == "the same command resumes from it"
+    assert hint("never") == ("checkpoint.resume=auto resumes from it (this run's "
+                             "checkpoint.resume=never would start afresh)")
+    assert hint("step4") == ("checkpoint.resume=auto resumes from it (this run's "
+                             "checkpoint.resume=step4 would load step4 again)")
