@@ -47,7 +47,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q --durations=25
 
 # Every mode and the TRL 1.12 PPO peer on the built-in workload, one after another (about
-# 6 minutes on 2 CPU cores once the workload is prepared): bench/results.json, results.md,
+# 5 minutes on 2 CPU cores once the workload is prepared): bench/results.json, results.md,
 # plots.png (reward and gold against samples and time, step time by phase) and
 # plots-timeline.png (one step per mode, lanes as in the paper's Figure 1).
 # BENCH_REPEAT=3 runs every mode 3 times round-robin and reports medians over the rounds

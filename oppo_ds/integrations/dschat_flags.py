@@ -67,7 +67,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("critic_model_name_or_path", MAPPED, "model.critic and model.reward (both start from the "
        "step-2 checkpoint, as in DeepSpeed-Chat; its RewardModel pytorch_model.bin is converted "
        "once into output_dir/dschat_converted/critic)", str),
-    _f("data_path", MAPPED, "data.prompts: local .jsonl/.json/.parquet files, datasets "
+    _f("data_path", MAPPED, "data.prompts: local .jsonl/.json/.csv/.tsv/.parquet files, datasets "
        "save_to_disk directories or hub snapshots (DeepSpeed-Chat's JSON array files too), one or "
        "several (their prompts together); nothing is downloaded. A path naming a data set "
        "DeepSpeed-Chat knows gets that set's prompts as its step 3 builds them, a .json file "
