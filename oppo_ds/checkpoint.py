@@ -27,6 +27,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def checkpoint_root(cfg) -> str:
+    """Where a run's checkpoints are: ``checkpoints/`` under ``logging.output_dir``."""
+    return os.path.join(cfg.logging.output_dir, "checkpoints")
+
+
+def checkpoint_tags(root: str) -> list[str]:
+    """The tags of the checkpoints under ``root``, in step order."""
+    folder = os.path.join(root, "trainer")
+    found = [t for t in os.listdir(folder) if _TAG.match(t)] if os.path.isdir(folder) else []
+    return sorted(found, key=lambda t: int(_TAG.match(t).group(1)))
+
+
+def check_tag(root: str, tag: str) -> None:
+    """``ConfigError`` (key ``checkpoint.resume``) when ``root`` holds no checkpoint ``tag``:
+    cheap, so that a run naming a tag is checked before any engine is built."""
+    if not os.path.isdir(os.path.join(root, "trainer", tag)):
+        held = ", ".join(checkpoint_tags(root)) or "none"
+        raise ConfigError("checkpoint.resume", f"no checkpoint {tag} in {root} (it holds: {held})")
+
+
 class CheckpointManager:
     def __init__(self, root: str, *, rank: int, world_size: int, keep_last: int):
         self.root, self.rank, self.world_size, self.keep_last = root, rank, world_size, keep_last
@@ -70,10 +90,8 @@ class CheckpointManager:
         ``tag`` was written by another number of ranks: every rank's rollout pool, prompt
         shard and random state are its own, and a rank without its file (or a file without
         its rank) would lose or invent them."""
+        check_tag(self.root, tag)
         folder = os.path.join(self.root, "trainer", tag)
-        if not os.path.isdir(folder):
-            held = ", ".join(self.tags()) or "none"
-            raise ConfigError("checkpoint.resume", f"no checkpoint {tag} in {self.root} (it holds: {held})")
         files = os.listdir(folder)
         saved = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, files) if m)
         if saved != list(range(len(saved))) or not saved:
@@ -133,9 +151,7 @@ class CheckpointManager:
         os.replace(tmp, os.path.join(self.root, "latest"))
 
     def tags(self) -> list[str]:
-        folder = os.path.join(self.root, "trainer")
-        found = [t for t in os.listdir(folder) if _TAG.match(t)] if os.path.isdir(folder) else []
-        return sorted(found, key=lambda t: int(_TAG.match(t).group(1)))
+        return checkpoint_tags(self.root)
 
     def _prune(self, engine_names: list[str]) -> None:
         keep = self.latest()

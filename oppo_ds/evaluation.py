@@ -199,9 +199,10 @@ class Evaluating:
         """``oppo-train --evaluate``: one evaluation of the actor as the run loaded it (the
         checkpoint ``checkpoint.resume`` names, else ``model.actor``), nothing trained or
         saved, the run's own logs untouched (the trainer built with ``evaluate_only``). Rank 0
-        writes the figures to ``evaluations/step_N.json`` under ``logging.output_dir`` and every
-        answer to ``step_N_samples.jsonl`` beside it (N: the checkpoint's step, 0 without one),
-        and returns the figures; the other ranks, None."""
+        writes the figures, with the settings they depend on, to ``evaluations/step_N.json``
+        under ``logging.output_dir`` and every answer to ``step_N_samples.jsonl`` beside it (N:
+        the checkpoint's step, 0 without one; ``step_N-2`` and so on when that step was
+        evaluated before), and returns the figures; the other ranks, None."""
         from .rollout.generate import cudnn_attention
 
         with cudnn_attention(self.cfg.system.cudnn_attention):
@@ -213,10 +214,20 @@ class Evaluating:
         if not self.is_main:
             return None
         actor = f"checkpoint {self.resumed_from}" if self.resumed_from else self.sources.actor
-        result = {"step": self.step_count, "actor": actor, **metrics}
+        e = self.cfg.eval
+        # the answers follow these: the prompts, and the draws, which come batch by batch
+        settings = {"eval.prompts": e.prompts, "eval.num_prompts": e.num_prompts,
+                    "eval.temperature": self.sampling.temperature if e.temperature is None
+                    else e.temperature, "ppo.batch_size": self.cfg.ppo.batch_size,
+                    "seed": self.cfg.seed, "ranks": self.world_size}
+        result = {"step": self.step_count, "actor": actor, **metrics, "settings": settings}
         folder = os.path.join(self.cfg.logging.output_dir, "evaluations")
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, f"step_{self.step_count}")
+        again = 1
+        while os.path.exists(stem + ".json"):  # an earlier evaluation of the step is kept
+            again += 1
+            stem = os.path.join(folder, f"step_{self.step_count}-{again}")
         for path, text in ((stem + "_samples.jsonl", "".join(
                 json.dumps(r, ensure_ascii=False) + "\n" for r in records)),
                            (stem + ".json", json.dumps(result, indent=2) + "\n")):

@@ -72,6 +72,8 @@ class Resumable:
         state = self.ckpt.load(tag, engines=self.trained_engines,
                                check=partial(self._check_checkpoint_settings, tag))
         self.step_count = state["step"]
+        if self.evaluating_only:  # the weights alone: the prompts' position, the pool and the
+            return  # controllers are training's (other prompts or limits may be evaluated)
         self._resume_streams(state, tag)
         self._resume_ema(state, tag)
         self.sample_gen.set_state(state["sample_gen"])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import comm
 from . import workload as wl
 from .algo import masked_mean, overlong_penalty
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, check_tag, checkpoint_root
 from .config import Config, ConfigError, save_config
 from .config_checks import optimizer_updates
 from .config_types import require
@@ -193,6 +193,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         # only the targets end a response: a random model's EOS is noise
         eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
         self.reward_norm = reward_normalization(cfg, src)
+        if cfg.checkpoint.resume not in ("auto", "never") and not scorer_rank:  # a tag
+            check_tag(checkpoint_root(cfg), cfg.checkpoint.resume)  # before any engine is built
         return src, eos
 
     def _build_engines(self, src, common: dict) -> None:
@@ -278,8 +280,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         """Resume from the latest checkpoint (checkpoint.resume), then open the telemetry and
         save and log the run's configuration."""
         cfg, p = self.cfg, self.cfg.ppo
-        self.ckpt = CheckpointManager(os.path.join(cfg.logging.output_dir, "checkpoints"),
-                                      rank=self.rank, world_size=self.actor_ranks,  # a file each
+        self.ckpt = CheckpointManager(checkpoint_root(cfg), rank=self.rank,
+                                      world_size=self.actor_ranks,  # a file each
                                       keep_last=cfg.checkpoint.keep_last)
         self._maybe_resume()
         if self.evaluating_only:  # a run's history is its own: nothing truncated or rewritten

@@ -218,11 +218,51 @@ def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir,
         theirs = [{k: v for k, v in a.items() if k != "step"} for a in answers if a["step"] == step]
         assert [a["response"] for a in mine] == [a["response"] for a in theirs]
         assert [a["reward"] for a in mine] == pytest.approx([a["reward"] for a in theirs], abs=1e-6)
+        assert result["settings"] == {"eval.prompts": "builtin", "eval.num_prompts": 6,
+                                      "eval.temperature": 1.0, "ppo.batch_size": 8, "seed": 0,
+                                      "ranks": 1}
+    # the step again, greedy and under another seed (which training's resume refuses: the
+    # prompts' order follows it; an evaluation reads the weights alone): a file of its own
+    cfg = load_config(None, [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}",
+                             *settings, "eval.temperature=0", "seed=1"])
+    trainer = PPOTrainer(cfg, evaluate_only=True)
+    greedy = trainer.evaluate_only()
+    trainer.close()
+    assert greedy["step"] == 2 and greedy["settings"]["eval.temperature"] == 0.0
+    assert json.loads((out / "evaluations" / "step_2-2.json").read_text()) == greedy
     after = _files(out)
     assert {k: v for k, v in after.items() if k.parts[0] != "evaluations"} == before
     assert sorted(str(k) for k in after if k.parts[0] == "evaluations") == [
         "evaluations/step_0.json", "evaluations/step_0_samples.jsonl",
+        "evaluations/step_2-2.json", "evaluations/step_2-2_samples.jsonl",
         "evaluations/step_2.json", "evaluations/step_2_samples.jsonl"]
+
+
+def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, tmp_path,
+                                                                     monkeypatch):
+    """A checkpoint holding deferred rows is evaluated without overcommitment and with a
+    shorter answer limit (a training resume refuses both: it would drop or cut the rows); a
+    tag that does not exist stops the run before any engine is built."""
+    from oppo_ds.engines import factory
+    from oppo_ds.trainer import PPOTrainer
+
+    out = tmp_path / "pool"
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", "oppo.streaming=true",
+        "oppo.overcommit=2", *EVAL)
+    assert read_history(str(out / "metrics.jsonl"))[-1]["pool/carried"] > 0  # rows held
+    base = [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}", *EVAL]
+    trainer = PPOTrainer(load_config(None, [*base, "generation.max_new_tokens=4"]),
+                         evaluate_only=True)
+    result = trainer.evaluate_only()
+    trainer.close()
+    assert result["step"] == 2 and result["eval/response_len_mean"] <= 4
+
+    def no_engines(*args, **kwargs):
+        raise AssertionError("an engine was built")
+    monkeypatch.setattr(factory, "build_models", no_engines)
+    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: no checkpoint step9 in .* \(it "
+                                          r"holds: step2\)"):
+        PPOTrainer(load_config(None, [*base, "checkpoint.resume=step9"]), evaluate_only=True)
 
 
 def test_the_evaluate_flag_runs_from_the_command_line(cache_dir, tmp_path, capsys):
@@ -239,6 +279,8 @@ def test_the_evaluate_flag_runs_from_the_command_line(cache_dir, tmp_path, capsy
     assert capsys.readouterr().err.startswith("oppo-train: error: eval.prompts: null, and "
                                               "--evaluate evaluates on it")
     assert not out.exists()
+    assert train_main(["--evaluate", "--print-config", *SMALL]) == 0  # prints, evaluates nothing
+    assert "eval:" in capsys.readouterr().out
     proc = subprocess.run([sys.executable, "-m", "oppo_ds.train", "--evaluate", *SMALL, *EVAL,
                            f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}",
                            "system.torch_threads=1"],

@@ -152,7 +152,7 @@ def _main(argv: list[str] | None) -> int:
     rank, world = launch_rank(dict(os.environ))
     try:
         cfg, notes = resolve_config(args, prepare_files=not args.print_config)
-        if args.evaluate and not cfg.eval.enabled:
+        if args.evaluate and not cfg.eval.enabled and not args.print_config:
             raise ConfigError("eval.prompts", "null, and --evaluate evaluates on it: name a prompt "
                               "file or directory, or builtin (the built-in task's held-out set)")
         if not args.print_config:
