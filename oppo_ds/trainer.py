@@ -278,7 +278,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     def _resume_and_announce(self, src) -> None:
         """Resume from the latest checkpoint (checkpoint.resume), then open the telemetry and
-        save and log the run's configuration."""
+        save and log the run's configuration (not for an evaluation alone)."""
         cfg, p = self.cfg, self.cfg.ppo
         self.ckpt = CheckpointManager(checkpoint_root(cfg), rank=self.rank,
                                       world_size=self.actor_ranks,  # a file each
