@@ -547,6 +547,16 @@ def test_two_rank_model_parallel_run_equals_one_rank(parallel, one_rank_run, cac
     assert sorted(os.listdir(one_dir / "checkpoints" / "actor" / "step2")) == \
         ["config.json", "mp_rank_00_000.pt"]
     _check_export(tmp_path / "run", tmp_path / "offline")
+    if "tensor" in parallel:  # oppo-train --evaluate loads the shards: the run's last answers
+        _train(str(tmp_path / "run"), cache_dir, 2, "--evaluate", parallel, *stream,
+               *GREEDY_EVAL)
+        figures = json.loads((tmp_path / "run" / "evaluations" / "step_2.json").read_text())
+        assert (figures["actor"], figures["settings"]["ranks"]) == ("checkpoint step2", 1)
+        again = read_history(str(tmp_path / "run" / "evaluations" / "step_2_samples.jsonl"))
+        last = [a for a in got_answers if a["step"] == 2]
+        assert [a["response"] for a in again] == [a["response"] for a in last]
+        assert [a["reward"] for a in again] == pytest.approx([a["reward"] for a in last],
+                                                             abs=1e-5)
 
 
 @pytest.mark.parametrize("parallel", ["system.tensor_parallel=2", "system.pipeline_parallel=2"])
