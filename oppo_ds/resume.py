@@ -203,6 +203,17 @@ class Resumable:
                 f"with the ppo.batch_size it was written with{as_written}, or start afresh "
                 f"with checkpoint.resume=never"))
 
+    def _resume_hint(self, what: str) -> str:
+        """How to resume from ``what`` (the latest checkpoint): the same command under
+        ``checkpoint.resume: auto``; under ``never`` or a tag, that command would start afresh
+        or load its tag again."""
+        resume = self.cfg.checkpoint.resume
+        if resume == "auto":
+            return f"the same command resumes from {what}"
+        again = "start afresh" if resume == "never" else f"load {resume} again"
+        return (f"checkpoint.resume=auto resumes from {what} (this run's "
+                f"checkpoint.resume={resume} would {again})")
+
     def _log_resumed(self, state: dict, tag: str, notes: list) -> None:
         """Say where the run resumed, the controllers' notes, and every optimizer or objective
         setting that differs from the checkpoint's."""

@@ -789,14 +789,3 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                  f"({self._resume_hint('the latest')}; checkpoint.resume=TAG from another)"
                  if tags else "no checkpoint was written")
         return f"step {step}: {err}; {where}"
-
-    def _resume_hint(self, what: str) -> str:
-        """How to resume from ``what`` (the latest checkpoint): the same command under
-        ``checkpoint.resume: auto``; under ``never`` or a tag, that command would start afresh
-        or load its tag again."""
-        resume = self.cfg.checkpoint.resume
-        if resume == "auto":
-            return f"the same command resumes from {what}"
-        again = "start afresh" if resume == "never" else f"load {resume} again"
-        return (f"checkpoint.resume=auto resumes from {what} (this run's "
-                f"checkpoint.resume={resume} would {again})")
