@@ -143,8 +143,7 @@ class Evaluating:
         on_stage = self.stage is not None and self.reward_fn is None
         if self.stage is not None:  # the critic's copy there up to date before any rollout
             self._send_critic_to_stage()
-        params = self.sampling if e.temperature is None else \
-            dataclasses.replace(self.sampling, temperature=e.temperature)
+        params = self._eval_sampling()
         # the same draws at every evaluation, none of training's
         rng = torch.Generator().manual_seed(self.cfg.seed * 1000 + EVAL_SEED_OFFSET + data_rank)
         records = []
@@ -195,6 +194,11 @@ class Evaluating:
             row_ids=range(first, first + ids.shape[0]))
         return gen, streamed["reward"].float()
 
+    def _eval_sampling(self):
+        """Training's sampling parameters at ``eval.temperature`` (null: training's own)."""
+        t = self.cfg.eval.temperature
+        return self.sampling if t is None else dataclasses.replace(self.sampling, temperature=t)
+
     def evaluate_only(self) -> Optional[dict]:
         """``oppo-train --evaluate``: one evaluation of the actor as the run loaded it (the
         checkpoint ``checkpoint.resume`` names, else ``model.actor``), nothing trained or
@@ -217,8 +221,8 @@ class Evaluating:
         e = self.cfg.eval
         # the answers follow these: the prompts, and the draws, which come batch by batch
         settings = {"eval.prompts": e.prompts, "eval.num_prompts": e.num_prompts,
-                    "eval.temperature": self.sampling.temperature if e.temperature is None
-                    else e.temperature, "ppo.batch_size": self.cfg.ppo.batch_size,
+                    "eval.temperature": self._eval_sampling().temperature,
+                    "ppo.batch_size": self.cfg.ppo.batch_size,
                     "seed": self.cfg.seed, "ranks": self.world_size}
         result = {"step": self.step_count, "actor": actor, **metrics, "settings": settings}
         folder = os.path.join(self.cfg.logging.output_dir, "evaluations")
