@@ -314,10 +314,19 @@ class SystemConfig:
     forward (rows end, chunks and prompts change width): on an H100 the decode at new shapes
     took 72 ms a token with it and 25 ms without (Qwen2.5-0.5B, batch 32; docs/benchmarks.md).
     The other backends (flash, memory-efficient, math) then serve. Process-wide."""
+    switch_interval_ms: float = 0.0
+    """Python's thread switch interval during each PPO step, in milliseconds (0 = Python's
+    own, 5 ms). Under `oppo.placement: colocated` the decoding thread and the scorers' thread
+    share the interpreter, and a thread that wants it back may wait up to one interval, about
+    a replayed token's time with `generation.cuda_graph`. On one H200, 0.5 and 0.1 ms left the
+    colocated decode's time unchanged (docs/benchmarks.md, the fifth GPU run): for hosts where
+    the threads' contention is worse. Process-wide while a step runs."""
 
     def __post_init__(self):
         _require(self.inference_tp_size >= 1, "inference_tp_size", "must be >= 1")
         _require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
+        _require(self.switch_interval_ms >= 0, "switch_interval_ms",
+                 f"must be >= 0 (0 = Python's own), got {self.switch_interval_ms}")
         for key in ("tensor_parallel", "pipeline_parallel"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
             _require(self.backend == "megatron" or getattr(self, key) == 1, key,

@@ -36,7 +36,7 @@ from .export import Exporting
 from .filter_rounds import FilterRounds
 from .finite import NonFiniteError, check_experience, check_update
 from .rollout.generate import (Generation, SamplingParams, cudnn_attention, generate,
-                               target_lengths)
+                               switch_interval, target_lengths)
 from .rollout.controllers import ChunkSizeController, DeltaController, Pipeline
 from .rollout import static_decode
 from .rollout.static_length import run_cache_length
@@ -333,7 +333,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     def step(self) -> dict:
         """One PPO step (rollout, experience, update); its metrics."""
-        with cudnn_attention(self.cfg.system.cudnn_attention):
+        system = self.cfg.system
+        with cudnn_attention(system.cudnn_attention), switch_interval(system.switch_interval_ms):
             return self._step()
 
     def _step(self) -> dict:

@@ -476,3 +476,25 @@ def test_colocated_on_cuda_equals_inline(chunk_size):
 
 def _to_cpu(gen):
     return type(gen)(**{k: v.cpu() for k, v in vars(gen).items()})
+
+
+def test_switch_interval_is_set_for_the_context_and_restored():
+    """``system.switch_interval_ms``: Python's thread switch interval while a step runs, Python's
+    own again after it, an exception too; 0 leaves it alone; a negative value names the key."""
+    import sys
+
+    from oppo_ds.config import ConfigError, load_config
+    from oppo_ds.rollout.generate import switch_interval
+
+    before = sys.getswitchinterval()
+    with switch_interval(0.25):
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with switch_interval(1.0):
+            raise RuntimeError("inside")
+    assert sys.getswitchinterval() == before
+    with switch_interval(0):
+        assert sys.getswitchinterval() == before
+    with pytest.raises(ConfigError, match="switch_interval_ms"):
+        load_config(None, ["system.switch_interval_ms=-1"])

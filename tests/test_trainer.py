@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -549,16 +550,21 @@ def test_close_destroys_the_trainers_engines_and_no_other(cache_dir, tmp_path):
     assert first.actor.ds_engine not in open_engines()
 
 
-@pytest.mark.parametrize("placement", ["inline", "colocated"])
-def test_streaming_gives_the_sequential_run(cache_dir, tmp_path, placement):
+@pytest.mark.parametrize("placement, extra", [
+    ("inline", []), ("colocated", []), ("colocated", ["system.switch_interval_ms=0.2"])],
+    ids=["inline", "colocated", "colocated-switch-interval"])
+def test_streaming_gives_the_sequential_run(cache_dir, tmp_path, placement, extra):
     """Intra-step overlap changes when scoring happens, not what it computes: with the same
     seed a streamed run samples the same tokens and gets the same scores. Step 1 is compared
     at 1e-5 (scores only; streamed prefill differs from a whole-sequence forward by float
     summation order, measured <= 1.4e-6); later steps at 1e-4, since those tiny differences
-    pass through Adam updates."""
+    pass through Adam updates. A shorter thread switch interval only changes when the two
+    threads take turns, and Python's own is back after the run."""
+    before = sys.getswitchinterval()
     run(cache_dir, tmp_path / "seq", "steps=3", "checkpoint.export_hf=false")
     run(cache_dir, tmp_path / "stream", "steps=3", "checkpoint.export_hf=false",
-        "oppo.streaming=true", "oppo.chunk_size=3", f"oppo.placement={placement}")
+        "oppo.streaming=true", "oppo.chunk_size=3", f"oppo.placement={placement}", *extra)
+    assert sys.getswitchinterval() == before
     a = _metrics_by_step(tmp_path / "seq" / "metrics.jsonl")
     b = _metrics_by_step(tmp_path / "stream" / "metrics.jsonl")
     assert b[1]["response/lengths"] == a[1]["response/lengths"]

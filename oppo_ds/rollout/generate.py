@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -175,6 +176,23 @@ def cudnn_attention(enabled: bool):
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
+
+
+@contextlib.contextmanager
+def switch_interval(ms: float):
+    """Python's thread switch interval set to ``ms`` milliseconds while the context lasts (0:
+    unchanged), then restored (``system.switch_interval_ms``). Process-wide, as the
+    interpreter's lock is: it sets how long the colocated scorers' thread may keep the
+    decoding thread waiting."""
+    if not ms:
+        yield
+        return
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(ms / 1000.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
