@@ -241,8 +241,9 @@ def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir,
 def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, tmp_path,
                                                                      monkeypatch):
     """A checkpoint holding deferred rows is evaluated without overcommitment and with a
-    shorter answer limit (a training resume refuses both: it would drop or cut the rows); a
-    tag that does not exist stops the run before any engine is built."""
+    shorter answer limit (a training resume refuses both: it would drop or cut the rows); other
+    models than the checkpoint's are refused with the evaluation's way out; a tag that does
+    not exist stops the run before any engine is built."""
     from oppo_ds.engines import factory
     from oppo_ds.trainer import PPOTrainer
 
@@ -256,6 +257,13 @@ def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, t
     result = trainer.evaluate_only()
     trainer.close()
     assert result["step"] == 2 and result["eval/response_len_mean"] <= 4
+    # other models than the checkpoint's: refused as a resume is, but the way out named is
+    # the evaluation's (a fresh start would evaluate model.actor, not the checkpoint)
+    with pytest.raises(ConfigError, match=r"^system\.zero_stage: 2, but checkpoint step2 was "
+                                          r"written with 0: .*evaluate it with the settings it "
+                                          r"was written with \(checkpoint\.resume=never would "
+                                          r"evaluate model\.actor itself\)$"):
+        PPOTrainer(load_config(None, [*base, "system.zero_stage=2"]), evaluate_only=True)
 
     def no_engines(*args, **kwargs):
         raise AssertionError("an engine was built")
