@@ -431,9 +431,24 @@ def run_mode(mode: str, config: Optional[str], overrides: list[str], run_dir: st
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _cpu_model() -> Optional[str]:
+    """The processor's name (Linux: /proc/cpuinfo), else what ``platform`` knows, else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def machine_info() -> dict:
     """Where the numbers were taken; the load average shows whether others shared the CPU
-    (on a small CPU a busy neighbour slows torch's threads far more than its share)."""
+    (on a small CPU a busy neighbour slows torch's threads far more than its share). The
+    processor's name too: on a GPU the decode by default is bound by the host issuing
+    kernels, so two machines with the same GPU gave the sequential baseline 1.5x apart
+    (docs/benchmarks.md, the fifth GPU run)."""
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
@@ -445,6 +460,7 @@ def machine_info() -> dict:
     cuda = torch.cuda.is_available()
     return {"platform": platform.platform(), "machine": platform.machine(),
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "cpu_model": _cpu_model(),
             "torch": torch.__version__, "deepspeed": ds_version,
             "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
             "cuda_device_count": torch.cuda.device_count() if cuda else 0,
@@ -493,9 +509,10 @@ def format_markdown(report: dict) -> str:
     procs = "" if ranks == base == 1 else \
         (f" {ranks} processes per mode," if ranks == base else
          f" {ranks} processes per streaming mode, {base} per mode that does not stream,")
+    cpu = f" ({machine['cpu_model']})" if machine.get("cpu_model") else ""
     lines = [f"`oppo-bench` {report.get('steps')} steps per run,{procs}{rounds} seed {report.get('seed')}, "
              f"config {report.get('config') or 'built-in workload'}; {machine.get('platform')}, "
-             f"{machine.get('cpu_count')} CPUs, GPU: {machine.get('cuda_device') or 'none'}, "
+             f"{machine.get('cpu_count')} CPUs{cpu}, GPU: {machine.get('cuda_device') or 'none'}, "
              f"torch {machine.get('torch')}, DeepSpeed {machine.get('deepspeed')}.",
              *[f"`@{name}`: {' '.join(overrides)}." for name, overrides in
                (report.get("variants") or {}).items()],

@@ -230,7 +230,8 @@ def test_sequential_run_writes_json_table_and_plot(cache_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["config"] == TINY and report["steps"] == 3 and report["seed"] == 1
-    assert {"platform", "cpu_count", "torch", "deepspeed", "cuda_device"} <= set(report["machine"])
+    assert {"platform", "cpu_count", "cpu_model", "torch", "deepspeed",
+            "cuda_device"} <= set(report["machine"])
     seq = report["modes"]["sequential"]
     check_mode_fields(seq, 3)
     assert seq["speedup"] == 1.0 and seq["scoring_hidden_frac"] == 0.0
@@ -358,6 +359,9 @@ def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path, monke
     assert ratio == pytest.approx(report["modes"]["oppo"]["samples_per_s"] / trl["samples_per_s"])
     table = md.read_text()
     assert "| trl (peer) |" in table and "| oppo |" in table and "oppo / trl samples/s" in table
+    # the processor named beside the CPU count: what the default decode's speed hangs on
+    cpus = f"{report['machine']['cpu_count']} CPUs ({report['machine']['cpu_model']}), GPU:"
+    assert report["machine"]["cpu_model"] and cpus in table.splitlines()[0]
     assert (tmp_path / "b.runs" / "peer-trl" / "metrics.jsonl").is_file()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the peer's curves drawn with ours
 

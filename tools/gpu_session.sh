@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_session.sh [OUT]        OUT: default $OUT, else gpu-out/
 #
-# 1. device.txt: nvidia-smi -L and the versions of torch, transformers, deepspeed.
+# 1. device.txt: nvidia-smi -L, the processor, the versions of torch, transformers, deepspeed.
 # 2. gpu-test.txt: the tests that need a GPU (the CUDA graph's, the colocated side stream's).
 # 3. bench.json / bench.md / bench.runs/: one oppo-bench of every entry of MODES (default
 #    below) against the same plain sequential run, medians of STEPS - WARMUP steps.
@@ -62,6 +62,7 @@ export DS_BUILD_OPS=0 HF_HUB_OFFLINE=1
 
 {
     nvidia-smi -L
+    grep -m1 "model name" /proc/cpuinfo
     $PY -c "import torch, transformers, deepspeed as ds
 print('torch', torch.__version__, '| transformers', transformers.__version__,
       '| deepspeed', ds.__version__)"
