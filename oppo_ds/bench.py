@@ -189,7 +189,8 @@ def _mean(xs: list[float]) -> Optional[float]:
 def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[float] = None) -> dict:
     """A mode's benchmark fields from its metrics.jsonl rows (one dict per step).
 
-    Timing fields (step_time_s, samples_per_s, phase_fraction, scoring_hidden_frac) use the
+    Timing fields (step_time_s, samples_per_s, decode_s, phase_fraction, scoring_hidden_frac)
+    use the
     steps after the first ``warmup`` (at least one step is always kept); reward, gold and tail
     waste use every step. ``hidden_default`` is scoring_hidden_frac when no step reports it
     (0.0 for a mode that does not stream: nothing is hidden), and then also
@@ -230,6 +231,12 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
     waste = column(steps, "rollout/tail_waste_frac") or \
         [tail_waste(x) for x in column(steps, "response/lengths")]
     out["tail_waste_frac"] = _mean(waste)
+    # the actor's rollout alone: its generate phase less the wait for the scorers after its
+    # last token (what a placement's contention with the decode shows in; GPU runs: the
+    # colocated decode with a CUDA graph 5-7% slower than the sequential one)
+    decode = [r["time/phase/generate"] - r.get("stream/scoring_tail_s", 0.0)
+              for r in timed if "time/phase/generate" in r]
+    out["decode_s"] = statistics.median(decode) if decode else None
     phases = list(dict.fromkeys(k for r in timed for k in r if k.startswith("time/phase/")))  # step order
     phase_total = sum(sum(column(timed, k)) for k in phases)
     out["phase_fraction"] = ({k[len("time/phase/"):]: sum(column(timed, k)) / phase_total for k in phases}
@@ -247,7 +254,7 @@ def add_speedups(modes: dict[str, dict]) -> None:
 
 # timing fields of a mode that differ from round to round; the rest (reward, gold, tail waste)
 # is the same in every round (same code, workload and seeds)
-ROUND_FIELDS = ("step_time_s", "samples_per_s", "speedup", "scoring_hidden_frac",
+ROUND_FIELDS = ("step_time_s", "samples_per_s", "speedup", "decode_s", "scoring_hidden_frac",
                 "scoring_overlap_frac",
                 "ideal_step_time_s", "of_ideal", "process_s", "outside_steps_s")
 
@@ -474,13 +481,14 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_table(modes: dict[str, dict]) -> str:
-    header = ("mode", "step_time_s", "samples/s", "speedup", "of ideal", "hidden", "concurrent",
-              "tail waste", "reward first->last")
+    header = ("mode", "step_time_s", "samples/s", "speedup", "of ideal", "decode_s", "hidden",
+              "concurrent", "tail waste", "reward first->last")
     rows = [header]
     for name, m in modes.items():
         rows.append((name, _fmt(m["step_time_s"], ".4f"), _fmt(m["samples_per_s"], ".2f"),
                      _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
-                     _fmt(m.get("of_ideal"), ".1%"), _fmt(m["scoring_hidden_frac"], ".1%"),
+                     _fmt(m.get("of_ideal"), ".1%"), _fmt(m.get("decode_s"), ".4f"),
+                     _fmt(m["scoring_hidden_frac"], ".1%"),
                      _fmt(m.get("scoring_overlap_frac"), ".1%"), _fmt(m["tail_waste_frac"], ".1%"),
                      f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -517,16 +525,17 @@ def format_markdown(report: dict) -> str:
              *[f"`@{name}`: {' '.join(overrides)}." for name, overrides in
                (report.get("variants") or {}).items()],
              "",
-             "| run | step time (median) | samples/s | speedup | of ideal | scoring hidden | "
-             "scoring concurrent | tail waste | reward first -> last | gold first -> last |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| run | step time (median) | samples/s | speedup | of ideal | decode (median) | "
+             "scoring hidden | scoring concurrent | tail waste | reward first -> last | "
+             "gold first -> last |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = [(name, m) for name, m in report.get("modes", {}).items()]
     rows += [(f"{name} (peer)", m) for name, m in report.get("peers", {}).items()]
     for name, m in rows:
         lines.append(
             f"| {name} | {_fmt(m.get('step_time_s'), '.4f')} s | {_fmt(m.get('samples_per_s'), '.2f')} | "
             f"{_fmt(m.get('speedup'), '.2f')}x | {_fmt(m.get('of_ideal'), '.1%')} | "
-            f"{_fmt(m.get('scoring_hidden_frac'), '.1%')} | "
+            f"{_fmt(m.get('decode_s'), '.4f')} s | {_fmt(m.get('scoring_hidden_frac'), '.1%')} | "
             f"{_fmt(m.get('scoring_overlap_frac'), '.1%')} | {_fmt(m.get('tail_waste_frac'), '.1%')} | "
             f"{_fmt(m.get('reward_first'), '.3f')} -> {_fmt(m.get('reward_last'), '.3f')} | "
             f"{_fmt(m.get('gold_first'), '.3f')} -> {_fmt(m.get('gold_last'), '.3f')} |")

@@ -62,6 +62,11 @@ def test_summarize_mode_by_hand():
     # phases of the timed steps only: generate 1+3+2 = 6, train 1+1+1 = 3
     assert out["phase_fraction"] == pytest.approx({"generate": 6 / 9, "train": 3 / 9})
     assert out["scoring_hidden_frac"] == 0.0
+    assert out["decode_s"] == 2.0                                      # median of 1, 3, 2
+    # streamed: the wait for the scorers after the last token is not the actor's decode
+    tails = [dict(r, **{"stream/scoring_tail_s": t}) for r, t in zip(steps, (5, 5, 0.5, 0.25, 1.5))]
+    assert bench.summarize_mode(tails, warmup=2)["decode_s"] == 0.5     # median of .5, 2.75, .5
+    assert bench.summarize_mode([step(1.0)])["decode_s"] is None       # no generate phase
 
 
 def test_summarize_mode_first_and_last_ten_gold_and_hidden():
