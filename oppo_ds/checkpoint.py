@@ -153,9 +153,24 @@ class CheckpointManager:
     def tags(self) -> list[str]:
         return checkpoint_tags(self.root)
 
+    def forget_latest(self) -> None:
+        """A fresh start: ``latest`` no longer names an earlier run's checkpoint, so that
+        ``checkpoint.resume: auto`` after a crash before this run's first save starts afresh
+        again instead of resuming that run. Its tags stay where they are."""
+        path = os.path.join(self.root, "latest")
+        if os.path.isfile(path):
+            os.remove(path)
+
     def _prune(self, engine_names: list[str]) -> None:
+        """Remove all but the newest ``keep_last`` tags up to ``latest``. Tags of later steps are
+        an earlier run's (beside a fresh start) or a branch left by a resume from an older tag:
+        left alone, this run's own save of such a step replaces one, and they take none of
+        ``keep_last``'s places from this run's."""
         keep = self.latest()
-        for tag in self.tags()[:-self.keep_last]:
+        tags = self.tags()
+        if keep in tags:
+            tags = tags[:tags.index(keep) + 1]
+        for tag in tags[:-self.keep_last]:
             if tag == keep:
                 continue
             for name in engine_names + ["trainer", "hf"]:  # hf: checkpoint.save_hf's exports

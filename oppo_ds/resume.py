@@ -64,6 +64,8 @@ class Resumable:
         resume = self.cfg.checkpoint.resume
         self.resumed_from: Optional[str] = None  # the checkpoint's tag, once loaded
         if resume == "never":
+            if self.is_main and not self.evaluating_only:
+                self._start_beside_old_checkpoints()
             return
         tag = self.ckpt.latest() if resume == "auto" else resume
         if tag is None:
@@ -92,6 +94,22 @@ class Resumable:
             notes.append(self.delta_ctl.load_state_dict(state["delta_ctl"]))
         if self.is_main:
             self._log_resumed(state, tag, notes)
+
+    def _start_beside_old_checkpoints(self) -> None:
+        """``checkpoint.resume: never`` where an earlier run left checkpoints: they stay (a
+        user's checkpoints are not ours to delete), but ``latest`` stops naming them, so that
+        a crash before this run's first save and a restart under ``auto`` (the Slurm scripts'
+        requeue) start afresh again instead of continuing the earlier run over this one's
+        logs; said once."""
+        old = self.ckpt.tags()
+        if not old:
+            return
+        self.ckpt.forget_latest()
+        logger.warning(
+            "checkpoint.resume=never: %s holds an earlier run's checkpoints (%s); this run starts "
+            "afresh and leaves them, `latest` no longer names them (checkpoint.resume=TAG still "
+            "loads one), and its own checkpoints replace them step by step", self.ckpt.root,
+            ", ".join(old))
 
     def _resume_streams(self, state: dict, tag: str) -> None:
         """The prompt stream's position (and PPO-ptx's), refused when the order would differ."""

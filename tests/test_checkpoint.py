@@ -87,3 +87,25 @@ def test_the_check_sees_the_state_before_any_engine_loads(tmp_path):
         CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2).load(
             "step1", {"actor": engine}, check=check)
     assert seen == [1] and not engine.loaded
+
+
+def test_keep_last_counts_the_tags_up_to_latest(tmp_path):
+    """An earlier run's later tags (beside a fresh start, or a branch left by a resume from an
+    older tag) take none of keep_last's places: they counted in step order and pruned this
+    run's own checkpoints down to its latest. Left alone until this run saves their step,
+    which replaces them; ``forget_latest`` takes ``latest`` off them."""
+    from oppo_ds.checkpoint import checkpoint_tags
+
+    for tag in ("step250", "step300"):  # the earlier run's two
+        _write(tmp_path, tag, [0], engines=())
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2)
+    assert manager.latest() == "step300"
+    manager.forget_latest()
+    assert manager.latest() is None and checkpoint_tags(str(tmp_path)) == ["step250", "step300"]
+    for step in (50, 100, 150):
+        manager.save(f"step{step}", {"step": step}, engines={})
+    assert checkpoint_tags(str(tmp_path)) == ["step100", "step150", "step250", "step300"]
+    assert manager.latest() == "step150"
+    manager.save("step250", {"step": 250}, engines={})  # this run's own replaces the old one
+    assert checkpoint_tags(str(tmp_path)) == ["step150", "step250", "step300"]
+    assert manager.load("step250", {})["step"] == 250

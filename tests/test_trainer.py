@@ -175,6 +175,32 @@ def test_a_fresh_start_over_an_old_run_hides_its_tensorboard_steps_and_traces(tm
     assert sorted(p.name for p in traces.iterdir()) == ["step1.json"]
 
 
+def test_a_fresh_start_beside_an_earlier_runs_checkpoints(cache_dir, tmp_path, caplog):
+    """checkpoint.resume=never where a finished run left step2 and step4: they stay, the run
+    says so once, and `latest` stops naming step4, so that a crash before the first save and
+    a restart under auto (the Slurm scripts' requeue) start afresh again; it resumed step4,
+    the earlier run, into the new run's truncated logs. The new run's step2 replaces the old
+    one and step4 stays beside it, taking none of keep_last's places."""
+    from oppo_ds.checkpoint import checkpoint_tags
+
+    out = tmp_path / "run"
+    root = str(out / "checkpoints")
+    common = ("checkpoint.every=2", "checkpoint.export_hf=false")
+    run(cache_dir, out, "steps=4", *common)
+    assert checkpoint_tags(root) == ["step2", "step4"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cache_dir, out, "steps=2", *common, "checkpoint.resume=never", crash_after=0)
+    assert "holds an earlier run's checkpoints (step2, step4)" in caplog.text
+    assert not os.path.exists(os.path.join(root, "latest"))
+    run(cache_dir, out, "steps=2", *common)  # auto: nothing of this run's to resume
+    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2]
+    assert checkpoint_tags(root) == ["step2", "step4"]
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read() == "step2"
+    state = torch.load(os.path.join(root, "trainer", "step2", "rank0.pt"), weights_only=False)
+    assert state["step"] == 2
+
+
 def test_summary_of_a_diverged_run_is_still_written():
     """A NaN reward (a run that diverged) gives NaN figures in the summary, not a crash at
     the end of the run (statistics.stdev raises AttributeError on NaN)."""
