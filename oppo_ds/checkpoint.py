@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import time
 from typing import Callable, Optional
 
 import torch
@@ -48,8 +49,16 @@ def check_tag(root: str, tag: str) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, *, rank: int, world_size: int, keep_last: int):
+    def __init__(self, root: str, *, rank: int, world_size: int, keep_last: int,
+                 evaluating: bool = False):
+        """``evaluating``: loads serve ``oppo-train --evaluate``, whose refusals name its own
+        ways out (a fresh start there evaluates ``model.actor``, not a checkpoint)."""
         self.root, self.rank, self.world_size, self.keep_last = root, rank, world_size, keep_last
+        self.evaluating = evaluating
+
+    def _another_tag(self) -> str:
+        return ("evaluate another tag (checkpoint.resume=TAG)" if self.evaluating else
+                "resume from another tag, or start afresh with checkpoint.resume=never")
 
     def latest(self) -> Optional[str]:
         path = os.path.join(self.root, "latest")
@@ -97,13 +106,14 @@ class CheckpointManager:
         if saved != list(range(len(saved))) or not saved:
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} is incomplete: {folder} holds the trainer state of ranks "
-                f"{saved}; resume from another tag, or start afresh with checkpoint.resume=never"))
+                f"{saved}; {self._another_tag()}"))
         if len(saved) != self.world_size:
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} was written by {len(saved)} rank(s), this run has "
                 f"{self.world_size}: each rank's rollout pool, prompt shard and random state "
-                f"are its own; resume with {len(saved)} rank(s), or start afresh with "
-                f"checkpoint.resume=never"))
+                + (f"are its own; evaluate it with {len(saved)} rank(s)" if self.evaluating else
+                   f"are its own; resume with {len(saved)} rank(s), or start afresh with "
+                   f"checkpoint.resume=never")))
         # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise
         # come back on the saving rank's GPU, which a resume on another layout may not have
         state = torch.load(os.path.join(folder, f"rank{self.rank}.pt"), weights_only=False,
@@ -116,8 +126,7 @@ class CheckpointManager:
         if empty:  # DeepSpeed would only assert on an empty list of its files
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} is incomplete: nothing of the {' and '.join(empty)} under "
-                f"{self.root}; resume from another tag, or start afresh with "
-                f"checkpoint.resume=never"))
+                f"{self.root}; {self._another_tag()}"))
         for name, engine in engines.items():
             engine.load(os.path.join(self.root, name), tag)
         random.setstate(state["python_rng"])
@@ -153,19 +162,26 @@ class CheckpointManager:
     def tags(self) -> list[str]:
         return checkpoint_tags(self.root)
 
-    def forget_latest(self) -> None:
-        """A fresh start: ``latest`` no longer names an earlier run's checkpoint, so that
-        ``checkpoint.resume: auto`` after a crash before this run's first save starts afresh
-        again instead of resuming that run. Its tags stay where they are."""
-        path = os.path.join(self.root, "latest")
-        if os.path.isfile(path):
-            os.remove(path)
+    def set_aside(self) -> Optional[str]:
+        """A fresh start where an earlier run left checkpoints: move them whole to
+        ``<root>.earlier-<time>`` (a rename, nothing copied or deleted), so that this run's
+        tags, ``keep_last`` and a later ``checkpoint.resume: auto`` see this run's alone (a
+        crash before its first save and a restart under ``auto`` resumed the earlier run into
+        this one's logs). Returns where they went, or None when there were none."""
+        if not self.tags():
+            return None
+        aside = base = f"{self.root}.earlier-{time.strftime('%Y%m%d-%H%M%S')}"
+        again = 1
+        while os.path.exists(aside):
+            again += 1
+            aside = f"{base}-{again}"
+        os.rename(self.root, aside)
+        return aside
 
     def _prune(self, engine_names: list[str]) -> None:
         """Remove all but the newest ``keep_last`` tags up to ``latest``. Tags of later steps are
-        an earlier run's (beside a fresh start) or a branch left by a resume from an older tag:
-        left alone, this run's own save of such a step replaces one, and they take none of
-        ``keep_last``'s places from this run's."""
+        a branch left by resuming an older tag: left alone while the run is short of them (its
+        save of the same step replaces one; one it passes without saving counts again)."""
         keep = self.latest()
         tags = self.tags()
         if keep in tags:

@@ -566,17 +566,17 @@ class CheckpointConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: str = "auto"
     """`auto` = continue from the latest checkpoint in output_dir when there is one,
-    `never` = start fresh (an earlier run's checkpoints there stay, but `latest` no longer
-    names them, so a later `auto` never resumes that run), or the tag of one checkpoint
-    under output_dir/checkpoints
+    `never` = start fresh (an earlier run's checkpoints there are moved whole to
+    `checkpoints.earlier-<time>/`, so that a later `auto` never resumes that run), or the tag
+    of one checkpoint under output_dir/checkpoints
     (`step300`). A run resumes only with the number of ranks, seed, prompts, `data.shuffle`
     and the actor's and critic's settings (model sources, architecture, LoRA, backend and
     parallel sizes, ZeRO stage, dtype) it was written with; placement, streaming and chunk
     size may change (docs/architecture.md, Checkpoints)."""
     keep_last: int = 2
     """Checkpoints to keep, the newest up to the run's latest (older ones are removed; tags
-    of later steps, an earlier run's or a branch left by resuming an older tag, stay until
-    the run saves that step)."""
+    of later steps, a branch left by resuming an older tag, stay until the run saves that
+    step)."""
     final: bool = True
     """Save a checkpoint when training ends (unless `every` just saved one, or nothing trained
     since the checkpoint the run resumed from: a finished run started again). Off only where

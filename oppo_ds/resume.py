@@ -96,20 +96,16 @@ class Resumable:
             self._log_resumed(state, tag, notes)
 
     def _start_beside_old_checkpoints(self) -> None:
-        """``checkpoint.resume: never`` where an earlier run left checkpoints: they stay (a
-        user's checkpoints are not ours to delete), but ``latest`` stops naming them, so that
-        a crash before this run's first save and a restart under ``auto`` (the Slurm scripts'
-        requeue) start afresh again instead of continuing the earlier run over this one's
-        logs; said once."""
+        """``checkpoint.resume: never`` where an earlier run left checkpoints: they move aside
+        whole (a user's checkpoints are not ours to delete, nor to mix with this run's: a
+        crash before this run's first save and a restart under ``auto``, the Slurm scripts'
+        requeue, would continue the earlier run over this one's logs); said once."""
         old = self.ckpt.tags()
-        if not old:
-            return
-        self.ckpt.forget_latest()
-        logger.warning(
-            "checkpoint.resume=never: %s holds an earlier run's checkpoints (%s); this run starts "
-            "afresh and leaves them, `latest` no longer names them (checkpoint.resume=TAG still "
-            "loads one), and its own checkpoints replace them step by step", self.ckpt.root,
-            ", ".join(old))
+        aside = self.ckpt.set_aside()
+        if aside is not None:
+            logger.warning("checkpoint.resume=never: %s held an earlier run's checkpoints (%s); "
+                           "moved to %s, this run starts afresh", self.ckpt.root,
+                           ", ".join(old), aside)
 
     def _resume_streams(self, state: dict, tag: str) -> None:
         """The prompt stream's position (and PPO-ptx's), refused when the order would differ."""

@@ -282,7 +282,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         cfg, p = self.cfg, self.cfg.ppo
         self.ckpt = CheckpointManager(checkpoint_root(cfg), rank=self.rank,
                                       world_size=self.actor_ranks,  # a file each
-                                      keep_last=cfg.checkpoint.keep_last)
+                                      keep_last=cfg.checkpoint.keep_last,
+                                      evaluating=self.evaluating_only)
         self._maybe_resume()
         if self.evaluating_only:  # a run's history is its own: nothing truncated or rewritten
             self.telemetry = None

@@ -3,6 +3,8 @@ before any engine is loaded (the whole resume path is in test_trainer.py and, wi
 ranks, test_distributed.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from oppo_ds.checkpoint import CheckpointManager
@@ -41,13 +43,23 @@ def test_another_world_size_is_refused_before_the_engines(tmp_path):
     manager = CheckpointManager(str(tmp_path), rank=2, world_size=3, keep_last=2)
     with pytest.raises(ConfigError, match="written by 2 rank"):
         manager.load("step1", {"actor": engine})
+    # for oppo-train --evaluate, where a fresh start would evaluate model.actor instead
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2, evaluating=True)
+    with pytest.raises(ConfigError, match=r"are its own; evaluate it with 2 rank\(s\)$"):
+        manager.load("step1", {"actor": engine})
 
 
 def test_an_incomplete_or_missing_tag_is_refused(tmp_path):
     _write(tmp_path, "step1", [1])
     manager = CheckpointManager(str(tmp_path), rank=0, world_size=2, keep_last=2)
-    with pytest.raises(ConfigError, match=r"checkpoint step1 is incomplete: .* ranks \[1\]"):
+    with pytest.raises(ConfigError, match=r"checkpoint step1 is incomplete: .* ranks \[1\]; "
+                                          r"resume from another tag, or start afresh"):
         manager.load("step1", {})
+    evaluating = CheckpointManager(str(tmp_path), rank=0, world_size=2, keep_last=2,
+                                   evaluating=True)
+    with pytest.raises(ConfigError, match=r"ranks \[1\]; evaluate another tag "
+                                          r"\(checkpoint.resume=TAG\)$"):
+        evaluating.load("step1", {})
     with pytest.raises(ConfigError, match=r"no checkpoint step7 in .* \(it holds: step1\)"):
         manager.load("step7", {})
 
@@ -90,22 +102,39 @@ def test_the_check_sees_the_state_before_any_engine_loads(tmp_path):
 
 
 def test_keep_last_counts_the_tags_up_to_latest(tmp_path):
-    """An earlier run's later tags (beside a fresh start, or a branch left by a resume from an
-    older tag) take none of keep_last's places: they counted in step order and pruned this
-    run's own checkpoints down to its latest. Left alone until this run saves their step,
-    which replaces them; ``forget_latest`` takes ``latest`` off them."""
+    """A branch's later tags, left by resuming an older tag, take no place of keep_last from
+    the resumed run's own until it saves their step, which replaces them: they counted in
+    step order and pruned the run's own checkpoints down to its latest."""
     from oppo_ds.checkpoint import checkpoint_tags
 
-    for tag in ("step250", "step300"):  # the earlier run's two
+    for tag in ("step100", "step200", "step300"):  # a run; then resumed from step100
         _write(tmp_path, tag, [0], engines=())
     manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2)
-    assert manager.latest() == "step300"
-    manager.forget_latest()
-    assert manager.latest() is None and checkpoint_tags(str(tmp_path)) == ["step250", "step300"]
-    for step in (50, 100, 150):
+    for step in (150, 175, 190):
         manager.save(f"step{step}", {"step": step}, engines={})
-    assert checkpoint_tags(str(tmp_path)) == ["step100", "step150", "step250", "step300"]
-    assert manager.latest() == "step150"
-    manager.save("step250", {"step": 250}, engines={})  # this run's own replaces the old one
-    assert checkpoint_tags(str(tmp_path)) == ["step150", "step250", "step300"]
-    assert manager.load("step250", {})["step"] == 250
+    assert checkpoint_tags(str(tmp_path)) == ["step175", "step190", "step200", "step300"]
+    assert manager.latest() == "step190"
+    manager.save("step200", {"step": 200}, engines={})  # the resumed run's own replaces it
+    assert checkpoint_tags(str(tmp_path)) == ["step190", "step200", "step300"]
+    assert manager.load("step200", {})["step"] == 200
+
+
+def test_set_aside_moves_an_earlier_runs_checkpoints_whole(tmp_path):
+    """A fresh start's ``set_aside``: the earlier run's folder renamed, tags and ``latest``
+    with it, a second one beside the first; nothing to move, nothing moved."""
+    from oppo_ds.checkpoint import checkpoint_tags
+
+    root = tmp_path / "checkpoints"
+    assert CheckpointManager(str(root), rank=0, world_size=1, keep_last=2).set_aside() is None
+    moved = []
+    for _ in range(2):
+        for tag in ("step2", "step4"):
+            _write(root, tag, [0])
+        manager = CheckpointManager(str(root), rank=0, world_size=1, keep_last=2)
+        moved.append(manager.set_aside())
+        assert not root.exists() and manager.tags() == [] and manager.latest() is None
+    assert moved[0] != moved[1]
+    for aside in moved:
+        assert os.path.basename(aside).startswith("checkpoints.earlier-")
+        assert checkpoint_tags(aside) == ["step2", "step4"]
+        assert CheckpointManager(aside, rank=0, world_size=1, keep_last=2).latest() == "step4"

@@ -176,11 +176,10 @@ def test_a_fresh_start_over_an_old_run_hides_its_tensorboard_steps_and_traces(tm
 
 
 def test_a_fresh_start_beside_an_earlier_runs_checkpoints(cache_dir, tmp_path, caplog):
-    """checkpoint.resume=never where a finished run left step2 and step4: they stay, the run
-    says so once, and `latest` stops naming step4, so that a crash before the first save and
-    a restart under auto (the Slurm scripts' requeue) start afresh again; it resumed step4,
-    the earlier run, into the new run's truncated logs. The new run's step2 replaces the old
-    one and step4 stays beside it, taking none of keep_last's places."""
+    """checkpoint.resume=never where a finished run left step2 and step4: they move aside whole
+    (said once), so that a crash before the first save and a restart under auto (the Slurm
+    scripts' requeue) start afresh again; it resumed step4, the earlier run, into the new
+    run's truncated logs. The new run's checkpoints are its own alone."""
     from oppo_ds.checkpoint import checkpoint_tags
 
     out = tmp_path / "run"
@@ -190,15 +189,14 @@ def test_a_fresh_start_beside_an_earlier_runs_checkpoints(cache_dir, tmp_path, c
     assert checkpoint_tags(root) == ["step2", "step4"]
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(cache_dir, out, "steps=2", *common, "checkpoint.resume=never", crash_after=0)
-    assert "holds an earlier run's checkpoints (step2, step4)" in caplog.text
-    assert not os.path.exists(os.path.join(root, "latest"))
+    [aside] = [p for p in out.iterdir() if p.name.startswith("checkpoints.earlier-")]
+    assert f"held an earlier run's checkpoints (step2, step4); moved to {aside}" in caplog.text
+    assert checkpoint_tags(str(aside)) == ["step2", "step4"]
+    assert (aside / "latest").read_text() == "step4" and not os.path.exists(root)
     run(cache_dir, out, "steps=2", *common)  # auto: nothing of this run's to resume
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2]
-    assert checkpoint_tags(root) == ["step2", "step4"]
-    with open(os.path.join(root, "latest")) as f:
-        assert f.read() == "step2"
-    state = torch.load(os.path.join(root, "trainer", "step2", "rank0.pt"), weights_only=False)
-    assert state["step"] == 2
+    assert checkpoint_tags(root) == ["step2"]
+    assert (out / "checkpoints" / "latest").read_text() == "step2"
 
 
 def test_summary_of_a_diverged_run_is_still_written():
@@ -579,17 +577,25 @@ def test_close_destroys_the_trainers_engines_and_no_other(cache_dir, tmp_path):
 @pytest.mark.parametrize("placement, extra", [
     ("inline", []), ("colocated", []), ("colocated", ["system.switch_interval_ms=0.2"])],
     ids=["inline", "colocated", "colocated-switch-interval"])
-def test_streaming_gives_the_sequential_run(cache_dir, tmp_path, placement, extra):
+def test_streaming_gives_the_sequential_run(cache_dir, tmp_path, placement, extra, monkeypatch):
     """Intra-step overlap changes when scoring happens, not what it computes: with the same
     seed a streamed run samples the same tokens and gets the same scores. Step 1 is compared
     at 1e-5 (scores only; streamed prefill differs from a whole-sequence forward by float
     summation order, measured <= 1.4e-6); later steps at 1e-4, since those tiny differences
     pass through Adam updates. A shorter thread switch interval only changes when the two
-    threads take turns, and Python's own is back after the run."""
-    before = sys.getswitchinterval()
+    threads take turns: it holds inside each step, and Python's own is back after the run."""
+    from oppo_ds.trainer import PPOTrainer
+
+    before, inside, real_step = sys.getswitchinterval(), [], PPOTrainer._step
+
+    def step(trainer):
+        inside.append(sys.getswitchinterval())
+        return real_step(trainer)
     run(cache_dir, tmp_path / "seq", "steps=3", "checkpoint.export_hf=false")
+    monkeypatch.setattr(PPOTrainer, "_step", step)
     run(cache_dir, tmp_path / "stream", "steps=3", "checkpoint.export_hf=false",
         "oppo.streaming=true", "oppo.chunk_size=3", f"oppo.placement={placement}", *extra)
+    assert inside == pytest.approx([0.2e-3 if extra else before] * 3)
     assert sys.getswitchinterval() == before
     a = _metrics_by_step(tmp_path / "seq" / "metrics.jsonl")
     b = _metrics_by_step(tmp_path / "stream" / "metrics.jsonl")
