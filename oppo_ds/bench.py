@@ -232,8 +232,8 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
         [tail_waste(x) for x in column(steps, "response/lengths")]
     out["tail_waste_frac"] = _mean(waste)
     # the actor's rollout alone: its generate phase less the wait for the scorers after its
-    # last token (what a placement's contention with the decode shows in; GPU runs: the
-    # colocated decode with a CUDA graph 5-7% slower than the sequential one)
+    # last token (where a placement's contention with the decode shows: on the fifth GPU run
+    # the colocated decode with a CUDA graph was 5-7% slower than the sequential one)
     decode = [r["time/phase/generate"] - r.get("stream/scoring_tail_s", 0.0)
               for r in timed if "time/phase/generate" in r]
     out["decode_s"] = statistics.median(decode) if decode else None

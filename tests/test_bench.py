@@ -364,9 +364,11 @@ def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path, monke
     assert ratio == pytest.approx(report["modes"]["oppo"]["samples_per_s"] / trl["samples_per_s"])
     table = md.read_text()
     assert "| trl (peer) |" in table and "| oppo |" in table and "oppo / trl samples/s" in table
-    # the processor named beside the CPU count: what the default decode's speed hangs on
-    cpus = f"{report['machine']['cpu_count']} CPUs ({report['machine']['cpu_model']}), GPU:"
-    assert report["machine"]["cpu_model"] and cpus in table.splitlines()[0]
+    # the processor named beside the CPU count (where the system names it: not every Linux's
+    # /proc/cpuinfo does): what the default decode's speed hangs on
+    machine = report["machine"]
+    named = f" ({machine['cpu_model']})" if machine["cpu_model"] else ""
+    assert f"{machine['cpu_count']} CPUs{named}, GPU:" in table.splitlines()[0]
     assert (tmp_path / "b.runs" / "peer-trl" / "metrics.jsonl").is_file()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the peer's curves drawn with ours
 
