@@ -190,12 +190,12 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
     """A mode's benchmark fields from its metrics.jsonl rows (one dict per step).
 
     Timing fields (step_time_s, samples_per_s, decode_s, phase_fraction, scoring_hidden_frac)
-    use the
-    steps after the first ``warmup`` (at least one step is always kept); reward, gold and tail
-    waste use every step. ``hidden_default`` is scoring_hidden_frac when no step reports it
-    (0.0 for a mode that does not stream: nothing is hidden), and then also
+    use the steps after the first ``warmup`` (at least one step is always kept); reward, gold
+    and tail waste use every step. ``hidden_default`` is scoring_hidden_frac when no step
+    reports it (0.0 for a mode that does not stream: nothing is hidden), and then also
     scoring_overlap_frac's (the part of scoring that ran concurrently with the actor's decode;
-    a run logged before the key existed has None).
+    a run logged before the key existed has None). decode_s: the median of the generate
+    phase less the scoring tail (``stream/scoring_tail_s``), the actor's own decode.
     """
     if not steps:
         raise ValueError("no steps to summarise")

@@ -65,7 +65,7 @@ class Resumable:
         self.resumed_from: Optional[str] = None  # the checkpoint's tag, once loaded
         if resume == "never":
             if self.is_main and not self.evaluating_only:
-                self._start_beside_old_checkpoints()
+                self._set_earlier_checkpoints_aside()
             return
         tag = self.ckpt.latest() if resume == "auto" else resume
         if tag is None:
@@ -95,7 +95,7 @@ class Resumable:
         if self.is_main:
             self._log_resumed(state, tag, notes)
 
-    def _start_beside_old_checkpoints(self) -> None:
+    def _set_earlier_checkpoints_aside(self) -> None:
         """``checkpoint.resume: never`` where an earlier run left checkpoints: they move aside
         whole (a user's checkpoints are not ours to delete, nor to mix with this run's: a
         crash before this run's first save and a restart under ``auto``, the Slurm scripts'
