@@ -167,15 +167,20 @@ class CheckpointManager:
         ``<root>.earlier-<time>`` (a rename, nothing copied or deleted), so that this run's
         tags, ``keep_last`` and a later ``checkpoint.resume: auto`` see this run's alone (a
         crash before its first save and a restart under ``auto`` resumed the earlier run into
-        this one's logs). Returns where they went, or None when there were none."""
+        this one's logs). Returns where they went, or None when there were none. A root that
+        is a link (checkpoints kept on another disk) stays one: its folder moves beside itself
+        there, and the link points at a new empty one."""
         if not self.tags():
             return None
-        aside = base = f"{self.root}.earlier-{time.strftime('%Y%m%d-%H%M%S')}"
+        real = os.path.realpath(self.root)
+        aside = base = f"{real}.earlier-{time.strftime('%Y%m%d-%H%M%S')}"
         again = 1
         while os.path.exists(aside):
             again += 1
             aside = f"{base}-{again}"
-        os.rename(self.root, aside)
+        os.rename(real, aside)
+        if os.path.islink(self.root):
+            os.makedirs(real)
         return aside
 
     def _prune(self, engine_names: list[str]) -> None:

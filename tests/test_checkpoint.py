@@ -138,3 +138,24 @@ def test_set_aside_moves_an_earlier_runs_checkpoints_whole(tmp_path):
         assert os.path.basename(aside).startswith("checkpoints.earlier-")
         assert checkpoint_tags(aside) == ["step2", "step4"]
         assert CheckpointManager(aside, rank=0, world_size=1, keep_last=2).latest() == "step4"
+
+
+def test_set_aside_keeps_a_linked_checkpoint_folder_on_its_disk(tmp_path):
+    """checkpoints/ as a link to a folder on another disk (a cluster's scratch space): the
+    earlier run's folder moves beside itself there, and the link stays a link, to an empty
+    folder of that disk, where the new run's checkpoints then go."""
+    from oppo_ds.checkpoint import checkpoint_tags
+
+    disk, run = tmp_path / "scratch", tmp_path / "run"
+    disk.mkdir()
+    run.mkdir()
+    for tag in ("step2", "step4"):
+        _write(disk / "ckpt", tag, [0])
+    (run / "checkpoints").symlink_to(disk / "ckpt")
+    aside = CheckpointManager(str(run / "checkpoints"), rank=0, world_size=1,
+                              keep_last=2).set_aside()
+    assert os.path.dirname(aside) == str(disk) and checkpoint_tags(aside) == ["step2", "step4"]
+    assert os.path.islink(run / "checkpoints") and os.listdir(disk / "ckpt") == []
+    CheckpointManager(str(run / "checkpoints"), rank=0, world_size=1, keep_last=2).save(
+        "step1", {"step": 1}, engines={})
+    assert checkpoint_tags(str(disk / "ckpt")) == ["step1"]
