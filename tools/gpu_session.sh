@@ -22,7 +22,8 @@
 # Environment: BUDGET_S (default 570: the whole call's deadline, each part gets what is
 # left), TESTS_S (150: the tests' own limit), STEPS (8), WARMUP (2), MODES (variants beside
 # graph: blocks, cudnn, static; sw and swfast = graph with Python's thread switch interval
-# at SWITCH_MS, 0.5, and SWITCH_FAST_MS, 0.1 milliseconds), ARCH
+# at SWITCH_MS, 0.5, and SWITCH_FAST_MS, 0.1 milliseconds; noclip = graph without gradient
+# clipping), ARCH
 # (qwen2.5-0.5b), SETTINGS (the overrides of every run, default the GPU runs' length-oracle
 # workload below), GRAPH, PEER (1), PROFILE (0), WORK (/tmp/gpu-work), WHEELS (.whl), PYTHON.
 #
@@ -92,6 +93,7 @@ timeout "$(left)" $PY -m oppo_ds.cli.bench --modes "$MODES" --steps "${STEPS:-8}
     --variant cudnn:system.cudnn_attention=true --variant static:generation.static_cache=true \
     --variant "sw:$GRAPH,system.switch_interval_ms=${SWITCH_MS:-0.5}" \
     --variant "swfast:$GRAPH,system.switch_interval_ms=${SWITCH_FAST_MS:-0.1}" \
+    --variant "noclip:$GRAPH,ppo.grad_clip=0" \
     $SETTINGS > "$W/bench.txt" 2>&1
 echo "bench exit $?"
 cat "$W/bench.md" 2>/dev/null || tail -20 "$W/bench.txt"
