@@ -111,8 +111,9 @@ class CheckpointManager:
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} was written by {len(saved)} rank(s), this run has "
                 f"{self.world_size}: each rank's rollout pool, prompt shard and random state "
-                + (f"are its own; evaluate it with {len(saved)} rank(s)" if self.evaluating else
-                   f"are its own; resume with {len(saved)} rank(s), or start afresh with "
+                f"are its own; "
+                + (f"evaluate it with {len(saved)} rank(s)" if self.evaluating else
+                   f"resume with {len(saved)} rank(s), or start afresh with "
                    f"checkpoint.resume=never")))
         # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise
         # come back on the saving rank's GPU, which a resume on another layout may not have
@@ -189,10 +190,8 @@ class CheckpointManager:
         save of the same step replaces one; one it passes without saving counts again)."""
         keep = self.latest()
         tags = self.tags()
-        if keep in tags:
+        if keep in tags:  # latest is then the last of them: keep_last >= 1 never removes it
             tags = tags[:tags.index(keep) + 1]
         for tag in tags[:-self.keep_last]:
-            if tag == keep:
-                continue
             for name in engine_names + ["trainer", "hf"]:  # hf: checkpoint.save_hf's exports
                 shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)

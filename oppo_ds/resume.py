@@ -273,12 +273,11 @@ class Resumable:
             raise ConfigError(first, (
                 f"{now[first]}, but checkpoint {tag} was written with {saved[first]}"
                 + "".join(f"; {key}: {now[key]}, written with {saved[key]}" for key in others)
-                + (": its actor and critic are those models; evaluate it with the settings it "
-                   "was written with (checkpoint.resume=never would evaluate model.actor "
-                   "itself)" if self.evaluating_only else
-                   ": its actor and critic are those models; resume with the settings it was "
-                   "written with, or start afresh (checkpoint.resume=never, or another "
-                   "logging.output_dir)")
+                + ": its actor and critic are those models; "
+                + ("evaluate it with the settings it was written with (checkpoint.resume=never "
+                   "would evaluate model.actor itself)" if self.evaluating_only else
+                   "resume with the settings it was written with, or start afresh "
+                   "(checkpoint.resume=never, or another logging.output_dir)")
                 + ("; with model.critic null the critic started from model.reward: to score "
                    "with another reward model, set model.critic to the one it started from"
                    if "model.reward" in changed else "")))
