@@ -91,9 +91,11 @@ class CheckpointManager:
             self._prune(list(engines))
         _barrier()
 
-    def load(self, tag: str, engines: dict, check: Optional[Callable[[dict], None]] = None) -> dict:
+    def load(self, tag: str, engines: dict, check: Optional[Callable[[dict], None]] = None, *,
+             weights_only: bool = False) -> dict:
         """Restore the engines and RNG states of ``tag``; returns the trainer state.
         ``check(state)`` sees this rank's trainer state before any engine loads.
+        ``weights_only``: the engines' weights alone (``TrainEngine.load``), for an evaluation.
 
         Raises ``ConfigError`` (key ``checkpoint.resume``) before touching an engine when
         ``tag`` was written by another number of ranks: every rank's rollout pool, prompt
@@ -129,7 +131,7 @@ class CheckpointManager:
                 f"checkpoint {tag} is incomplete: nothing of the {' and '.join(empty)} under "
                 f"{self.root}; {self._another_tag()}"))
         for name, engine in engines.items():
-            engine.load(os.path.join(self.root, name), tag)
+            engine.load(os.path.join(self.root, name), tag, weights_only=weights_only)
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and torch.cuda.is_available():

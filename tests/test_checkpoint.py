@@ -28,7 +28,7 @@ class _Engine:
     def __init__(self):
         self.loaded = False
 
-    def load(self, path, tag):
+    def load(self, path, tag, weights_only=False):
         self.loaded = True
 
 

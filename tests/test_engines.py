@@ -303,6 +303,33 @@ def test_a_resume_takes_the_configured_learning_rate_and_weight_decay(stage, tmp
     assert lower.lr() == pytest.approx(1e-4 * (1 - (4 - 1) / (10 - 1)))
 
 
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (2, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_a_weights_only_load_takes_the_weights_alone(stage, dtype, tmp_path):
+    """``load(weights_only=True)``, what ``oppo-train --evaluate`` asks: the saved weights
+    exactly (bf16: the module's own), the schedule as built. Under ZeRO-1/2 the optimizer's
+    files are not read (removed here first); under ZeRO-3 DeepSpeed's weights-only path would
+    assemble the whole fp32 model on every rank from every rank's optimizer files, so the
+    engine loads in full there (the saved schedule with it)."""
+    schedule = dict(lr=1e-2, warmup_steps=3, total_steps=10, scheduler="cosine",
+                    zero_stage=stage, dtype=dtype)
+    original = make_engine(**schedule)
+    for _ in range(2):
+        original.train_step([fixed_batch()], lm_loss)
+    original.save(str(tmp_path), tag="step2")
+    saved, saved_lr = full_params(original), original.lr()
+    optimizer_files = sorted((tmp_path / "step2").glob("*optim_states.pt"))
+    assert bool(optimizer_files) == (stage > 0)  # ZeRO keeps them apart from the weights
+    if stage == 2:
+        for path in optimizer_files:
+            path.unlink()
+    loaded = make_engine(model=tiny_model("gpt2", seed=1), **schedule)  # other weights
+    built_lr = loaded.lr()
+    assert built_lr != saved_lr
+    loaded.load(str(tmp_path), "step2", weights_only=True)
+    assert_params_close(full_params(loaded), saved, atol=0)
+    assert loaded.lr() == (saved_lr if stage == 3 else built_lr)
+
+
 def test_load_missing_checkpoint_raises(tmp_path):
     engine = make_engine()
     with pytest.raises(FileNotFoundError):

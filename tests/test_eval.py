@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 
 import pytest
 
@@ -241,7 +242,8 @@ def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir,
 def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, tmp_path,
                                                                      monkeypatch):
     """A checkpoint holding deferred rows is evaluated without overcommitment and with a
-    shorter answer limit (a training resume refuses both: it would drop or cut the rows); other
+    shorter answer limit (a training resume refuses both: it would drop or cut the rows), from
+    the actor's weights alone (its critic removed first); other
     models than the checkpoint's are refused with the evaluation's way out; a tag that does
     not exist stops the run before any engine is built."""
     from oppo_ds.engines import factory
@@ -251,6 +253,8 @@ def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, t
     run(cache_dir, out, "steps=2", "checkpoint.every=2", "oppo.streaming=true",
         "oppo.overcommit=2", *EVAL)
     assert read_history(str(out / "metrics.jsonl"))[-1]["pool/carried"] > 0  # rows held
+    # the actor's weights alone are read: an evaluation needs no critic
+    shutil.rmtree(out / "checkpoints" / "critic")
     base = [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}", *EVAL]
     trainer = PPOTrainer(load_config(None, [*base, "generation.max_new_tokens=4"]),
                          evaluate_only=True)

@@ -184,7 +184,9 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
         assert y["reward"] == pytest.approx(x["reward"], abs=1e-4)
 
     # oppo-train --evaluate on the same three processes: the step-2 checkpoint answers as the
-    # run's own last evaluation did (the scorer rank serves it and stops when it ends)
+    # run's own last evaluation did (the scorer rank serves it and stops when it ends), from
+    # the actor's weights alone: the critic is not read
+    shutil.rmtree(tmp_path / "stage" / "checkpoints" / "critic")
     launch(tmp_path / "stage", cache_dir, "--evaluate", "steps=2", *evaluation, ranks=3)
     again = [json.loads(line) for line in
              (tmp_path / "stage" / "evaluations" / "step_2_samples.jsonl").open()]

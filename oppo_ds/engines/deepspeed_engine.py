@@ -573,14 +573,22 @@ class DeepSpeedTrainEngine(TrainEngine):
     def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
         self._engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {})
 
-    def load(self, ckpt_dir: str, tag: str | None = None) -> dict:
+    def load(self, ckpt_dir: str, tag: str | None = None, *, weights_only: bool = False) -> dict:
+        """``weights_only`` (see :meth:`TrainEngine.load`): the module's weights from the model
+        file, the ZeRO optimizer files unread. Not under ZeRO-3: there DeepSpeed's weights-only
+        load assembles the whole fp32 model on every rank from every rank's optimizer files
+        (``get_fp32_state_dict_from_zero_checkpoint``), where the full load reads this rank's
+        own partition; the full load it is."""
+        module_only = weights_only and self.zero_stage != 3
         path, client_state = self._engine.load_checkpoint(
-            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+            ckpt_dir, tag=tag, load_optimizer_states=not module_only,
+            load_lr_scheduler_states=not module_only, load_module_only=module_only)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir!r} (tag={tag!r})")
-        self.resumed_changes = reapply_hyperparameters(
-            self._engine.optimizer.param_groups, self._engine.lr_scheduler, self._peak_lr,
-            self._group_decay)
+        if not module_only:
+            self.resumed_changes = reapply_hyperparameters(
+                self._engine.optimizer.param_groups, self._engine.lr_scheduler, self._peak_lr,
+                self._group_decay)
         return client_state or {}
 
     def lr(self) -> float:

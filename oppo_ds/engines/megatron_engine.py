@@ -188,7 +188,10 @@ class MegatronTrainEngine(TrainEngine):
             # what `python -m oppo_ds.megatron.export` needs to write HF weights from the shards
             config.to_json_file(os.path.join(os.path.dirname(path), "config.json"))
 
-    def load(self, ckpt_dir: str, tag: str | None = None) -> dict:
+    def load(self, ckpt_dir: str, tag: str | None = None, *, weights_only: bool = False) -> dict:
+        """``weights_only`` (see :meth:`TrainEngine.load`): the shard file is mapped, not read,
+        and only the module's weights are taken from it (the bf16 module's own: a
+        mixed-precision run's fp32 master copy and the optimizer's moments stay on disk)."""
         if tag is None:  # the newest: highest step number (step10 after step9)
             tags = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
             numbered = [(int(m.group(1)), t) for t in tags if (m := re.fullmatch(r"\D*(\d+)", t))]
@@ -196,12 +199,16 @@ class MegatronTrainEngine(TrainEngine):
         path = self._shard_path(ckpt_dir, tag) if tag is not None else None
         if path is None or not os.path.isfile(path):
             raise FileNotFoundError(f"no Megatron checkpoint shard in {ckpt_dir!r} (tag={tag!r})")
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        # mapped: the pages of what is not taken (the optimizer's moments) are never read
+        state = torch.load(path, map_location="cpu" if weights_only else self.device,
+                           weights_only=False, mmap=weights_only)
         if tuple(state["parallel"]) != (self.groups.tp, self.groups.pp):
             raise ValueError(f"{path} was saved with (tensor, pipeline) parallel "
                              f"{tuple(state['parallel'])}, this run uses "
                              f"{(self.groups.tp, self.groups.pp)}")
         self.module.load_state_dict(state["model"])
+        if weights_only:
+            return state["client_state"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.resumed_changes = reapply_hyperparameters(self.optimizer.param_groups, self.scheduler,
