@@ -52,7 +52,7 @@ class StagePlacement:
         # the store, so that the others stop at once rather than wait 30 minutes for it
         atexit.register(stage.abort)
         if stage.rank == 0:
-            kinds = self.cfg.streamed_scorers  # the stage streams: all of them are its
+            kinds = self.stage_kinds  # the stage streams: all of them are its
             senders = "" if stage.senders == stage.actor_ranks else \
                 f" (streamed by ranks {stage.senders}, one per model replica)"
             critic = ""
@@ -70,8 +70,17 @@ class StagePlacement:
         """Whether the critic streams on the scorer rank: a copy there (an HF model, either
         backend) takes the actor ranks' weights before every rollout that follows an update
         (``_send_critic_to_stage``)."""
-        o = self.cfg.oppo
-        return o.placement == "stage" and "critic" in o.stream_to
+        return self.cfg.oppo.placement == "stage" and "critic" in self.stage_kinds
+
+    @property
+    def stage_kinds(self) -> list[str]:
+        """The scorers the stage holds: every streamed one, but under ``oppo-train --evaluate``
+        the reward model alone where the stage holds one (an evaluation's figures are its
+        scores: a reference or critic copy there would be built, and the critic's weights
+        sent, for nothing; with a reward function the actor ranks score the answers and the
+        stage serves no evaluation rollout, its models built as for training)."""
+        kinds = self.cfg.streamed_scorers
+        return ["reward"] if self.evaluating_only and "reward" in kinds else kinds
 
     def _send_critic_to_stage(self) -> None:
         """Before a rollout: the critic's weights to the stage's copy, if it trained since
@@ -165,7 +174,7 @@ class StagePlacement:
             self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common),
                                          dtype)
         self.reference = None
-        if "reference" in self.cfg.oppo.stream_to:
+        if "reference" in self.stage_kinds:
             self.reference = prepare_frozen(build_causal_lm(src.reference, **common), dtype)
         weights = None
         if self.critic_on_stage:  # built as the actor ranks build theirs (LoRA included)

@@ -163,8 +163,10 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
     evaluation = ("eval.prompts=builtin", "eval.num_prompts=9", "eval.at_start=false")
     launch(tmp_path / "inline", cache_dir, "steps=2", "checkpoint.export_hf=false", *evaluation,
            placement="inline")
-    launch(tmp_path / "stage", cache_dir, "steps=2", "checkpoint.export_hf=false", *evaluation,
-           ranks=3)
+    proc = launch(tmp_path / "stage", cache_dir, "steps=2", "checkpoint.export_hf=false",
+                  *evaluation, ranks=3)
+    assert "rank 2 scores (reward, reference, critic) for actor ranks [0, 1]; the critic's " \
+        "weights go to it from rank 0" in proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "stage" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 2 * 4
     trainer_state = tmp_path / "stage" / "checkpoints" / "trainer" / "step2"
@@ -187,7 +189,12 @@ def test_two_actor_ranks_share_one_scorer_rank(cache_dir, tmp_path):
     # run's own last evaluation did (the scorer rank serves it and stops when it ends), from
     # the actor's weights alone: the critic is not read
     shutil.rmtree(tmp_path / "stage" / "checkpoints" / "critic")
-    launch(tmp_path / "stage", cache_dir, "--evaluate", "steps=2", *evaluation, ranks=3)
+    proc = launch(tmp_path / "stage", cache_dir, "--evaluate", "steps=2", *evaluation, ranks=3)
+    # and the scorer rank holds the reward model alone: no reference or critic copy, no
+    # critic weights sent (the figures are the reward model's scores)
+    log = proc.stdout + proc.stderr
+    assert "rank 2 scores (reward) for actor ranks [0, 1]" in log, log[-3000:]
+    assert "critic's weights go to it" not in log
     again = [json.loads(line) for line in
              (tmp_path / "stage" / "evaluations" / "step_2_samples.jsonl").open()]
     assert [(r["prompt_id"], r["response"]) for r in again] == \
