@@ -141,7 +141,7 @@ class Evaluating:
         mine = self.eval_prompts[data_rank::self.world_size]
         batch = self.cfg.ppo.batch_size
         on_stage = self.stage is not None and self.reward_fn is None
-        if self.stage is not None:  # the critic's copy there up to date before any rollout
+        if on_stage:  # the critic's copy there up to date before any rollout it serves
             self._send_critic_to_stage()
         params = self._eval_sampling()
         # the same draws at every evaluation, none of training's

@@ -264,6 +264,9 @@ class Resumable:
                 settings[key] = os.path.realpath(settings[key])
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
             settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
+        if self.evaluating_only:  # no critic is built: what only it follows may differ (and
+            for key in ("model.critic", "model.critic_lora_dim", "ppo.advantage_estimator"):
+                del settings[key]  # model.reward, which the critic started from, scores)
         return settings
 
     def _check_checkpoint_settings(self, tag: str, state: dict) -> None:

@@ -212,11 +212,15 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                            grad_clip=p.grad_clip, seed=cfg.seed)
         # stage: the reward model, and the reference model when it streams, are on the scorer rank
         on_stage = {"reward", *cfg.oppo.stream_to} if self.stage is not None else set()
-        models = build_models(cfg, src, common, engine_args, on_stage=on_stage)
+        # an evaluation answers with the actor and scores with the reward model: no critic,
+        # reference or average of the actor's weights is built for it (nor memory spent)
+        models = build_models(cfg, src, common, engine_args, on_stage=on_stage,
+                              evaluating=self.evaluating_only)
         self.actor, self.critic = models.actor, models.critic
         self.reference, self.reward = models.reference, models.reward
         self.device = self.actor.device
-        self.ema = ActorEMA(self.actor.module, cfg.model.actor_ema_beta) if cfg.model.actor_ema else None
+        self.ema = ActorEMA(self.actor.module, cfg.model.actor_ema_beta) \
+            if cfg.model.actor_ema and not self.evaluating_only else None
         self.actor_streams = actor_streams(cfg.oppo.streams_actor, self.actor.hybrid_engine_path)
         if cfg.oppo.streams_actor and not self.actor_streams and self.is_main:
             logger.info("oppo.stream_to holds actor, but the hybrid engine decodes with DeepSpeed's "

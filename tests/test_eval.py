@@ -206,6 +206,8 @@ def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir,
                                  f"logging.output_dir={out}", *settings,
                                  f"checkpoint.resume={resume}"])
         trainer = PPOTrainer(cfg, evaluate_only=True)
+        # the actor and the reward model alone: no critic or reference is built for it
+        assert trainer.critic is None and trainer.reference is None
         result = trainer.evaluate_only()
         trainer.close()
         assert result["step"] == step
@@ -237,6 +239,34 @@ def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir,
         "evaluations/step_0.json", "evaluations/step_0_samples.jsonl",
         "evaluations/step_2-2.json", "evaluations/step_2-2_samples.jsonl",
         "evaluations/step_2.json", "evaluations/step_2_samples.jsonl"]
+
+
+def test_evaluate_only_scores_with_another_reward_model(cache_dir, tmp_path):
+    """An evaluation builds no critic, so the reward model the critic started from (with
+    model.critic null) and the estimator (here a critic-free one) may differ from the
+    checkpoint's, which a resume refuses: the step-2 actor answers as in the run's own
+    evaluation (the same draws), another reward model scores the answers, the gold score (the
+    task's own rule) stays."""
+    from oppo_ds.trainer import PPOTrainer
+
+    out = tmp_path / "run"
+    settings = ("steps=2", "checkpoint.every=2", *EVAL, "eval.at_start=false")
+    run(cache_dir, out, *settings)
+    answers = [a for a in read_history(str(out / "eval_samples.jsonl")) if a["step"] == 2]
+    other = ("model.reward=tiny-llama", "ppo.advantage_estimator=group_norm",
+             "data.samples_per_prompt=2")
+    base = [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={out}", *settings]
+    with pytest.raises(ConfigError, match=r"^model\.reward: tiny-llama, but checkpoint step2 "
+                                          r"was written with .*the critic started from"):
+        PPOTrainer(load_config(None, [*base, other[0]]))  # a resume: refused
+    trainer = PPOTrainer(load_config(None, [*base, *other]), evaluate_only=True)
+    result = trainer.evaluate_only()
+    trainer.close()
+    mine = read_history(str(out / "evaluations" / "step_2_samples.jsonl"))
+    assert [a["response"] for a in mine] == [a["response"] for a in answers]
+    assert [a["gold"] for a in mine] == pytest.approx([a["gold"] for a in answers], abs=1e-6)
+    assert [a["reward"] for a in mine] != pytest.approx([a["reward"] for a in answers], abs=1e-3)
+    assert result["step"] == 2
 
 
 def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, tmp_path,

@@ -575,10 +575,12 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def load(self, ckpt_dir: str, tag: str | None = None, *, weights_only: bool = False) -> dict:
         """``weights_only`` (see :meth:`TrainEngine.load`): the module's weights from the model
-        file, the ZeRO optimizer files unread. Not under ZeRO-3: there DeepSpeed's weights-only
-        load assembles the whole fp32 model on every rank from every rank's optimizer files
-        (``get_fp32_state_dict_from_zero_checkpoint``), where the full load reads this rank's
-        own partition; the full load it is."""
+        file; under ZeRO-1/2 the optimizer files are not read (under ZeRO-0 the optimizer's
+        state lies in the model file: read, not applied). Not under ZeRO-3: there DeepSpeed's
+        weights-only load assembles the whole fp32 model on every rank from every rank's
+        optimizer files (``get_fp32_state_dict_from_zero_checkpoint``, where the full load
+        reads this rank's own partition), and of the tag ``latest`` names, not the one asked
+        for; the full load it is."""
         module_only = weights_only and self.zero_stage != 3
         path, client_state = self._engine.load_checkpoint(
             ckpt_dir, tag=tag, load_optimizer_states=not module_only,

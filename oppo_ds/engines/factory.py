@@ -18,13 +18,14 @@ from .base import TrainEngine
 @dataclass
 class Models:
     actor: TrainEngine
-    critic: Optional[TrainEngine]  # None for a critic-free ppo.advantage_estimator
-    reference: Optional[torch.nn.Module]  # None on the scorer rank (stage) or with the KL off
+    critic: Optional[TrainEngine]  # None critic-free (ppo.advantage_estimator), or evaluating
+    reference: Optional[torch.nn.Module]  # None on the scorer rank (stage), with the KL off,
+    # or evaluating
     reward: Optional[torch.nn.Module]  # None on the scorer rank, or with model.reward_function
 
 
 def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
-                 on_stage: frozenset | set = frozenset()) -> Models:
+                 on_stage: frozenset | set = frozenset(), evaluating: bool = False) -> Models:
     """Actor and critic as training engines (no critic for a critic-free
     ``ppo.advantage_estimator``), reference and reward as frozen scorers.
 
@@ -33,13 +34,16 @@ def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
         common: keyword arguments of ``models.build_causal_lm`` / ``build_value_model``.
         engine_args: the optimizer / schedule / batch arguments shared by actor and critic.
         on_stage: frozen models held by the scorer rank instead (``oppo.placement: stage``).
+        evaluating: for ``oppo-train --evaluate``, which answers with the actor and scores
+            with the reward model: no critic and no reference are built.
     """
     if cfg.system.backend == "deepspeed":
-        return _deepspeed_models(cfg, sources, common, engine_args, on_stage)
+        return _deepspeed_models(cfg, sources, common, engine_args, on_stage, evaluating)
     if cfg.system.backend == "megatron":
         from .megatron_engine import build_megatron_models
 
-        return build_megatron_models(cfg, sources, common, engine_args, on_stage=on_stage)
+        return build_megatron_models(cfg, sources, common, engine_args, on_stage=on_stage,
+                                     evaluating=evaluating)
     raise ValueError(f"unknown system.backend {cfg.system.backend!r}")
 
 
@@ -67,7 +71,8 @@ def prepare_trained(model: torch.nn.Module, cfg: Config, kind: str) -> torch.nn.
     return model
 
 
-def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage) -> Models:
+def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage,
+                      evaluating: bool) -> Models:
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
 
@@ -82,14 +87,14 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, **engine_args)
     critic = None
-    if p.uses_critic:
+    if p.uses_critic and not evaluating:
         critic_model = prepare_trained(
             disable_dropout(build_value_model(src.critic, device=on, **common)), cfg,
             "critic")
         critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
     device = actor.device
-    if "reference" in on_stage or not p.uses_reference:  # on the scorer rank, or the KL is off
-        reference = None
+    if "reference" in on_stage or not p.uses_reference or evaluating:
+        reference = None  # on the scorer rank, or the KL is off, or an evaluation
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
                                         offload=s.offload_reference)

@@ -253,10 +253,11 @@ def check_megatron_config(cfg: Config) -> None:
 
 
 def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict, *,
-                          on_stage=frozenset()):
+                          on_stage=frozenset(), evaluating: bool = False):
     """Actor and critic as ``MegatronTrainEngine``s, reference and reward as frozen
     ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``;
-    None for the models in ``on_stage`` (the stage placement's scorer rank holds those).
+    None for the models in ``on_stage`` (the stage placement's scorer rank holds those), and
+    for the critic and reference when ``evaluating`` (``oppo-train --evaluate``).
 
     A safetensors checkpoint directory is read without building the HF model: every rank
     reads only its own blocks of the tensors of its pipeline stage (``megatron.loading``).
@@ -310,8 +311,9 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
         return MegatronTrainEngine(model, groups, lr=lr, **train)
 
     actor = trained(sources.actor, "lm", p.actor_lr)
-    critic = trained(sources.critic, "value", p.critic_lr) if p.uses_critic else None
-    reference = None if "reference" in on_stage or not p.uses_reference else \
+    critic = trained(sources.critic, "value", p.critic_lr) \
+        if p.uses_critic and not evaluating else None
+    reference = None if "reference" in on_stage or not p.uses_reference or evaluating else \
         _frozen(load(sources.reference, "lm"))
     reward = None if "reward" in on_stage or not cfg.model.uses_reward_model else \
         _frozen(load(sources.reward, "value", require_head=True))
