@@ -132,17 +132,21 @@ def _clip_worker(rank, world, out, clip):
     start = {k: v.clone() for k, v in hf.state_dict().items()}
     model = build_model(hf, groups, "lm", dtype=torch.float32, device=torch.device("cpu"))
     engine = MegatronTrainEngine(model, groups, lr=1e-2, total_steps=1, grad_clip=clip)
-    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-
-    def loss_fn(m, mb):
-        logits = m(input_ids=mb, attention_mask=mask, position_ids=mask.cumsum(1) - 1).logits
-        return torch.log_softmax(logits[:, :-1].float(), -1).gather(
-            -1, mb[:, 1:, None]).mean().neg(), {}
-
-    engine.train_step([ids], loss_fn)
+    engine.train_step([_token_batch()], _next_token_loss)
     moved = max(float((v - start[k]).abs().max()) for k, v in model.hf_state().items())
     out.put((clip, moved, engine.grad_norm()))
+
+
+def _token_batch() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _next_token_loss(m, mb):
+    """The language-modelling loss of a batch without padding."""
+    mask = torch.ones_like(mb)
+    logits = m(input_ids=mb, attention_mask=mask, position_ids=mask.cumsum(1) - 1).logits
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(
+        -1, mb[:, 1:, None]).mean().neg(), {}
 
 
 @pytest.mark.parametrize("clip", [0.0, None])
@@ -151,6 +155,44 @@ def test_a_grad_clip_of_0_is_no_clipping_as_on_deepspeed(clip, torch_one_thread)
     weight. It means no clipping, as DeepSpeed's gradient_clipping 0 does."""
     (_, moved, norm), = _spawn(_clip_worker, 1, clip)
     assert norm > 0 and moved == pytest.approx(1e-2, rel=0.01)  # Adam's first step: lr a weight
+
+
+def _weights_only_worker(rank, world, out, root, dtype):
+    from oppo_ds.engines.megatron_engine import MegatronTrainEngine
+    from oppo_ds.megatron.model import build_model
+    from oppo_ds.megatron.parallel import init_model_parallel
+
+    groups = init_model_parallel(1, 1)
+
+    def engine(seed):
+        hf = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=seed)
+        model = build_model(hf, groups, "lm", dtype=dtype, device=torch.device("cpu"))
+        return model, MegatronTrainEngine(model, groups, lr=1e-2, total_steps=10, grad_clip=1.0,
+                                          warmup_steps=2, scheduler="cosine")
+    model, trained = engine(0)
+    for _ in range(2):
+        trained.train_step([_token_batch()], _next_token_loss)
+    trained.save(root, "step2")
+    saved = {k: v.clone() for k, v in model.hf_state().items()}
+    found = {}
+    for weights_only in (True, False):
+        other, loaded = engine(1)
+        built_lr = loaded.lr()
+        loaded.load(root, "step2", weights_only=weights_only)
+        same = all(torch.equal(v, saved[k]) for k, v in other.hf_state().items())
+        found[weights_only] = (same, len(loaded.optimizer.state), loaded.lr() == built_lr)
+    out.put(found)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weights_only_load_takes_the_module_alone(dtype, tmp_path, torch_one_thread):
+    """``load(weights_only=True)`` (``oppo-train --evaluate``): the module's saved weights
+    exactly (bf16: the module's own, not the fp32 master copy); the optimizer's moments and
+    the schedule stay as built, where the full load restores them."""
+    found, = _spawn(_weights_only_worker, 1, str(tmp_path), dtype)
+    assert found[True] == (True, 0, True)
+    same, moments, lr_as_built = found[False]
+    assert same and moments > 0 and not lr_as_built
 
 
 # ------------------------------------------------------------------------------ tier 1
