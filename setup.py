@@ -31,12 +31,14 @@ setup(
     extras_require={
         # the bench plot and the TRL peer are tested too
         "test": ["pytest>=8", "pytest-timeout", "matplotlib", "trl==1.12.0",
-                 "megatron-core==0.16.1"],
+                 "megatron-core==0.16.1", "wandb==0.31.0"],
         # the version oppo_ds/megatron/compat.py was checked against (its signature test)
         "megatron": ["megatron-core==0.16.1"],
         # TRL's last release with PPO; the OPPO paper's baseline
         "peer": ["trl==1.12.0"],
         "plot": ["matplotlib"],
+        # logging.wandb_project (the version the wandb test reads the run files of)
+        "wandb": ["wandb==0.31.0"],
     },
     entry_points={"console_scripts": ["oppo-train = oppo_ds.cli.train:entry",
                                     "oppo-bench = oppo_ds.cli.bench:main",

@@ -12,6 +12,7 @@ Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory se
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import math
 import re
@@ -480,6 +481,17 @@ class LoggingConfig:
     """Run directory: summary.json, TensorBoard events, checkpoints, exported actor."""
     tensorboard: bool = True
     """Write TensorBoard scalars under output_dir/tensorboard."""
+    wandb_project: Optional[str] = None
+    """Log to Weights & Biases in this project too (null = not), as OpenRLHF's --use_wandb
+    and TRL's report_to="wandb" do: rank 0's step metrics (scalars; lists as histograms), the
+    evaluations, the config and the run's summary. Needs the wandb package (`pip install
+    wandb`, or oppo-ds's `wandb` extra). wandb's own settings apply: WANDB_MODE=offline writes
+    the run under output_dir/wandb for a later `wandb sync` (for nodes without a network),
+    WANDB_ENTITY names the team. A resumed run continues the same wandb run (its id in
+    output_dir/wandb-run-id); the steps a crashed run logged after its last checkpoint stay in
+    wandb's history, whose steps only go forward, and their repeats are not logged again."""
+    wandb_run_name: Optional[str] = None
+    """The wandb run's name (null: the last folder of output_dir)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
     log_every: int = 10
@@ -508,6 +520,12 @@ class LoggingConfig:
                  f"must not be empty: name the run directory, got {self.output_dir!r}")
         for key in ("log_every", "samples", "samples_every", "trace_every", "profile_step"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        if self.wandb_project is not None:
+            _require(bool(str(self.wandb_project).strip()), "wandb_project",
+                     "must name a project, or be null for no wandb logging")
+            _require(importlib.util.find_spec("wandb") is not None, "wandb_project",
+                     f"{self.wandb_project!r} asks for wandb logging, but the wandb package is "
+                     f"not installed: pip install wandb (or oppo-ds[wandb]), or set it null")
 
     @property
     def sample_period(self) -> int:

@@ -1,5 +1,5 @@
 """Telemetry: phase timers, TensorBoard scalars, a metrics log, sample responses, a progress
-bar, summary.json.
+bar, summary.json, and a Weights & Biases run when ``logging.wandb_project`` names one.
 
 Only rank 0 writes. ``metrics.jsonl`` holds one line per step and is the run's history: a
 resumed run truncates it (and ``samples.jsonl``) to the checkpoint's step and appends, so
@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import statistics
 import time
 from contextlib import contextmanager
@@ -79,11 +80,57 @@ def profiled(stem: Optional[str]):
 
 
 EVAL_TEXT_ROWS = 4  # responses of an evaluation shown in TensorBoard's text tab
+WANDB_ID_FILE = "wandb-run-id"  # under output_dir: the run a resume continues
+
+
+def start_wandb(output_dir: str, project: str, name: Optional[str], config: dict,
+                resumed: bool):
+    """``wandb.init`` for the run in ``output_dir``: a resumed run continues the wandb run
+    whose id ``WANDB_ID_FILE`` holds, a fresh start begins another (and writes its id there).
+    wandb's files go under ``output_dir/wandb``. A run wandb cannot start (not logged in, no
+    network) is a ``ConfigError`` on ``logging.wandb_project`` that names the ways out."""
+    import wandb
+
+    from .config_types import ConfigError
+
+    id_path = os.path.join(output_dir, WANDB_ID_FILE)
+    run_id = None
+    if resumed and os.path.isfile(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip() or None
+    if run_id is None:
+        run_id = secrets.token_hex(4)  # as wandb's own ids: 8 of [a-z0-9]
+        with open(id_path, "w") as f:
+            f.write(run_id + "\n")
+    try:
+        return wandb.init(project=project, id=run_id, resume="allow", config=config,
+                          name=name or os.path.basename(os.path.normpath(output_dir)),
+                          dir=output_dir)
+    except Exception as err:  # wandb's own errors differ by cause and version
+        raise ConfigError("logging.wandb_project", (
+            f"wandb could not start the run ({type(err).__name__}: {err}): log in (wandb login, "
+            f"or WANDB_API_KEY), or set WANDB_MODE=offline to write it under {output_dir}/wandb "
+            f"for a later wandb sync, or set logging.wandb_project null")) from None
+
+
+def _wandb_values(metrics: dict) -> dict:
+    """A step's metrics as wandb takes them: numbers as they are, lists as histograms."""
+    import wandb
+
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)):
+            out[key] = value
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            out[key] = wandb.Histogram(value)
+    return out
 
 
 class Telemetry:
     def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, progress: bool,
-                 total_steps: int, start_step: int, log_every: int):
+                 total_steps: int, start_step: int, log_every: int,
+                 wandb: Optional[dict] = None):
+        """``wandb``: ``start_wandb``'s project, name and config, when a wandb run is wanted."""
         self.enabled = enabled
         self.output_dir = output_dir
         self.log_every = log_every
@@ -93,9 +140,12 @@ class Telemetry:
         self.eval_samples_path = os.path.join(output_dir, "eval_samples.jsonl")
         self.writer = None
         self.bar = None
+        self.wandb = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
+        if wandb is not None:  # first: a run wandb refuses leaves the history untouched
+            self.wandb = start_wandb(output_dir, resumed=start_step > 0, **wandb)
         _truncate_history(self.metrics_path, start_step)
         if os.path.isfile(self.samples_path):
             _truncate_history(self.samples_path, start_step)
@@ -128,6 +178,8 @@ class Telemetry:
                     self.writer.add_scalar(key, value, step)
                 elif isinstance(value, list) and value:
                     self.writer.add_histogram(key, torch.tensor(value, dtype=torch.float32), step)
+        if self.wandb is not None:
+            self.wandb.log(_wandb_values(metrics), step=step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
@@ -170,6 +222,8 @@ class Telemetry:
                 self.writer.add_scalar(key, value, step)
             self.writer.add_text("eval", _markdown(records[:EVAL_TEXT_ROWS]), step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(_wandb_values(metrics), step=step)
         if self.log_every:
             names = (("eval/reward_mean", "reward"), ("eval/gold_mean", "gold"),
                      ("eval/response_len_mean", "len"), ("eval/ended_frac", "ended"))
@@ -193,6 +247,10 @@ class Telemetry:
         summary.update(summary_extra or {})
         with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+            self.wandb = None
         return summary
 
 

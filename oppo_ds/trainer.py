@@ -292,10 +292,13 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         if self.evaluating_only:  # a run's history is its own: nothing truncated or rewritten
             self.telemetry = None
             return
-        self.telemetry = Telemetry(cfg.logging.output_dir, enabled=self.is_main,
-                                   tensorboard=cfg.logging.tensorboard,
-                                   progress=cfg.logging.progress, total_steps=cfg.steps,
-                                   start_step=self.step_count, log_every=cfg.logging.log_every)
+        lg = cfg.logging
+        wandb = None if lg.wandb_project is None else dict(
+            project=lg.wandb_project, name=lg.wandb_run_name, config=cfg.to_dict())
+        self.telemetry = Telemetry(lg.output_dir, enabled=self.is_main, tensorboard=lg.tensorboard,
+                                   progress=lg.progress, total_steps=cfg.steps,
+                                   start_step=self.step_count, log_every=lg.log_every,
+                                   wandb=wandb)
         if self.is_main:
             save_config(cfg, os.path.join(cfg.logging.output_dir, "config.yaml"))
             reward = src.reward if self.reward_fn is None else f"the function {cfg.model.reward_function}"

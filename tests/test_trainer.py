@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from oppo_ds.config import load_config
+from oppo_ds.config import ConfigError, load_config
 from oppo_ds.telemetry import read_history
 
 SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
@@ -135,6 +135,116 @@ def test_printed_samples(tmp_path, capsys):
     Telemetry(str(tmp_path), enabled=True, tensorboard=False, progress=False, total_steps=9,
               start_step=3, log_every=0)  # a resume from step 3
     assert [x["step"] for x in read_history(str(tmp_path / "samples.jsonl"))] == [3, 3]
+
+
+def _wandb_records(path) -> list:
+    """The records of a wandb run file (``run-ID.wandb``), read as wandb-core writes it: a
+    7-byte header (":W&B", magic, version), then LevelDB's log format (32 KiB blocks; each
+    piece a 7-byte header of checksum, length, type: 1 whole, 2 first, 3 middle, 4 last) of
+    protobuf ``Record``s. wandb 0.31 keeps no Python reader of its own."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header: zeros
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _wandb_history(run_dir) -> dict[int, dict]:
+    """Every step's logged values in a wandb run's files, by step."""
+    steps = {}
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        for record in _wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                items = {}
+                for item in record.history.item:  # a histogram's parts under its key
+                    *parents, last = [item.key] if item.key else item.nested_key
+                    node = items
+                    for part in parents:
+                        node = node.setdefault(part, {})
+                    node[last] = json.loads(item.value_json)
+                steps.setdefault(items.pop("_step"), {}).update(items)
+    return steps
+
+
+def test_a_run_logs_to_wandb_and_a_resume_continues_its_run(cache_dir, tmp_path, monkeypatch):
+    """logging.wandb_project, with wandb offline (no network here; its files under
+    output_dir/wandb, as on a cluster's nodes before a ``wandb sync``): each step's metrics
+    as metrics.jsonl holds them (lists as histograms), the step-0 evaluation, the config; a
+    run crashed after its step-2 checkpoint and resumed continues the same wandb run."""
+    import wandb
+
+    wandb.teardown()  # wandb keeps its settings per process: this test's environment applies
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    settings = ("steps=3", "checkpoint.every=2", "logging.wandb_project=oppo-test",
+                "eval.prompts=builtin", "eval.num_prompts=4", "eval.every=0")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cache_dir, out, *settings, crash_after=2)
+    first = (out / "wandb-run-id").read_text().strip()
+    run(cache_dir, out, *settings)
+    assert (out / "wandb-run-id").read_text().strip() == first
+    runs = sorted(p.name for p in out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert runs == [f"run-{first}.wandb"] * 2  # two sittings of one wandb run
+    logged = _wandb_history(out)
+    assert sorted(logged) == [0, 1, 2, 3]
+    assert logged[0]["eval/reward_mean"] == pytest.approx(
+        read_history(str(out / "eval.jsonl"))[0]["eval/reward_mean"])
+    for row in read_history(str(out / "metrics.jsonl")):
+        mine = logged[row["step"]]
+        for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "time/step_s"):
+            assert mine[key] == pytest.approx(row[key]), (row["step"], key)
+        assert mine["response/lengths"]["_type"] == "histogram"
+    records = [r for p in sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+               for r in _wandb_records(p)]
+    config = {i.key: json.loads(i.value_json) for r in records
+              if r.WhichOneof("record_type") == "run" for i in r.run.config.update}
+    assert config["ppo"]["batch_size"] == 8 and config["steps"] == 3  # the run's whole config
+    summary = {i.key or i.nested_key[0]: json.loads(i.value_json) for r in records
+               if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
+    assert summary["steps"] == 3 and summary["reward_last10"] == pytest.approx(
+        json.loads((out / "summary.json").read_text())["reward_last10"])
+    wandb.teardown()
+
+
+def test_wandb_logging_without_the_package_or_a_login_is_refused(cache_dir, tmp_path,
+                                                                 monkeypatch):
+    """The wandb package missing: the config names the key and how to install it. wandb
+    unable to start (online, no key, no network): the run stops before its first step with
+    the key and the ways out (log in, WANDB_MODE=offline)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^logging\.wandb_project: 'p' asks for wandb logging, "
+                                          r"but the wandb package is not installed: pip install"):
+        load_config(None, ["logging.wandb_project=p"])
+    monkeypatch.undo()
+    import wandb
+
+    wandb.teardown()  # wandb keeps its settings per process: this test's environment applies
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "no-login"))  # no stored key either
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(ConfigError, match=r"^logging\.wandb_project: wandb could not start the "
+                                          r"run .*WANDB_MODE=offline"):
+        run(cache_dir, tmp_path / "run", "steps=1", "logging.wandb_project=p")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_fresh_start_over_an_old_run_hides_its_tensorboard_steps_and_traces(tmp_path):
