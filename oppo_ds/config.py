@@ -12,7 +12,6 @@ Algorithm settings (``ppo``, ``generation``) are kept apart from speed/memory se
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import math
 import re
@@ -484,12 +483,15 @@ class LoggingConfig:
     wandb_project: Optional[str] = None
     """Log to Weights & Biases in this project too (null = not), as OpenRLHF's --use_wandb
     and TRL's report_to="wandb" do: rank 0's step metrics (scalars; lists as histograms), the
-    evaluations, the config and the run's summary. Needs the wandb package (`pip install
-    wandb`, or oppo-ds's `wandb` extra). wandb's own settings apply: WANDB_MODE=offline writes
-    the run under output_dir/wandb for a later `wandb sync` (for nodes without a network),
-    WANDB_ENTITY names the team. A resumed run continues the same wandb run (its id in
-    output_dir/wandb-run-id); the steps a crashed run logged after its last checkpoint stay in
-    wandb's history, whose steps only go forward, and their repeats are not logged again."""
+    evaluations, the config and the run's summary (no sample texts; oppo-bench's TRL peer logs
+    none). Needs the wandb package (`pip install wandb`, or oppo-ds's `wandb` extra; checked
+    before any model is built). The run's project, name, id and folder (output_dir/wandb) are
+    ours; wandb's other settings apply: WANDB_MODE=offline writes the run there for a later
+    `wandb sync` (nodes without a network), WANDB_ENTITY names the team, a login or
+    WANDB_API_KEY is needed online. A resumed run continues the same wandb run (its id and
+    last logged step in output_dir/wandb-run-id): wandb's steps only go forward, so the steps
+    a crashed run logged after its last checkpoint keep their first values there and the
+    resumed run's repeats of them are not sent (metrics.jsonl holds the resumed run's)."""
     wandb_run_name: Optional[str] = None
     """The wandb run's name (null: the last folder of output_dir)."""
     progress: bool = True
@@ -520,12 +522,8 @@ class LoggingConfig:
                  f"must not be empty: name the run directory, got {self.output_dir!r}")
         for key in ("log_every", "samples", "samples_every", "trace_every", "profile_step"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
-        if self.wandb_project is not None:
-            _require(bool(str(self.wandb_project).strip()), "wandb_project",
-                     "must name a project, or be null for no wandb logging")
-            _require(importlib.util.find_spec("wandb") is not None, "wandb_project",
-                     f"{self.wandb_project!r} asks for wandb logging, but the wandb package is "
-                     f"not installed: pip install wandb (or oppo-ds[wandb]), or set it null")
+        _require(self.wandb_project is None or bool(str(self.wandb_project).strip()),
+                 "wandb_project", "must name a project, or be null for no wandb logging")
 
     @property
     def sample_period(self) -> int:

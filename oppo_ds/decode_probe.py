@@ -281,7 +281,7 @@ def trainer_overrides(overrides: list[str], batch: int, tokens: int, seed: int,
     return [*overrides, f"ppo.batch_size={batch}", f"seed={seed}",
             f"generation.max_new_tokens={tokens}", "checkpoint.resume=never",
             "checkpoint.final=false", "checkpoint.export_hf=false", "logging.progress=false",
-            "eval.prompts=null", f"logging.output_dir={out_dir}"]
+            "eval.prompts=null", "logging.wandb_project=null", f"logging.output_dir={out_dir}"]
 
 
 def probe_trainer(overrides: list[str], batch: int, prompt_len: int, tokens: int,

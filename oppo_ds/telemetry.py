@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from typing import Optional
@@ -80,37 +81,79 @@ def profiled(stem: Optional[str]):
 
 
 EVAL_TEXT_ROWS = 4  # responses of an evaluation shown in TensorBoard's text tab
-WANDB_ID_FILE = "wandb-run-id"  # under output_dir: the run a resume continues
+WANDB_ID_FILE = "wandb-run-id"  # under output_dir: the run a resume continues, its last step
 
 
-def start_wandb(output_dir: str, project: str, name: Optional[str], config: dict,
-                resumed: bool):
-    """``wandb.init`` for the run in ``output_dir``: a resumed run continues the wandb run
-    whose id ``WANDB_ID_FILE`` holds, a fresh start begins another (and writes its id there).
-    wandb's files go under ``output_dir/wandb``. A run wandb cannot start (not logged in, no
-    network) is a ``ConfigError`` on ``logging.wandb_project`` that names the ways out."""
-    import wandb
+def check_wandb_installed(project: Optional[str]) -> None:
+    """``ConfigError`` on ``logging.wandb_project`` when it names a project and the wandb
+    package is missing (a ``wandb/`` folder of runs in the working directory is no package)."""
+    import importlib.util
 
     from .config_types import ConfigError
 
-    id_path = os.path.join(output_dir, WANDB_ID_FILE)
-    run_id = None
-    if resumed and os.path.isfile(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip() or None
-    if run_id is None:
-        run_id = secrets.token_hex(4)  # as wandb's own ids: 8 of [a-z0-9]
-        with open(id_path, "w") as f:
-            f.write(run_id + "\n")
-    try:
-        return wandb.init(project=project, id=run_id, resume="allow", config=config,
-                          name=name or os.path.basename(os.path.normpath(output_dir)),
-                          dir=output_dir)
-    except Exception as err:  # wandb's own errors differ by cause and version
+    spec = importlib.util.find_spec("wandb") if project is not None else None
+    if project is not None and (spec is None or spec.origin is None):
         raise ConfigError("logging.wandb_project", (
-            f"wandb could not start the run ({type(err).__name__}: {err}): log in (wandb login, "
-            f"or WANDB_API_KEY), or set WANDB_MODE=offline to write it under {output_dir}/wandb "
-            f"for a later wandb sync, or set logging.wandb_project null")) from None
+            f"{project!r} asks for wandb logging, but the wandb package is not installed: pip "
+            f"install wandb (or oppo-ds[wandb]), or set it null"))
+
+
+class WandbRun:
+    """The wandb run of the run in ``output_dir`` (rank 0): a resumed run continues the one
+    whose id ``WANDB_ID_FILE`` holds, a fresh start begins another. wandb's steps only go
+    forward, so a step at or before the last one sent (a crashed run's steps after its last
+    checkpoint, repeated by the resume) is not sent again; the file keeps that step, as
+    wandb offline does not. wandb's files go under ``output_dir/wandb``. A run wandb cannot
+    start (not logged in, no network) is a ``ConfigError`` on ``logging.wandb_project`` naming
+    the ways out; our launchers (deepspeed, srun --kill-on-bad-exit) then end the other
+    ranks."""
+
+    def __init__(self, output_dir: str, project: str, name: Optional[str], config: dict,
+                 resumed: bool):
+        import wandb
+
+        from .config_types import ConfigError
+
+        self.id_path = os.path.join(output_dir, WANDB_ID_FILE)
+        self.run_id, self.last_step = None, -1
+        if resumed and os.path.isfile(self.id_path):
+            with open(self.id_path) as f:
+                fields = f.read().split()
+            if fields:
+                self.run_id, self.last_step = fields[0], int(fields[1]) if len(fields) > 1 else -1
+        if self.run_id is None:
+            self.run_id = secrets.token_hex(4)  # as wandb's own ids: 8 of [a-z0-9]
+            self._remember()
+        try:
+            self.run = wandb.init(project=project, id=self.run_id, resume="allow", config=config,
+                                  name=name or os.path.basename(os.path.normpath(output_dir)),
+                                  dir=output_dir, reinit="create_new")
+        except Exception as err:  # wandb's own errors differ by cause and version
+            raise ConfigError("logging.wandb_project", (
+                f"wandb could not start the run ({type(err).__name__}: {err}): log in (wandb "
+                f"login, or WANDB_API_KEY), or set WANDB_MODE=offline to write it under "
+                f"{output_dir}/wandb for a later wandb sync, or set it null")) from None
+        self.sent_step = self.last_step  # this sitting may add to the step sent last
+
+    def _remember(self) -> None:
+        tmp = self.id_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{self.run_id} {self.last_step}\n")
+        os.replace(tmp, self.id_path)
+
+    def log(self, step: int, metrics: dict) -> None:
+        """``metrics`` at ``step``, unless an earlier sitting sent a later step; an evaluation
+        after a step's metrics joins them (the same step)."""
+        if step <= self.sent_step:
+            return
+        self.run.log(_wandb_values(metrics), step=step)
+        if step > self.last_step:
+            self.last_step = step
+            self._remember()
+
+    def finish(self, summary: dict, failed: bool) -> None:
+        self.run.summary.update(summary)
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def _wandb_values(metrics: dict) -> dict:
@@ -145,7 +188,7 @@ class Telemetry:
             return
         os.makedirs(output_dir, exist_ok=True)
         if wandb is not None:  # first: a run wandb refuses leaves the history untouched
-            self.wandb = start_wandb(output_dir, resumed=start_step > 0, **wandb)
+            self.wandb = WandbRun(output_dir, resumed=start_step > 0, **wandb)
         _truncate_history(self.metrics_path, start_step)
         if os.path.isfile(self.samples_path):
             _truncate_history(self.samples_path, start_step)
@@ -179,7 +222,7 @@ class Telemetry:
                 elif isinstance(value, list) and value:
                     self.writer.add_histogram(key, torch.tensor(value, dtype=torch.float32), step)
         if self.wandb is not None:
-            self.wandb.log(_wandb_values(metrics), step=step)
+            self.wandb.log(step, metrics)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
@@ -223,7 +266,7 @@ class Telemetry:
             self.writer.add_text("eval", _markdown(records[:EVAL_TEXT_ROWS]), step)
             self.writer.flush()
         if self.wandb is not None:
-            self.wandb.log(_wandb_values(metrics), step=step)
+            self.wandb.log(step, metrics)
         if self.log_every:
             names = (("eval/reward_mean", "reward"), ("eval/gold_mean", "gold"),
                      ("eval/response_len_mean", "len"), ("eval/ended_frac", "ended"))
@@ -247,9 +290,8 @@ class Telemetry:
         summary.update(summary_extra or {})
         with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        if self.wandb is not None:
-            self.wandb.summary.update(summary)
-            self.wandb.finish()
+        if self.wandb is not None:  # called in a finally: a run ended by an exception failed
+            self.wandb.finish(summary, failed=sys.exc_info()[0] is not None)
             self.wandb = None
         return summary
 

@@ -54,7 +54,7 @@ from .reward_fn import RewardFunction
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, load_prompts,
                       prompts_label, resolve_sources, reward_normalization, run_tokenizer)
 from .stage_placement import StagePlacement
-from .telemetry import PhaseTimer, Telemetry, profiled
+from .telemetry import PhaseTimer, Telemetry, check_wandb_installed, profiled
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +189,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         self.eval_prompts = self._load_eval_prompts() if cfg.eval.enabled and not scorer_rank else []
         self.ptx_blocks = self._load_ptx() if cfg.data.ptx is not None and not scorer_rank else None
         check_sources(cfg, src, self.tokenizer, log=self.is_main)  # every rank: all stop alike
+        if not self.evaluating_only:  # an evaluation logs to no wandb run
+            check_wandb_installed(cfg.logging.wandb_project)
         # before any engine, so that a bad id stops the run at once; under the length oracle
         # only the targets end a response: a random model's EOS is noise
         eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)

@@ -162,10 +162,11 @@ def _wandb_records(path) -> list:
     return records
 
 
-def _wandb_history(run_dir) -> dict[int, dict]:
-    """Every step's logged values in a wandb run's files, by step."""
+def _wandb_history(run_dir, *paths) -> dict[int, dict]:
+    """Every step's logged values in a wandb run's files (``paths``, or all of them), by
+    step."""
     steps = {}
-    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+    for path in paths or sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
         for record in _wandb_records(path):
             if record.WhichOneof("record_type") == "history":
                 items = {}
@@ -179,31 +180,47 @@ def _wandb_history(run_dir) -> dict[int, dict]:
     return steps
 
 
-def test_a_run_logs_to_wandb_and_a_resume_continues_its_run(cache_dir, tmp_path, monkeypatch):
-    """logging.wandb_project, with wandb offline (no network here; its files under
-    output_dir/wandb, as on a cluster's nodes before a ``wandb sync``): each step's metrics
-    as metrics.jsonl holds them (lists as histograms), the step-0 evaluation, the config; a
-    run crashed after its step-2 checkpoint and resumed continues the same wandb run."""
+@pytest.fixture
+def wandb_settings():
+    """wandb keeps its settings per process: each test's environment applies, and none is
+    left behind for the next (a failed assertion included)."""
     import wandb
 
-    wandb.teardown()  # wandb keeps its settings per process: this test's environment applies
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_a_run_logs_to_wandb_and_a_resume_continues_its_run(cache_dir, tmp_path, monkeypatch,
+                                                            wandb_settings):
+    """logging.wandb_project, with wandb offline (no network here; its files under
+    output_dir/wandb, as on a cluster's nodes before a ``wandb sync``): each step's metrics
+    as metrics.jsonl holds them (lists as histograms), the step-0 evaluation, the config, the
+    summary. A run crashed after step 3 and resumed from its step-2 checkpoint continues the
+    same wandb run; its step 3 again is not sent (wandb's steps only go forward: step 3 keeps
+    the first sitting's values), step 4 is."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    settings = ("steps=3", "checkpoint.every=2", "logging.wandb_project=oppo-test",
+    settings = ("steps=4", "checkpoint.every=2", "logging.wandb_project=oppo-test",
                 "eval.prompts=builtin", "eval.num_prompts=4", "eval.every=0")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(cache_dir, out, *settings, crash_after=2)
-    first = (out / "wandb-run-id").read_text().strip()
+        run(cache_dir, out, *settings, crash_after=3)
+    first_sitting = read_history(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in first_sitting] == [1, 2, 3]
+    first = (out / "wandb-run-id").read_text().split()[0]
     run(cache_dir, out, *settings)
-    assert (out / "wandb-run-id").read_text().strip() == first
-    runs = sorted(p.name for p in out.glob("wandb/offline-run-*/run-*.wandb"))
-    assert runs == [f"run-{first}.wandb"] * 2  # two sittings of one wandb run
+    assert (out / "wandb-run-id").read_text().split() == [first, "4"]
+    files = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert [p.name for p in files] == [f"run-{first}.wandb"] * 2  # two sittings, one run
+    by_file = [sorted(_wandb_history(p.parent.parent.parent, p)) for p in files]
+    assert by_file == [[0, 1, 2, 3], [4]]  # each step sent once
     logged = _wandb_history(out)
-    assert sorted(logged) == [0, 1, 2, 3]
     assert logged[0]["eval/reward_mean"] == pytest.approx(
         read_history(str(out / "eval.jsonl"))[0]["eval/reward_mean"])
-    for row in read_history(str(out / "metrics.jsonl")):
+    resumed = read_history(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for row in first_sitting[:3] + resumed[3:]:
         mine = logged[row["step"]]
         for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "time/step_s"):
             assert mine[key] == pytest.approx(row[key]), (row["step"], key)
@@ -212,34 +229,57 @@ def test_a_run_logs_to_wandb_and_a_resume_continues_its_run(cache_dir, tmp_path,
                for r in _wandb_records(p)]
     config = {i.key: json.loads(i.value_json) for r in records
               if r.WhichOneof("record_type") == "run" for i in r.run.config.update}
-    assert config["ppo"]["batch_size"] == 8 and config["steps"] == 3  # the run's whole config
+    assert config["ppo"]["batch_size"] == 8 and config["steps"] == 4  # the run's whole config
     summary = {i.key or i.nested_key[0]: json.loads(i.value_json) for r in records
                if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
-    assert summary["steps"] == 3 and summary["reward_last10"] == pytest.approx(
+    assert summary["steps"] == 4 and summary["reward_last10"] == pytest.approx(
         json.loads((out / "summary.json").read_text())["reward_last10"])
-    wandb.teardown()
+    # the crashed sitting ended failed, the resumed one finished
+    exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1, 0]
 
 
 def test_wandb_logging_without_the_package_or_a_login_is_refused(cache_dir, tmp_path,
-                                                                 monkeypatch):
-    """The wandb package missing: the config names the key and how to install it. wandb
-    unable to start (online, no key, no network): the run stops before its first step with
-    the key and the ways out (log in, WANDB_MODE=offline)."""
+                                                                 monkeypatch, wandb_settings):
+    """The wandb package missing: the run stops before any model is built, naming the key and
+    how to install it (a folder named wandb, such as wandb's own runs in the working
+    directory, is no package; an evaluation, which logs to no wandb run, goes on). wandb
+    unable to start (online, no key): the run stops before its history is touched, with the
+    key and the ways out (log in, WANDB_MODE=offline)."""
+    import importlib.machinery
     import importlib.util
+
+    from oppo_ds.engines import factory
+    from oppo_ds.telemetry import check_wandb_installed
+    from oppo_ds.trainer import PPOTrainer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))
+
+    def no_engines(*args, **kwargs):
+        raise AssertionError("an engine was built")
+    monkeypatch.setattr(factory, "build_models", no_engines)
+    cfg = load_config(None, [*SMALL, f"workload.cache_dir={cache_dir}", "logging.wandb_project=p",
+                             f"logging.output_dir={tmp_path / 'run'}"])  # the config takes it
     with pytest.raises(ConfigError, match=r"^logging\.wandb_project: 'p' asks for wandb logging, "
                                           r"but the wandb package is not installed: pip install"):
-        load_config(None, ["logging.wandb_project=p"])
+        PPOTrainer(cfg)
+    with pytest.raises(AssertionError, match="an engine was built"):  # past the check
+        PPOTrainer(cfg, evaluate_only=True)
+    # without the package, a folder wandb/ in the working directory is found as a namespace
+    # package: a spec without an origin
+    namespace = importlib.machinery.ModuleSpec("wandb", None, is_package=True)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: namespace if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="the wandb package is not installed"):
+        check_wandb_installed("p")
     monkeypatch.undo()
-    import wandb
-
-    wandb.teardown()  # wandb keeps its settings per process: this test's environment applies
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "no-login"))  # no stored key either
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "no-login"))  # no stored key,
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # and nowhere to reach
     monkeypatch.setenv("WANDB_SILENT", "true")
     with pytest.raises(ConfigError, match=r"^logging\.wandb_project: wandb could not start the "
                                           r"run .*WANDB_MODE=offline"):
