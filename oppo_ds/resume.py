@@ -71,10 +71,11 @@ class Resumable:
         if tag is None:
             return
         self.resumed_from = tag
-        # an evaluation answers with the actor alone: the critic, the optimizers' states and
-        # (where the backend keeps them apart) their bytes on disk stay where they are
-        engines = {"actor": self.actor} if self.evaluating_only else self.trained_engines
-        state = self.ckpt.load(tag, engines=engines, weights_only=self.evaluating_only,
+        # an evaluation builds no critic (trained_engines: the actor alone) and reads the
+        # weights alone: the optimizers' states and, where the backend keeps them apart, their
+        # bytes on disk stay where they are
+        state = self.ckpt.load(tag, engines=self.trained_engines,
+                               weights_only=self.evaluating_only,
                                check=partial(self._check_checkpoint_settings, tag))
         self.step_count = state["step"]
         if self.evaluating_only:  # the weights alone: the prompts' position, the pool and the

@@ -91,8 +91,10 @@ def check_wandb_installed(project: Optional[str]) -> None:
 
     from .config_types import ConfigError
 
-    spec = importlib.util.find_spec("wandb") if project is not None else None
-    if project is not None and (spec is None or spec.origin is None):
+    if project is None:
+        return
+    spec = importlib.util.find_spec("wandb")
+    if spec is None or spec.origin is None:
         raise ConfigError("logging.wandb_project", (
             f"{project!r} asks for wandb logging, but the wandb package is not installed: pip "
             f"install wandb (or oppo-ds[wandb]), or set it null"))
@@ -173,7 +175,7 @@ class Telemetry:
     def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, progress: bool,
                  total_steps: int, start_step: int, log_every: int,
                  wandb: Optional[dict] = None):
-        """``wandb``: ``start_wandb``'s project, name and config, when a wandb run is wanted."""
+        """``wandb``: ``WandbRun``'s project, name and config, when a wandb run is wanted."""
         self.enabled = enabled
         self.output_dir = output_dir
         self.log_every = log_every
