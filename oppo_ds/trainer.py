@@ -5,7 +5,8 @@ step keeps), so every speedup is measured against this code. The advantages and 
 update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-out evaluation
 ``evaluation.py``'s, the final export ``export.py``'s, the stage placement's side
 ``stage_placement.py``'s, DAPO's dynamic sampling rounds ``filter_rounds.py``'s, the rollout
-pool's take ``pool_rollout.py``'s.
+pool's take ``pool_rollout.py``'s, the scoring of finished responses outside the stream
+``scoring.py``'s.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from . import workload as wl
 from .algo import masked_mean, overlong_penalty
 from .checkpoint import CheckpointManager, check_tag, checkpoint_root
 from .config import Config, ConfigError, save_config
@@ -28,8 +28,7 @@ from .config_checks import optimizer_updates
 from .config_types import require
 from .data import PromptStream, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
-from .experience import (Experience, response_logprobs, response_values,
-                         sequence_scores, used_widths)
+from .experience import Experience, response_logprobs, response_values, sequence_scores
 from .ema import ActorEMA
 from .evaluation import Evaluating, text_records
 from .export import Exporting
@@ -45,6 +44,7 @@ from .rollout.stage import RemoteScorers
 from .rollout.stage_stream import stage_stream_generate
 from .rollout.streaming import StreamingScorer, TimelineEvent, chrome_trace, stream_generate
 from .rollout.waste import tail_waste
+from .scoring import Scoring
 from .pool_rollout import PoolRollout
 from .ppo_update import PPOUpdate
 from .ptx import ptx_block_len, ptx_blocks
@@ -103,7 +103,8 @@ def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
     return requested and hybrid_engine_path != HYBRID_KERNELS
 
 
-class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting):
+class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable, Evaluating, Exporting,
+                 Scoring):
     def __init__(self, cfg: Config, *, evaluate_only: bool = False):
         """``evaluate_only``: for ``evaluate_only()`` alone (``oppo-train --evaluate``): the run's
         logs and configuration in ``logging.output_dir`` are neither opened nor rewritten."""
@@ -571,84 +572,6 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                           response_ids=gen.response_ids, response_mask=gen.response_mask,
                           behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
-
-    def function_scores(self, keys: list[str], gen, rows: dict,
-                        samples: bool = False) -> torch.Tensor:
-        """model.reward_function's (B,) scores of the generation's responses, decoded to text,
-        given each one's prompt row as read (``rows``: by row id). ``samples``: the keys are
-        data.samples_per_prompt's rows ``<id>#k``, each its prompt's ``<id>`` (always: a data
-        set may also hold a row whose own id is ``<id>#k``, another prompt)."""
-        info = [rows[k.rsplit("#", 1)[0] if samples else k] for k in keys]
-        completions = [self.tokenizer.decode(r[:length], skip_special_tokens=True)
-                       for r, length in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
-        return self.reward_fn([p for p, _ in info], completions, [f for _, f in info])
-
-    def _replica_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """The reward function's scores of the replica's first rank, on every rank of it
-        (system.backend: megatron). Each rank of a model replica decodes the same responses
-        and runs the function; one that draws random numbers, or reads its rank, would give
-        the ranks different advantages, which their tensor/pipeline collectives would mix."""
-        groups = getattr(self.actor, "groups", None)  # megatron's ParallelGroups
-        if groups is None or not comm.active(groups.mp_group):
-            return scores
-        first = min(dist.get_process_group_ranks(groups.mp_group))
-        return comm.broadcast(scores, first, group=groups.mp_group)
-
-    def normalized(self, scores: torch.Tensor) -> torch.Tensor:
-        """The reward model's scores under model.reward_normalize: (score - mean) / std."""
-        if self.reward_norm is None:
-            return scores
-        mean, std = self.reward_norm
-        return (scores - mean) / std
-
-    def _micro_batched(self, fn, args, calls: Optional[int] = None, filler=None):
-        """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask),
-        each trimmed to its own longest prompt and response; (B,) or (B, T) results, padded
-        back to the batch's response width with zeros (None for no rows). ``calls``: make
-        that many calls in all, the ones past the rows on the first row of ``filler``, their
-        results dropped (a collective forward: every rank must call it alike)."""
-        n, width = self.cfg.ppo.micro_batch_size, args[2].shape[1]
-        if args[0].shape[0] == 0 and calls is None:
-            raise ValueError("no rows to score")
-        parts = []
-
-        def call(prompt_ids, prompt_mask, response_ids, response_mask):
-            p, t = used_widths(prompt_mask, response_mask)
-            return fn(prompt_ids[:, -p:], prompt_mask[:, -p:], response_ids[:, :t], response_mask[:, :t])
-
-        for i in range(0, args[0].shape[0], n):
-            out = call(*(a[i:i + n] for a in args))
-            if out.dim() == 2 and out.shape[1] < width:
-                out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
-            parts.append(out)
-        for _ in range(len(parts), calls or 0):
-            call(*(a[:1] for a in filler))
-        return torch.cat(parts, dim=0) if parts else None
-
-    def _equal_forward_calls(self, missing: dict[str, list[int]]) -> dict[str, int]:
-        """How many scoring calls each kind must make on this rank so that every data-parallel
-        rank makes the same number: under ZeRO-3 the actor's and critic's forwards are
-        collectives, and with the rollout pool each rank has its own rows left to score
-        after streaming (a row that finished in an earlier step, one whose critic values
-        predate the update); a rank with fewer calls than the others would wait in the
-        next collective while they wait in the forward. {} where no forward is collective."""
-        kinds = [k for k in ("actor", "critic") if k in missing]
-        if not kinds or self.cfg.system.zero_stage != 3 or self.world_size < 2:
-            return {}
-        n = self.cfg.ppo.micro_batch_size
-        counts = comm.all_reduce_ints([-(-len(missing[k]) // n) for k in kinds],
-                                      op=dist.ReduceOp.MAX, group=self.dp_group)
-        return dict(zip(kinds, counts))
-
-    def _gold(self, gen) -> list[float]:
-        prompts = self.tokenizer.batch_decode(gen.prompt_ids, skip_special_tokens=True)
-        responses = [self.tokenizer.decode(r[:n], skip_special_tokens=True)
-                     for r, n in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
-        out = []
-        for p, r in zip(prompts, responses):
-            task = wl.parse_prompt(p.split())
-            out.append(wl.gold_score(task, r.split()) if task else float("nan"))
-        return out
 
     def step_metrics(self, exp: Experience, train_stats: dict) -> dict:
         """The step's metrics over all ranks: one gather of per-sequence values and one
