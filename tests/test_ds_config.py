@@ -152,6 +152,18 @@ def test_inference_config():
         build_inference_ds_config(zero_stage=2, offload=True, dtype="fp32")
     with pytest.raises(ValueError, match=r"dtype must be one of \['fp32', 'bf16', 'fp16'\]"):
         build_inference_ds_config(zero_stage=0, offload=False, dtype="int8")
+    # an actor built for its weights alone (an evaluation) keeps training's hybrid engine
+    hybrid = dict(hybrid_engine=True, inference_tp_size=2, release_inference_cache=True)
+    evaluating = build_inference_ds_config(zero_stage=0, offload=False, dtype="bf16",
+                                           world_size=4, **hybrid)
+    training = build_ds_config(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                               world_size=4, zero_stage=2, offload=False, dtype="bf16",
+                               grad_clip=1.0, **hybrid)
+    assert evaluating["hybrid_engine"] == training["hybrid_engine"]
+    assert "hybrid_engine" not in plain
+    with pytest.raises(ValueError, match="inference_tp_size must divide world_size=4, got 3"):
+        build_inference_ds_config(zero_stage=0, offload=False, dtype="fp32", world_size=4,
+                                  hybrid_engine=True, inference_tp_size=3)
 
 
 # --- LR schedule (pure, shared by all backends) ---------------------------------------

@@ -332,6 +332,105 @@ def test_a_weights_only_load_takes_the_weights_alone(stage, dtype, tmp_path):
     assert loaded.lr() == (saved_lr if stage == 3 else built_lr)
 
 
+def _logits(engine, batch: dict) -> torch.Tensor:
+    with engine.generation_context() as module:
+        return module(input_ids=batch["input_ids"]).logits.float()
+
+
+@pytest.mark.parametrize("stage, dtype, hybrid, arch", [
+    (0, "bf16", False, "llama"), (1, "bf16", True, "llama"), (2, "fp32", False, "llama"),
+    (3, "fp32", False, "gpt2"), (3, "bf16", True, "llama")])
+def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype, hybrid, arch,
+                                                                  tmp_path):
+    """``weights_only=True`` builds the actor of ``oppo-train --evaluate``: no optimizer and
+    no schedule (ZeRO-1/2 as ZeRO-0: no fp32 master partition or Adam moments are
+    allocated; ZeRO-3 partitioned as in training). From the trained engine's checkpoint
+    (tag ``None``: the latest) it takes exactly the saved weights and gives the same logits;
+    the optimizer files of ZeRO-1/2 are not read (removed first); under ZeRO-3 the rank's
+    partitions come from its own optimizer file. It cannot train, save or give a learning
+    rate; a tag that is not there raises ``FileNotFoundError``. GPT-2 ties its output layer to
+    its embeddings: one parameter, one partition."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    trained = make_engine(arch, zero_stage=stage, dtype=dtype, hybrid_engine=hybrid)
+    trained.train_step([fixed_batch()], lm_loss)
+    trained.save(str(tmp_path), tag="step1")
+    saved, logits = full_params(trained), _logits(trained, fixed_batch(seed=1))
+    trained.close()
+    if stage in (1, 2):
+        for path in (tmp_path / "step1").glob("*optim_states.pt"):
+            path.unlink()
+    engine = make_engine(model=tiny_model(arch, seed=1), zero_stage=stage, dtype=dtype,
+                         hybrid_engine=hybrid, weights_only=True)
+    assert engine.config["zero_optimization"]["stage"] == (3 if stage == 3 else 0)
+    assert engine.optimizer_name == "none (weights only)"
+    if stage == 3:  # the object behind ZeRO-3's hooks, not an optimizer
+        assert isinstance(engine.ds_engine.optimizer, DeepSpeedZeRoOffload)
+    elif dtype == "bf16":  # DeepSpeed's bf16 wrapper around a dummy: no fp32 copies
+        optimizer = engine.ds_engine.optimizer
+        assert not optimizer.using_real_optimizer and optimizer.fp32_groups_flat_partition == []
+    else:
+        assert engine.ds_engine.optimizer is None
+    assert engine.ds_engine.lr_scheduler is None
+    assert engine.hybrid_engine_path == (HYBRID_NO_KERNELS_CPU if hybrid else HYBRID_OFF)
+    assert engine.load(str(tmp_path)) == {}
+    assert_params_close(full_params(engine), saved, atol=0)
+    assert torch.equal(_logits(engine, fixed_batch(seed=1)), logits)
+    for refused in (lambda: engine.train_step([fixed_batch()], lm_loss), engine.lr,
+                    lambda: engine.save(str(tmp_path), tag="step2")):
+        with pytest.raises(RuntimeError, match="built with weights_only=True .*no optimizer"):
+            refused()
+    assert not (tmp_path / "step2").exists()
+    with pytest.raises(FileNotFoundError, match="tag='step9'"):
+        engine.load(str(tmp_path), "step9")
+    engine.close()
+
+
+def _zero3_weights_alone_rank(rank, world, out, root, dtype):
+    model = tiny_model("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)  # its partitions: in the model file
+    # every parameter partitioned, in many sub-groups (a flat fp32 tensor each in the file)
+    trained = make_engine(model=model, zero_stage=3, dtype=dtype, ds_config_overrides={
+        "zero_optimization": {"stage3_param_persistence_threshold": 0,
+                              "sub_group_size": 5000}})
+    trained.train_step([fixed_batch(seed=rank)], lm_loss)
+    trained.save(root, tag="step1")
+    saved, logits = full_params(trained), _logits(trained, fixed_batch(seed=2))
+    groups = len(torch.load(os.path.join(root, "step1", [
+        f for f in os.listdir(os.path.join(root, "step1"))
+        if f.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")][0]),
+        weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"])
+    trained.close()
+    engine = make_engine(model=tiny_model("llama", seed=1), zero_stage=3, dtype=dtype,
+                         weights_only=True)
+    sizes = sorted({p.ds_tensor.numel() * world - p.ds_numel
+                    for p in engine.module.parameters()})  # each partition's padding
+    engine.load(root, "step1")
+    got = full_params(engine)
+    out.put(("ok", rank, all(torch.equal(got[n], saved[n]) for n in saved),
+             torch.equal(_logits(engine, fixed_batch(seed=2)), logits), groups, sizes))
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_zero3_engine_of_the_weights_alone_reads_each_ranks_own_partitions(dtype, tmp_path):
+    """Three gloo ranks, ZeRO-3: each rank of a ``weights_only`` engine fills its partitions
+    from its own files (DeepSpeed's weights-only load would assemble the whole fp32 model on
+    every rank) and the gathered weights and logits equal the trained engine's exactly: with
+    a frozen parameter (kept in the model file), partitions padded to the ranks, the trained
+    engine's fp32 master split in many sub-groups, and another persistence threshold than
+    the trained engine's (it decides when a parameter is gathered, not how it is split)."""
+    from _builders import spawn_gloo
+
+    # three: a tiny model's sizes are even, so two ranks would pad no partition
+    found = sorted(m for m in spawn_gloo(_zero3_weights_alone_rank, 3, str(tmp_path), dtype,
+                                         join_s=240, group_timeout_s=60) if m[0] == "ok")
+    assert [m[1] for m in found] == [0, 1, 2]
+    for _, rank, same_weights, same_logits, groups, paddings in found:
+        assert same_weights and same_logits, rank
+        assert groups > 2 and paddings[-1] > 0  # the layouts the test is meant to cover
+
+
 def test_load_missing_checkpoint_raises(tmp_path):
     engine = make_engine()
     with pytest.raises(FileNotFoundError):
@@ -420,7 +519,9 @@ def test_hybrid_engine_cpu_trains_and_decodes_without_kernels(arch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's inference kernels need a GPU")
-def test_hybrid_engine_kernels_on_gpu():
+def test_hybrid_engine_kernels_on_gpu(tmp_path):
+    """The kernels decode what the model's own forward picks; an engine of the weights alone
+    (the evaluation's actor) gets the kernels too and decodes the same from the checkpoint."""
     engine = make_engine("gpt2", hybrid_engine=True)
     assert engine.hybrid_engine_path == HYBRID_KERNELS
     batch = {k: v.to(engine.device) for k, v in fixed_batch().items()}
@@ -431,6 +532,13 @@ def test_hybrid_engine_kernels_on_gpu():
         reference = engine.module.eval()(input_ids=sequence).logits.argmax(-1)
     engine.module.train()
     assert torch.equal(reference[:, 5:-1], sequence[:, 6:])
+    engine.save(str(tmp_path), tag="step1")
+    alone = make_engine(model=tiny_model("gpt2", seed=1), hybrid_engine=True, weights_only=True)
+    assert alone.hybrid_engine_path == HYBRID_KERNELS
+    alone.load(str(tmp_path), "step1")
+    with alone.generation_context() as module:
+        assert torch.equal(greedy_decode(module, batch["input_ids"][:, :6], new_tokens=5),
+                           sequence)
 
 
 def test_no_kernel_patch_does_not_leak_into_other_engines():

@@ -164,11 +164,12 @@ def _weights_only_worker(rank, world, out, root, dtype):
 
     groups = init_model_parallel(1, 1)
 
-    def engine(seed):
+    def engine(seed, weights_only=False):
         hf = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=seed)
         model = build_model(hf, groups, "lm", dtype=dtype, device=torch.device("cpu"))
         return model, MegatronTrainEngine(model, groups, lr=1e-2, total_steps=10, grad_clip=1.0,
-                                          warmup_steps=2, scheduler="cosine")
+                                          warmup_steps=2, scheduler="cosine",
+                                          weights_only=weights_only)
     model, trained = engine(0)
     for _ in range(2):
         trained.train_step([_token_batch()], _next_token_loss)
@@ -181,6 +182,19 @@ def _weights_only_worker(rank, world, out, root, dtype):
         loaded.load(root, "step2", weights_only=weights_only)
         same = all(torch.equal(v, saved[k]) for k, v in other.hf_state().items())
         found[weights_only] = (same, len(loaded.optimizer.state), loaded.lr() == built_lr)
+    # an engine of the weights alone (the evaluation's actor): no master copy, no optimizer
+    other, alone = engine(1, weights_only=True)
+    alone.load(root, "step2")
+    refusals = []
+    for call in (lambda: alone.train_step([_token_batch()], _next_token_loss), alone.lr,
+                 lambda: alone.save(root, "step3")):
+        try:
+            call()
+        except RuntimeError as err:
+            refusals.append("weights_only=True" in str(err))
+    found["alone"] = (all(torch.equal(v, saved[k]) for k, v in other.hf_state().items()),
+                      hasattr(alone, "optimizer") or hasattr(alone, "_master"), refusals,
+                      os.path.exists(os.path.join(root, "step3")))
     out.put(found)
 
 
@@ -188,9 +202,12 @@ def _weights_only_worker(rank, world, out, root, dtype):
 def test_a_weights_only_load_takes_the_module_alone(dtype, tmp_path, torch_one_thread):
     """``load(weights_only=True)`` (``oppo-train --evaluate``): the module's saved weights
     exactly (bf16: the module's own, not the fp32 master copy); the optimizer's moments and
-    the schedule stay as built, where the full load restores them."""
+    the schedule stay as built, where the full load restores them. An engine built
+    ``weights_only`` (the evaluation's actor) holds neither master copy nor optimizer, loads
+    the same weights, and refuses to train, save or give a learning rate."""
     found, = _spawn(_weights_only_worker, 1, str(tmp_path), dtype)
     assert found[True] == (True, 0, True)
+    assert found["alone"] == (True, False, [True] * 3, False)
     same, moments, lr_as_built = found[False]
     assert same and moments > 0 and not lr_as_built
 

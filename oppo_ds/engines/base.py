@@ -107,8 +107,13 @@ class TrainEngine(ABC):
         world_size: data-parallel ranks.
         rank: this process's data-parallel rank.
         device: where inputs must be placed.
+
+    An engine built for its weights alone (``weights_only``, for ``oppo-train --evaluate``)
+    holds no optimizer and no schedule: it decodes and scores, :meth:`load` takes the
+    weights alone, and :meth:`train_step` and :meth:`save` raise ``RuntimeError``.
     """
 
+    weights_only: bool = False
     module: torch.nn.Module
     gradient_accumulation_steps: int
     world_size: int
@@ -178,6 +183,12 @@ class TrainEngine(ABC):
     resumed_changes: dict[str, tuple[float, float]] = {}
     """After :meth:`load`: the optimizer settings (``lr``: the peak learning rate,
     ``weight_decay``) this run's configuration changed from the checkpoint's, as (saved, now)."""
+
+    def _refuse_without_optimizer(self, what: str) -> None:
+        """``RuntimeError`` for ``what`` (training, a save) on a weights-only engine."""
+        if self.weights_only:
+            raise RuntimeError(f"{type(self).__name__} was built with weights_only=True (an "
+                               f"evaluation): it has no optimizer, so it cannot {what}")
 
     def _check_micro_batches(self, micro_batches: list) -> None:
         """The rule of :meth:`train_step`: one call is exactly one update."""

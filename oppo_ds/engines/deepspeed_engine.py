@@ -373,6 +373,99 @@ def close_engines(engines: Optional[list] = None) -> int:
     return sum(_destroy(engine) for engine in list(_OPEN_ENGINES if engines is None else engines))
 
 
+# --------------------------------------------------------------------------------------
+# Checkpoints read for the weights alone (an engine built weights_only)
+# --------------------------------------------------------------------------------------
+
+def _tag_folder(ckpt_dir: str, tag: str | None) -> str:
+    """``ckpt_dir/tag`` (``tag=None``: the one ``latest`` names); ``FileNotFoundError`` if
+    there is no such checkpoint."""
+    if tag is None:
+        latest = os.path.join(ckpt_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir!r} (tag=None)")
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(ckpt_dir, str(tag))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir!r} (tag={tag!r})")
+    return folder
+
+
+def _mapped(path: str) -> dict:
+    """A DeepSpeed checkpoint file, memory-mapped: the pages of what is not taken from it
+    (the optimizer's state) are never read."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: a DeepSpeed checkpoint of this number of "
+                                f"ranks, written by ZeRO-0/1/2 (mp_rank_00_model_states.pt) or "
+                                f"ZeRO-3 (zero_pp_rank_*), was expected")
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_stage: int,
+                        rank: int) -> None:
+    """The weights of the checkpoint ``folder`` into an engine without an optimizer.
+
+    ZeRO-0/1/2 write the whole module (its weights in the training dtype) in one model file:
+    its ``module`` entry is loaded, strictly. ZeRO-3 keeps each rank's part of the weights
+    only in its optimizer file, as that rank's fp32 master partitions (a flat tensor per
+    sub-group, the parameters in the order of the model file's ``param_shapes``, each
+    parameter's slice as long as its partition); frozen parameters' partitions lie in the
+    rank's model file (``frozen_param_fragments``). Each rank copies its own slices into its
+    own partitions (cast to the engine's dtype, as ZeRO-3 casts its master copy after a
+    step): nothing is gathered and no other rank's file is read. DeepSpeed's own
+    weights-only load (``load_module_only``) would assemble the whole fp32 model on every
+    rank, from the tag ``latest`` names. Partitions follow the number of ranks: a ZeRO-3
+    checkpoint loads into the number of ranks that wrote it (the trainer's checkpoints refuse
+    another number before this)."""
+    module = engine.module
+    if zero_stage != 3:
+        state = _mapped(os.path.join(folder, "mp_rank_00_model_states.pt"))
+        with torch.no_grad():
+            module.load_state_dict(state["module"], strict=True)
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    name = f"zero_pp_rank_{rank}_mp_rank_00"
+    model_state = _mapped(os.path.join(folder, f"{name}_model_states.pt"))
+    found = [f for f in os.listdir(folder) if f.endswith(f"{name}_optim_states.pt")]
+    if len(found) != 1:
+        raise FileNotFoundError(f"{folder}: one ZeRO-3 optimizer file *{name}_optim_states.pt "
+                                f"was expected (its weights' partitions), found {found}")
+    groups = _mapped(os.path.join(folder, found[0]))["optimizer_state_dict"]["fp32_flat_groups"]
+    params = dict(module.named_parameters())
+    order = [n for shapes in model_state["param_shapes"] for n in shapes]
+    frozen = model_state.get("frozen_param_fragments") or {}
+    if sorted(order + list(frozen)) != sorted(params):
+        raise ValueError(f"{folder} holds the parameters of another model: "
+                         f"{sorted(set(order) ^ set(params) - set(frozen))[:5]} differ")
+    gathered = [n for n, p in params.items() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
+    if gathered:  # a copy into the partition would not reach the gathered tensor
+        raise RuntimeError(f"load the weights before any forward: {gathered[:3]} are gathered")
+    flat = iter(groups)
+    group, offset = next(flat), 0
+    with torch.no_grad():
+        for n in order:
+            partition = params[n].ds_tensor
+            if offset == group.numel():
+                group, offset = next(flat), 0
+            if offset + partition.numel() > group.numel():
+                raise ValueError(f"{folder}: {n}'s partition ({partition.numel()} elements) "
+                                 f"runs past its group's end: written by another number of "
+                                 f"ranks or another DeepSpeed layout")
+            partition.copy_(group[offset:offset + partition.numel()].view_as(partition))
+            offset += partition.numel()
+        if offset != group.numel() or next(flat, None) is not None:
+            raise ValueError(f"{folder}: the fp32 partitions hold more than this model's "
+                             f"parameters: written by another number of ranks")
+        for n, fragment in frozen.items():
+            params[n].ds_tensor.copy_(fragment.view_as(params[n].ds_tensor))
+        buffers = dict(module.named_buffers())
+        for n in model_state.get("buffer_names") or []:
+            if n in buffers and n in model_state["module"]:
+                buffers[n].copy_(model_state["module"][n])
+
+
 class DeepSpeedTrainEngine(TrainEngine):
     """A model trained with DeepSpeed (``deepspeed.initialize`` with a built config).
 
@@ -400,6 +493,14 @@ class DeepSpeedTrainEngine(TrainEngine):
         tensorboard_dir: DeepSpeed's own TensorBoard monitor.
         ds_config_overrides: merged (recursively) into the built config last; for keys this
             class does not expose. Overridden values are logged.
+        weights_only: the weights alone, for an evaluation (``oppo-train --evaluate``): no
+            optimizer, no schedule, so no fp32 master copy or Adam moments are allocated
+            (under ZeRO-1/2 DeepSpeed allocates the master partition when the engine is
+            built, the moments at the first update or load). ZeRO-1/2
+            run as ZeRO-0 (they partition the optimizer alone: every rank holds the whole
+            weights either way); ZeRO-3 partitions the parameters as in training, and
+            :meth:`load` reads each rank's own partitions. It loads any of these stages'
+            checkpoints of the same ranks and cannot train or save.
     """
 
     def __init__(
@@ -427,6 +528,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         release_inference_cache: bool = False,
         tensorboard_dir: str | None = None,
         ds_config_overrides: dict | None = None,
+        weights_only: bool = False,
     ) -> None:
         check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
         if not lr >= 0:
@@ -443,32 +545,36 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.zero_stage = zero_stage
         self.dtype = dtype
 
+        self.weights_only = weights_only
         use_cpu_adam = offload if cpu_adam is None else cpu_adam
-        self.config = build_ds_config(
-            train_micro_batch_size_per_gpu=micro_batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            world_size=self.world_size,
-            zero_stage=zero_stage,
-            offload=offload,
-            dtype=dtype,
-            grad_clip=grad_clip,
-            hybrid_engine=hybrid_engine,
-            inference_tp_size=inference_tp_size,
-            release_inference_cache=release_inference_cache,
-            tensorboard_dir=tensorboard_dir,
-            force_ds_cpu_optimizer=use_cpu_adam,
-        )
+        hybrid = dict(hybrid_engine=hybrid_engine, inference_tp_size=inference_tp_size,
+                      release_inference_cache=release_inference_cache)
+        if weights_only:
+            self.config = build_inference_ds_config(
+                zero_stage=3 if zero_stage == 3 else 0, offload=offload and zero_stage == 3,
+                dtype=dtype, micro_batch_size=micro_batch_size, world_size=self.world_size,
+                **hybrid)
+        else:
+            self.config = build_ds_config(
+                train_micro_batch_size_per_gpu=micro_batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                world_size=self.world_size, zero_stage=zero_stage, offload=offload,
+                dtype=dtype, grad_clip=grad_clip, tensorboard_dir=tensorboard_dir,
+                force_ds_cpu_optimizer=use_cpu_adam, **hybrid)
         if ds_config_overrides:
             self.config = _merged(self.config, ds_config_overrides)
 
         torch.manual_seed(seed)
         get_accelerator().manual_seed_all(seed)
-        with _warn_if_a_build_lock_holds():  # CPU Adam builds an op on first use
-            optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
-                                         weight_decay=weight_decay, betas=betas, eps=eps)
-        self._peak_lr, self._group_decay = lr, [g["weight_decay"] for g in optimizer.param_groups]
-        lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
-                                           total_steps=total_steps, scheduler=scheduler)
+        optimizer = lr_scheduler = None
+        if not weights_only:
+            with _warn_if_a_build_lock_holds():  # CPU Adam builds an op on first use
+                optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
+                                             weight_decay=weight_decay, betas=betas, eps=eps)
+            self._group_decay = [g["weight_decay"] for g in optimizer.param_groups]
+            lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
+                                               total_steps=total_steps, scheduler=scheduler)
+        self._peak_lr = lr
         without_kernels = hybrid_engine and not self._want_kernels(inject_kernels)
         with _hybrid_engine_without_kernels() if without_kernels else contextlib.nullcontext():
             self._engine = _initialize(model=model, optimizer=optimizer,
@@ -478,7 +584,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         # with plain fp32 data parallel it clips with a norm it then drops.
         self._untracked_grad_norm = zero_stage == 0 and dtype == "fp32"
         self._last_grad_norm: float | None = None
-        self.optimizer_name = type(optimizer).__name__
+        self.optimizer_name = "none (weights only)" if weights_only else type(optimizer).__name__
         self.hybrid_engine_path = self._hybrid_path(hybrid_engine, inject_kernels)
         if self.rank == 0:
             logger.info("DeepSpeed engine: ZeRO-%d, %s, offload=%s, optimizer=%s, "
@@ -513,6 +619,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         return self._engine
 
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
+        self._refuse_without_optimizer("train")
         self._check_micro_batches(micro_batches)
         self._engine.train()
         all_stats = []
@@ -571,6 +678,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         return gathered_without_hooks([self._engine])
 
     def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
+        self._refuse_without_optimizer("save a checkpoint")
         self._engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {})
 
     def load(self, ckpt_dir: str, tag: str | None = None, *, weights_only: bool = False) -> dict:
@@ -580,7 +688,12 @@ class DeepSpeedTrainEngine(TrainEngine):
         weights-only load assembles the whole fp32 model on every rank from every rank's
         optimizer files (``get_fp32_state_dict_from_zero_checkpoint``, where the full load
         reads this rank's own partition), and of the tag ``latest`` names, not the one asked
-        for; the full load it is."""
+        for; the full load it is. An engine built ``weights_only`` reads its weights alone
+        whatever it is asked (see :func:`_load_weights_alone`)."""
+        if self.weights_only:
+            _load_weights_alone(self._engine, _tag_folder(ckpt_dir, tag), self.zero_stage,
+                                self.rank)
+            return {}
         module_only = weights_only and self.zero_stage != 3
         path, client_state = self._engine.load_checkpoint(
             ckpt_dir, tag=tag, load_optimizer_states=not module_only,
@@ -594,6 +707,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         return client_state or {}
 
     def lr(self) -> float:
+        self._refuse_without_optimizer("report a learning rate")
         return float(self._engine.get_lr()[0])
 
     def grad_norm(self) -> float | None:

@@ -24,6 +24,11 @@ STAGE3_PARAM_PERSISTENCE_THRESHOLD = 10_000
 STAGE3_MAX_LIVE_PARAMETERS = 30_000_000
 STAGE3_PREFETCH_BUCKET_SIZE = 30_000_000
 
+# The hybrid engine's defaults: layers gathered per group under inference tensor parallelism,
+# and the inference kernels' KV workspace (prompt + response tokens)
+TP_GATHER_PARTITION_SIZE = 8
+MAX_OUT_TOKENS = 512
+
 # DeepSpeed's throughput timer is on by default, and the engine starts it in a hook before
 # every forward of its module when no training dataloader was given to it (ours never are):
 # from the third optimizer step on, each forward then synchronizes the whole device. A decode
@@ -96,8 +101,8 @@ def build_ds_config(
     inference_tp_size: int = 1,
     release_inference_cache: bool = False,
     pin_parameters: bool = True,
-    tp_gather_partition_size: int = 8,
-    max_out_tokens: int = 512,
+    tp_gather_partition_size: int = TP_GATHER_PARTITION_SIZE,
+    max_out_tokens: int = MAX_OUT_TOKENS,
     tensorboard_dir: str | None = None,
     steps_per_print: int = 10**9,
     force_ds_cpu_optimizer: bool = True,
@@ -195,8 +200,12 @@ def _hybrid_engine_section(*, inference_tp_size: int, release_inference_cache: b
 
 
 def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
-                              micro_batch_size: int = 1, world_size: int = 1) -> dict:
-    """DeepSpeed config of a frozen model (reference, reward) wrapped for ZeRO-3 sharding.
+                              micro_batch_size: int = 1, world_size: int = 1,
+                              hybrid_engine: bool = False, inference_tp_size: int = 1,
+                              release_inference_cache: bool = False) -> dict:
+    """DeepSpeed config of a model without an optimizer: a frozen scorer (reference, reward)
+    wrapped for ZeRO-3 sharding, or an actor built for its weights alone (an evaluation,
+    with the hybrid engine's section as :func:`build_ds_config` writes it).
 
     Only ZeRO-3 changes anything for a model without an optimizer (its parameters are
     partitioned and gathered per layer); stages 0-2 give a replicated model. ``offload``
@@ -229,4 +238,9 @@ def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
         config["fp16"] = {"enabled": True}
     elif dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if hybrid_engine:
+        config["hybrid_engine"] = _hybrid_engine_section(
+            inference_tp_size=inference_tp_size, release_inference_cache=release_inference_cache,
+            pin_parameters=True, tp_gather_partition_size=TP_GATHER_PARTITION_SIZE,
+            max_out_tokens=MAX_OUT_TOKENS, world_size=world_size)
     return config

@@ -35,7 +35,8 @@ def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
         engine_args: the optimizer / schedule / batch arguments shared by actor and critic.
         on_stage: frozen models held by the scorer rank instead (``oppo.placement: stage``).
         evaluating: for ``oppo-train --evaluate``, which answers with the actor and scores
-            with the reward model: no critic and no reference are built.
+            with the reward model: no critic and no reference are built, and the actor's
+            engine holds its weights alone (no optimizer: ``weights_only``).
     """
     if cfg.system.backend == "deepspeed":
         return _deepspeed_models(cfg, sources, common, engine_args, on_stage, evaluating)
@@ -85,7 +86,8 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     actor_model = prepare_trained(
         disable_dropout(build_causal_lm(src.actor, device=on, **common)), cfg, "actor")
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
-                                 inference_tp_size=s.inference_tp_size, **engine_args)
+                                 inference_tp_size=s.inference_tp_size, weights_only=evaluating,
+                                 **engine_args)
     critic = None
     if p.uses_critic and not evaluating:
         critic_model = prepare_trained(

@@ -67,6 +67,9 @@ class MegatronTrainEngine(TrainEngine):
             LR schedule (:func:`~oppo_ds.engines.base.lr_multiplier`), as for DeepSpeed.
         gradient_accumulation_steps: micro-batches per update.
         grad_clip: clip the global gradient norm to this (None: no clipping).
+        weights_only: the weights alone, for an evaluation (``oppo-train --evaluate``): no
+            fp32 master copy of a bf16 / fp16 model (built here otherwise), no optimizer, no
+            schedule; it decodes, scores and loads weights, and cannot train or save.
     """
 
     hybrid_engine_path = "off"
@@ -74,7 +77,8 @@ class MegatronTrainEngine(TrainEngine):
     def __init__(self, model, groups, *, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  warmup_steps: int = 0, total_steps: int, scheduler: str = "constant",
-                 gradient_accumulation_steps: int = 1, grad_clip: float | None = 1.0):
+                 gradient_accumulation_steps: int = 1, grad_clip: float | None = 1.0,
+                 weights_only: bool = False):
         check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr!r}")
@@ -84,6 +88,11 @@ class MegatronTrainEngine(TrainEngine):
         self.data_parallel_group = groups.dp_group
         self.device = model.device
         self.grad_clip = grad_clip
+        self.weights_only = weights_only
+        self._peak_lr = lr
+        self._grad_norm: float | None = None
+        if weights_only:
+            return
         self._params = [p for p in model.parameters() if p.requires_grad]
         # fp32 master copies for bf16 / fp16 weights, so small updates are not rounded away
         self._master = None
@@ -95,15 +104,15 @@ class MegatronTrainEngine(TrainEngine):
         groups_ = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups_, lr=lr, betas=betas, eps=eps)
-        self._peak_lr, self._group_decay = lr, [g["weight_decay"] for g in groups_]
+        self._group_decay = [g["weight_decay"] for g in groups_]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
                                               total_steps=total_steps, scheduler=scheduler))
-        self._grad_norm: float | None = None
 
     # -- TrainEngine ---------------------------------------------------------------------
 
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
+        self._refuse_without_optimizer("train")
         self._check_micro_batches(micro_batches)
         self.module.train()
         all_stats = []
@@ -173,6 +182,7 @@ class MegatronTrainEngine(TrainEngine):
         return os.path.join(ckpt_dir, tag, f"mp_rank_{g.tp_rank:02d}_{g.pp_rank:03d}.pt")
 
     def save(self, ckpt_dir: str, tag: str, client_state: dict | None = None) -> None:
+        self._refuse_without_optimizer("save a checkpoint")
         if self.groups.dp_rank != 0:  # the replicas hold the same state
             return
         path = self._shard_path(ckpt_dir, tag)
@@ -191,7 +201,9 @@ class MegatronTrainEngine(TrainEngine):
     def load(self, ckpt_dir: str, tag: str | None = None, *, weights_only: bool = False) -> dict:
         """``weights_only`` (see :meth:`TrainEngine.load`): the shard file is mapped, not read,
         and only the module's weights are taken from it (the bf16 module's own: a
-        mixed-precision run's fp32 master copy and the optimizer's moments stay on disk)."""
+        mixed-precision run's fp32 master copy and the optimizer's moments stay on disk). An
+        engine built ``weights_only`` loads so whatever it is asked."""
+        weights_only = weights_only or self.weights_only
         if tag is None:  # the newest: highest step number (step10 after step9)
             tags = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
             numbered = [(int(m.group(1)), t) for t in tags if (m := re.fullmatch(r"\D*(\d+)", t))]
@@ -220,6 +232,7 @@ class MegatronTrainEngine(TrainEngine):
         return state["client_state"]
 
     def lr(self) -> float:
+        self._refuse_without_optimizer("report a learning rate")
         return float(self.scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> float | None:
@@ -257,7 +270,8 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
     """Actor and critic as ``MegatronTrainEngine``s, reference and reward as frozen
     ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``;
     None for the models in ``on_stage`` (the stage placement's scorer rank holds those), and
-    for the critic and reference when ``evaluating`` (``oppo-train --evaluate``).
+    for the critic and reference when ``evaluating`` (``oppo-train --evaluate``), whose actor
+    is built for its weights alone (no master copy, no optimizer).
 
     A safetensors checkpoint directory is read without building the HF model: every rank
     reads only its own blocks of the tensors of its pipeline stage (``megatron.loading``).
@@ -305,12 +319,13 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                  warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
                  gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
                  grad_clip=engine_args["grad_clip"])
-    def trained(source: str, kind: str, lr: float) -> MegatronTrainEngine:
+    def trained(source: str, kind: str, lr: float, weights_only: bool = False
+                ) -> MegatronTrainEngine:
         model = load(source, kind)
         model.recompute = s.gradient_checkpointing
-        return MegatronTrainEngine(model, groups, lr=lr, **train)
+        return MegatronTrainEngine(model, groups, lr=lr, weights_only=weights_only, **train)
 
-    actor = trained(sources.actor, "lm", p.actor_lr)
+    actor = trained(sources.actor, "lm", p.actor_lr, weights_only=evaluating)
     critic = trained(sources.critic, "value", p.critic_lr) \
         if p.uses_critic and not evaluating else None
     reference = None if "reference" in on_stage or not p.uses_reference or evaluating else \
