@@ -368,7 +368,9 @@ def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
     """Over two gloo ranks under ZeRO-3 each rank answers its share (5 prompts in two batches
     of 4 and 4 in one: the ranks generate a different number of times) and rank 0 writes all
     of them: greedy, the untrained actor's answers (step 0) are those of a one-process run of
-    the same models (texts equal; rewards within 1e-4: the batches are padded differently)."""
+    the same models (texts equal; rewards within 1e-4: the batches are padded differently).
+    ``--evaluate`` on the two ranks then answers as the run's own evaluation after step 1 did,
+    from the ZeRO-3 checkpoint each rank reads its own partitions of (weights-only engine)."""
     from test_distributed import SMALL as DIST_SMALL
     from test_distributed import launch
 
@@ -378,6 +380,15 @@ def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
     two = [a for a in read_history(str(tmp_path / "two" / "eval_samples.jsonl")) if a["step"] == 0]
     assert sorted(a["prompt_id"] for a in two) == sorted(f"builtin-eval-{i}" for i in range(9))
     assert [r["step"] for r in read_history(str(tmp_path / "two" / "eval.jsonl"))] == [0, 1]
+
+    launch(tmp_path / "two", cache, "--evaluate", "steps=1", *greedy)
+    last = [a for a in read_history(str(tmp_path / "two" / "eval_samples.jsonl")) if a["step"] == 1]
+    again = read_history(str(tmp_path / "two" / "evaluations" / "step_1_samples.jsonl"))
+    assert sorted((a["prompt_id"], a["response"]) for a in again) == \
+        sorted((a["prompt_id"], a["response"]) for a in last)
+    rewards = {a["prompt_id"]: a["reward"] for a in last}
+    assert [a["reward"] for a in again] == pytest.approx([rewards[a["prompt_id"]] for a in again],
+                                                         abs=1e-6)
 
     one = _trainer(str(cache), tmp_path / "one", *greedy, base=DIST_SMALL).evaluate()[1]
     by_id = {a["prompt_id"]: a for a in one}
