@@ -52,7 +52,8 @@ class CheckpointManager:
     def __init__(self, root: str, *, rank: int, world_size: int, keep_last: int,
                  evaluating: bool = False):
         """``evaluating``: loads serve ``oppo-train --evaluate``, whose refusals name its own
-        ways out (a fresh start there evaluates ``model.actor``, not a checkpoint)."""
+        ways out (a fresh start there evaluates ``model.actor``, not a checkpoint), and which
+        reads the weights alone: of a checkpoint of any number of ranks."""
         self.root, self.rank, self.world_size, self.keep_last = root, rank, world_size, keep_last
         self.evaluating = evaluating
 
@@ -100,7 +101,8 @@ class CheckpointManager:
         Raises ``ConfigError`` (key ``checkpoint.resume``) before touching an engine when
         ``tag`` was written by another number of ranks: every rank's rollout pool, prompt
         shard and random state are its own, and a rank without its file (or a file without
-        its rank) would lose or invent them."""
+        its rank) would lose or invent them. Not for an evaluation, which takes the weights
+        and the step alone (a rank beyond the checkpoint's reads rank 0's state)."""
         check_tag(self.root, tag)
         folder = os.path.join(self.root, "trainer", tag)
         files = os.listdir(folder)
@@ -109,17 +111,17 @@ class CheckpointManager:
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} is incomplete: {folder} holds the trainer state of ranks "
                 f"{saved}; {self._another_tag()}"))
-        if len(saved) != self.world_size:
+        if len(saved) != self.world_size and not self.evaluating:
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} was written by {len(saved)} rank(s), this run has "
                 f"{self.world_size}: each rank's rollout pool, prompt shard and random state "
                 f"are its own; "
-                + (f"evaluate it with {len(saved)} rank(s)" if self.evaluating else
-                   f"resume with {len(saved)} rank(s), or start afresh with "
-                   f"checkpoint.resume=never")))
+                f"resume with {len(saved)} rank(s), or start afresh with "
+                f"checkpoint.resume=never"))
         # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise
         # come back on the saving rank's GPU, which a resume on another layout may not have
-        state = torch.load(os.path.join(folder, f"rank{self.rank}.pt"), weights_only=False,
+        mine = self.rank if self.rank < len(saved) else 0
+        state = torch.load(os.path.join(folder, f"rank{mine}.pt"), weights_only=False,
                            map_location="cpu")
         if check is not None:  # before the engines: it may refuse what they would choke on
             check(state)
@@ -131,7 +133,14 @@ class CheckpointManager:
                 f"checkpoint {tag} is incomplete: nothing of the {' and '.join(empty)} under "
                 f"{self.root}; {self._another_tag()}"))
         for name, engine in engines.items():
-            engine.load(os.path.join(self.root, name), tag, weights_only=weights_only)
+            try:
+                engine.load(os.path.join(self.root, name), tag, weights_only=weights_only)
+            except ConfigError:
+                raise
+            except (FileNotFoundError, ValueError) as err:  # files missing, another model's
+                raise ConfigError("checkpoint.resume", (
+                    f"checkpoint {tag}: the {name}'s files could not be read: {err}; "
+                    f"{self._another_tag()}")) from err
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and torch.cuda.is_available():

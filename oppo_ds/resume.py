@@ -266,8 +266,11 @@ class Resumable:
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
             settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
         if self.evaluating_only:  # no critic is built: what only it follows may differ (and
-            for key in ("model.critic", "model.critic_lora_dim", "ppo.advantage_estimator"):
-                del settings[key]  # model.reward, which the critic started from, scores)
+            # model.reward, which the critic started from, scores); the actor's weights are
+            # read from any ZeRO stage's files and cast to this run's dtype
+            for key in ("model.critic", "model.critic_lora_dim", "ppo.advantage_estimator",
+                        "system.zero_stage", "system.dtype"):
+                del settings[key]
         return settings
 
     def _check_checkpoint_settings(self, tag: str, state: dict) -> None:

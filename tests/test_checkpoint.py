@@ -32,7 +32,7 @@ class _Engine:
         self.loaded = True
 
 
-def test_another_world_size_is_refused_before_the_engines(tmp_path):
+def test_another_world_size_is_refused_before_the_engines_but_evaluated(tmp_path):
     _write(tmp_path, "step1", [0, 1])
     engine = _Engine()
     manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2)
@@ -43,10 +43,29 @@ def test_another_world_size_is_refused_before_the_engines(tmp_path):
     manager = CheckpointManager(str(tmp_path), rank=2, world_size=3, keep_last=2)
     with pytest.raises(ConfigError, match="written by 2 rank"):
         manager.load("step1", {"actor": engine})
-    # for oppo-train --evaluate, where a fresh start would evaluate model.actor instead
+    # oppo-train --evaluate takes the weights and the step alone: any number of ranks, a rank
+    # beyond the checkpoint's reading rank 0's state
+    for rank, world in ((0, 1), (2, 3)):
+        engine = _Engine()
+        manager = CheckpointManager(str(tmp_path), rank=rank, world_size=world, keep_last=2,
+                                    evaluating=True)
+        assert manager.load("step1", {"actor": engine})["step"] == 1 and engine.loaded
+
+
+def test_an_engine_that_cannot_read_its_files_names_the_key(tmp_path):
+    """An engine's ``FileNotFoundError`` or ``ValueError`` (its files missing, another model's
+    weights) reaches the user as a ``ConfigError`` on checkpoint.resume with the way out."""
+    _write(tmp_path, "step1", [0])
+
+    class Unreadable(_Engine):
+        def load(self, path, tag, weights_only=False):
+            raise ValueError("it holds the weights of another model: x is (2,) there")
     manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2, evaluating=True)
-    with pytest.raises(ConfigError, match=r"are its own; evaluate it with 2 rank\(s\)$"):
-        manager.load("step1", {"actor": engine})
+    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: checkpoint step1: the actor's "
+                                          r"files could not be read: it holds the weights of "
+                                          r"another model: x is \(2,\) there; evaluate another "
+                                          r"tag"):
+        manager.load("step1", {"actor": Unreadable()})
 
 
 def test_an_incomplete_or_missing_tag_is_refused(tmp_path):

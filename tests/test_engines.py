@@ -348,8 +348,10 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     (tag ``None``: the latest) it takes exactly the saved weights and gives the same logits;
     the optimizer files of ZeRO-1/2 are not read (removed first); under ZeRO-3 the rank's
     partitions come from its own optimizer file. It cannot train, save or give a learning
-    rate; a tag that is not there raises ``FileNotFoundError``. GPT-2 ties its output layer to
-    its embeddings: one parameter, one partition."""
+    rate; a tag that is not there raises ``FileNotFoundError``, another model's checkpoint
+    ``ValueError``. GPT-2 ties its output layer to its embeddings: one parameter, one
+    partition. Forwards before the load leave ZeRO-3's persistent parameters gathered: the
+    load releases them first."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     trained = make_engine(arch, zero_stage=stage, dtype=dtype, hybrid_engine=hybrid)
@@ -373,6 +375,8 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
         assert engine.ds_engine.optimizer is None
     assert engine.ds_engine.lr_scheduler is None
     assert engine.hybrid_engine_path == (HYBRID_NO_KERNELS_CPU if hybrid else HYBRID_OFF)
+    for _ in range(3):  # forwards first: ZeRO-3 keeps small parameters gathered after them
+        engine.forward_no_grad(lambda model: model(input_ids=fixed_batch()["input_ids"]))
     assert engine.load(str(tmp_path)) == {}
     assert_params_close(full_params(engine), saved, atol=0)
     assert torch.equal(_logits(engine, fixed_batch(seed=1)), logits)
@@ -384,6 +388,11 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     with pytest.raises(FileNotFoundError, match="tag='step9'"):
         engine.load(str(tmp_path), "step9")
     engine.close()
+    other = make_engine("qwen2" if arch == "llama" else "llama", zero_stage=stage, dtype=dtype,
+                        weights_only=True)
+    with pytest.raises(ValueError, match="holds the weights of another model: "):
+        other.load(str(tmp_path), "step1")
+    other.close()
 
 
 def _zero3_weights_alone_rank(rank, world, out, root, dtype):
@@ -396,6 +405,8 @@ def _zero3_weights_alone_rank(rank, world, out, root, dtype):
     trained.train_step([fixed_batch(seed=rank)], lm_loss)
     trained.save(root, tag="step1")
     saved, logits = full_params(trained), _logits(trained, fixed_batch(seed=2))
+    if rank == 0:  # for the other layouts' loads (the next test)
+        torch.save({"weights": saved, "logits": logits}, os.path.join(root, "saved.pt"))
     groups = len(torch.load(os.path.join(root, "step1", [
         f for f in os.listdir(os.path.join(root, "step1"))
         if f.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")][0]),
@@ -419,7 +430,9 @@ def test_a_zero3_engine_of_the_weights_alone_reads_each_ranks_own_partitions(dty
     every rank) and the gathered weights and logits equal the trained engine's exactly: with
     a frozen parameter (kept in the model file), partitions padded to the ranks, the trained
     engine's fp32 master split in many sub-groups, and another persistence threshold than
-    the trained engine's (it decides when a parameter is gathered, not how it is split)."""
+    the trained engine's (it decides when a parameter is gathered, not how it is split). Two
+    ranks then load it under ZeRO-3 (partitions cut anew from the three ranks' files) and
+    under ZeRO-0 (whole parameters), to the same weights and logits."""
     from _builders import spawn_gloo
 
     # three: a tiny model's sizes are even, so two ranks would pad no partition
@@ -429,6 +442,25 @@ def test_a_zero3_engine_of_the_weights_alone_reads_each_ranks_own_partitions(dty
     for _, rank, same_weights, same_logits, groups, paddings in found:
         assert same_weights and same_logits, rank
         assert groups > 2 and paddings[-1] > 0  # the layouts the test is meant to cover
+    # an evaluation on another number of ranks or another stage reads the same checkpoint
+    found = sorted(m for m in spawn_gloo(_elsewhere_rank, 2, str(tmp_path), dtype, join_s=240,
+                                         group_timeout_s=60) if m[0] == "ok")
+    assert [m[1:] for m in found] == [(0, [(3, True, True), (0, True, True)]),
+                                      (1, [(3, True, True), (0, True, True)])]
+
+
+def _elsewhere_rank(rank, world, out, root, dtype):
+    saved = torch.load(os.path.join(root, "saved.pt"))
+    found = []
+    for stage in (3, 0):
+        engine = make_engine(model=tiny_model("llama", seed=1), zero_stage=stage, dtype=dtype,
+                             weights_only=True)
+        engine.load(root, "step1")
+        got = full_params(engine)
+        found.append((stage, all(torch.equal(got[n], w) for n, w in saved["weights"].items()),
+                      torch.equal(_logits(engine, fixed_batch(seed=2)), saved["logits"])))
+        engine.close()
+    out.put(("ok", rank, found))
 
 
 def test_load_missing_checkpoint_raises(tmp_path):

@@ -206,8 +206,10 @@ def test_evaluate_only_scores_the_checkpoint_and_leaves_the_run_alone(cache_dir,
                                  f"logging.output_dir={out}", *settings,
                                  f"checkpoint.resume={resume}"])
         trainer = PPOTrainer(cfg, evaluate_only=True)
-        # the actor and the reward model alone: no critic or reference is built for it
+        # the actor and the reward model alone: no critic or reference is built for it, and
+        # the actor's engine holds its weights alone
         assert trainer.critic is None and trainer.reference is None
+        assert trainer.actor.weights_only and trainer.actor.optimizer_name == "none (weights only)"
         result = trainer.evaluate_only()
         trainer.close()
         assert result["step"] == step
@@ -293,11 +295,11 @@ def test_evaluate_only_reads_the_weights_of_a_pool_checkpoint_alone(cache_dir, t
     assert result["step"] == 2 and result["eval/response_len_mean"] <= 4
     # other models than the checkpoint's: refused as a resume is, but the way out named is
     # the evaluation's (a fresh start would evaluate model.actor, not the checkpoint)
-    with pytest.raises(ConfigError, match=r"^system\.zero_stage: 2, but checkpoint step2 was "
-                                          r"written with 0: .*evaluate it with the settings it "
-                                          r"was written with \(checkpoint\.resume=never would "
+    with pytest.raises(ConfigError, match=r"^model\.actor_lora_dim: 2, but checkpoint step2 "
+                                          r"was written with 0: .*evaluate it with the settings "
+                                          r"it was written with \(checkpoint\.resume=never would "
                                           r"evaluate model\.actor itself\)$"):
-        PPOTrainer(load_config(None, [*base, "system.zero_stage=2"]), evaluate_only=True)
+        PPOTrainer(load_config(None, [*base, "model.actor_lora_dim=2"]), evaluate_only=True)
 
     def no_engines(*args, **kwargs):
         raise AssertionError("an engine was built")
@@ -370,7 +372,9 @@ def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
     of them: greedy, the untrained actor's answers (step 0) are those of a one-process run of
     the same models (texts equal; rewards within 1e-4: the batches are padded differently).
     ``--evaluate`` on the two ranks then answers as the run's own evaluation after step 1 did,
-    from the ZeRO-3 checkpoint each rank reads its own partitions of (weights-only engine)."""
+    from the ZeRO-3 checkpoint each rank reads its own partitions of (weights-only engine),
+    and so does one rank under ZeRO-0 (an evaluation reads any stage's files of any number of
+    ranks; rewards within 1e-4 again)."""
     from test_distributed import SMALL as DIST_SMALL
     from test_distributed import launch
 
@@ -389,6 +393,13 @@ def test_two_ranks_evaluate_the_prompts_one_rank_does(tmp_path):
     rewards = {a["prompt_id"]: a["reward"] for a in last}
     assert [a["reward"] for a in again] == pytest.approx([rewards[a["prompt_id"]] for a in again],
                                                          abs=1e-6)
+    launch(tmp_path / "two", cache, "--evaluate", "steps=1", *greedy[:-1], "system.zero_stage=0",
+           ranks=1)
+    alone = read_history(str(tmp_path / "two" / "evaluations" / "step_1-2_samples.jsonl"))
+    assert sorted((a["prompt_id"], a["response"]) for a in alone) == \
+        sorted((a["prompt_id"], a["response"]) for a in last)
+    assert [a["reward"] for a in alone] == pytest.approx([rewards[a["prompt_id"]] for a in alone],
+                                                         abs=1e-4)
 
     one = _trainer(str(cache), tmp_path / "one", *greedy, base=DIST_SMALL).evaluate()[1]
     by_id = {a["prompt_id"]: a for a in one}

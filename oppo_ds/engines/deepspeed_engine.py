@@ -28,10 +28,12 @@ on a GPU; if it fails there, pass ``inject_kernels=False``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -394,76 +396,164 @@ def _tag_folder(ckpt_dir: str, tag: str | None) -> str:
 
 def _mapped(path: str) -> dict:
     """A DeepSpeed checkpoint file, memory-mapped: the pages of what is not taken from it
-    (the optimizer's state) are never read."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: a DeepSpeed checkpoint of this number of "
-                                f"ranks, written by ZeRO-0/1/2 (mp_rank_00_model_states.pt) or "
-                                f"ZeRO-3 (zero_pp_rank_*), was expected")
+    (the optimizer's moments, other ranks' slices) are never read."""
     return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
-def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_stage: int,
-                        rank: int) -> None:
-    """The weights of the checkpoint ``folder`` into an engine without an optimizer.
+class SavedWeights:
+    """The weights of one DeepSpeed checkpoint tag, read by element range, whichever ZeRO
+    stage and number of ranks wrote it; files memory-mapped, so only the ranges read are
+    paged in.
 
-    ZeRO-0/1/2 write the whole module (its weights in the training dtype) in one model file:
-    its ``module`` entry is loaded, strictly. ZeRO-3 keeps each rank's part of the weights
-    only in its optimizer file, as that rank's fp32 master partitions (a flat tensor per
-    sub-group, the parameters in the order of the model file's ``param_shapes``, each
-    parameter's slice as long as its partition); frozen parameters' partitions lie in the
-    rank's model file (``frozen_param_fragments``). Each rank copies its own slices into its
-    own partitions (cast to the engine's dtype, as ZeRO-3 casts its master copy after a
-    step): nothing is gathered and no other rank's file is read. DeepSpeed's own
-    weights-only load (``load_module_only``) would assemble the whole fp32 model on every
-    rank, from the tag ``latest`` names. Partitions follow the number of ranks: a ZeRO-3
-    checkpoint loads into the number of ranks that wrote it (the trainer's checkpoints refuse
-    another number before this)."""
-    module = engine.module
-    if zero_stage != 3:
-        state = _mapped(os.path.join(folder, "mp_rank_00_model_states.pt"))
-        with torch.no_grad():
-            module.load_state_dict(state["module"], strict=True)
-        return
+    ZeRO-0/1/2 write the whole module (in the training dtype) in ``mp_rank_00_model_states.pt``.
+    ZeRO-3 writes, per rank, a model file (frozen parameters' partitions in
+    ``frozen_param_fragments``, the order of the trained ones in ``param_shapes``) and an
+    optimizer file whose ``fp32_flat_groups`` hold the rank's fp32 master partitions: one flat
+    tensor per sub-group, each parameter's partition (``ceil(numel / ranks)`` elements, the
+    last rank's padded) one after another in ``param_shapes`` order, the same offsets on every
+    rank (DeepSpeed's ``zero_to_fp32`` reads them so). DeepSpeed's own weights-only load
+    (``load_module_only``) assembles the whole fp32 model on every rank, of the tag ``latest``
+    names; reading ranges lets each rank take its own slices alone.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        whole = os.path.join(folder, "mp_rank_00_model_states.pt")
+        if os.path.isfile(whole):
+            self.module = _mapped(whole)["module"]  # name -> tensor (buffers and ties too)
+            self.ranks = None
+            return
+        ranks = sorted(int(m.group(1)) for m in (
+            re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", f)
+            for f in os.listdir(folder)) if m)
+        self.ranks = len(ranks)
+        if not ranks or ranks != list(range(self.ranks)):
+            raise FileNotFoundError(
+                f"{folder} holds no whole DeepSpeed checkpoint: mp_rank_00_model_states.pt "
+                f"(ZeRO-0/1/2) or zero_pp_rank_K_mp_rank_00_model_states.pt for K = 0, 1, ... "
+                f"(ZeRO-3) was expected; the ranks' files there: {ranks}")
+        states = [_mapped(os.path.join(folder, f"zero_pp_rank_{k}_mp_rank_00_model_states.pt"))
+                  for k in range(self.ranks)]
+        self._groups = []
+        for k in range(self.ranks):
+            name = f"zero_pp_rank_{k}_mp_rank_00_optim_states.pt"
+            found = [f for f in os.listdir(folder) if f.endswith(name)]  # bf16_ prefix or none
+            if len(found) != 1:
+                raise FileNotFoundError(f"{folder}: one ZeRO-3 optimizer file *{name} was "
+                                        f"expected (rank {k}'s partitions), found {found}")
+            self._groups.append(
+                _mapped(os.path.join(folder, found[0]))["optimizer_state_dict"]["fp32_flat_groups"])
+        self._frozen = [s.get("frozen_param_fragments") or {} for s in states]
+        self.shapes = {n: torch.Size(shape) for groups in states[0]["param_shapes"]
+                       for n, shape in groups.items()}
+        self.shapes.update({n: torch.Size(shape)
+                            for n, shape in (states[0].get("frozen_param_shapes") or {}).items()})
+        self._offsets, offset = {}, 0
+        for groups in states[0]["param_shapes"]:
+            for n, shape in groups.items():
+                self._offsets[n] = offset
+                offset += self._partition(torch.Size(shape).numel())
+        bounds = [0]
+        for group in self._groups[0]:
+            bounds.append(bounds[-1] + group.numel())
+        if bounds[-1] != offset:
+            raise ValueError(f"{folder}: the fp32 partitions hold {bounds[-1]} elements per rank, "
+                             f"the parameters' partitions {offset}: not a layout this reader "
+                             f"knows (DeepSpeed {states[0].get('ds_version')})")
+        self._bounds = bounds
+        buffers = states[0].get("buffer_names") or []
+        self.module = {n: t for n, t in states[0]["module"].items() if n in buffers}
+
+    def _partition(self, numel: int) -> int:
+        return -(-numel // self.ranks)
+
+    def shape(self, name: str) -> torch.Size:
+        return self.module[name].shape if self.ranks is None else self.shapes[name]
+
+    def names(self) -> set[str]:
+        """The parameters' names (ZeRO-0/1/2: every entry of the module's state dict)."""
+        return set(self.module) if self.ranks is None else set(self.shapes)
+
+    def read(self, name: str, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """Elements ``start`` to ``start + length`` of the flattened parameter ``name``."""
+        if self.ranks is None:
+            flat = self.module[name].reshape(-1)
+            return flat[start:] if length is None else flat[start:start + length]
+        numel = self.shapes[name].numel()
+        length = numel - start if length is None else length
+        if not 0 <= start <= start + length <= numel:
+            raise IndexError(f"{name}: elements {start}..{start + length} of {numel}")
+        size, pieces, at = self._partition(numel), [], start
+        while at < start + length:
+            k, inside = divmod(at, size)  # rank k's partition, from its element `inside`
+            take = min(size - inside, start + length - at)
+            if name in self._frozen[k]:
+                piece = self._frozen[k][name].reshape(-1)[inside:inside + take]
+            else:
+                piece = self._flat_range(k, self._offsets[name] + inside, take)
+            pieces.append(piece)
+            at += take
+        return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+    def _flat_range(self, rank: int, start: int, length: int) -> torch.Tensor:
+        """Elements of the rank's fp32 partitions, counted over its sub-groups in order (a
+        parameter's partition lies within one)."""
+        g = bisect.bisect_right(self._bounds, start) - 1
+        inside = start - self._bounds[g]
+        if inside + length > self._groups[rank][g].numel():
+            raise ValueError(f"{self.folder}: a partition runs past its sub-group's end: not a "
+                             f"layout this reader knows")
+        return self._groups[rank][g][inside:inside + length]
+
+
+def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_stage: int,
+                        rank: int, world_size: int) -> None:
+    """The weights of the checkpoint ``folder``, of any ZeRO stage and number of ranks
+    (:class:`SavedWeights`), into an engine without an optimizer: under ZeRO-3 each rank
+    copies the slices of its own partitions alone (of a ZeRO-3 checkpoint of as many ranks:
+    from its own files), otherwise each parameter whole; cast to the engine's dtype (as
+    ZeRO-3 casts its master copy after a step, or DeepSpeed's bf16 engines theirs)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    name = f"zero_pp_rank_{rank}_mp_rank_00"
-    model_state = _mapped(os.path.join(folder, f"{name}_model_states.pt"))
-    found = [f for f in os.listdir(folder) if f.endswith(f"{name}_optim_states.pt")]
-    if len(found) != 1:
-        raise FileNotFoundError(f"{folder}: one ZeRO-3 optimizer file *{name}_optim_states.pt "
-                                f"was expected (its weights' partitions), found {found}")
-    groups = _mapped(os.path.join(folder, found[0]))["optimizer_state_dict"]["fp32_flat_groups"]
+    saved = SavedWeights(folder)
+    module = engine.module
     params = dict(module.named_parameters())
-    order = [n for shapes in model_state["param_shapes"] for n in shapes]
-    frozen = model_state.get("frozen_param_fragments") or {}
-    if sorted(order + list(frozen)) != sorted(params):
-        raise ValueError(f"{folder} holds the parameters of another model: "
-                         f"{sorted(set(order) ^ set(params) - set(frozen))[:5]} differ")
-    gathered = [n for n, p in params.items() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
-    if gathered:  # a copy into the partition would not reach the gathered tensor
-        raise RuntimeError(f"load the weights before any forward: {gathered[:3]} are gathered")
-    flat = iter(groups)
-    group, offset = next(flat), 0
+    if saved.ranks is None:  # the whole state dict: its ties and buffers by name too
+        want = set(module.state_dict())
+    else:
+        want = set(params)
+    missing, extra = sorted(want - saved.names()), sorted(saved.names() - want)
+    if missing or extra:
+        frozen = [n for n in missing if n in params and not params[n].requires_grad]
+        raise ValueError(
+            f"{folder} holds the weights of another model: " + (
+                f"none of the frozen parameters {frozen[:3]} (saved with DeepSpeed's "
+                f"exclude_frozen_parameters?)" if frozen and frozen == missing and not extra else
+                f"this model's {missing[:3]} are not there, its {extra[:3]} are not this "
+                f"model's"))
+    for name, param in params.items():
+        shape = param.ds_shape if zero_stage == 3 else param.shape
+        if saved.shape(name) != shape:
+            raise ValueError(f"{folder} holds the weights of another model: {name} is "
+                             f"{tuple(saved.shape(name))} there, {tuple(shape)} here")
+    if zero_stage == 3:  # persistent parameters stay gathered after forwards: release them
+        engine.empty_partition_cache()
     with torch.no_grad():
-        for n in order:
-            partition = params[n].ds_tensor
-            if offset == group.numel():
-                group, offset = next(flat), 0
-            if offset + partition.numel() > group.numel():
-                raise ValueError(f"{folder}: {n}'s partition ({partition.numel()} elements) "
-                                 f"runs past its group's end: written by another number of "
-                                 f"ranks or another DeepSpeed layout")
-            partition.copy_(group[offset:offset + partition.numel()].view_as(partition))
-            offset += partition.numel()
-        if offset != group.numel() or next(flat, None) is not None:
-            raise ValueError(f"{folder}: the fp32 partitions hold more than this model's "
-                             f"parameters: written by another number of ranks")
-        for n, fragment in frozen.items():
-            params[n].ds_tensor.copy_(fragment.view_as(params[n].ds_tensor))
+        for name, param in params.items():
+            if zero_stage != 3:
+                param.copy_(saved.read(name).view_as(param))
+                continue
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:  # the copy would not reach it
+                raise RuntimeError(f"{name} is still gathered (inside a generation context?): "
+                                   f"load the weights outside any forward")
+            partition = param.ds_tensor.view(-1)
+            start = rank * partition.numel()
+            take = max(0, min(partition.numel(), param.ds_numel - start))
+            partition[:take].copy_(saved.read(name, start, take))
         buffers = dict(module.named_buffers())
-        for n in model_state.get("buffer_names") or []:
-            if n in buffers and n in model_state["module"]:
-                buffers[n].copy_(model_state["module"][n])
+        for name, tensor in saved.module.items():
+            if name in buffers:
+                buffers[name].copy_(tensor)
 
 
 class DeepSpeedTrainEngine(TrainEngine):
@@ -692,7 +782,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         whatever it is asked (see :func:`_load_weights_alone`)."""
         if self.weights_only:
             _load_weights_alone(self._engine, _tag_folder(ckpt_dir, tag), self.zero_stage,
-                                self.rank)
+                                self.rank, self.world_size)
             return {}
         module_only = weights_only and self.zero_stage != 3
         path, client_state = self._engine.load_checkpoint(
