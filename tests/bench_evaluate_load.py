@@ -1,6 +1,6 @@
 """What ``oppo-train --evaluate`` saves by building and loading the actor for its weights alone:
 not a test (pytest does not collect it), the measurement behind docs/benchmarks.md ("An
-evaluation reads the weights alone").
+evaluation reads the weights alone" and its "The actor's engine holds its weights alone").
 
     .venv/bin/python tests/bench_evaluate_load.py [ROUNDS] [ZERO_STAGE]
 
