@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .engines.base import CheckpointMismatch
 
 _TAG = re.compile(r"^step(\d+)$")
 _RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
@@ -135,9 +136,7 @@ class CheckpointManager:
         for name, engine in engines.items():
             try:
                 engine.load(os.path.join(self.root, name), tag, weights_only=weights_only)
-            except ConfigError:
-                raise
-            except (FileNotFoundError, ValueError) as err:  # files missing, another model's
+            except (FileNotFoundError, CheckpointMismatch) as err:  # missing, another model's
                 raise ConfigError("checkpoint.resume", (
                     f"checkpoint {tag}: the {name}'s files could not be read: {err}; "
                     f"{self._another_tag()}")) from err

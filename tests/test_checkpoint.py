@@ -9,6 +9,7 @@ import pytest
 
 from oppo_ds.checkpoint import CheckpointManager
 from oppo_ds.config import ConfigError
+from oppo_ds.engines import CheckpointMismatch
 
 
 def _write(root, tag, ranks, engines=("actor",)):
@@ -53,19 +54,28 @@ def test_another_world_size_is_refused_before_the_engines_but_evaluated(tmp_path
 
 
 def test_an_engine_that_cannot_read_its_files_names_the_key(tmp_path):
-    """An engine's ``FileNotFoundError`` or ``ValueError`` (its files missing, another model's
-    weights) reaches the user as a ``ConfigError`` on checkpoint.resume with the way out."""
+    """An engine's ``FileNotFoundError`` or ``CheckpointMismatch`` (its files missing, another
+    model's weights) reaches the user as a ``ConfigError`` on checkpoint.resume with the way
+    out; any other error of a load (a bug's) keeps its type and traceback."""
     _write(tmp_path, "step1", [0])
 
     class Unreadable(_Engine):
+        def __init__(self, error):
+            self.error = error
+
         def load(self, path, tag, weights_only=False):
-            raise ValueError("it holds the weights of another model: x is (2,) there")
+            raise self.error
     manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2, evaluating=True)
+    mismatch = CheckpointMismatch("it holds the weights of another model: x is (2,) there")
     with pytest.raises(ConfigError, match=r"^checkpoint\.resume: checkpoint step1: the actor's "
                                           r"files could not be read: it holds the weights of "
                                           r"another model: x is \(2,\) there; evaluate another "
                                           r"tag"):
-        manager.load("step1", {"actor": Unreadable()})
+        manager.load("step1", {"actor": Unreadable(mismatch)})
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=2)
+    with pytest.raises(ValueError, match="^a bug$") as caught:
+        manager.load("step1", {"actor": Unreadable(ValueError("a bug"))})
+    assert not isinstance(caught.value, ConfigError)
 
 
 def test_an_incomplete_or_missing_tag_is_refused(tmp_path):

@@ -351,7 +351,8 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     rate; a tag that is not there raises ``FileNotFoundError``, another model's checkpoint
     ``ValueError``. GPT-2 ties its output layer to its embeddings: one parameter, one
     partition. Forwards before the load leave ZeRO-3's persistent parameters gathered: the
-    load releases them first."""
+    load releases them first. A bf16 engine of another stage (ZeRO-3 for the others, ZeRO-0
+    for ZeRO-3) loads the same weights, rounded to bf16."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     trained = make_engine(arch, zero_stage=stage, dtype=dtype, hybrid_engine=hybrid)
@@ -388,6 +389,13 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     with pytest.raises(FileNotFoundError, match="tag='step9'"):
         engine.load(str(tmp_path), "step9")
     engine.close()
+    # an evaluation under another stage and in bf16 reads the same files, cast
+    elsewhere = make_engine(model=tiny_model(arch, seed=1), zero_stage=0 if stage == 3 else 3,
+                            dtype="bf16", weights_only=True)
+    elsewhere.load(str(tmp_path), "step1")
+    assert_params_close(full_params(elsewhere),
+                        {n: w.bfloat16().float() for n, w in saved.items()}, atol=0)
+    elsewhere.close()
     other = make_engine("qwen2" if arch == "llama" else "llama", zero_stage=stage, dtype=dtype,
                         weights_only=True)
     with pytest.raises(ValueError, match="holds the weights of another model: "):
@@ -395,8 +403,16 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     other.close()
 
 
+def _odd_llama(seed: int) -> torch.nn.Module:
+    """A tiny Llama with a trained 1-element parameter besides (unused by the forward): over
+    three ranks two of its partitions are padding alone."""
+    model = tiny_model("llama", seed=seed)
+    model.odd = torch.nn.Parameter(torch.full((1,), 0.5 + seed))
+    return model
+
+
 def _zero3_weights_alone_rank(rank, world, out, root, dtype):
-    model = tiny_model("llama")
+    model = _odd_llama(0)
     model.model.embed_tokens.weight.requires_grad_(False)  # its partitions: in the model file
     # every parameter partitioned, in many sub-groups (a flat fp32 tensor each in the file)
     trained = make_engine(model=model, zero_stage=3, dtype=dtype, ds_config_overrides={
@@ -412,8 +428,7 @@ def _zero3_weights_alone_rank(rank, world, out, root, dtype):
         if f.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")][0]),
         weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"])
     trained.close()
-    engine = make_engine(model=tiny_model("llama", seed=1), zero_stage=3, dtype=dtype,
-                         weights_only=True)
+    engine = make_engine(model=_odd_llama(1), zero_stage=3, dtype=dtype, weights_only=True)
     sizes = sorted({p.ds_tensor.numel() * world - p.ds_numel
                     for p in engine.module.parameters()})  # each partition's padding
     engine.load(root, "step1")
@@ -428,7 +443,8 @@ def test_a_zero3_engine_of_the_weights_alone_reads_each_ranks_own_partitions(dty
     """Three gloo ranks, ZeRO-3: each rank of a ``weights_only`` engine fills its partitions
     from its own files (DeepSpeed's weights-only load would assemble the whole fp32 model on
     every rank) and the gathered weights and logits equal the trained engine's exactly: with
-    a frozen parameter (kept in the model file), partitions padded to the ranks, the trained
+    a frozen parameter (kept in the model file), partitions padded to the ranks (a 1-element
+    parameter's on two of the three ranks padding alone), the trained
     engine's fp32 master split in many sub-groups, and another persistence threshold than
     the trained engine's (it decides when a parameter is gathered, not how it is split). Two
     ranks then load it under ZeRO-3 (partitions cut anew from the three ranks' files) and
@@ -453,7 +469,7 @@ def _elsewhere_rank(rank, world, out, root, dtype):
     saved = torch.load(os.path.join(root, "saved.pt"))
     found = []
     for stage in (3, 0):
-        engine = make_engine(model=tiny_model("llama", seed=1), zero_stage=stage, dtype=dtype,
+        engine = make_engine(model=_odd_llama(1), zero_stage=stage, dtype=dtype,
                              weights_only=True)
         engine.load(root, "step1")
         got = full_params(engine)

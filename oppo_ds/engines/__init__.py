@@ -4,7 +4,8 @@
 loads only when one of its names is first used.
 """
 
-from oppo_ds.engines.base import SCHEDULERS, LossFn, ModelCallable, TrainEngine, lr_multiplier
+from oppo_ds.engines.base import (SCHEDULERS, CheckpointMismatch, LossFn, ModelCallable,
+                                  TrainEngine, lr_multiplier)
 from oppo_ds.engines.ds_config import build_ds_config, build_inference_ds_config
 
 _DEEPSPEED_NAMES = (
@@ -25,6 +26,7 @@ _DEEPSPEED_NAMES = (
 
 __all__ = [
     "SCHEDULERS",
+    "CheckpointMismatch",
     "LossFn",
     "ModelCallable",
     "TrainEngine",

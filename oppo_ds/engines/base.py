@@ -98,6 +98,13 @@ def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         module.train(was_training)
 
 
+class CheckpointMismatch(ValueError):
+    """An engine's checkpoint files are not of this model or of a layout it reads (another
+    architecture, shapes, a ZeRO-3 layout of another DeepSpeed, missing ranks' files, another
+    Megatron parallel layout): the run stops with it on ``checkpoint.resume``, while any other
+    error of a load keeps its traceback."""
+
+
 class TrainEngine(ABC):
     """A model being trained by one backend, seen by the PPO trainer.
 

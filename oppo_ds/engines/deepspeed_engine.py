@@ -55,6 +55,7 @@ from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from oppo_ds.comm import set_local_cuda_device
 from oppo_ds.engines.base import (
+    CheckpointMismatch,
     LossFn,
     ModelCallable,
     TrainEngine,
@@ -402,67 +403,100 @@ def _mapped(path: str) -> dict:
 
 class SavedWeights:
     """The weights of one DeepSpeed checkpoint tag, read by element range, whichever ZeRO
-    stage and number of ranks wrote it; files memory-mapped, so only the ranges read are
-    paged in.
+    stage and number of ranks wrote it; files memory-mapped and opened when first read from,
+    so only the ranges read are paged in.
 
     ZeRO-0/1/2 write the whole module (in the training dtype) in ``mp_rank_00_model_states.pt``.
     ZeRO-3 writes, per rank, a model file (frozen parameters' partitions in
     ``frozen_param_fragments``, the order of the trained ones in ``param_shapes``) and an
     optimizer file whose ``fp32_flat_groups`` hold the rank's fp32 master partitions: one flat
     tensor per sub-group, each parameter's partition (``ceil(numel / ranks)`` elements, the
-    last rank's padded) one after another in ``param_shapes`` order, the same offsets on every
+    last ranks' padded) one after another in ``param_shapes`` order, the same offsets on every
     rank (DeepSpeed's ``zero_to_fp32`` reads them so). DeepSpeed's own weights-only load
     (``load_module_only``) assembles the whole fp32 model on every rank, of the tag ``latest``
-    names; reading ranges lets each rank take its own slices alone.
+    names; reading ranges lets each rank take its own slices alone (from its own files when
+    the checkpoint has as many ranks). ``rank``: whose model file gives the layout.
+
+    Raises ``CheckpointMismatch`` for files of another layout, ``FileNotFoundError`` for
+    missing ones.
     """
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, rank: int = 0) -> None:
         self.folder = folder
-        whole = os.path.join(folder, "mp_rank_00_model_states.pt")
-        if os.path.isfile(whole):
-            self.module = _mapped(whole)["module"]  # name -> tensor (buffers and ties too)
+        files = os.listdir(folder)
+        if "mp_rank_00_model_states.pt" in files:
+            state = _mapped(os.path.join(folder, "mp_rank_00_model_states.pt"))
+            if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+                raise CheckpointMismatch(f"{folder}/mp_rank_00_model_states.pt holds no "
+                                         f"'module' state dict: not a DeepSpeed model file")
+            self.module = state["module"]  # name -> tensor: buffers and ties too
             self.ranks = None
             return
         ranks = sorted(int(m.group(1)) for m in (
-            re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", f)
-            for f in os.listdir(folder)) if m)
+            re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", f) for f in files)
+            if m)
         self.ranks = len(ranks)
         if not ranks or ranks != list(range(self.ranks)):
             raise FileNotFoundError(
                 f"{folder} holds no whole DeepSpeed checkpoint: mp_rank_00_model_states.pt "
                 f"(ZeRO-0/1/2) or zero_pp_rank_K_mp_rank_00_model_states.pt for K = 0, 1, ... "
                 f"(ZeRO-3) was expected; the ranks' files there: {ranks}")
-        states = [_mapped(os.path.join(folder, f"zero_pp_rank_{k}_mp_rank_00_model_states.pt"))
-                  for k in range(self.ranks)]
-        self._groups = []
+        self._optim_files = []
         for k in range(self.ranks):
             name = f"zero_pp_rank_{k}_mp_rank_00_optim_states.pt"
-            found = [f for f in os.listdir(folder) if f.endswith(name)]  # bf16_ prefix or none
+            found = [f for f in files if f.endswith(name)]  # a bf16_ prefix or none
             if len(found) != 1:
                 raise FileNotFoundError(f"{folder}: one ZeRO-3 optimizer file *{name} was "
                                         f"expected (rank {k}'s partitions), found {found}")
-            self._groups.append(
-                _mapped(os.path.join(folder, found[0]))["optimizer_state_dict"]["fp32_flat_groups"])
-        self._frozen = [s.get("frozen_param_fragments") or {} for s in states]
-        self.shapes = {n: torch.Size(shape) for groups in states[0]["param_shapes"]
-                       for n, shape in groups.items()}
-        self.shapes.update({n: torch.Size(shape)
-                            for n, shape in (states[0].get("frozen_param_shapes") or {}).items()})
+            self._optim_files.append(os.path.join(folder, found[0]))
+        self._models, self._groups = {}, {}
+        layout = self._model(min(rank, self.ranks - 1))
+        if layout.get("dp_world_size", self.ranks) != self.ranks:
+            raise CheckpointMismatch(f"{folder} holds the files of {self.ranks} ranks, written "
+                                     f"by {layout['dp_world_size']}: some are missing")
+        try:
+            trained = layout["param_shapes"]
+            self.shapes = {n: torch.Size(s) for group in trained for n, s in group.items()}
+            self.shapes.update({n: torch.Size(s)
+                                for n, s in (layout.get("frozen_param_shapes") or {}).items()})
+            buffers = set(layout.get("buffer_names") or [])
+            self.module = {n: t for n, t in layout["module"].items() if n in buffers}
+        except (KeyError, AttributeError, TypeError) as err:
+            raise CheckpointMismatch(f"{folder}: a ZeRO-3 model file of a layout this reader "
+                                     f"does not know (DeepSpeed {layout.get('ds_version')}): "
+                                     f"{err!r}") from None
         self._offsets, offset = {}, 0
-        for groups in states[0]["param_shapes"]:
-            for n, shape in groups.items():
+        for group in trained:
+            for n, shape in group.items():
                 self._offsets[n] = offset
                 offset += self._partition(torch.Size(shape).numel())
-        bounds = [0]
-        for group in self._groups[0]:
-            bounds.append(bounds[-1] + group.numel())
-        if bounds[-1] != offset:
-            raise ValueError(f"{folder}: the fp32 partitions hold {bounds[-1]} elements per rank, "
-                             f"the parameters' partitions {offset}: not a layout this reader "
-                             f"knows (DeepSpeed {states[0].get('ds_version')})")
-        self._bounds = bounds
-        buffers = states[0].get("buffer_names") or []
-        self.module = {n: t for n, t in states[0]["module"].items() if n in buffers}
+        self._bounds = [0]
+        for size in self._group_sizes(min(rank, self.ranks - 1)):
+            self._bounds.append(self._bounds[-1] + size)
+        if self._bounds[-1] != offset:
+            raise CheckpointMismatch(
+                f"{folder}: the fp32 partitions hold {self._bounds[-1]} elements per rank, the "
+                f"parameters' partitions {offset}: not a layout this reader knows (DeepSpeed "
+                f"{layout.get('ds_version')})")
+
+    def _model(self, k: int) -> dict:
+        if k not in self._models:
+            self._models[k] = _mapped(
+                os.path.join(self.folder, f"zero_pp_rank_{k}_mp_rank_00_model_states.pt"))
+        return self._models[k]
+
+    def _flat_groups(self, k: int) -> list:
+        if k not in self._groups:
+            try:
+                self._groups[k] = _mapped(
+                    self._optim_files[k])["optimizer_state_dict"]["fp32_flat_groups"]
+            except KeyError as err:
+                raise CheckpointMismatch(f"{self._optim_files[k]}: no {err} in it: not a ZeRO-3 "
+                                         f"optimizer file this reader knows") from None
+        return self._groups[k]
+
+    def _group_sizes(self, k: int) -> list[int]:
+        return [group.numel() for group in self._flat_groups(k)]
 
     def _partition(self, numel: int) -> int:
         return -(-numel // self.ranks)
@@ -487,23 +521,27 @@ class SavedWeights:
         while at < start + length:
             k, inside = divmod(at, size)  # rank k's partition, from its element `inside`
             take = min(size - inside, start + length - at)
-            if name in self._frozen[k]:
-                piece = self._frozen[k][name].reshape(-1)[inside:inside + take]
+            frozen = self._model(k).get("frozen_param_fragments") or {}
+            if name in frozen:
+                piece = frozen[name].reshape(-1)[inside:inside + take]
             else:
                 piece = self._flat_range(k, self._offsets[name] + inside, take)
             pieces.append(piece)
             at += take
-        return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(0)
 
     def _flat_range(self, rank: int, start: int, length: int) -> torch.Tensor:
         """Elements of the rank's fp32 partitions, counted over its sub-groups in order (a
         parameter's partition lies within one)."""
         g = bisect.bisect_right(self._bounds, start) - 1
         inside = start - self._bounds[g]
-        if inside + length > self._groups[rank][g].numel():
-            raise ValueError(f"{self.folder}: a partition runs past its sub-group's end: not a "
-                             f"layout this reader knows")
-        return self._groups[rank][g][inside:inside + length]
+        groups = self._flat_groups(rank)
+        if g >= len(groups) or inside + length > groups[g].numel():
+            raise CheckpointMismatch(f"{self.folder}: a partition runs past its sub-group's "
+                                     f"end in rank {rank}'s file: not a layout this reader knows")
+        return groups[g][inside:inside + length]
 
 
 def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_stage: int,
@@ -515,7 +553,7 @@ def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_sta
     ZeRO-3 casts its master copy after a step, or DeepSpeed's bf16 engines theirs)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    saved = SavedWeights(folder)
+    saved = SavedWeights(folder, rank)
     module = engine.module
     params = dict(module.named_parameters())
     if saved.ranks is None:  # the whole state dict: its ties and buffers by name too
@@ -525,7 +563,7 @@ def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_sta
     missing, extra = sorted(want - saved.names()), sorted(saved.names() - want)
     if missing or extra:
         frozen = [n for n in missing if n in params and not params[n].requires_grad]
-        raise ValueError(
+        raise CheckpointMismatch(
             f"{folder} holds the weights of another model: " + (
                 f"none of the frozen parameters {frozen[:3]} (saved with DeepSpeed's "
                 f"exclude_frozen_parameters?)" if frozen and frozen == missing and not extra else
@@ -534,7 +572,7 @@ def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_sta
     for name, param in params.items():
         shape = param.ds_shape if zero_stage == 3 else param.shape
         if saved.shape(name) != shape:
-            raise ValueError(f"{folder} holds the weights of another model: {name} is "
+            raise CheckpointMismatch(f"{folder} holds the weights of another model: {name} is "
                              f"{tuple(saved.shape(name))} there, {tuple(shape)} here")
     if zero_stage == 3:  # persistent parameters stay gathered after forwards: release them
         engine.empty_partition_cache()
@@ -549,7 +587,8 @@ def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_sta
             partition = param.ds_tensor.view(-1)
             start = rank * partition.numel()
             take = max(0, min(partition.numel(), param.ds_numel - start))
-            partition[:take].copy_(saved.read(name, start, take))
+            if take:  # none where this rank's partition is padding alone
+                partition[:take].copy_(saved.read(name, start, take))
         buffers = dict(module.named_buffers())
         for name, tensor in saved.module.items():
             if name in buffers:

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
-from .base import (LossFn, ModelCallable, TrainEngine, check_schedule, eval_mode, lr_multiplier,
-                   reapply_hyperparameters)
+from .base import (CheckpointMismatch, LossFn, ModelCallable, TrainEngine, check_schedule,
+                   eval_mode, lr_multiplier, reapply_hyperparameters)
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class MegatronTrainEngine(TrainEngine):
         state = torch.load(path, map_location="cpu" if weights_only else self.device,
                            weights_only=False, mmap=weights_only)
         if tuple(state["parallel"]) != (self.groups.tp, self.groups.pp):
-            raise ValueError(f"{path} was saved with (tensor, pipeline) parallel "
+            raise CheckpointMismatch(f"{path} was saved with (tensor, pipeline) parallel "
                              f"{tuple(state['parallel'])}, this run uses "
                              f"{(self.groups.tp, self.groups.pp)}")
         self.module.load_state_dict(state["model"])
