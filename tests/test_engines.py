@@ -19,6 +19,7 @@ from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 from oppo_ds.kv_cache import cache_kwargs, output_cache
 from oppo_ds.engines import (
     HYBRID_KERNELS,
+    CheckpointMismatch,
     HYBRID_NO_KERNELS_CPU,
     HYBRID_OFF,
     DeepSpeedTrainEngine,
@@ -349,7 +350,7 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     the optimizer files of ZeRO-1/2 are not read (removed first); under ZeRO-3 the rank's
     partitions come from its own optimizer file. It cannot train, save or give a learning
     rate; a tag that is not there raises ``FileNotFoundError``, another model's checkpoint
-    ``ValueError``. GPT-2 ties its output layer to its embeddings: one parameter, one
+    ``CheckpointMismatch``. GPT-2 ties its output layer to its embeddings: one parameter, one
     partition. Forwards before the load leave ZeRO-3's persistent parameters gathered: the
     load releases them first. A bf16 engine of another stage (ZeRO-3 for the others, ZeRO-0
     for ZeRO-3) loads the same weights, rounded to bf16."""
@@ -398,7 +399,7 @@ def test_an_engine_of_the_weights_alone_decodes_as_the_trained_one(stage, dtype,
     elsewhere.close()
     other = make_engine("qwen2" if arch == "llama" else "llama", zero_stage=stage, dtype=dtype,
                         weights_only=True)
-    with pytest.raises(ValueError, match="holds the weights of another model: "):
+    with pytest.raises(CheckpointMismatch, match="holds the weights of another model: "):
         other.load(str(tmp_path), "step1")
     other.close()
 

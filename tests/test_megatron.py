@@ -164,8 +164,8 @@ def _weights_only_worker(rank, world, out, root, dtype):
 
     groups = init_model_parallel(1, 1)
 
-    def engine(seed, weights_only=False):
-        hf = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=seed)
+    def engine(seed, weights_only=False, vocab=VOCAB):
+        hf = build_causal_lm("tiny-llama", vocab_size=vocab, seed=seed)
         model = build_model(hf, groups, "lm", dtype=dtype, device=torch.device("cpu"))
         return model, MegatronTrainEngine(model, groups, lr=1e-2, total_steps=10, grad_clip=1.0,
                                           warmup_steps=2, scheduler="cosine",
@@ -195,6 +195,10 @@ def _weights_only_worker(rank, world, out, root, dtype):
     found["alone"] = (all(torch.equal(v, saved[k]) for k, v in other.hf_state().items()),
                       hasattr(alone, "optimizer") or hasattr(alone, "_master"), refusals,
                       os.path.exists(os.path.join(root, "step3")))
+    try:  # another model's checkpoint (another vocabulary): the run's checkpoint.resume error
+        engine(1, weights_only=True, vocab=VOCAB + 8)[1].load(root, "step2")
+    except Exception as err:
+        found["other"] = type(err).__name__
     out.put(found)
 
 
@@ -204,10 +208,12 @@ def test_a_weights_only_load_takes_the_module_alone(dtype, tmp_path, torch_one_t
     exactly (bf16: the module's own, not the fp32 master copy); the optimizer's moments and
     the schedule stay as built, where the full load restores them. An engine built
     ``weights_only`` (the evaluation's actor) holds neither master copy nor optimizer, loads
-    the same weights, and refuses to train, save or give a learning rate."""
+    the same weights, and refuses to train, save or give a learning rate; another model's
+    checkpoint raises ``CheckpointMismatch``."""
     found, = _spawn(_weights_only_worker, 1, str(tmp_path), dtype)
     assert found[True] == (True, 0, True)
     assert found["alone"] == (True, False, [True] * 3, False)
+    assert found["other"] == "CheckpointMismatch"
     same, moments, lr_as_built = found[False]
     assert same and moments > 0 and not lr_as_built
 

@@ -172,7 +172,10 @@ class TrainEngine(ABC):
         ``weights_only``: the model's weights, for an evaluation (``oppo-train --evaluate``):
         the optimizer and scheduler states are left as built and, where the backend keeps them
         apart from the weights, not read (with Adam the weights are a quarter of an fp32
-        checkpoint's bytes, a seventh of a bf16 one's). The engine must not train after it."""
+        checkpoint's bytes, a seventh of a bf16 one's). The engine must not train after it.
+
+        Raises ``CheckpointMismatch`` where the files are of another model or a layout the
+        engine does not read (the run then stops with a ``checkpoint.resume`` error)."""
 
     @abstractmethod
     def lr(self) -> float:

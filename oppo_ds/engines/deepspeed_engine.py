@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import re
@@ -449,11 +450,15 @@ class SavedWeights:
                 raise FileNotFoundError(f"{folder}: one ZeRO-3 optimizer file *{name} was "
                                         f"expected (rank {k}'s partitions), found {found}")
             self._optim_files.append(os.path.join(folder, found[0]))
-        self._models, self._groups = {}, {}
+        self._models, self._groups, self._bounds = {}, {}, None
         layout = self._model(min(rank, self.ranks - 1))
+        if not isinstance(layout, dict):
+            raise CheckpointMismatch(f"{folder}: a ZeRO-3 model file holds no dict: not a "
+                                     f"DeepSpeed checkpoint")
         if layout.get("dp_world_size", self.ranks) != self.ranks:
-            raise CheckpointMismatch(f"{folder} holds the files of {self.ranks} ranks, written "
-                                     f"by {layout['dp_world_size']}: some are missing")
+            raise CheckpointMismatch(
+                f"{folder} holds the files of {self.ranks} ranks, written by "
+                f"{layout['dp_world_size']}: some are missing or left from another save")
         try:
             trained = layout["param_shapes"]
             self.shapes = {n: torch.Size(s) for group in trained for n, s in group.items()}
@@ -470,9 +475,8 @@ class SavedWeights:
             for n, shape in group.items():
                 self._offsets[n] = offset
                 offset += self._partition(torch.Size(shape).numel())
-        self._bounds = [0]
-        for size in self._group_sizes(min(rank, self.ranks - 1)):
-            self._bounds.append(self._bounds[-1] + size)
+        sizes = self._group_sizes(min(rank, self.ranks - 1))
+        self._bounds = list(itertools.accumulate([0, *sizes]))
         if self._bounds[-1] != offset:
             raise CheckpointMismatch(
                 f"{folder}: the fp32 partitions hold {self._bounds[-1]} elements per rank, the "
@@ -490,9 +494,13 @@ class SavedWeights:
             try:
                 self._groups[k] = _mapped(
                     self._optim_files[k])["optimizer_state_dict"]["fp32_flat_groups"]
-            except KeyError as err:
+            except (KeyError, TypeError) as err:
                 raise CheckpointMismatch(f"{self._optim_files[k]}: no {err} in it: not a ZeRO-3 "
                                          f"optimizer file this reader knows") from None
+            sizes = [0, *(group.numel() for group in self._groups[k])]
+            if self._bounds is not None and list(itertools.accumulate(sizes)) != self._bounds:
+                raise CheckpointMismatch(f"{self._optim_files[k]}: its fp32 partitions are not "
+                                         f"cut as the other ranks' are")
         return self._groups[k]
 
     def _group_sizes(self, k: int) -> list[int]:
@@ -521,16 +529,19 @@ class SavedWeights:
         while at < start + length:
             k, inside = divmod(at, size)  # rank k's partition, from its element `inside`
             take = min(size - inside, start + length - at)
-            frozen = self._model(k).get("frozen_param_fragments") or {}
-            if name in frozen:
-                piece = frozen[name].reshape(-1)[inside:inside + take]
-            else:
+            if name in self._offsets:  # trained: in the rank's fp32 partitions
                 piece = self._flat_range(k, self._offsets[name] + inside, take)
+            else:  # frozen: its partition in the rank's model file
+                frozen = self._model(k).get("frozen_param_fragments") or {}
+                if name not in frozen:
+                    raise CheckpointMismatch(f"{self.folder}: rank {k}'s model file holds no "
+                                             f"partition of the frozen {name}")
+                piece = frozen[name].reshape(-1)[inside:inside + take]
             pieces.append(piece)
             at += take
         if len(pieces) == 1:
             return pieces[0]
-        return torch.cat(pieces) if pieces else torch.empty(0)
+        return torch.cat(pieces) if pieces else torch.empty(0)  # length 0: fp32, empty
 
     def _flat_range(self, rank: int, start: int, length: int) -> torch.Tensor:
         """Elements of the rank's fp32 partitions, counted over its sub-groups in order (a
@@ -572,8 +583,8 @@ def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_sta
     for name, param in params.items():
         shape = param.ds_shape if zero_stage == 3 else param.shape
         if saved.shape(name) != shape:
-            raise CheckpointMismatch(f"{folder} holds the weights of another model: {name} is "
-                             f"{tuple(saved.shape(name))} there, {tuple(shape)} here")
+            raise CheckpointMismatch(f"{folder} holds the weights of another model: {name} "
+                                     f"is {tuple(saved.shape(name))} there, {tuple(shape)} here")
     if zero_stage == 3:  # persistent parameters stay gathered after forwards: release them
         engine.empty_partition_cache()
     with torch.no_grad():

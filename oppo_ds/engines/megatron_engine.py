@@ -216,9 +216,12 @@ class MegatronTrainEngine(TrainEngine):
                            weights_only=False, mmap=weights_only)
         if tuple(state["parallel"]) != (self.groups.tp, self.groups.pp):
             raise CheckpointMismatch(f"{path} was saved with (tensor, pipeline) parallel "
-                             f"{tuple(state['parallel'])}, this run uses "
-                             f"{(self.groups.tp, self.groups.pp)}")
-        self.module.load_state_dict(state["model"])
+                                     f"{tuple(state['parallel'])}, this run uses "
+                                     f"{(self.groups.tp, self.groups.pp)}")
+        try:
+            self.module.load_state_dict(state["model"])
+        except RuntimeError as err:  # missing or unexpected keys, other shapes
+            raise CheckpointMismatch(f"{path} holds the weights of another model: {err}") from None
         if weights_only:
             return state["client_state"]
         self.optimizer.load_state_dict(state["optimizer"])
