@@ -475,8 +475,7 @@ class SavedWeights:
             for n, shape in group.items():
                 self._offsets[n] = offset
                 offset += self._partition(torch.Size(shape).numel())
-        sizes = self._group_sizes(min(rank, self.ranks - 1))
-        self._bounds = list(itertools.accumulate([0, *sizes]))
+        self._flat_groups(min(rank, self.ranks - 1))  # sets the sub-groups' bounds
         if self._bounds[-1] != offset:
             raise CheckpointMismatch(
                 f"{folder}: the fp32 partitions hold {self._bounds[-1]} elements per rank, the "
@@ -497,14 +496,13 @@ class SavedWeights:
             except (KeyError, TypeError) as err:
                 raise CheckpointMismatch(f"{self._optim_files[k]}: no {err} in it: not a ZeRO-3 "
                                          f"optimizer file this reader knows") from None
-            sizes = [0, *(group.numel() for group in self._groups[k])]
-            if self._bounds is not None and list(itertools.accumulate(sizes)) != self._bounds:
+            bounds = list(itertools.accumulate([0, *(g.numel() for g in self._groups[k])]))
+            if self._bounds is None:  # the first rank's file read: every rank's must match
+                self._bounds = bounds
+            elif bounds != self._bounds:
                 raise CheckpointMismatch(f"{self._optim_files[k]}: its fp32 partitions are not "
                                          f"cut as the other ranks' are")
         return self._groups[k]
-
-    def _group_sizes(self, k: int) -> list[int]:
-        return [group.numel() for group in self._flat_groups(k)]
 
     def _partition(self, numel: int) -> int:
         return -(-numel // self.ranks)
@@ -556,7 +554,7 @@ class SavedWeights:
 
 
 def _load_weights_alone(engine: deepspeed.DeepSpeedEngine, folder: str, zero_stage: int,
-                        rank: int, world_size: int) -> None:
+                        rank: int) -> None:
     """The weights of the checkpoint ``folder``, of any ZeRO stage and number of ranks
     (:class:`SavedWeights`), into an engine without an optimizer: under ZeRO-3 each rank
     copies the slices of its own partitions alone (of a ZeRO-3 checkpoint of as many ranks:
@@ -832,7 +830,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         whatever it is asked (see :func:`_load_weights_alone`)."""
         if self.weights_only:
             _load_weights_alone(self._engine, _tag_folder(ckpt_dir, tag), self.zero_stage,
-                                self.rank, self.world_size)
+                                self.rank)
             return {}
         module_only = weights_only and self.zero_stage != 3
         path, client_state = self._engine.load_checkpoint(
