@@ -568,15 +568,16 @@ def test_calibration_reads_the_runs_beside_the_json_before_the_workdir_it_names(
 
 # oppo-bench runs on one H200 (tools/gpu_session.sh, Qwen2.5-0.5B shapes, length oracle):
 # the 29th session's two (docs/benchmarks.md, "The fourth GPU run") and the 31st session's
-# three ("The fifth GPU run"; run4 and run5 have no sequential run), with TRL's peer runs
+# three ("The fifth GPU run"; run4 and run5 have no sequential run), the 34th session's two
+# ("The sixth GPU run"; run7 has no sequential run), with TRL's peer runs
 H200 = os.path.join(REPO, "tests", "data", "bench-h200")
 
 
-@pytest.mark.parametrize("run", ["run1", "run2", "run3"])
+@pytest.mark.parametrize("run", ["run1", "run2", "run3", "run6"])
 def test_calibration_on_the_h200_runs(run):
     """The fit reproduces the H200 sequential run's mean phases (host-bound: per-call costs,
     FLOP rates left unbounded) and predicts oppo's speedup with the default decode within
-    the 3.4-23.9% the three runs gave (docs/scaling.md); a check of the calibrator on real
+    the 3.4-23.9% the first three runs gave (docs/scaling.md); a check of the calibrator on real
     GPU timings, not of a speed goal."""
     from oppo_ds.plan.calibrate import calibrate
 

@@ -23,7 +23,8 @@
 # left), TESTS_S (150: the tests' own limit), STEPS (8), WARMUP (2), MODES (variants beside
 # graph: blocks, cudnn, static; sw and swfast = graph with Python's thread switch interval
 # at SWITCH_MS, 0.5, and SWITCH_FAST_MS, 0.1 milliseconds; noclip = graph without gradient
-# clipping), ARCH
+# clipping; z1, z2 = graph under ZeRO-1, ZeRO-2: DeepSpeed's flat-buffer optimizer instead of
+# ZeRO-0's per-parameter bf16 wrapper), ARCH
 # (qwen2.5-0.5b), SETTINGS (the overrides of every run, default the GPU runs' length-oracle
 # workload below), GRAPH, PEER (1), PROFILE (0), WORK (/tmp/gpu-work), WHEELS (.whl), PYTHON.
 #
@@ -38,7 +39,7 @@ W=${WORK:-/tmp/gpu-work}
 rm -rf "$W" && mkdir -p "$W"
 pack() {
     tar czf "$OUT/session.tgz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' \
-        --exclude='*.bin' --exclude='checkpoints' . 2>/dev/null
+        --exclude='*.bin' --exclude='checkpoints' --exclude='profile/*.json' . 2>/dev/null
     for f in device.txt gpu-test.txt bench.md calibrate.txt peer-trl.json; do
         if [ -f "$W/$f" ]; then cp "$W/$f" "$OUT/"; fi
     done
@@ -94,6 +95,7 @@ timeout "$(left)" $PY -m oppo_ds.cli.bench --modes "$MODES" --steps "${STEPS:-8}
     --variant "sw:$GRAPH,system.switch_interval_ms=${SWITCH_MS:-0.5}" \
     --variant "swfast:$GRAPH,system.switch_interval_ms=${SWITCH_FAST_MS:-0.1}" \
     --variant "noclip:$GRAPH,ppo.grad_clip=0" \
+    --variant "z1:$GRAPH,system.zero_stage=1" --variant "z2:$GRAPH,system.zero_stage=2" \
     $SETTINGS > "$W/bench.txt" 2>&1
 echo "bench exit $?"
 cat "$W/bench.md" 2>/dev/null || tail -20 "$W/bench.txt"
