@@ -513,8 +513,9 @@ class LoggingConfig:
     https://ui.perfetto.dev or chrome://tracing."""
     profile_step: int = 0
     """Profile step N with torch's profiler (its host ops, and on a GPU its kernels):
-    output_dir/profile/step_N.txt, the ops by self time (device time on a GPU) under the
-    step's phases, and step_N.json, the trace to open in https://ui.perfetto.dev. Rank 0;
+    output_dir/profile/step_N.txt, the ops by self CPU time under the step's phases (on a
+    GPU first by self device time, then by CPU time: the host's share), and step_N.json, the
+    trace to open in https://ui.perfetto.dev (gigabytes on a GPU at 0.5B parameters). Rank 0;
     0 = never. The profiler slows the step it watches."""
 
     def __post_init__(self):

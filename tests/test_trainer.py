@@ -1782,6 +1782,7 @@ def test_profile_step_writes_torchs_profile_of_that_step(cache_dir, tmp_path):
     out = tmp_path / "run" / "profile"
     assert sorted(os.listdir(out)) == ["step_2.json", "step_2.txt"]
     table = (out / "step_2.txt").read_text()
+    assert table.startswith("ops by self_cpu_time_total\n")
     assert "phase/generate" in table and "phase/train" in table and "aten::" in table
     names = {e.get("name") for e in json.loads((out / "step_2.json").read_text())["traceEvents"]}
     assert {"phase/generate", "phase/score", "phase/train"} <= names
