@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from .config_checks import check_across_sections
+from .config_checks import check_across_sections, grad_accum_dtype_problem
 from .config_ppo import PPOConfig
 from .config_types import ConfigError, build_dataclass
 from .config_types import require as _require
@@ -300,6 +300,17 @@ class SystemConfig:
     Megatron every layer's input is kept and the layer runs again (full recomputation)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training and inference precision."""
+    grad_accum_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """The dtype actor and critic accumulate their gradients in (DeepSpeed's
+    `data_types.grad_accum_dtype`, OpenRLHF's --grad_accum_dtype). `auto`: fp32 for a bf16
+    model under zero_stage 1 without offload, else `dtype`. There fp32 gets DeepSpeed's flat
+    BF16 optimizer: 631 small ops and 5 host waits an update for 290 parameters, where its
+    other bf16 optimizers work parameter by parameter (ZeRO-0: 8420 and 585; ZeRO-1 with bf16
+    gradients: 4461 and 8; docs/benchmarks.md). It keeps the whole model's gradients in fp32
+    on every rank (4 bytes a parameter, twice bf16's; oppo-plan counts them): with bf16 on
+    one GPU prefer zero_stage 1, which partitions nothing there; where memory is short, bf16
+    or ZeRO-2/3. Allowed: `auto`, `dtype`, and fp32 where `auto` picks it (DeepSpeed refuses
+    fp32 with bf16 under ZeRO-0 and ignores it under the other stages). Backend deepspeed."""
     hybrid_engine: bool = False
     """Run the actor under DeepSpeed's hybrid engine (inference kernels for generation where
     DeepSpeed has them for the architecture; the model's own forward otherwise)."""
@@ -338,6 +349,13 @@ class SystemConfig:
         _require(not self.offload or self.zero_stage >= 1 or self.backend != "deepspeed", "offload",
                  "needs zero_stage 1, 2 or 3 (ZeRO-Offload moves the partitioned optimizer "
                  f"states), got zero_stage: {self.zero_stage}")
+        _require(self.backend == "deepspeed" or self.grad_accum_dtype == "auto",
+                 "grad_accum_dtype", f"needs backend: deepspeed (allowed with backend "
+                 f"{self.backend}: auto), got {self.grad_accum_dtype}")
+        if self.backend == "deepspeed":
+            problem = grad_accum_dtype_problem(self.grad_accum_dtype, dtype=self.dtype,
+                                               zero_stage=self.zero_stage, offload=self.offload)
+            _require(problem is None, "grad_accum_dtype", str(problem))
         _require(not self.partition_reference or self.zero_stage == 3, "partition_reference",
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")
         _require(not self.offload_reference or self.partition_reference, "offload_reference",

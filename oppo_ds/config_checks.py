@@ -151,3 +151,31 @@ def _check_whole_prompt_delta(cfg) -> None:
                 f"ppo.advantage_estimator {cfg.ppo.advantage_estimator}: the rollout pool "
                 f"draws whole prompts of {n} responses; got {value} (e.g. {value - value % n} "
                 f"or {value - value % n + n})")
+
+
+def flat_bf16(dtype: str, zero_stage: int, offload: bool) -> bool:
+    """Whether DeepSpeed can accumulate this model's gradients in fp32 (its BF16 optimizer)."""
+    return dtype == "bf16" and zero_stage == 1 and not offload
+
+
+def resolved_grad_accum_dtype(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
+                              offload: bool) -> str:
+    """The dtype ``grad_accum_dtype`` stands for: ``auto`` is fp32 where DeepSpeed can
+    accumulate a bf16 model's gradients in it (:func:`flat_bf16`), else the model's."""
+    if grad_accum_dtype != "auto":
+        return grad_accum_dtype
+    return "fp32" if flat_bf16(dtype, zero_stage, offload) else dtype
+
+
+def grad_accum_dtype_problem(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
+                             offload: bool) -> str | None:
+    """Why DeepSpeed cannot accumulate the gradients in ``grad_accum_dtype`` here, in words
+    that start with the value, or ``None`` when it can."""
+    flat = flat_bf16(dtype, zero_stage, offload)
+    if grad_accum_dtype in ("auto", dtype) or (grad_accum_dtype == "fp32" and flat):
+        return None
+    return (f"{grad_accum_dtype} with dtype {dtype} and zero_stage {zero_stage}"
+            f"{' with offload' if offload else ''}: DeepSpeed accumulates in the model's dtype,"
+            f" and a bf16 model's gradients in fp32 only under zero_stage 1 without offload"
+            f" (ZeRO-0 refuses it, the other stages ignore it); allowed here: "
+            f"{', '.join(['auto', dtype] + (['fp32'] if flat else []))}")

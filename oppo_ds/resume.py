@@ -19,6 +19,7 @@ from functools import partial
 from typing import Optional
 
 from .config import ConfigError
+from .config_checks import resolved_grad_accum_dtype
 from .data import StreamMismatch
 from .ema import ActorEMA
 from .rollout.scorer import FROZEN_KINDS
@@ -32,7 +33,7 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
                        "model.only_optimize_lora",
                        "system.backend", "system.tensor_parallel", "system.pipeline_parallel",
                        "system.megatron_layers", "system.zero_stage", "system.dtype",
-                       "ppo.advantage_estimator")
+                       "system.grad_accum_dtype", "ppo.advantage_estimator")
 
 # the settings of the objective a resume may change (the run continues under the new ones),
 # named in the log when they differ from the checkpoint's: every ppo key but the learning
@@ -263,20 +264,27 @@ class Resumable:
         for key in ("model.actor", "model.critic", "model.reward"):  # ./ckpt, /abs/ckpt: one
             if isinstance(settings.get(key), str) and os.path.exists(settings[key]):
                 settings[key] = os.path.realpath(settings[key])
+        s = self.cfg.system  # the dtype `auto` stands for: DeepSpeed's optimizer states differ
+        settings["system.grad_accum_dtype"] = resolved_grad_accum_dtype(
+            s.grad_accum_dtype, dtype=s.dtype, zero_stage=s.zero_stage, offload=s.offload) \
+            if s.backend == "deepspeed" else s.dtype
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
             settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
         if self.evaluating_only:  # no critic is built: what only it follows may differ (and
             # model.reward, which the critic started from, scores); the actor's weights are
             # read from any ZeRO stage's files and cast to this run's dtype
             for key in ("model.critic", "model.critic_lora_dim", "ppo.advantage_estimator",
-                        "system.zero_stage", "system.dtype"):
+                        "system.zero_stage", "system.dtype", "system.grad_accum_dtype"):
                 del settings[key]
         return settings
 
     def _check_checkpoint_settings(self, tag: str, state: dict) -> None:
         """``ConfigError`` naming every setting of ``CHECKPOINT_SETTINGS`` that differs from
         those ``tag`` was written with (checkpoints from before 2026-11-24 have none)."""
-        saved, now = state.get("settings") or {}, self._checkpoint_settings()
+        saved, now = dict(state.get("settings") or {}), self._checkpoint_settings()
+        if "system.dtype" in saved and "system.grad_accum_dtype" not in saved:
+            # written before the key (2026-11-28): DeepSpeed accumulated in the model's dtype
+            saved["system.grad_accum_dtype"] = saved["system.dtype"]
         changed = [key for key in now if key in saved and saved[key] != now[key]]
         if changed:
             first, others = changed[0], changed[1:]

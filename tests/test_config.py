@@ -285,6 +285,19 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["generation.eos_token_ids=[]"], "generation.eos_token_ids", "non-empty list"),
     # was a ValueError traceback from the engine, after the models were loaded
     (["system.offload=true"], "system.offload", "needs zero_stage 1, 2 or 3"),
+    # DeepSpeed raised NotImplementedError for this one, and ignored the next
+    (["system.dtype=bf16", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
+     "fp32 with dtype bf16 and zero_stage 0: DeepSpeed accumulates in the model's dtype, and a "
+     "bf16 model's gradients in fp32 only under zero_stage 1 without offload (ZeRO-0 refuses "
+     "it, the other stages ignore it); allowed here: auto, bf16"),
+    (["system.dtype=bf16", "system.zero_stage=1", "system.offload=true",
+      "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
+     "fp32 with dtype bf16 and zero_stage 1 with offload: DeepSpeed accumulates"),
+    (["system.dtype=bf16", "system.zero_stage=1", "system.grad_accum_dtype=fp16"],
+     "system.grad_accum_dtype", "allowed here: auto, bf16, fp32"),
+    (["system.backend=megatron", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
+     "needs backend: deepspeed"),
+    (["system.grad_accum_dtype=int8"], "system.grad_accum_dtype", "'auto', 'fp32', 'bf16'"),
     (["generation.eos_token_ids=[2, -1]"], "generation.eos_token_ids", ">= 0"),
     (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list of integers"),
     (["logging.samples=-1"], "logging.samples", ">= 0"),

@@ -191,3 +191,30 @@ def test_lr_schedule_validation():
     with pytest.raises(ValueError, match="total_steps"):
         check_schedule(warmup_steps=0, total_steps=0, scheduler="linear")
     check_schedule(warmup_steps=10, total_steps=10, scheduler="cosine")
+
+
+@pytest.mark.parametrize("stage, dtype, offload, requested, written", [
+    (1, "bf16", False, "auto", "fp32"),     # DeepSpeed's flat BF16 optimizer
+    (1, "bf16", False, "fp32", "fp32"),
+    (1, "bf16", False, "bf16", None),       # its ZeRO optimizer, gradients in bf16
+    (0, "bf16", False, "auto", None),       # ZeRO-0 has no fp32 accumulation for bf16
+    (2, "bf16", False, "auto", None),       # ZeRO-2 and 3 would ignore it
+    (3, "bf16", False, "auto", None),
+    (1, "bf16", True, "auto", None),        # nor with offload
+    (1, "fp32", False, "auto", None),
+    (0, "fp32", False, "fp32", None),
+])
+def test_gradients_accumulate_in_fp32_where_deepspeed_can(stage, dtype, offload, requested,
+                                                          written):
+    config = _config(zero_stage=stage, dtype=dtype, offload=offload, grad_accum_dtype=requested)
+    assert config.get("data_types") == ({"grad_accum_dtype": written} if written else None)
+
+
+@pytest.mark.parametrize("stage, dtype, requested", [
+    (0, "bf16", "fp32"), (2, "bf16", "fp32"), (1, "fp32", "bf16"), (1, "bf16", "fp16")])
+def test_a_gradient_dtype_deepspeed_refuses_or_ignores_is_an_error(stage, dtype, requested):
+    with pytest.raises(ValueError, match=rf"^grad_accum_dtype {requested} with dtype {dtype} "
+                                         rf"and zero_stage {stage}: .* allowed here: auto, "):
+        _config(zero_stage=stage, dtype=dtype, grad_accum_dtype=requested)
+    with pytest.raises(ValueError, match=r"grad_accum_dtype must be one of \['auto', 'fp32'"):
+        _config(grad_accum_dtype="float32")

@@ -241,9 +241,13 @@ def test_lr_follows_schedule_per_update():
     assert seen == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_save_then_load_restores_weights_optimizer_and_lr(stage, tmp_path):
-    schedule = dict(lr=1e-2, warmup_steps=3, total_steps=10, scheduler="cosine", zero_stage=stage)
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32")],
+                         ids=["zero0", "zero1-bf16-optimizer", "zero2", "zero3"])
+def test_save_then_load_restores_weights_optimizer_and_lr(stage, dtype, tmp_path):
+    """Exact for every optimizer DeepSpeed wraps ours in: (1, bf16) is its BF16 optimizer
+    (gradients accumulated in fp32, flat buffers), which ``grad_accum_dtype`` auto picks."""
+    schedule = dict(lr=1e-2, warmup_steps=3, total_steps=10, scheduler="cosine", zero_stage=stage,
+                    dtype=dtype)
     batch = fixed_batch()
     original = make_engine(**schedule)
     for _ in range(2):
@@ -612,14 +616,34 @@ def test_inject_kernels_true_on_cpu_is_refused():
 
 # --- precision and offload ----------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_bf16_one_step(stage):
-    engine = make_engine(dtype="bf16", zero_stage=stage)
+@pytest.mark.parametrize("stage, grad_accum_dtype, wrapper, accumulate", [
+    (0, "auto", "FP16_UnfusedOptimizer", "bf16"),
+    (1, "auto", "BF16_Optimizer", "fp32"),
+    (1, "bf16", "DeepSpeedZeroOptimizer", "bf16"),
+    (2, "auto", "DeepSpeedZeroOptimizer", "bf16"),
+])
+def test_bf16_one_step(stage, grad_accum_dtype, wrapper, accumulate):
+    """A bf16 update under each stage, and the optimizer DeepSpeed wraps AdamW in: under
+    ZeRO-1 ``grad_accum_dtype`` auto accumulates in fp32, which gets DeepSpeed's flat BF16
+    optimizer (a few ops an update, not several per parameter); bf16 keeps its ZeRO one."""
+    engine = make_engine(dtype="bf16", zero_stage=stage, grad_accum_dtype=grad_accum_dtype)
+    assert (engine.optimizer_name, engine.optimizer_wrapper) == ("AdamW", wrapper)
+    assert engine.grad_accum_dtype == accumulate
     assert next(engine.module.parameters()).dtype == torch.bfloat16
     before = full_params(engine)
     loss = engine.train_step([fixed_batch()], lm_loss)[0]["loss"]
     assert torch.isfinite(loss)
+    assert engine.grad_norm() is not None and engine.grad_norm() > 0
     assert any(not torch.equal(before[n], p) for n, p in full_params(engine).items())
+
+
+def test_an_accumulation_dtype_deepspeed_would_refuse_or_ignore_is_refused():
+    """fp32 gradients for a bf16 model: DeepSpeed raises NotImplementedError under ZeRO-0 and
+    silently accumulates in bf16 under ZeRO-2; both are refused, naming what is allowed."""
+    for stage, allowed in ((0, "auto, bf16"), (2, "auto, bf16")):
+        with pytest.raises(ValueError, match=rf"^grad_accum_dtype fp32 with dtype bf16 and "
+                                             rf"zero_stage {stage}: .*allowed here: {allowed}$"):
+            make_engine(dtype="bf16", zero_stage=stage, grad_accum_dtype="fp32")
 
 
 def test_offload_with_deepspeed_cpu_adam():

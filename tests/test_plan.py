@@ -121,6 +121,21 @@ def _cfg(*overrides) -> Config:
                               "system.dtype=bf16", *overrides])
 
 
+def test_zero1_bf16_plans_its_gradients_whole_and_in_fp32():
+    """system.grad_accum_dtype auto under bf16 ZeRO-1: DeepSpeed's BF16 optimizer keeps the
+    gradients in one fp32 buffer of the whole model on every rank (bf16_optimizer.py), twice
+    the bytes of bf16 ones; its master weights and moments stay partitioned."""
+    dev = get_device("H100-80GB")
+    shapes = resolve_shapes(_cfg())
+    fp32 = plan_memory(_cfg("system.zero_stage=1"), shapes, 1, 8, dev).items
+    bf16 = plan_memory(_cfg("system.zero_stage=1", "system.grad_accum_dtype=bf16"), shapes, 1, 8,
+                       dev).items
+    for model in ("actor", "critic"):
+        assert fp32[f"{model}_grads"] == 2 * bf16[f"{model}_grads"]
+        assert fp32[f"{model}_optimizer"] == bf16[f"{model}_optimizer"]
+    assert fp32["actor_grads"] == 4 * shapes.actor.params()
+
+
 def test_memory_items_follow_the_configuration():
     dev = get_device("H100-80GB")
     cfg = _cfg("system.zero_stage=3")

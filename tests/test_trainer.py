@@ -684,13 +684,18 @@ def test_a_reward_function_file_gets_each_prompts_fields(tmp_path):
 @pytest.mark.parametrize("overrides", [
     ("system.zero_stage=3", "system.hybrid_engine=true"),
     ("system.zero_stage=2", "system.dtype=bf16"),
-], ids=["zero3-hybrid-engine", "zero2-bf16"])
+    ("system.zero_stage=1", "system.dtype=bf16"),
+], ids=["zero3-hybrid-engine", "zero2-bf16", "zero1-bf16-fp32-gradients"])
 def test_engine_settings_run_the_same_step(cache_dir, tmp_path, overrides):
-    """ZeRO-3 under the hybrid engine (CPU: its no-kernel path) and bf16 under ZeRO-2 run
-    whole steps; fp32 ZeRO-3 must track the ZeRO-0 run closely (partitioning changes only
+    """ZeRO-3 under the hybrid engine (CPU: its no-kernel path) and bf16 under ZeRO-2 and
+    ZeRO-1 (gradients in fp32: DeepSpeed's BF16 optimizer, for actor and critic) run whole
+    steps; fp32 ZeRO-3 must track the ZeRO-0 run closely (partitioning changes only
     summation order), bf16 only loosely (8-bit mantissa)."""
     trainer, summary = run(cache_dir, tmp_path / "run", "steps=2", "checkpoint.export_hf=false", *overrides)
     assert summary["steps"] == 2
+    if "system.zero_stage=1" in overrides:
+        for engine in (trainer.actor, trainer.critic):
+            assert (engine.optimizer_wrapper, engine.grad_accum_dtype) == ("BF16_Optimizer", "fp32")
     history = read_history(str(tmp_path / "run" / "metrics.jsonl"))
     for row in history:
         for key in DETERMINISTIC:
@@ -1029,6 +1034,33 @@ def test_resume_refuses_a_checkpoint_of_other_models(cache_dir, tmp_path):
                                           r"written with builtin: .* set model.critic to the one it "
                                           r"started from$"):
         run(cache_dir, out, "steps=4", "checkpoint.export_hf=false", "model.reward=tiny-llama")
+
+
+def test_resume_refuses_gradients_of_another_dtype(cache_dir, tmp_path):
+    """``system.grad_accum_dtype`` decides which optimizer DeepSpeed wraps AdamW in under
+    bf16 ZeRO-1 (fp32: its BF16 optimizer; bf16: its ZeRO one), whose saved states differ:
+    a resume under the other is refused naming the key. A checkpoint written before the key
+    existed accumulated in the model's dtype, and is taken as such."""
+    from oppo_ds.config import ConfigError
+
+    out, common = tmp_path / "run", ("checkpoint.export_hf=false", "system.zero_stage=1",
+                                     "system.dtype=bf16")
+    run(cache_dir, out, "steps=2", "checkpoint.every=2", *common)  # auto: fp32
+    with pytest.raises(ConfigError, match=r"^system.grad_accum_dtype: bf16, but checkpoint step2 "
+                                          r"was written with fp32: its actor and critic"):
+        run(cache_dir, out, "steps=3", *common, "system.grad_accum_dtype=bf16")
+    state_file = out / "checkpoints" / "trainer" / "step2" / "rank0.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["settings"]["system.grad_accum_dtype"] == "fp32"
+    del state["settings"]["system.grad_accum_dtype"]  # as written before 2026-11-28
+    torch.save(state, state_file)
+    with pytest.raises(ConfigError, match=r"^system.grad_accum_dtype: fp32, but checkpoint step2 "
+                                          r"was written with bf16"):
+        run(cache_dir, out, "steps=3", *common)
+    state["settings"]["system.grad_accum_dtype"] = "fp32"
+    torch.save(state, state_file)
+    run(cache_dir, out, "steps=3", *common)  # the BF16 optimizer's states load
+    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
 
 
 def test_resume_refuses_another_lora_scale(cache_dir, tmp_path):

@@ -23,8 +23,9 @@
 # left), TESTS_S (150: the tests' own limit), STEPS (8), WARMUP (2), MODES (variants beside
 # graph: blocks, cudnn, static; sw and swfast = graph with Python's thread switch interval
 # at SWITCH_MS, 0.5, and SWITCH_FAST_MS, 0.1 milliseconds; noclip = graph without gradient
-# clipping; z1, z2 = graph under ZeRO-1, ZeRO-2: DeepSpeed's flat-buffer optimizer instead of
-# ZeRO-0's per-parameter bf16 wrapper), ARCH
+# clipping; z1 = graph under ZeRO-1, with bf16 DeepSpeed's flat BF16 optimizer (gradients in
+# fp32, system.grad_accum_dtype auto, since the 34th session; run7's z1 was before it); z1bf16
+# = the same with bf16 gradients, its ZeRO optimizer; z2 = graph under ZeRO-2), ARCH
 # (qwen2.5-0.5b), SETTINGS (the overrides of every run, default the GPU runs' length-oracle
 # workload below), GRAPH, PEER (1), PROFILE (0), WORK (/tmp/gpu-work), WHEELS (.whl), PYTHON.
 #
@@ -96,6 +97,7 @@ timeout "$(left)" $PY -m oppo_ds.cli.bench --modes "$MODES" --steps "${STEPS:-8}
     --variant "swfast:$GRAPH,system.switch_interval_ms=${SWITCH_FAST_MS:-0.1}" \
     --variant "noclip:$GRAPH,ppo.grad_clip=0" \
     --variant "z1:$GRAPH,system.zero_stage=1" --variant "z2:$GRAPH,system.zero_stage=2" \
+    --variant "z1bf16:$GRAPH,system.zero_stage=1,system.grad_accum_dtype=bf16" \
     $SETTINGS > "$W/bench.txt" 2>&1
 echo "bench exit $?"
 cat "$W/bench.md" 2>/dev/null || tail -20 "$W/bench.txt"

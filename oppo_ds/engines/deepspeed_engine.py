@@ -409,6 +409,10 @@ class DeepSpeedTrainEngine(TrainEngine):
             weights either way); ZeRO-3 partitions the parameters as in training, and
             :meth:`load` reads each rank's own partitions. It loads any of these stages'
             checkpoints of the same ranks and cannot train or save.
+        grad_accum_dtype: the gradients' dtype (``auto``: fp32 for a bf16 model under ZeRO-1
+            without offload, DeepSpeed's flat BF16 optimizer; else the model's dtype); see
+            :func:`~oppo_ds.engines.ds_config.grad_accum_dtype_for`. Unused with
+            ``weights_only``.
     """
 
     def __init__(
@@ -437,6 +441,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         tensorboard_dir: str | None = None,
         ds_config_overrides: dict | None = None,
         weights_only: bool = False,
+        grad_accum_dtype: str = "auto",
     ) -> None:
         check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
         if not lr >= 0:
@@ -468,7 +473,7 @@ class DeepSpeedTrainEngine(TrainEngine):
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 world_size=self.world_size, zero_stage=zero_stage, offload=offload,
                 dtype=dtype, grad_clip=grad_clip, tensorboard_dir=tensorboard_dir,
-                force_ds_cpu_optimizer=use_cpu_adam, **hybrid)
+                force_ds_cpu_optimizer=use_cpu_adam, grad_accum_dtype=grad_accum_dtype, **hybrid)
         if ds_config_overrides:
             self.config = _merged(self.config, ds_config_overrides)
 
@@ -493,11 +498,18 @@ class DeepSpeedTrainEngine(TrainEngine):
         self._untracked_grad_norm = zero_stage == 0 and dtype == "fp32"
         self._last_grad_norm: float | None = None
         self.optimizer_name = "none (weights only)" if weights_only else type(optimizer).__name__
+        # what DeepSpeed wrapped it in (its ZeRO, bf16 or fp16 optimizer), and the gradients'
+        # dtype: the wrapper decides how many small ops an update costs
+        self.optimizer_wrapper = type(self._engine.optimizer).__name__ \
+            if self._engine.optimizer is not None and self._engine.optimizer is not optimizer \
+            else None
+        self.grad_accum_dtype = self.config.get("data_types", {}).get("grad_accum_dtype", dtype)
         self.hybrid_engine_path = self._hybrid_path(hybrid_engine, inject_kernels)
         if self.rank == 0:
-            logger.info("DeepSpeed engine: ZeRO-%d, %s, offload=%s, optimizer=%s, "
+            logger.info("DeepSpeed engine: ZeRO-%d, %s, offload=%s, optimizer=%s%s, "
                         "hybrid engine: %s", zero_stage, dtype, offload, self.optimizer_name,
-                        self.hybrid_engine_path)
+                        f" in {self.optimizer_wrapper}, gradients in {self.grad_accum_dtype}"
+                        if self.optimizer_wrapper else "", self.hybrid_engine_path)
 
     # -- construction helpers ----------------------------------------------------------
 

@@ -6,6 +6,7 @@ backend is added by one more branch below, not by edits across the trainer.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,8 @@ import torch
 
 from ..config import Config, ConfigError
 from .base import TrainEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +88,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     on = build_device(s.zero_stage)  # where a model built from config is made
     actor_model = prepare_trained(
         disable_dropout(build_causal_lm(src.actor, device=on, **common)), cfg, "actor")
+    engine_args = dict(engine_args, grad_accum_dtype=s.grad_accum_dtype)
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, weights_only=evaluating,
                                  **engine_args)
@@ -94,6 +98,12 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
             disable_dropout(build_value_model(src.critic, device=on, **common)), cfg,
             "critic")
         critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
+    if actor.optimizer_wrapper == "FP16_UnfusedOptimizer" and s.dtype == "bf16" and \
+            actor.rank == 0:
+        logger.info("bf16 under ZeRO-0: DeepSpeed updates actor and critic parameter by "
+                    "parameter (FP16_UnfusedOptimizer, several small ops and a host wait "
+                    "each); system.zero_stage: 1 gets its flat BF16 optimizer, a few ops an "
+                    "update, for fp32 gradients (docs/config.md, system.grad_accum_dtype)")
     device = actor.device
     if "reference" in on_stage or not p.uses_reference or evaluating:
         reference = None  # on the scorer rank, or the KL is off, or an evaluation

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
+from ..config_checks import resolved_grad_accum_dtype
 from ..rollout.static_length import cache_length, widest_context
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
@@ -63,9 +64,13 @@ class ModelStates:
 
 
 def model_states(total_params: int, trainable: int, largest_module: int, *, zero_stage: int,
-                 offload: bool, gpus: int, gpus_per_node: int, dtype: str = "bf16") -> ModelStates:
-    """Weights, gradients and optimizer states of one trained model on one GPU."""
-    w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype), dtype_bytes(dtype)
+                 offload: bool, gpus: int, gpus_per_node: int, dtype: str = "bf16",
+                 grad_accum_dtype: str | None = None) -> ModelStates:
+    """Weights, gradients and optimizer states of one trained model on one GPU.
+    ``grad_accum_dtype``: the gradients' dtype when not ``dtype`` (fp32 for bf16 under ZeRO-1:
+    DeepSpeed's BF16 optimizer keeps them whole on every rank, in one flat buffer)."""
+    w, opt = dtype_bytes(dtype), optimizer_bytes_per_param(dtype)
+    g = dtype_bytes(grad_accum_dtype or dtype)
     if zero_stage == 3 and dtype != "fp32":
         # stage 3 keeps no separate fp32 gradient partition: at the step each sub-group's
         # 16-bit gradients become fp32 ones (and are freed), so gradients peak at 4 bytes
@@ -170,8 +175,12 @@ def _trained(shape: ModelShape, value_head: bool, lora_dim: int, cfg: Config, gp
     if cfg.model.only_optimize_lora and lora_dim:
         trainable = lora + (shape.hidden if value_head else 0)
     s = cfg.system
+    accumulate = resolved_grad_accum_dtype(s.grad_accum_dtype, dtype=s.dtype,
+                                           zero_stage=s.zero_stage, offload=s.offload) \
+        if s.backend == "deepspeed" else None
     return model_states(total, trainable, shape.largest_module_params(), zero_stage=s.zero_stage,
-                        offload=s.offload, gpus=gpus, gpus_per_node=gpus_per_node, dtype=s.dtype)
+                        offload=s.offload, gpus=gpus, gpus_per_node=gpus_per_node, dtype=s.dtype,
+                        grad_accum_dtype=accumulate)
 
 
 def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool, logits: bool) -> float:
