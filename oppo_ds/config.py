@@ -304,13 +304,14 @@ class SystemConfig:
     """The dtype actor and critic accumulate their gradients in (DeepSpeed's
     `data_types.grad_accum_dtype`, OpenRLHF's --grad_accum_dtype). `auto`: fp32 for a bf16
     model under zero_stage 1 without offload, else `dtype`. There fp32 gets DeepSpeed's flat
-    BF16 optimizer: 631 small ops and 5 host waits an update for 290 parameters, where its
-    other bf16 optimizers work parameter by parameter (ZeRO-0: 8420 and 585; ZeRO-1 with bf16
-    gradients: 4461 and 8; docs/benchmarks.md). It keeps the whole model's gradients in fp32
-    on every rank (4 bytes a parameter, twice bf16's; oppo-plan counts them): with bf16 on
-    one GPU prefer zero_stage 1, which partitions nothing there; where memory is short, bf16
-    or ZeRO-2/3. Allowed: `auto`, `dtype`, and fp32 where `auto` picks it (DeepSpeed refuses
-    fp32 with bf16 under ZeRO-0 and ignores it under the other stages). Backend deepspeed."""
+    BF16 optimizer; its other bf16 optimizers work parameter by parameter (measured on the CPU
+    for 290 parameters: 631 small ops and 5 host reads an update, against 8420 and 585 under
+    ZeRO-0 and 4461 and 8 under ZeRO-1 with bf16 gradients; docs/benchmarks.md). It keeps the
+    whole model's gradients in fp32 on every rank (4 bytes a parameter, twice bf16's; oppo-plan
+    counts them), and reduces them across ranks in bf16 as DeepSpeed does: with bf16 on one GPU
+    prefer zero_stage 1, which partitions nothing there; where memory is short, bf16, or
+    ZeRO-2/3. fp32 is also allowed with bf16 under ZeRO-2/3 or offload (their optimizers then
+    accumulate in fp32 partitions); DeepSpeed refuses it under ZeRO-0. Backend deepspeed."""
     hybrid_engine: bool = False
     """Run the actor under DeepSpeed's hybrid engine (inference kernels for generation where
     DeepSpeed has them for the architecture; the model's own forward otherwise)."""
@@ -354,7 +355,7 @@ class SystemConfig:
                  f"{self.backend}: auto), got {self.grad_accum_dtype}")
         if self.backend == "deepspeed":
             problem = grad_accum_dtype_problem(self.grad_accum_dtype, dtype=self.dtype,
-                                               zero_stage=self.zero_stage, offload=self.offload)
+                                               zero_stage=self.zero_stage)
             _require(problem is None, "grad_accum_dtype", str(problem))
         _require(not self.partition_reference or self.zero_stage == 3, "partition_reference",
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")

@@ -154,28 +154,31 @@ def _check_whole_prompt_delta(cfg) -> None:
 
 
 def flat_bf16(dtype: str, zero_stage: int, offload: bool) -> bool:
-    """Whether DeepSpeed can accumulate this model's gradients in fp32 (its BF16 optimizer)."""
+    """Whether DeepSpeed gives this model its flat BF16 optimizer when the gradients
+    accumulate in fp32 (bf16 under ZeRO-1 without offload)."""
     return dtype == "bf16" and zero_stage == 1 and not offload
 
 
 def resolved_grad_accum_dtype(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
                               offload: bool) -> str:
-    """The dtype ``grad_accum_dtype`` stands for: ``auto`` is fp32 where DeepSpeed can
-    accumulate a bf16 model's gradients in it (:func:`flat_bf16`), else the model's."""
+    """The dtype ``grad_accum_dtype`` stands for: ``auto`` is fp32 where that gets DeepSpeed's
+    flat BF16 optimizer (:func:`flat_bf16`), else the model's."""
     if grad_accum_dtype != "auto":
         return grad_accum_dtype
     return "fp32" if flat_bf16(dtype, zero_stage, offload) else dtype
 
 
-def grad_accum_dtype_problem(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
-                             offload: bool) -> str | None:
-    """Why DeepSpeed cannot accumulate the gradients in ``grad_accum_dtype`` here, in words
-    that start with the value, or ``None`` when it can."""
-    flat = flat_bf16(dtype, zero_stage, offload)
-    if grad_accum_dtype in ("auto", dtype) or (grad_accum_dtype == "fp32" and flat):
+def grad_accum_dtype_problem(grad_accum_dtype: str, *, dtype: str, zero_stage: int
+                             ) -> str | None:
+    """Why the gradients cannot accumulate in ``grad_accum_dtype`` here, in words that start
+    with the value, or ``None`` when they can: fp32 for a bf16 model under ZeRO stages 1-3
+    (DeepSpeed refuses the mix under ZeRO-0); nothing narrower than the model; fp32 for fp16
+    untested here, so refused."""
+    if grad_accum_dtype in ("auto", dtype) or \
+            (grad_accum_dtype == "fp32" and dtype == "bf16" and zero_stage >= 1):
         return None
-    return (f"{grad_accum_dtype} with dtype {dtype} and zero_stage {zero_stage}"
-            f"{' with offload' if offload else ''}: DeepSpeed accumulates in the model's dtype,"
-            f" and a bf16 model's gradients in fp32 only under zero_stage 1 without offload"
-            f" (ZeRO-0 refuses it, the other stages ignore it); allowed here: "
-            f"{', '.join(['auto', dtype] + (['fp32'] if flat else []))}")
+    allowed = ["auto", dtype] + (["fp32"] if dtype == "bf16" and zero_stage >= 1 else [])
+    return (f"{grad_accum_dtype} with dtype {dtype} and zero_stage {zero_stage}: the gradients "
+            f"accumulate in the model's dtype, or a bf16 model's in fp32 under zero_stage 1, 2 "
+            f"or 3 (DeepSpeed refuses that mix under ZeRO-0); allowed here: "
+            f"{', '.join(allowed)}")

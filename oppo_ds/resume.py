@@ -298,7 +298,11 @@ class Resumable:
                    "(checkpoint.resume=never, or another logging.output_dir)")
                 + ("; with model.critic null the critic started from model.reward: to score "
                    "with another reward model, set model.critic to the one it started from"
-                   if "model.reward" in changed else "")))
+                   if "model.reward" in changed else "")
+                + ("; system.grad_accum_dtype auto is fp32 for bf16 under zero_stage 1 without "
+                   "offload (DeepSpeed's BF16 optimizer, whose saved states differ), else "
+                   f"system.dtype: set it to {saved['system.grad_accum_dtype']} to resume this "
+                   "checkpoint" if "system.grad_accum_dtype" in changed else "")))
 
     def save_checkpoint(self) -> None:
         engines = self.trained_engines

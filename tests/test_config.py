@@ -285,14 +285,11 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["generation.eos_token_ids=[]"], "generation.eos_token_ids", "non-empty list"),
     # was a ValueError traceback from the engine, after the models were loaded
     (["system.offload=true"], "system.offload", "needs zero_stage 1, 2 or 3"),
-    # DeepSpeed raised NotImplementedError for this one, and ignored the next
+    # DeepSpeed raised NotImplementedError for this one
     (["system.dtype=bf16", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
-     "fp32 with dtype bf16 and zero_stage 0: DeepSpeed accumulates in the model's dtype, and a "
-     "bf16 model's gradients in fp32 only under zero_stage 1 without offload (ZeRO-0 refuses "
-     "it, the other stages ignore it); allowed here: auto, bf16"),
-    (["system.dtype=bf16", "system.zero_stage=1", "system.offload=true",
-      "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
-     "fp32 with dtype bf16 and zero_stage 1 with offload: DeepSpeed accumulates"),
+     "fp32 with dtype bf16 and zero_stage 0: the gradients accumulate in the model's dtype, or "
+     "a bf16 model's in fp32 under zero_stage 1, 2 or 3 (DeepSpeed refuses that mix under "
+     "ZeRO-0); allowed here: auto, bf16"),
     (["system.dtype=bf16", "system.zero_stage=1", "system.grad_accum_dtype=fp16"],
      "system.grad_accum_dtype", "allowed here: auto, bf16, fp32"),
     (["system.backend=megatron", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",

@@ -198,9 +198,12 @@ def test_lr_schedule_validation():
     (1, "bf16", False, "fp32", "fp32"),
     (1, "bf16", False, "bf16", None),       # its ZeRO optimizer, gradients in bf16
     (0, "bf16", False, "auto", None),       # ZeRO-0 has no fp32 accumulation for bf16
-    (2, "bf16", False, "auto", None),       # ZeRO-2 and 3 would ignore it
-    (3, "bf16", False, "auto", None),
-    (1, "bf16", True, "auto", None),        # nor with offload
+    (2, "bf16", False, "auto", None),       # ZeRO-2/3 and offload: no flat optimizer, so
+    (3, "bf16", False, "auto", None),       # auto keeps the model's dtype...
+    (1, "bf16", True, "auto", None),
+    (2, "bf16", False, "fp32", "fp32"),     # ...and fp32 there is taken when asked for
+    (3, "bf16", False, "fp32", "fp32"),
+    (1, "bf16", True, "fp32", "fp32"),
     (1, "fp32", False, "auto", None),
     (0, "fp32", False, "fp32", None),
 ])
@@ -208,11 +211,14 @@ def test_gradients_accumulate_in_fp32_where_deepspeed_can(stage, dtype, offload,
                                                           written):
     config = _config(zero_stage=stage, dtype=dtype, offload=offload, grad_accum_dtype=requested)
     assert config.get("data_types") == ({"grad_accum_dtype": written} if written else None)
+    # the BF16 optimizer frees each bf16 gradient once added to its fp32 buffer
+    flat = written == "fp32" and dtype == "bf16" and stage == 1 and not offload
+    assert config.get("bf16", {}).get("immediate_grad_update", False) is flat
 
 
 @pytest.mark.parametrize("stage, dtype, requested", [
-    (0, "bf16", "fp32"), (2, "bf16", "fp32"), (1, "fp32", "bf16"), (1, "bf16", "fp16")])
-def test_a_gradient_dtype_deepspeed_refuses_or_ignores_is_an_error(stage, dtype, requested):
+    (0, "bf16", "fp32"), (1, "fp32", "bf16"), (1, "bf16", "fp16"), (2, "fp16", "fp32")])
+def test_a_gradient_dtype_deepspeed_refuses_is_an_error(stage, dtype, requested):
     with pytest.raises(ValueError, match=rf"^grad_accum_dtype {requested} with dtype {dtype} "
                                          rf"and zero_stage {stage}: .* allowed here: auto, "):
         _config(zero_stage=stage, dtype=dtype, grad_accum_dtype=requested)

@@ -637,13 +637,20 @@ def test_bf16_one_step(stage, grad_accum_dtype, wrapper, accumulate):
     assert any(not torch.equal(before[n], p) for n, p in full_params(engine).items())
 
 
-def test_an_accumulation_dtype_deepspeed_would_refuse_or_ignore_is_refused():
-    """fp32 gradients for a bf16 model: DeepSpeed raises NotImplementedError under ZeRO-0 and
-    silently accumulates in bf16 under ZeRO-2; both are refused, naming what is allowed."""
-    for stage, allowed in ((0, "auto, bf16"), (2, "auto, bf16")):
-        with pytest.raises(ValueError, match=rf"^grad_accum_dtype fp32 with dtype bf16 and "
-                                             rf"zero_stage {stage}: .*allowed here: {allowed}$"):
-            make_engine(dtype="bf16", zero_stage=stage, grad_accum_dtype="fp32")
+def test_fp32_gradients_of_a_bf16_model_under_zero2_and_3_and_refused_under_zero0():
+    """fp32 gradients for a bf16 model: DeepSpeed raises NotImplementedError under ZeRO-0,
+    refused before it with what is allowed; under ZeRO-2 and 3 their optimizers accumulate in
+    fp32 partitions (no flat BF16 optimizer, so ``auto`` does not pick it there)."""
+    with pytest.raises(ValueError, match=r"^grad_accum_dtype fp32 with dtype bf16 and "
+                                         r"zero_stage 0: .*allowed here: auto, bf16$"):
+        make_engine(dtype="bf16", zero_stage=0, grad_accum_dtype="fp32")
+    for stage, wrapper in ((2, "DeepSpeedZeroOptimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")):
+        engine = make_engine(dtype="bf16", zero_stage=stage, grad_accum_dtype="fp32")
+        assert engine.optimizer_wrapper == wrapper
+        assert engine.ds_engine.optimizer.gradient_accumulation_dtype == torch.float32
+        batch = fixed_batch()
+        losses = [engine.train_step([batch], lm_loss)[0]["loss"].item() for _ in range(4)]
+        assert losses[-1] < losses[0], (stage, losses)
 
 
 def test_offload_with_deepspeed_cpu_adam():

@@ -124,7 +124,8 @@ def _cfg(*overrides) -> Config:
 def test_zero1_bf16_plans_its_gradients_whole_and_in_fp32():
     """system.grad_accum_dtype auto under bf16 ZeRO-1: DeepSpeed's BF16 optimizer keeps the
     gradients in one fp32 buffer of the whole model on every rank (bf16_optimizer.py), twice
-    the bytes of bf16 ones; its master weights and moments stay partitioned."""
+    the bytes of bf16 ones, and no fp32 gradient partition beside its master weights and
+    moments (12 bytes a parameter, partitioned)."""
     dev = get_device("H100-80GB")
     shapes = resolve_shapes(_cfg())
     fp32 = plan_memory(_cfg("system.zero_stage=1"), shapes, 1, 8, dev).items
@@ -132,8 +133,9 @@ def test_zero1_bf16_plans_its_gradients_whole_and_in_fp32():
                        dev).items
     for model in ("actor", "critic"):
         assert fp32[f"{model}_grads"] == 2 * bf16[f"{model}_grads"]
-        assert fp32[f"{model}_optimizer"] == bf16[f"{model}_optimizer"]
+        assert fp32[f"{model}_optimizer"] == pytest.approx(bf16[f"{model}_optimizer"] * 12 / 16)
     assert fp32["actor_grads"] == 4 * shapes.actor.params()
+    assert fp32["actor_optimizer"] == pytest.approx(12 * shapes.actor.params() / 8)
 
 
 def test_memory_items_follow_the_configuration():

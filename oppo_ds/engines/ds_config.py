@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from oppo_ds.config_checks import grad_accum_dtype_problem, resolved_grad_accum_dtype
+from oppo_ds.config_checks import (flat_bf16, grad_accum_dtype_problem,
+                                   resolved_grad_accum_dtype)
 
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -59,20 +60,20 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 def grad_accum_dtype_for(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
                          offload: bool) -> str:
-    """The dtype DeepSpeed accumulates the gradients in, for ``grad_accum_dtype`` (``auto``
-    or a dtype) with a model in ``dtype`` under ``zero_stage``. ``ValueError`` for a mix
-    DeepSpeed 0.19 refuses or would ignore (:func:`grad_accum_dtype_problem`).
+    """The dtype the gradients accumulate in, for ``grad_accum_dtype`` (``auto`` or a dtype)
+    with a model in ``dtype`` under ``zero_stage``; ``ValueError`` for a mix DeepSpeed 0.19
+    refuses (:func:`~oppo_ds.config_checks.grad_accum_dtype_problem`).
 
-    DeepSpeed accumulates in the model's dtype, but a bf16 model under ZeRO-1 without offload
-    may accumulate in fp32, and then gets DeepSpeed's BF16 optimizer: gradients, fp32 master
-    weights and Adam's moments in flat buffers, a few kernels an update. ``auto`` takes it.
-    Every other optimizer DeepSpeed wraps a bf16 model in works parameter by parameter: under
-    ZeRO-0 its step ran 8420 small ops and 585 host waits (``.item()``) an update for 290
-    parameters, where the BF16 optimizer ran 631 and 5 (tests/bench_optimizer_step.py).
+    DeepSpeed accumulates in the model's dtype unless told otherwise. A bf16 model under ZeRO-1
+    without offload whose gradients accumulate in fp32 gets DeepSpeed's BF16 optimizer:
+    gradients, fp32 master weights and Adam's moments in flat buffers. ``auto`` takes it. Its
+    other optimizers for a bf16 model work parameter by parameter; on the CPU, for 290
+    parameters, ZeRO-0's step ran 8420 small ops and 585 host reads an update, the BF16
+    optimizer's 631 and 5 (tests/bench_optimizer_step.py, docs/benchmarks.md). ZeRO-2 and 3
+    (and ZeRO-1 with offload) accumulate in fp32 too when told, with their own optimizers.
     """
     _check_choice("grad_accum_dtype", grad_accum_dtype, GRAD_ACCUM_DTYPES)
-    problem = grad_accum_dtype_problem(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage,
-                                       offload=offload)
+    problem = grad_accum_dtype_problem(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage)
     if problem:
         raise ValueError(f"grad_accum_dtype {problem}")
     return resolved_grad_accum_dtype(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage,
@@ -159,7 +160,7 @@ def build_ds_config(
             DeepSpeedCPUAdam unless this is False.
         grad_accum_dtype: the gradients' dtype, ``auto`` or one of DTYPES; see
             :func:`grad_accum_dtype_for`. A ``data_types`` section is written only when it
-            differs from ``dtype``.
+            differs from ``dtype`` (with the BF16 optimizer, ``bf16.immediate_grad_update``).
 
     Returns:
         The config dict for ``deepspeed.initialize(config=...)``.
@@ -194,6 +195,11 @@ def build_ds_config(
                                       offload=offload)
     if accumulate != dtype:
         config["data_types"] = {"grad_accum_dtype": accumulate}
+        if flat_bf16(dtype, zero_stage, offload):
+            # the BF16 optimizer adds each bf16 gradient into its fp32 buffer as backward
+            # makes it and frees it; by default it keeps them all until the step (2 bytes a
+            # parameter more)
+            config["bf16"]["immediate_grad_update"] = True
     if offload and not force_ds_cpu_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False
     if hybrid_engine:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
-from ..config_checks import resolved_grad_accum_dtype
+from ..config_checks import flat_bf16, resolved_grad_accum_dtype
 from ..rollout.static_length import cache_length, widest_context
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
@@ -67,10 +67,14 @@ def model_states(total_params: int, trainable: int, largest_module: int, *, zero
                  offload: bool, gpus: int, gpus_per_node: int, dtype: str = "bf16",
                  grad_accum_dtype: str | None = None) -> ModelStates:
     """Weights, gradients and optimizer states of one trained model on one GPU.
-    ``grad_accum_dtype``: the gradients' dtype when not ``dtype`` (fp32 for bf16 under ZeRO-1:
-    DeepSpeed's BF16 optimizer keeps them whole on every rank, in one flat buffer)."""
-    w, opt = dtype_bytes(dtype), optimizer_bytes_per_param(dtype)
-    g = dtype_bytes(grad_accum_dtype or dtype)
+    ``grad_accum_dtype``: the gradients' dtype. fp32 for bf16 under ZeRO-1 without offload is
+    DeepSpeed's BF16 optimizer, which keeps the whole model's gradients in one fp32 buffer on
+    every rank (each bf16 gradient freed once added) and no other fp32 gradient partition;
+    under ZeRO-2/3 fp32 gradients are the fp32 partition already counted in the optimizer's
+    bytes."""
+    w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype), dtype_bytes(dtype)
+    if grad_accum_dtype == "fp32" and flat_bf16(dtype, zero_stage, offload):
+        g, opt = 4, opt - 4
     if zero_stage == 3 and dtype != "fp32":
         # stage 3 keeps no separate fp32 gradient partition: at the step each sub-group's
         # 16-bit gradients become fp32 ones (and are freed), so gradients peak at 4 bytes
