@@ -286,6 +286,8 @@ class Resumable:
             # written before the key (2026-11-28): DeepSpeed accumulated in the model's dtype
             saved["system.grad_accum_dtype"] = saved["system.dtype"]
         changed = [key for key in now if key in saved and saved[key] != now[key]]
+        if "system.dtype" in changed and "system.grad_accum_dtype" in changed:
+            changed.remove("system.grad_accum_dtype")  # follows the dtype: named once
         if changed:
             first, others = changed[0], changed[1:]
             raise ConfigError(first, (

@@ -1049,6 +1049,10 @@ def test_resume_refuses_gradients_of_another_dtype(cache_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"^system.grad_accum_dtype: bf16, but checkpoint step2 "
                                           r"was written with fp32: its actor and critic"):
         run(cache_dir, out, "steps=3", *common, "system.grad_accum_dtype=bf16")
+    with pytest.raises(ConfigError, match=r"^system.dtype: fp32, but checkpoint step2 was "
+                                          r"written with bf16: its actor") as refused:
+        run(cache_dir, out, "steps=3", *common[:2], "system.dtype=fp32")
+    assert "grad_accum_dtype" not in str(refused.value)  # it follows the dtype: named once
     state_file = out / "checkpoints" / "trainer" / "step2" / "rank0.pt"
     state = torch.load(state_file, weights_only=False)
     assert state["settings"]["system.grad_accum_dtype"] == "fp32"
