@@ -310,8 +310,9 @@ class SystemConfig:
     whole model's gradients in fp32 on every rank (4 bytes a parameter, twice bf16's; oppo-plan
     counts them), and reduces them across ranks in bf16 as DeepSpeed does: with bf16 on one GPU
     prefer zero_stage 1, which partitions nothing there; where memory is short, bf16, or
-    ZeRO-2/3. fp32 is also allowed with bf16 under ZeRO-2/3 or offload (their optimizers then
-    accumulate in fp32 partitions); DeepSpeed refuses it under ZeRO-0. Backend deepspeed."""
+    ZeRO-2/3. fp32 is also allowed with bf16 under ZeRO-2/3 (their optimizers then accumulate
+    in fp32 partitions); DeepSpeed refuses it under ZeRO-0, and with offload it is untested
+    here. Backend deepspeed."""
     hybrid_engine: bool = False
     """Run the actor under DeepSpeed's hybrid engine (inference kernels for generation where
     DeepSpeed has them for the architecture; the model's own forward otherwise)."""
@@ -355,7 +356,7 @@ class SystemConfig:
                  f"{self.backend}: auto), got {self.grad_accum_dtype}")
         if self.backend == "deepspeed":
             problem = grad_accum_dtype_problem(self.grad_accum_dtype, dtype=self.dtype,
-                                               zero_stage=self.zero_stage)
+                                               zero_stage=self.zero_stage, offload=self.offload)
             _require(problem is None, "grad_accum_dtype", str(problem))
         _require(not self.partition_reference or self.zero_stage == 3, "partition_reference",
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")

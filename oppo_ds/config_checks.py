@@ -168,17 +168,33 @@ def resolved_grad_accum_dtype(grad_accum_dtype: str, *, dtype: str, zero_stage: 
     return "fp32" if flat_bf16(dtype, zero_stage, offload) else dtype
 
 
-def grad_accum_dtype_problem(grad_accum_dtype: str, *, dtype: str, zero_stage: int
-                             ) -> str | None:
+BF16_OPTIMIZER_STATES = "fp32 (DeepSpeed's BF16 optimizer)"
+
+
+def optimizer_states_kind(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
+                          offload: bool) -> str:
+    """What a checkpoint's optimizer files hold, as the gradients' dtype decides it: the BF16
+    optimizer's (fp32 gradients for bf16 under ZeRO-1 without offload) or, for any other
+    gradient dtype, the optimizer of the model's dtype and stage (ZeRO-2/3 and offload save
+    the same states whichever dtype they accumulate in)."""
+    resolved = resolved_grad_accum_dtype(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage,
+                                         offload=offload)
+    return BF16_OPTIMIZER_STATES if resolved == "fp32" and flat_bf16(dtype, zero_stage, offload) \
+        else dtype
+
+
+def grad_accum_dtype_problem(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
+                             offload: bool) -> str | None:
     """Why the gradients cannot accumulate in ``grad_accum_dtype`` here, in words that start
     with the value, or ``None`` when they can: fp32 for a bf16 model under ZeRO stages 1-3
-    (DeepSpeed refuses the mix under ZeRO-0); nothing narrower than the model; fp32 for fp16
-    untested here, so refused."""
-    if grad_accum_dtype in ("auto", dtype) or \
-            (grad_accum_dtype == "fp32" and dtype == "bf16" and zero_stage >= 1):
+    without offload (DeepSpeed refuses the mix under ZeRO-0; with offload it is untested
+    here); nothing narrower than the model; fp32 for fp16 untested here."""
+    fp32_allowed = dtype == "bf16" and zero_stage >= 1 and not offload
+    if grad_accum_dtype in ("auto", dtype) or (grad_accum_dtype == "fp32" and fp32_allowed):
         return None
-    allowed = ["auto", dtype] + (["fp32"] if dtype == "bf16" and zero_stage >= 1 else [])
-    return (f"{grad_accum_dtype} with dtype {dtype} and zero_stage {zero_stage}: the gradients "
-            f"accumulate in the model's dtype, or a bf16 model's in fp32 under zero_stage 1, 2 "
-            f"or 3 (DeepSpeed refuses that mix under ZeRO-0); allowed here: "
-            f"{', '.join(allowed)}")
+    allowed = ["auto", dtype] + (["fp32"] if fp32_allowed else [])
+    return (f"{grad_accum_dtype} with dtype {dtype} and zero_stage {zero_stage}"
+            f"{' with offload' if offload else ''}: the gradients accumulate in the model's "
+            f"dtype, or a bf16 model's in fp32 under zero_stage 1, 2 or 3 without offload "
+            f"(DeepSpeed refuses that mix under ZeRO-0; with offload it is untested here); "
+            f"allowed here: {', '.join(allowed)}")

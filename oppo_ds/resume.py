@@ -19,7 +19,7 @@ from functools import partial
 from typing import Optional
 
 from .config import ConfigError
-from .config_checks import resolved_grad_accum_dtype
+from .config_checks import BF16_OPTIMIZER_STATES, optimizer_states_kind
 from .data import StreamMismatch
 from .ema import ActorEMA
 from .rollout.scorer import FROZEN_KINDS
@@ -56,6 +56,18 @@ def objective_settings(values: dict) -> dict:
 _STREAM_SETTING = {"seed": "seed={}", "num_prompts": "{} prompts", "shuffle": "data.shuffle={}",
                    "world_size": "{} data-parallel ranks",
                    "prompts": "prompts of fingerprint {}"}
+
+
+def _grad_accum_hint(saved: str) -> str:
+    """How to resume a checkpoint whose optimizer files ``saved`` (a ``system.grad_accum_dtype``
+    checkpoint setting) describes."""
+    if saved == BF16_OPTIMIZER_STATES:
+        return ("DeepSpeed's BF16 optimizer wrote its optimizer's files: resume it with "
+                "system.zero_stage 1, system.offload false and system.grad_accum_dtype auto "
+                "or fp32")
+    return (f"its optimizer's files are not DeepSpeed's BF16 optimizer's, which auto picks for "
+            f"bf16 under zero_stage 1 without offload: resume it with system.grad_accum_dtype "
+            f"{saved}")
 
 
 class Resumable:
@@ -264,8 +276,8 @@ class Resumable:
         for key in ("model.actor", "model.critic", "model.reward"):  # ./ckpt, /abs/ckpt: one
             if isinstance(settings.get(key), str) and os.path.exists(settings[key]):
                 settings[key] = os.path.realpath(settings[key])
-        s = self.cfg.system  # the dtype `auto` stands for: DeepSpeed's optimizer states differ
-        settings["system.grad_accum_dtype"] = resolved_grad_accum_dtype(
+        s = self.cfg.system  # whether DeepSpeed's BF16 optimizer wrote the optimizer's files
+        settings["system.grad_accum_dtype"] = optimizer_states_kind(
             s.grad_accum_dtype, dtype=s.dtype, zero_stage=s.zero_stage, offload=s.offload) \
             if s.backend == "deepspeed" else s.dtype
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
@@ -283,7 +295,7 @@ class Resumable:
         those ``tag`` was written with (checkpoints from before 2026-11-24 have none)."""
         saved, now = dict(state.get("settings") or {}), self._checkpoint_settings()
         if "system.dtype" in saved and "system.grad_accum_dtype" not in saved:
-            # written before the key (2026-11-28): DeepSpeed accumulated in the model's dtype
+            # written before the key (2026-11-28): never by DeepSpeed's BF16 optimizer
             saved["system.grad_accum_dtype"] = saved["system.dtype"]
         changed = [key for key in now if key in saved and saved[key] != now[key]]
         if "system.dtype" in changed and "system.grad_accum_dtype" in changed:
@@ -301,10 +313,8 @@ class Resumable:
                 + ("; with model.critic null the critic started from model.reward: to score "
                    "with another reward model, set model.critic to the one it started from"
                    if "model.reward" in changed else "")
-                + ("; system.grad_accum_dtype auto is fp32 for bf16 under zero_stage 1 without "
-                   "offload (DeepSpeed's BF16 optimizer, whose saved states differ), else "
-                   f"system.dtype: set it to {saved['system.grad_accum_dtype']} to resume this "
-                   "checkpoint" if "system.grad_accum_dtype" in changed else "")))
+                + (f"; {_grad_accum_hint(saved['system.grad_accum_dtype'])}"
+                   if "system.grad_accum_dtype" in changed else "")))
 
     def save_checkpoint(self) -> None:
         engines = self.trained_engines

@@ -288,8 +288,11 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     # DeepSpeed raised NotImplementedError for this one
     (["system.dtype=bf16", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
      "fp32 with dtype bf16 and zero_stage 0: the gradients accumulate in the model's dtype, or "
-     "a bf16 model's in fp32 under zero_stage 1, 2 or 3 (DeepSpeed refuses that mix under "
-     "ZeRO-0); allowed here: auto, bf16"),
+     "a bf16 model's in fp32 under zero_stage 1, 2 or 3 without offload (DeepSpeed refuses that "
+     "mix under ZeRO-0; with offload it is untested here); allowed here: auto, bf16"),
+    (["system.dtype=bf16", "system.zero_stage=2", "system.offload=true",
+      "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
+     "fp32 with dtype bf16 and zero_stage 2 with offload: "),
     (["system.dtype=bf16", "system.zero_stage=1", "system.grad_accum_dtype=fp16"],
      "system.grad_accum_dtype", "allowed here: auto, bf16, fp32"),
     (["system.backend=megatron", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",

@@ -136,6 +136,10 @@ def test_zero1_bf16_plans_its_gradients_whole_and_in_fp32():
         assert fp32[f"{model}_optimizer"] == pytest.approx(bf16[f"{model}_optimizer"] * 12 / 16)
     assert fp32["actor_grads"] == 4 * shapes.actor.params()
     assert fp32["actor_optimizer"] == pytest.approx(12 * shapes.actor.params() / 8)
+    # ZeRO-3 accumulating in fp32: its persistent fp32 gradient partition and the step's copy
+    z3 = {accum: plan_memory(_cfg("system.zero_stage=3", f"system.grad_accum_dtype={accum}"),
+                             shapes, 1, 8, dev).items for accum in ("fp32", "bf16")}
+    assert z3["fp32"]["actor_grads"] == 2 * z3["bf16"]["actor_grads"]
 
 
 def test_memory_items_follow_the_configuration():

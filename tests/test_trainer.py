@@ -1039,15 +1039,18 @@ def test_resume_refuses_a_checkpoint_of_other_models(cache_dir, tmp_path):
 def test_resume_refuses_gradients_of_another_dtype(cache_dir, tmp_path):
     """``system.grad_accum_dtype`` decides which optimizer DeepSpeed wraps AdamW in under
     bf16 ZeRO-1 (fp32: its BF16 optimizer; bf16: its ZeRO one), whose saved states differ:
-    a resume under the other is refused naming the key. A checkpoint written before the key
-    existed accumulated in the model's dtype, and is taken as such."""
+    a resume under the other is refused naming the key and what resumes it. A checkpoint
+    written before the key existed was never the BF16 optimizer's, and is taken as such."""
     from oppo_ds.config import ConfigError
 
     out, common = tmp_path / "run", ("checkpoint.export_hf=false", "system.zero_stage=1",
                                      "system.dtype=bf16")
     run(cache_dir, out, "steps=2", "checkpoint.every=2", *common)  # auto: fp32
     with pytest.raises(ConfigError, match=r"^system.grad_accum_dtype: bf16, but checkpoint step2 "
-                                          r"was written with fp32: its actor and critic"):
+                                          r"was written with fp32 \(DeepSpeed's BF16 optimizer\): "
+                                          r"its actor and critic .* resume it with "
+                                          r"system.zero_stage 1, system.offload false and "
+                                          r"system.grad_accum_dtype auto or fp32$"):
         run(cache_dir, out, "steps=3", *common, "system.grad_accum_dtype=bf16")
     with pytest.raises(ConfigError, match=r"^system.dtype: fp32, but checkpoint step2 was "
                                           r"written with bf16: its actor") as refused:
@@ -1055,14 +1058,16 @@ def test_resume_refuses_gradients_of_another_dtype(cache_dir, tmp_path):
     assert "grad_accum_dtype" not in str(refused.value)  # it follows the dtype: named once
     state_file = out / "checkpoints" / "trainer" / "step2" / "rank0.pt"
     state = torch.load(state_file, weights_only=False)
-    assert state["settings"]["system.grad_accum_dtype"] == "fp32"
+    written = state["settings"]["system.grad_accum_dtype"]
+    assert written == "fp32 (DeepSpeed's BF16 optimizer)"
     del state["settings"]["system.grad_accum_dtype"]  # as written before 2026-11-28
     torch.save(state, state_file)
-    with pytest.raises(ConfigError, match=r"^system.grad_accum_dtype: fp32, but checkpoint step2 "
-                                          r"was written with bf16: .* set it to bf16 to resume "
-                                          r"this checkpoint$"):
+    with pytest.raises(ConfigError, match=r"^system.grad_accum_dtype: fp32 \(DeepSpeed's BF16 "
+                                          r"optimizer\), but checkpoint step2 was written with "
+                                          r"bf16: .* resume it with system.grad_accum_dtype "
+                                          r"bf16$"):
         run(cache_dir, out, "steps=3", *common)
-    state["settings"]["system.grad_accum_dtype"] = "fp32"
+    state["settings"]["system.grad_accum_dtype"] = written
     torch.save(state, state_file)
     run(cache_dir, out, "steps=3", *common)  # the BF16 optimizer's states load
     assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]

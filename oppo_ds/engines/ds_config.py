@@ -70,10 +70,12 @@ def grad_accum_dtype_for(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
     other optimizers for a bf16 model work parameter by parameter; on the CPU, for 290
     parameters, ZeRO-0's step ran 8420 small ops and 585 host reads an update, the BF16
     optimizer's 631 and 5 (tests/bench_optimizer_step.py, docs/benchmarks.md). ZeRO-2 and 3
-    (and ZeRO-1 with offload) accumulate in fp32 too when told, with their own optimizers.
+    accumulate in fp32 too when told, with their own optimizers (with offload: untested here,
+    refused).
     """
     _check_choice("grad_accum_dtype", grad_accum_dtype, GRAD_ACCUM_DTYPES)
-    problem = grad_accum_dtype_problem(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage)
+    problem = grad_accum_dtype_problem(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage,
+                                       offload=offload)
     if problem:
         raise ValueError(f"grad_accum_dtype {problem}")
     return resolved_grad_accum_dtype(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage,

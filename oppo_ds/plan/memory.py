@@ -70,15 +70,17 @@ def model_states(total_params: int, trainable: int, largest_module: int, *, zero
     ``grad_accum_dtype``: the gradients' dtype. fp32 for bf16 under ZeRO-1 without offload is
     DeepSpeed's BF16 optimizer, which keeps the whole model's gradients in one fp32 buffer on
     every rank (each bf16 gradient freed once added) and no other fp32 gradient partition;
-    under ZeRO-2/3 fp32 gradients are the fp32 partition already counted in the optimizer's
-    bytes."""
+    under ZeRO-2 fp32 gradients accumulate in the fp32 partition already counted in the
+    optimizer's bytes, under ZeRO-3 in a persistent fp32 partition beside the one the step
+    makes."""
     w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype), dtype_bytes(dtype)
     if grad_accum_dtype == "fp32" and flat_bf16(dtype, zero_stage, offload):
         g, opt = 4, opt - 4
     if zero_stage == 3 and dtype != "fp32":
         # stage 3 keeps no separate fp32 gradient partition: at the step each sub-group's
-        # 16-bit gradients become fp32 ones (and are freed), so gradients peak at 4 bytes
-        g, opt = 4, opt - 4
+        # 16-bit gradients become fp32 ones (and are freed), so gradients peak at 4 bytes;
+        # accumulated in fp32, its gradient partition is fp32 already: 8 at the step
+        g, opt = 8 if grad_accum_dtype == "fp32" else 4, opt - 4
     s = ModelStates()
     s.params = w * total_params / (gpus if zero_stage == 3 else 1)
     s.grads = g * trainable / (gpus if zero_stage >= 2 else 1)
