@@ -168,6 +168,12 @@ def resolved_grad_accum_dtype(grad_accum_dtype: str, *, dtype: str, zero_stage: 
     return "fp32" if flat_bf16(dtype, zero_stage, offload) else dtype
 
 
+def uses_bf16_optimizer(accumulate: str, dtype: str, zero_stage: int, offload: bool) -> bool:
+    """Whether gradients accumulated in ``accumulate`` (a resolved dtype) get DeepSpeed's
+    flat BF16 optimizer."""
+    return accumulate == "fp32" and flat_bf16(dtype, zero_stage, offload)
+
+
 BF16_OPTIMIZER_STATES = "fp32 (DeepSpeed's BF16 optimizer)"
 
 
@@ -179,7 +185,7 @@ def optimizer_states_kind(grad_accum_dtype: str, *, dtype: str, zero_stage: int,
     the same states whichever dtype they accumulate in)."""
     resolved = resolved_grad_accum_dtype(grad_accum_dtype, dtype=dtype, zero_stage=zero_stage,
                                          offload=offload)
-    return BF16_OPTIMIZER_STATES if resolved == "fp32" and flat_bf16(dtype, zero_stage, offload) \
+    return BF16_OPTIMIZER_STATES if uses_bf16_optimizer(resolved, dtype, zero_stage, offload) \
         else dtype
 
 

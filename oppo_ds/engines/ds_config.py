@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from oppo_ds.config_checks import (flat_bf16, grad_accum_dtype_problem,
-                                   resolved_grad_accum_dtype)
+from oppo_ds.config_checks import (grad_accum_dtype_problem, resolved_grad_accum_dtype,
+                                   uses_bf16_optimizer)
 
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -197,7 +197,7 @@ def build_ds_config(
                                       offload=offload)
     if accumulate != dtype:
         config["data_types"] = {"grad_accum_dtype": accumulate}
-        if flat_bf16(dtype, zero_stage, offload):
+        if uses_bf16_optimizer(accumulate, dtype, zero_stage, offload):
             # the BF16 optimizer adds each bf16 gradient into its fp32 buffer as backward
             # makes it and frees it; by default it keeps them all until the step (2 bytes a
             # parameter more)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
-from ..config_checks import flat_bf16, resolved_grad_accum_dtype
+from ..config_checks import resolved_grad_accum_dtype, uses_bf16_optimizer
 from ..rollout.static_length import cache_length, widest_context
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
@@ -74,7 +74,7 @@ def model_states(total_params: int, trainable: int, largest_module: int, *, zero
     optimizer's bytes, under ZeRO-3 in a persistent fp32 partition beside the one the step
     makes."""
     w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype), dtype_bytes(dtype)
-    if grad_accum_dtype == "fp32" and flat_bf16(dtype, zero_stage, offload):
+    if uses_bf16_optimizer(grad_accum_dtype, dtype, zero_stage, offload):
         g, opt = 4, opt - 4
     if zero_stage == 3 and dtype != "fp32":
         # stage 3 keeps no separate fp32 gradient partition: at the step each sub-group's
