@@ -475,7 +475,9 @@ class WorkloadConfig:
     drawn from the same long-tailed distribution (`median_len`, `tail_sigma`): a speed
     benchmark of real model shapes without trained weights."""
     cache_dir: str = ".cache/oppo-builtin"
-    """Where the prepared tokenizer, prompts, SFT actor and reward model are cached."""
+    """Where the prepared tokenizer, prompts, SFT actor and reward model are cached. Rank 0
+    prepares them and the others load them: with several nodes, a filesystem they all see
+    (checked at start)."""
     num_prompts: int = 2048
     """Prompts in the built-in training set."""
     sft_steps: int = 300
@@ -497,7 +499,9 @@ class WorkloadConfig:
 @dataclass
 class LoggingConfig:
     output_dir: str = "runs/demo"
-    """Run directory: summary.json, TensorBoard events, checkpoints, exported actor."""
+    """Run directory: summary.json, TensorBoard events, checkpoints, exported actor. Every rank
+    writes its part of a checkpoint here: with several nodes, a filesystem they all see
+    (checked at start)."""
     tensorboard: bool = True
     """Write TensorBoard scalars under output_dir/tensorboard."""
     wandb_project: Optional[str] = None

@@ -45,6 +45,18 @@ class Sources:
                 if (key != "reward" or self.reward_model) and getattr(self, key) is not None}
 
 
+def uses_builtin_workload(cfg: Config) -> bool:
+    """Whether the run reads the prepared built-in workload (in ``workload.cache_dir``): some
+    model or the prompts are ``builtin`` (under the length oracle nothing is prepared)."""
+    m = cfg.model
+    if cfg.workload.kind == "length_oracle":
+        return False
+    # model.reward is read where the reward model scores, or where the critic starts from it
+    reward_read = m.uses_reward_model or (cfg.ppo.uses_critic and m.critic is None)
+    return "builtin" in (m.actor, m.critic, m.reference, cfg.data.prompts) or \
+        (reward_read and m.reward == "builtin")
+
+
 def resolve_sources(cfg: Config, rank: int) -> Sources:
     """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
     wait), and fill the defaults: reference = actor, critic = reward."""
@@ -57,12 +69,8 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
         return Sources(actor=arch(m.actor, "builtin"), reference=arch(m.reference, m.actor),
                        reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
                        tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
-    # model.reward is read where the reward model scores, or where the critic starts from it
-    reward_read = m.uses_reward_model or (cfg.ppo.uses_critic and m.critic is None)
-    needs_builtin = "builtin" in (m.actor, m.critic, m.reference, d.prompts) or \
-        (reward_read and m.reward == "builtin")
     prepared = None
-    if needs_builtin:
+    if uses_builtin_workload(cfg):
         from .prepare import prepare_builtin
 
         w = cfg.workload

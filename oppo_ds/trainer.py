@@ -51,8 +51,10 @@ from .ptx import ptx_block_len, ptx_blocks
 from .preemption import STOPPED_MARK, StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .reward_fn import RewardFunction
+from .shared_dirs import check_shared_dirs
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, load_prompts,
-                      prompts_label, resolve_sources, reward_normalization, run_tokenizer)
+                      prompts_label, resolve_sources, reward_normalization, run_tokenizer,
+                      uses_builtin_workload)
 from .stage_placement import StagePlacement
 from .telemetry import PhaseTimer, Telemetry, check_wandb_installed, profiled
 
@@ -162,9 +164,18 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 cfg.system.check_world(self.world_size)
             except ConfigError as err:
                 raise err.under("system") from None
+            if not self.evaluating_only:  # an evaluation writes nowhere
+                check_shared_dirs(self._shared_dirs())
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
         return scorer_rank
+
+    def _shared_dirs(self) -> dict[str, str]:
+        """The directories every actor rank must see as one, by config key."""
+        dirs = {"logging.output_dir": self.cfg.logging.output_dir}
+        if uses_builtin_workload(self.cfg):
+            dirs["workload.cache_dir"] = self.cfg.workload.cache_dir
+        return dirs
 
     def _read_inputs(self, scorer_rank: bool):
         """Everything read before any engine loads, so that a bad path, prompt row, token id or

@@ -1,0 +1,80 @@
+"""Directories that every rank must see as one: checked once at start, across nodes.
+
+Under data parallel each rank writes its own part of a checkpoint (trainer state, ZeRO
+partitions) into ``logging.output_dir`` and a resume reads every part; rank 0 prepares the
+built-in workload in ``workload.cache_dir`` and the other ranks load it after a barrier. On a
+node-local disk (``/tmp``, ``/scratch``, ``/dev/shm``) the ranks of another node see none of
+that: they would prepare the workload again on their own, or take an incomplete checkpoint for
+none and start afresh beside ranks that resume. Rank 0 therefore writes a mark into each
+directory, and every rank looks for it; one that cannot see it stops the run, naming the key,
+its path and the hosts that do not share it.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config_types import ConfigError
+
+MARK = ".oppo-shared-{:016x}"
+WHY = {"logging.output_dir": "Every rank writes its part of each checkpoint there, and a "
+                             "resume reads all of them",
+       "workload.cache_dir": "Rank 0 prepares the built-in workload there, and the other ranks "
+                             "load it"}
+# how long a rank waits for rank 0's mark to show before it calls the directory unshared:
+# a shared filesystem shows a file created before the barrier at once, and this only delays
+# the run that fails
+SETTLE_S = 5.0
+
+
+def check_shared_dirs(dirs: dict[str, str], *, settle_s: float = SETTLE_S) -> None:
+    """Raise ``ConfigError`` (the first such key of ``dirs``, in its order) on every rank of the
+    world when some rank does not see, within ``settle_s``, a file rank 0 created in that
+    key's directory. ``dirs`` maps config keys to paths (created when missing, as the run
+    would) and must be the same on every rank. One rank, or no group: nothing to check."""
+    if not comm.active() or not dirs:
+        return
+    rank = dist.get_rank()
+    token = comm.broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0]), 0)
+    name = MARK.format(int(token.item()))
+    marks = {key: os.path.join(path, name) for key, path in dirs.items()}
+    problem = None
+    if rank == 0:
+        try:
+            for key, path in dirs.items():
+                os.makedirs(path, exist_ok=True)
+                with open(marks[key], "w") as f:
+                    f.write(socket.gethostname())
+        except OSError as err:  # every rank must reach the collectives below, then raise
+            problem = (key, f"{path} cannot be written: {err}")
+    dist.barrier()
+    missing = [key for key in dirs if not os.path.exists(marks[key])]
+    deadline = time.monotonic() + settle_s
+    while missing and problem is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        missing = [key for key in missing if not os.path.exists(marks[key])]
+    seen = comm.gather_lists([(socket.gethostname(), missing, problem)])
+    dist.barrier()  # every rank has looked: the marks can go
+    if rank == 0:
+        for mark in marks.values():
+            try:
+                os.remove(mark)
+            except OSError:
+                pass
+    host0, _, problem = seen[0]
+    if problem is not None:
+        raise ConfigError(*problem)
+    for key, path in dirs.items():
+        blind = [f"rank {r} ({host})" for r, (host, miss, _) in enumerate(seen) if key in miss]
+        if blind:
+            raise ConfigError(key, (
+                f"{path} is not one directory for every rank: {', '.join(blind)} cannot see the "
+                f"file rank 0 ({host0}) wrote there. {WHY.get(key, 'Every rank uses it')}: "
+                f"put it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), "
+                f"under the same path"))

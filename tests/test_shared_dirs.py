@@ -1,0 +1,92 @@
+"""Tier 1: the start-up check that every rank sees logging.output_dir and workload.cache_dir as
+one directory (oppo_ds/shared_dirs.py), with two real processes over gloo. A node-local disk is
+made for real: rank 1 runs in a mount namespace of its own with a private tmpfs over the
+directory (needs root, like the Slurm cluster tests). The same check between two Slurm nodes:
+tests/test_slurm.py::test_two_nodes_an_output_dir_on_a_node_local_disk_stops_the_job."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from oppo_ds.engines.deepspeed_engine import find_free_port
+
+RANK = """\
+import json, os, sys
+import torch.distributed as dist
+from oppo_ds.config_types import ConfigError
+from oppo_ds.shared_dirs import check_shared_dirs
+rank, port, dirs = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2)
+try:
+    check_shared_dirs(dirs, settle_s=0.5)
+    print(json.dumps({"ok": True}))
+except ConfigError as err:
+    print(json.dumps({"ok": False, "key": err.key, "detail": err.detail}))
+dist.destroy_process_group()
+"""
+
+# rank 1 on a "node" whose $0 is a disk of its own: a private mount namespace, a tmpfs there
+PRIVATE = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
+
+
+def _two_ranks(dirs: dict, private: str | None = None) -> list[dict]:
+    port = str(find_free_port())
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-c", RANK, str(rank), port, json.dumps(dirs)]
+        if rank == 1 and private is not None:
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE, private,
+                   *cmd]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_one_directory_for_both_ranks_passes_and_leaves_nothing(tmp_path):
+    dirs = {"logging.output_dir": str(tmp_path / "run"), "workload.cache_dir": str(tmp_path / "c")}
+    assert _two_ranks(dirs) == [{"ok": True}, {"ok": True}]
+    # created as the run would, and the marks removed
+    assert os.listdir(tmp_path / "run") == [] and os.listdir(tmp_path / "c") == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a private mount (the node-local disk) needs root and unshare")
+def test_a_directory_on_a_node_local_disk_stops_every_rank_naming_the_key(tmp_path):
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    run.mkdir()
+    dirs = {"workload.cache_dir": str(cache), "logging.output_dir": str(run)}
+    results = _two_ranks(dirs, private=str(run))
+    assert results[0] == results[1]  # both ranks stop, with the same error
+    assert results[0]["key"] == "logging.output_dir"  # the shared cache passes
+    detail = results[0]["detail"]
+    assert f"{run} is not one directory for every rank: rank 1 (" in detail
+    assert "rank 0 (" in detail and "checkpoint" in detail and "filesystem all nodes share" in detail
+    assert os.listdir(run) == []  # rank 0's mark removed again
+
+
+def test_a_directory_rank_0_cannot_create_stops_every_rank(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    dirs = {"logging.output_dir": str(blocker / "run")}
+    results = _two_ranks(dirs)
+    assert results[0] == results[1]
+    assert results[0]["key"] == "logging.output_dir"
+    assert results[0]["detail"].startswith(f"{blocker / 'run'} cannot be written: ")
+
+
+def test_one_process_checks_nothing(tmp_path):
+    from oppo_ds.shared_dirs import check_shared_dirs
+
+    check_shared_dirs({"logging.output_dir": str(tmp_path / "run")})
+    assert not (tmp_path / "run").exists()  # no group: nothing written, nothing created
