@@ -1,8 +1,11 @@
-"""Slurm: the srun rendezvous (pure, tier 0) and a real single-node Slurm cluster (tier 2)
-that runs slurm/train_70b.sh on the tiny config with 2 CPU tasks, then resumes it.
+"""Slurm: the srun rendezvous (pure, tier 0); a real single-node Slurm cluster (tier 2) that
+runs slurm/train_70b.sh on the tiny config with 2 CPU tasks, then resumes it; and a real
+two-node cluster on this machine, the second node in a network namespace of its own, where a
+job of one rank per node is stopped by USR1, requeued and resumed.
 
-The cluster test needs root and apt (it installs slurm-wlm and munge when missing) and
-starts munged, slurmctld and slurmd itself; they are stopped by pid at teardown."""
+The cluster tests need root and apt (they install slurm-wlm and munge when missing), and the
+two-node one `ip netns`, `unshare` and `nsenter`; they start munged, slurmctld and slurmd
+themselves, and stop them (and remove the namespace) at teardown."""
 from __future__ import annotations
 
 import os
@@ -79,10 +82,11 @@ SMALL = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_st
          "ppo.micro_batch_size=2", "logging.progress=false", "logging.log_every=0",
          "system.torch_threads=1", "checkpoint.every=1", "checkpoint.export_hf=false"]
 
+# {d}: the cluster's folder; a node's spool, pid and log files are its own (%n: its name)
 SLURM_CONF = """\
-ClusterName=oppotest
+ClusterName={cluster}
 FirstJobId={first_job_id}
-SlurmctldHost=localhost
+SlurmctldHost={ctld_host}
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
@@ -94,15 +98,17 @@ SelectTypeParameters=CR_Core
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool-%n
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 ReturnToService=2
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory=2000
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{nodes}
 """
+ONE_NODE = """\
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory=2000
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP"""
 
 
 def _munge_works() -> bool:
@@ -151,64 +157,87 @@ def _cancel_all_jobs(env) -> None:
             print(f"slurm_cluster teardown: {err}")
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """A one-node Slurm cluster (localhost, 2 CPUs); yields the environment that reaches it."""
-    from oppo_ds.engines.deepspeed_engine import find_free_port
-
+def _needs_root(what: str) -> None:
     if os.geteuid() != 0:
-        print("skipping the Slurm cluster test: not root (munged/slurmd need root)")
+        print(f"skipping {what}: not root (munged/slurmd need root)")
         pytest.skip("not root")
+
+
+@pytest.fixture(scope="module")
+def munge():
+    """munged answering on its usual socket: the one already running, else one started here
+    (and stopped at teardown). Every cluster below authenticates through it."""
+    _needs_root("the Slurm cluster tests")
     _install_slurm()
-    d = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool"):
-        (d / sub).mkdir()
-    conf = d / "slurm.conf"
-    # job ids from a random start: the jobs' MASTER_PORT (derived from the id) varies per run
-    first_job_id = random.randrange(1, 1_000_000)
-    conf.write_text(SLURM_CONF.format(d=d, ctld_port=find_free_port(), d_port=find_free_port(),
-                                      first_job_id=first_job_id))
+    proc = None
+    if not _munge_works():
+        for path in ("/run/munge", "/var/log/munge", "/var/lib/munge"):
+            os.makedirs(path, exist_ok=True)
+            shutil.chown(path, "munge", "munge")
+        # runuser switches to munge in the child, not Python's user=/group=: with those
+        # Python forks instead of vforking, and a fork accounts this test process's whole
+        # heap again (after ~1000 tests its virtual heap passed the machine's 23 GiB once:
+        # ENOMEM, "__vm_enough_memory ... 26000039936" in dmesg, every Slurm test errored)
+        proc = subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "--foreground"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for(_munge_works, "munged answers")
+    yield
+    if proc is not None:
+        _stop([proc])
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in reversed(procs):
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _cluster_env(conf) -> dict:
     # earlier tests in this process may have left a launcher's rendezvous variables behind;
     # the jobs must see only what a user's shell would (slurm/train.sh unsets them as well)
     launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env["SLURM_CONF"] = str(conf)
+    return env
+
+
+def _nodes_idle(env, count: int) -> bool:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=env)
+    return out.stdout.split() == ["idle"] * count
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(munge, tmp_path_factory):
+    """A one-node Slurm cluster (localhost, 2 CPUs); yields the environment that reaches it."""
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool-localhost"):
+        (d / sub).mkdir()
+    conf = d / "slurm.conf"
+    # job ids from a random start: the jobs' MASTER_PORT (derived from the id) varies per run
+    conf.write_text(SLURM_CONF.format(d=d, cluster="oppotest", ctld_host="localhost",
+                                      ctld_port=find_free_port(), d_port=find_free_port(),
+                                      first_job_id=random.randrange(1, 1_000_000),
+                                      nodes=ONE_NODE))
+    env = _cluster_env(conf)
     started: list[subprocess.Popen] = []
     try:
-        if not _munge_works():
-            for path in ("/run/munge", "/var/log/munge", "/var/lib/munge"):
-                os.makedirs(path, exist_ok=True)
-                shutil.chown(path, "munge", "munge")
-            # runuser switches to munge in the child, not Python's user=/group=: with those
-            # Python forks instead of vforking, and a fork accounts this test process's whole
-            # heap again (after ~1000 tests its virtual heap passed the machine's 23 GiB once:
-            # ENOMEM, "__vm_enough_memory ... 26000039936" in dmesg, every Slurm test errored)
-            started.append(subprocess.Popen(["runuser", "-u", "munge", "--", "munged",
-                                             "--foreground"],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            _wait_for(_munge_works, "munged answers")
         started.append(subprocess.Popen(["slurmctld", "-D", "-f", str(conf)], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         started.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-
-        def node_idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=env)
-            return out.stdout.strip() == "idle"
-
-        _wait_for(node_idle, "the node is idle")
+        _wait_for(lambda: _nodes_idle(env, 1), "the node is idle")
         yield env
     finally:
-        if len(started) > 1:
+        if started:
             _cancel_all_jobs(env)
-        for proc in reversed(started):
-            proc.terminate()
-        for proc in reversed(started):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(started)
 
 
 def test_expand_hostlist_matches_scontrol(slurm_cluster):
@@ -226,19 +255,23 @@ def workload_cache(tmp_path_factory):
 
 
 def _sbatch_70b(env, tmp_path, cache, steps: int, wait: bool = True, launcher: str = "srun",
-                extra: tuple = (), python: str = sys.executable) -> tuple[str, str]:
-    """Submits slurm/train_70b.sh on the tiny config with 2 CPU tasks; returns the job id and
-    the path of its output file (complete once the job ended, when ``wait``)."""
-    job_env = dict(env, CONFIG="examples/configs/tiny.yaml", OUTPUT_DIR=str(tmp_path / "run"),
+                extra: tuple = (), python: str = sys.executable, nodes: int = 1,
+                output_dir: str | None = None, ok: bool = True) -> tuple[str, str]:
+    """Submits slurm/train_70b.sh on the tiny config with 2 CPU tasks on ``nodes`` nodes;
+    returns the job id and the path of its output file (complete once the job ended, when
+    ``wait``). ``ok``: whether sbatch (with ``wait``, the job) must succeed, else fail."""
+    job_env = dict(env, CONFIG="examples/configs/tiny.yaml",
+                   OUTPUT_DIR=output_dir or str(tmp_path / "run"),
                    PYTHON=python, OMP_NUM_THREADS="1", LAUNCHER=launcher,
                    OVERRIDES=" ".join([*SMALL, f"steps={steps}", f"workload.cache_dir={cache}", *extra]))
     log = tmp_path / f"job-steps{steps}-{launcher}.out"
-    # sbatch flags override the script's #SBATCH lines: one node of 2 CPUs, no GPUs
-    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), "--nodes=1", "--ntasks-per-node=2",
+    # sbatch flags override the script's #SBATCH lines: 2 CPU tasks, no GPUs
+    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), f"--nodes={nodes}",
+           f"--ntasks-per-node={2 // nodes}",
            "--cpus-per-task=1", "--gpus-per-node=0", "--time=10", f"--output={log}", "slurm/train_70b.sh"]
     proc = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=600)
     text = log.read_text() if log.exists() else "(no job output file)"
-    assert proc.returncode == 0, f"sbatch exit {proc.returncode}: {proc.stderr}\n{text[-4000:]}"
+    assert (proc.returncode == 0) == ok, f"sbatch exit {proc.returncode}: {proc.stderr}\n{text[-4000:]}"
     return proc.stdout.strip().split(";")[0], str(log)
 
 
@@ -284,34 +317,43 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
     from exactly that step. Rank 0 here takes 5 s longer to end, as its teardown (summary,
     TensorBoard) can: rank 1's 75 makes srun (--kill-on-bad-exit) end it, and srun's exit
     code is no longer 75 (the job ended FAILED 143 then); the file rank 0 wrote requeues it."""
+    _usr1_requeue_resume(slurm_cluster, workload_cache, tmp_path, nodes=1)
+
+
+def _usr1_requeue_resume(env, cache, tmp_path, nodes: int) -> dict[tuple[int, int], str]:
+    """Runs the USR1 test above on ``nodes`` nodes; returns the host each rank ran on, by
+    (restart, rank)."""
     out = tmp_path / "run"
     steps = 60  # far more than run before the signal (a tiny 2-rank step: ~0.1-0.3 s)
-    slow = tmp_path / "python-rank0-ends-last"
+    slow, hosts = tmp_path / "python-rank0-ends-last", tmp_path / "hosts"
     # srun signals every process of a task: the wrapper's own USR1 is a no-op (not ignored,
     # which python would inherit); srun's TERM still ends it while it sleeps
-    slow.write_text(f'#!/bin/bash\ntrap : USR1\n"{sys.executable}" "$@"\nrc=$?\n'
+    slow.write_text(f'#!/bin/bash\ntrap : USR1\n'
+                    'echo "${SLURM_RESTART_COUNT:-0} ${SLURM_PROCID} $(hostname)"'
+                    f' >> "{hosts}"\n'
+                    f'"{sys.executable}" "$@"\nrc=$?\n'
                     '[[ ${SLURM_PROCID} == 0 && ${rc} == 75 ]] && sleep 5\nexit ${rc}\n')
     slow.chmod(0o755)
-    job, log = _sbatch_70b(slurm_cluster, tmp_path, workload_cache, steps=steps, wait=False,
+    job, log = _sbatch_70b(env, tmp_path, cache, steps=steps, wait=False, nodes=nodes,
                            extra=("checkpoint.every=0",), python=str(slow))
     metrics = out / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
               "two steps logged", 240, poll=0.1)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_cluster, check=True)
-    _wait_for(lambda: _job_field(slurm_cluster, job, "Restarts") == "1", "the job is requeued", 240)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
+    _wait_for(lambda: _job_field(env, job, "Restarts") == "1", "the job is requeued", 240)
     # Slurm holds a requeued job back (its BeginTime, ~2 min later) so that the first run's
     # step can finish on the node; released before that, slurmd refuses to launch it ("Job
     # credential revoked"). Wait until the controller lists none of its steps, and give slurmd
     # the seconds it took in CI to finish the step (3 s) several times over, then release it.
-    _wait_for(lambda: not _steps(slurm_cluster, job), "the first run's steps end", 120)
+    _wait_for(lambda: not _steps(env, job), "the first run's steps end", 120)
     time.sleep(10)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_cluster, check=True)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
     # the first run's end can still show as the job's state for a moment: wait for the
     # second run's own output before reading the state
-    _wait_for(lambda: f"job {job} restart 1" in _read(log) and _job_field(slurm_cluster, job, "JobState")
+    _wait_for(lambda: f"job {job} restart 1" in _read(log) and _job_field(env, job, "JobState")
               in ("COMPLETED", "FAILED", "CANCELLED"), "the requeued job ends", 420)
     text = _read(log)
-    assert _job_field(slurm_cluster, job, "JobState") == "COMPLETED", text[-3000:]
+    assert _job_field(env, job, "JobState") == "COMPLETED", text[-3000:]
     stopped = re.findall(r"rank (\d): stopped by SIGUSR1 after step (\d+)", text)
     assert sorted(r for r, _ in stopped) == ["0", "1"], text[-3000:]  # both ranks, same step
     (at,) = {int(n) for _, n in stopped}
@@ -321,6 +363,11 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
     assert f"resumed from step{at} at step {at}" in text, text[-3000:]
     assert [r["step"] for r in read_history(str(metrics))] == list(range(1, steps + 1))
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step{steps}"
+    ran = {}
+    for line in hosts.read_text().splitlines():
+        restart, rank, host = line.split()
+        ran[int(restart), int(rank)] = host
+    return ran
 
 
 def test_deepspeed_launcher_with_a_hostfile_from_the_nodelist(slurm_cluster, workload_cache, tmp_path):
@@ -332,3 +379,127 @@ def test_deepspeed_launcher_with_a_hostfile_from_the_nodelist(slurm_cluster, wor
     assert '"world_size": 2' in text, text[-3000:]
     assert (out / "hostfile").read_text() == "localhost slots=2\n"
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"
+
+
+# ------------------------------------------- tier 2: two nodes, each in its own namespaces
+
+TWO_NODES = """\
+NodeName=oppo-n1 NodeAddr={net}.1 CPUs=2 RealMemory=2000
+NodeName=oppo-n2 NodeAddr={net}.2 CPUs=2 RealMemory=2000
+PartitionName=debug Nodes=oppo-n[1-2] Default=YES MaxTime=INFINITE State=UP"""
+
+# a node: its own hostname (UTS namespace), its own /etc/hosts and /dev/shm (mount namespace,
+# private: nothing reaches the machine's); then the daemon. $0 is the hostname, $1 the hosts file
+NODE_SHELL = ('hostname "$0" && mount --bind "$1" /etc/hosts && mount -t tmpfs tmpfs /dev/shm '
+              '&& shift && exec "$@"')
+
+
+def _free_subnet() -> str:
+    """A 10.x.y.0/24 that no interface of this machine is in, as "10.x.y"."""
+    taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    while True:
+        net = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
+        if f" {net}." not in taken:
+            return net
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes(munge, tmp_path_factory):
+    """A two-node Slurm cluster on this one machine. Node oppo-n2 lives in a network namespace
+    of its own, joined to the machine's by a veth pair: its loopback, addresses and ports are
+    not node oppo-n1's, so a rank that took "localhost" for rank 0's host, or a port only
+    bound on loopback, fails as it would between two machines. Each node also has its own
+    hostname, /etc/hosts (naming both nodes) and /dev/shm; the filesystem is shared, as a
+    cluster's is. Yields the environment that reaches the controller (on oppo-n1)."""
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+
+    missing = [b for b in ("ip", "unshare", "nsenter") if shutil.which(b) is None]
+    if missing:
+        print(f"skipping the two-node Slurm test: {', '.join(missing)} not found")
+        pytest.skip(f"{', '.join(missing)} not found (iproute2, util-linux)")
+    tag = f"{os.getpid() % 100000}"
+    netns, veth = f"oppo-n2-{tag}", f"oppoh{tag}"
+    proc = subprocess.run(["ip", "netns", "add", netns], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"skipping the two-node Slurm test: ip netns add: {proc.stderr.strip()}")
+        pytest.skip(f"cannot create a network namespace: {proc.stderr.strip()}")
+    d = tmp_path_factory.mktemp("slurm-two")
+    env: dict = {}
+    started: list[subprocess.Popen] = []
+    try:
+        net = _free_subnet()
+        for cmd in (["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
+                     "netns", netns],
+                    ["ip", "addr", "add", f"{net}.1/24", "dev", veth],
+                    ["ip", "link", "set", veth, "up"],
+                    ["ip", "-n", netns, "addr", "add", f"{net}.2/24", "dev", "eth0"],
+                    ["ip", "-n", netns, "link", "set", "eth0", "up"],
+                    ["ip", "-n", netns, "link", "set", "lo", "up"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            assert proc.returncode == 0, f"{' '.join(cmd)}: {proc.stderr}"
+        for sub in ("state", "spool-oppo-n1", "spool-oppo-n2"):
+            (d / sub).mkdir()
+        hosts = d / "hosts"
+        hosts.write_text(f"127.0.0.1 localhost\n{net}.1 oppo-n1\n{net}.2 oppo-n2\n")
+        conf = d / "slurm.conf"
+        ctld_port = find_free_port()
+        conf.write_text(SLURM_CONF.format(d=d, cluster="oppotwo", ctld_host=f"oppo-n1({net}.1)",
+                                          ctld_port=ctld_port, d_port=find_free_port(),
+                                          first_job_id=random.randrange(1, 1_000_000),
+                                          nodes=TWO_NODES.format(net=net)))
+        env = _cluster_env(conf)
+
+        def node(name: str, *cmd: str, enter: tuple = ()) -> None:
+            # nsenter, not `ip netns exec`: that one mounts a fresh /sys without the cgroup
+            # tree, and slurmd then fails to start ("No filesystem mounted on /sys/fs/cgroup")
+            started.append(subprocess.Popen(
+                [*enter, "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
+                 NODE_SHELL, name, str(hosts), *cmd],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        node("oppo-n1", "slurmctld", "-D", "-f", str(conf))
+        node("oppo-n1", "slurmd", "-D", "-N", "oppo-n1", "-f", str(conf))
+        node("oppo-n2", "slurmd", "-D", "-N", "oppo-n2", "-f", str(conf),
+             enter=("nsenter", f"--net=/run/netns/{netns}"))
+        _wait_for(lambda: _nodes_idle(env, 2), "both nodes are idle", 60)
+        # the separation claimed above: from oppo-n2 the controller (on oppo-n1) answers at
+        # oppo-n1's address, and nothing answers on loopback
+        probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)"
+        for host, reachable in ((f"{net}.1", True), ("127.0.0.1", False)):
+            proc = subprocess.run(["nsenter", f"--net=/run/netns/{netns}", sys.executable, "-c",
+                                   probe, host, str(ctld_port)], capture_output=True, text=True)
+            assert (proc.returncode == 0) == reachable, (host, proc.stderr[-500:])
+        yield env
+    finally:
+        if started:
+            _cancel_all_jobs(env)
+        _stop(started)
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def test_two_nodes_a_signal_stops_both_and_the_requeued_job_resumes(slurm_two_nodes,
+                                                                    workload_cache, tmp_path):
+    """slurm/train_70b.sh on two nodes, one rank each: the second node finds rank 0 on the
+    first host of the node list (its own loopback is not rank 0's), both train over gloo
+    between the namespaces, a USR1 to the batch shell stops both after the same step with a
+    checkpoint, and the requeued job resumes from exactly that step on the same nodes."""
+    ran = _usr1_requeue_resume(slurm_two_nodes, workload_cache, tmp_path, nodes=2)
+    assert ran == {(0, 0): "oppo-n1", (0, 1): "oppo-n2", (1, 0): "oppo-n1", (1, 1): "oppo-n2"}
+
+
+def test_two_nodes_an_output_dir_on_a_node_local_disk_stops_the_job(slurm_two_nodes,
+                                                                    workload_cache, tmp_path):
+    """logging.output_dir on /dev/shm, which is each node's own: rank 1 on oppo-n2 cannot see
+    the file rank 0 wrote there, and both ranks stop before any model is built, naming the
+    key, the host that does not share it and what to do (oppo_ds/shared_dirs.py)."""
+    out = f"/dev/shm/oppo-run-{os.getpid()}"
+    job, log = _sbatch_70b(slurm_two_nodes, tmp_path, workload_cache, steps=2, nodes=2,
+                           output_dir=out, ok=False)
+    text = _read(log)
+    assert _job_field(slurm_two_nodes, job, "JobState") == "FAILED", text[-3000:]
+    assert (f"oppo-train: error: logging.output_dir: {out} is not one directory for every "
+            "rank: rank 1 (oppo-n2) cannot see the file rank 0 (oppo-n1) wrote there") in text, \
+        text[-3000:]
+    assert "filesystem all nodes share" in text
+    assert "DeepSpeed engine" not in text  # stopped before any engine was built
