@@ -36,30 +36,36 @@ SETTLE_S = 5.0
 def check_shared_dirs(dirs: dict[str, str], *, settle_s: float = SETTLE_S) -> None:
     """Raise ``ConfigError`` (the first such key of ``dirs``, in its order) on every rank of the
     world when some rank does not see, within ``settle_s``, a file rank 0 created in that
-    key's directory. ``dirs`` maps config keys to paths (created when missing, as the run
-    would) and must be the same on every rank. One rank, or no group: nothing to check."""
+    key's directory, or when some rank cannot create the directory. ``dirs`` maps config keys
+    to paths (created when missing, as the run would) and must be the same on every rank; a
+    relative path is each rank's own working directory's. One rank, or no group: nothing to
+    check."""
     if not comm.active() or not dirs:
         return
-    rank = dist.get_rank()
+    rank, host = dist.get_rank(), socket.gethostname()
     token = comm.broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0]), 0)
     name = MARK.format(int(token.item()))
     marks = {key: os.path.join(path, name) for key, path in dirs.items()}
+    where = {key: os.path.abspath(path) for key, path in dirs.items()}  # by this rank's cwd
     problem = None
-    if rank == 0:
+    # every rank creates the folders, as the run would: on NFS a folder made by another node
+    # can stay hidden behind a "no such file" this node cached for an earlier lookup
+    for key, path in dirs.items():
         try:
-            for key, path in dirs.items():
-                os.makedirs(path, exist_ok=True)
+            os.makedirs(path, exist_ok=True)
+            if rank == 0:
                 with open(marks[key], "w") as f:
-                    f.write(socket.gethostname())
-        except OSError as err:  # every rank must reach the collectives below, then raise
-            problem = (key, f"{path} cannot be written: {err}")
+                    f.write(host)
+        except (OSError, ValueError) as err:  # every rank must reach the collectives below
+            problem = (key, f"{where[key]} cannot be written by rank {rank} ({host}): {err}")
+            break
     dist.barrier()
     missing = [key for key in dirs if not os.path.exists(marks[key])]
     deadline = time.monotonic() + settle_s
     while missing and problem is None and time.monotonic() < deadline:
         time.sleep(0.2)
         missing = [key for key in missing if not os.path.exists(marks[key])]
-    seen = comm.gather_lists([(socket.gethostname(), missing, problem)])
+    seen = comm.gather_lists([(host, missing, problem, where)])
     dist.barrier()  # every rank has looked: the marks can go
     if rank == 0:
         for mark in marks.values():
@@ -67,14 +73,18 @@ def check_shared_dirs(dirs: dict[str, str], *, settle_s: float = SETTLE_S) -> No
                 os.remove(mark)
             except OSError:
                 pass
-    host0, _, problem = seen[0]
-    if problem is not None:
-        raise ConfigError(*problem)
-    for key, path in dirs.items():
-        blind = [f"rank {r} ({host})" for r, (host, miss, _) in enumerate(seen) if key in miss]
+    problems = [p for _, _, p, _ in seen if p is not None]
+    if problems:
+        raise ConfigError(*problems[0])
+    host0, _, _, where0 = seen[0]
+    for key in dirs:
+        # a rank in another working directory resolves a relative path elsewhere: say so
+        blind = [f"rank {r} ({other})" if at[key] == where0[key] else
+                 f"rank {r} ({other}, where it is {at[key]})"
+                 for r, (other, miss, _, at) in enumerate(seen) if key in miss]
         if blind:
             raise ConfigError(key, (
-                f"{path} is not one directory for every rank: {', '.join(blind)} cannot see the "
-                f"file rank 0 ({host0}) wrote there. {WHY.get(key, 'Every rank uses it')}: "
+                f"{where0[key]} is not one directory for every rank: {', '.join(blind)} cannot "
+                f"see the file rank 0 ({host0}) wrote there. {WHY.get(key, 'Every rank uses it')}: "
                 f"put it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), "
                 f"under the same path"))

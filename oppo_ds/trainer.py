@@ -164,8 +164,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 cfg.system.check_world(self.world_size)
             except ConfigError as err:
                 raise err.under("system") from None
-            if not self.evaluating_only:  # an evaluation writes nowhere
-                check_shared_dirs(self._shared_dirs())
+            # an evaluation too: it reads the checkpoint `latest` names, on every rank
+            check_shared_dirs(self._shared_dirs())
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
         return scorer_rank

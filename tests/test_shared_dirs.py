@@ -17,12 +17,13 @@ from oppo_ds.engines.deepspeed_engine import find_free_port
 
 RANK = """\
 import json, os, sys
+from datetime import timedelta
 import torch.distributed as dist
 from oppo_ds.config_types import ConfigError
 from oppo_ds.shared_dirs import check_shared_dirs
 rank, port, dirs = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=2)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
 try:
     check_shared_dirs(dirs, settle_s=0.5)
     print(json.dumps({"ok": True}))
@@ -35,22 +36,39 @@ dist.destroy_process_group()
 PRIVATE = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
 
 
-def _two_ranks(dirs: dict, private: str | None = None) -> list[dict]:
+def _two_ranks(dirs: dict, private: str | None = None, cwd1: str | None = None) -> list[dict]:
+    """Each rank's outcome of check_shared_dirs(dirs); rank 1 with ``private`` (a folder) on
+    a disk of its own, in working directory ``cwd1``."""
     port = str(find_free_port())
     procs = []
-    for rank in (0, 1):
-        cmd = [sys.executable, "-c", RANK, str(rank), port, json.dumps(dirs)]
-        if rank == 1 and private is not None:
-            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE, private,
-                   *cmd]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-2000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    try:
+        for rank in (0, 1):
+            cmd = [sys.executable, "-c", RANK, str(rank), port, json.dumps(dirs)]
+            if rank == 1 and private is not None:
+                cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE,
+                       private, *cmd]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, cwd=cwd1 if rank == 1 else None))
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:  # a rank left waiting for the other would wait for gloo's timeout
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _private_mount_works(tmp_path) -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE,
+                           str(probe), "true"], capture_output=True).returncode == 0
 
 
 def test_one_directory_for_both_ranks_passes_and_leaves_nothing(tmp_path):
@@ -60,9 +78,9 @@ def test_one_directory_for_both_ranks_passes_and_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path / "run") == [] and os.listdir(tmp_path / "c") == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="a private mount (the node-local disk) needs root and unshare")
 def test_a_directory_on_a_node_local_disk_stops_every_rank_naming_the_key(tmp_path):
+    if not _private_mount_works(tmp_path):
+        pytest.skip("a private mount (the node-local disk) needs root, unshare and mount rights")
     run, cache = tmp_path / "run", tmp_path / "cache"
     run.mkdir()
     dirs = {"workload.cache_dir": str(cache), "logging.output_dir": str(run)}
@@ -82,7 +100,21 @@ def test_a_directory_rank_0_cannot_create_stops_every_rank(tmp_path):
     results = _two_ranks(dirs)
     assert results[0] == results[1]
     assert results[0]["key"] == "logging.output_dir"
-    assert results[0]["detail"].startswith(f"{blocker / 'run'} cannot be written: ")
+    assert results[0]["detail"].startswith(f"{blocker / 'run'} cannot be written by rank 0 (")
+
+
+def test_a_relative_path_in_another_working_directory_is_named_with_both_places(tmp_path,
+                                                                               monkeypatch):
+    """A rank started elsewhere resolves a relative output_dir to another folder: the error
+    says where each rank took it to be."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")  # rank 0's working directory
+    results = _two_ranks({"logging.output_dir": "runs/x"}, cwd1=str(tmp_path / "b"))
+    assert results[0] == results[1]
+    assert results[0]["detail"].startswith(
+        f"{tmp_path / 'a' / 'runs' / 'x'} is not one directory for every rank: rank 1 (")
+    assert f", where it is {tmp_path / 'b' / 'runs' / 'x'}) cannot see" in results[0]["detail"]
 
 
 def test_one_process_checks_nothing(tmp_path):
