@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -119,17 +120,24 @@ def _munge_works() -> bool:
                                                   capture_output=True).returncode == 0
 
 
-def _install_slurm() -> None:
-    if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
+def _apt_install(binaries: tuple, packages: tuple, what: str) -> None:
+    """Installs ``packages`` with apt unless every one of ``binaries`` is found; skips the
+    test (saying why) when that cannot be done."""
+    if all(shutil.which(b) for b in binaries):
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         reason = "not root" if os.geteuid() != 0 else "apt-get is not available"
-        print(f"skipping the Slurm cluster test: {reason}, cannot install slurm-wlm and munge")
-        pytest.skip(f"Slurm is not installed and cannot be: {reason}")
+        print(f"skipping {what}: {reason}, cannot install {' and '.join(packages)}")
+        pytest.skip(f"{' and '.join(packages)} not installed and cannot be: {reason}")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def _install_slurm() -> None:
+    _apt_install(("slurmctld", "slurmd", "sbatch", "munged"), ("slurm-wlm", "munge"),
+                 "the Slurm cluster test")
 
 
 def _wait_for(predicate, what: str, timeout: float = 30.0, poll: float = 0.5) -> None:
@@ -388,19 +396,93 @@ NodeName=oppo-n1 NodeAddr={net}.1 CPUs=2 RealMemory=2000
 NodeName=oppo-n2 NodeAddr={net}.2 CPUs=2 RealMemory=2000
 PartitionName=debug Nodes=oppo-n[1-2] Default=YES MaxTime=INFINITE State=UP"""
 
-# a node: its own hostname (UTS namespace), its own /etc/hosts and /dev/shm (mount namespace,
-# private: nothing reaches the machine's); then the daemon. $0 is the hostname, $1 the hosts file
-NODE_SHELL = ('hostname "$0" && mount --bind "$1" /etc/hosts && mount -t tmpfs tmpfs /dev/shm '
-              '&& shift && exec "$@"')
+# a node: its own hostname (UTS namespace), its own /etc/hosts, ssh client config and /dev/shm
+# (mount namespace, private: nothing reaches the machine's); then the daemon. $0 is the
+# hostname, $1 the hosts file, $2 the ssh_config
+NODE_SHELL = ('hostname "$0" && mount --bind "$1" /etc/hosts '
+              '&& { [ "$2" = - ] || mount --bind "$2" /etc/ssh/ssh_config; } '
+              '&& mount -t tmpfs tmpfs /dev/shm && shift 2 && exec "$@"')
+
+# passwordless ssh between the nodes as root, for the deepspeed launcher's pdsh: the keys, the
+# host key and the configs live in the cluster's folder; sshd is started by absolute path
+SSH_CONFIG = """\
+Host oppo-n1 oppo-n2 {net}.*
+    Port {port}
+    IdentityFile {d}/id
+    StrictHostKeyChecking no
+    UserKnownHostsFile /dev/null
+    BatchMode yes
+    LogLevel ERROR
+"""
+SSHD_CONFIG = """\
+Port {port}
+HostKey {d}/host
+AuthorizedKeysFile {d}/id.pub
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+"""
 
 
 def _free_subnet() -> str:
-    """A 10.x.y.0/24 that no interface of this machine is in, as "10.x.y"."""
-    taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    """A /24 of 198.18.0.0/15 (set aside for benchmarking networks, RFC 2544) that no address
+    or route of this machine is in, as "198.x.y"; not of 10/8, which a pod or VPN may route."""
+    taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+    if "198.18.0.0/15" in taken:
+        pytest.skip("this machine routes 198.18.0.0/15 itself")
     while True:
-        net = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
-        if f" {net}." not in taken:
+        net = f"198.{random.randrange(18, 20)}.{random.randrange(0, 256)}"
+        if f"{net}." not in taken:
             return net
+
+
+class TwoNodes(NamedTuple):
+    env: dict  # reaches the controller
+    ssh: str | None  # why the nodes cannot ssh to each other (None: they can)
+
+
+def _ssh_tools() -> str | None:
+    """Installs sshd and pdsh when missing; why they are not there, or None."""
+    try:
+        _apt_install(("sshd", "ssh-keygen", "pdsh"), ("openssh-server", "pdsh"),
+                     "the deepspeed launcher across two nodes")
+    except pytest.skip.Exception as err:
+        return str(err)
+    return None
+
+
+def _ssh_files(d, net: str) -> None:
+    """The keys and configs in folder ``d``: root by key, no password."""
+    from oppo_ds.engines.deepspeed_engine import find_free_port
+
+    d.mkdir()
+    port = find_free_port()
+    for key in ("id", "host"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)],
+                       check=True, capture_output=True)
+    (d / "ssh_config").write_text(SSH_CONFIG.format(net=net, port=port, d=d))
+    (d / "sshd_config").write_text(SSHD_CONFIG.format(port=port, d=d))
+
+
+def _start_sshd(d, net: str, node) -> None:
+    """An sshd on each node, with the files of ``_ssh_files``; waits until both answer."""
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation folder
+    for name, last in (("oppo-n1", 1), ("oppo-n2", 2)):
+        node(name, shutil.which("sshd"), "-D", "-e", "-f", str(d / "sshd_config"),
+             "-o", f"ListenAddress={net}.{last}", "-o", f"PidFile={d}/sshd-{name}.pid")
+
+    def answers() -> bool:
+        names = []
+        for last in (1, 2):
+            proc = subprocess.run(["ssh", "-F", str(d / "ssh_config"), f"{net}.{last}", "hostname"],
+                                  capture_output=True, text=True, timeout=30)
+            names.append(proc.stdout.strip())
+        return names == ["oppo-n1", "oppo-n2"]
+
+    _wait_for(answers, "ssh reaches both nodes", 30)
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +492,8 @@ def slurm_two_nodes(munge, tmp_path_factory):
     not node oppo-n1's, so a rank that took "localhost" for rank 0's host, or a port only
     bound on loopback, fails as it would between two machines. Each node also has its own
     hostname, /etc/hosts (naming both nodes) and /dev/shm; the filesystem is shared, as a
-    cluster's is. Yields the environment that reaches the controller (on oppo-n1)."""
+    cluster's is. With sshd and pdsh (installed when missing) each node runs an sshd, and
+    root on one node reaches the other by key, as the deepspeed launcher's pdsh needs."""
     from oppo_ds.engines.deepspeed_engine import find_free_port
 
     missing = [b for b in ("ip", "unshare", "nsenter") if shutil.which(b) is None]
@@ -419,15 +502,15 @@ def slurm_two_nodes(munge, tmp_path_factory):
         pytest.skip(f"{', '.join(missing)} not found (iproute2, util-linux)")
     tag = f"{os.getpid() % 100000}"
     netns, veth = f"oppo-n2-{tag}", f"oppoh{tag}"
+    d = tmp_path_factory.mktemp("slurm-two")
+    net = _free_subnet()
     proc = subprocess.run(["ip", "netns", "add", netns], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"skipping the two-node Slurm test: ip netns add: {proc.stderr.strip()}")
         pytest.skip(f"cannot create a network namespace: {proc.stderr.strip()}")
-    d = tmp_path_factory.mktemp("slurm-two")
     env: dict = {}
     started: list[subprocess.Popen] = []
     try:
-        net = _free_subnet()
         for cmd in (["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
                      "netns", netns],
                     ["ip", "addr", "add", f"{net}.1/24", "dev", veth],
@@ -441,6 +524,10 @@ def slurm_two_nodes(munge, tmp_path_factory):
             (d / sub).mkdir()
         hosts = d / "hosts"
         hosts.write_text(f"127.0.0.1 localhost\n{net}.1 oppo-n1\n{net}.2 oppo-n2\n")
+        ssh = _ssh_tools()
+        if not ssh:
+            _ssh_files(d / "ssh", net)
+        ssh_config = "-" if ssh else str(d / "ssh" / "ssh_config")
         conf = d / "slurm.conf"
         ctld_port = find_free_port()
         conf.write_text(SLURM_CONF.format(d=d, cluster="oppotwo", ctld_host=f"oppo-n1({net}.1)",
@@ -449,18 +536,20 @@ def slurm_two_nodes(munge, tmp_path_factory):
                                           nodes=TWO_NODES.format(net=net)))
         env = _cluster_env(conf)
 
-        def node(name: str, *cmd: str, enter: tuple = ()) -> None:
+        def node(name: str, *cmd: str) -> None:
             # nsenter, not `ip netns exec`: that one mounts a fresh /sys without the cgroup
             # tree, and slurmd then fails to start ("No filesystem mounted on /sys/fs/cgroup")
             started.append(subprocess.Popen(
-                [*enter, "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
-                 NODE_SHELL, name, str(hosts), *cmd],
+                [*(("nsenter", f"--net=/run/netns/{netns}") if name == "oppo-n2" else ()),
+                 "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
+                 NODE_SHELL, name, str(hosts), ssh_config, *cmd],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         node("oppo-n1", "slurmctld", "-D", "-f", str(conf))
         node("oppo-n1", "slurmd", "-D", "-N", "oppo-n1", "-f", str(conf))
-        node("oppo-n2", "slurmd", "-D", "-N", "oppo-n2", "-f", str(conf),
-             enter=("nsenter", f"--net=/run/netns/{netns}"))
+        node("oppo-n2", "slurmd", "-D", "-N", "oppo-n2", "-f", str(conf))
+        if not ssh:
+            _start_sshd(d / "ssh", net, node)
         _wait_for(lambda: _nodes_idle(env, 2), "both nodes are idle", 60)
         # the separation claimed above: from oppo-n2 the controller (on oppo-n1) answers at
         # oppo-n1's address, and nothing answers on loopback
@@ -469,7 +558,7 @@ def slurm_two_nodes(munge, tmp_path_factory):
             proc = subprocess.run(["nsenter", f"--net=/run/netns/{netns}", sys.executable, "-c",
                                    probe, host, str(ctld_port)], capture_output=True, text=True)
             assert (proc.returncode == 0) == reachable, (host, proc.stderr[-500:])
-        yield env
+        yield TwoNodes(env, ssh)
     finally:
         if started:
             _cancel_all_jobs(env)
@@ -484,7 +573,7 @@ def test_two_nodes_a_signal_stops_both_and_the_requeued_job_resumes(slurm_two_no
     first host of the node list (its own loopback is not rank 0's), both train over gloo
     between the namespaces, a USR1 to the batch shell stops both after the same step with a
     checkpoint, and the requeued job resumes from exactly that step on the same nodes."""
-    ran = _usr1_requeue_resume(slurm_two_nodes, workload_cache, tmp_path, nodes=2)
+    ran = _usr1_requeue_resume(slurm_two_nodes.env, workload_cache, tmp_path, nodes=2)
     assert ran == {(0, 0): "oppo-n1", (0, 1): "oppo-n2", (1, 0): "oppo-n1", (1, 1): "oppo-n2"}
 
 
@@ -494,12 +583,31 @@ def test_two_nodes_an_output_dir_on_a_node_local_disk_stops_the_job(slurm_two_no
     the file rank 0 wrote there, and both ranks stop before any model is built, naming the
     key, the host that does not share it and what to do (oppo_ds/shared_dirs.py)."""
     out = f"/dev/shm/oppo-run-{os.getpid()}"
-    job, log = _sbatch_70b(slurm_two_nodes, tmp_path, workload_cache, steps=2, nodes=2,
+    job, log = _sbatch_70b(slurm_two_nodes.env, tmp_path, workload_cache, steps=2, nodes=2,
                            output_dir=out, ok=False)
     text = _read(log)
-    assert _job_field(slurm_two_nodes, job, "JobState") == "FAILED", text[-3000:]
+    assert _job_field(slurm_two_nodes.env, job, "JobState") == "FAILED", text[-3000:]
     assert (f"oppo-train: error: logging.output_dir: {out} is not one directory for every "
             "rank: rank 1 (oppo-n2) cannot see the file rank 0 (oppo-n1) wrote there") in text, \
         text[-3000:]
     assert "filesystem all nodes share" in text
     assert "DeepSpeed engine" not in text  # stopped before any engine was built
+
+
+def test_two_nodes_deepspeed_launcher_reaches_the_second_node_by_pdsh(slurm_two_nodes,
+                                                                      workload_cache, tmp_path):
+    """LAUNCHER=deepspeed on two nodes: the job writes a two-line hostfile from the node list,
+    and DeepSpeed's runner on oppo-n1 starts one rank on each node by pdsh over ssh (its
+    default multi-node launcher); they train together and checkpoint."""
+    if slurm_two_nodes.ssh:
+        pytest.skip(slurm_two_nodes.ssh)
+    out = tmp_path / "run"
+    _, log = _sbatch_70b(slurm_two_nodes.env, tmp_path, workload_cache, steps=2, nodes=2,
+                         launcher="deepspeed")
+    text = _read(log)
+    assert (out / "hostfile").read_text() == "oppo-n1 slots=1\noppo-n2 slots=1\n"
+    assert '"world_size": 2' in text, text[-3000:]
+    # pdsh names the node each line came from: each node's DeepSpeed launcher started its rank
+    for host, node_rank in (("oppo-n1", 0), ("oppo-n2", 1)):
+        assert re.search(rf"^{host}: .*node_rank={node_rank}", text, re.M), text[-3000:]
+    assert sorted(os.listdir(out / "checkpoints" / "trainer" / "step2")) == ["rank0.pt", "rank1.pt"]
