@@ -857,6 +857,13 @@ def test_stage_placement_with_two_replicas_shares_one_critic_copy(cache_dir, tmp
         assert a["response/lengths"] == b["response/lengths"]
         for key in SAME:
             assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), (a["step"], key)
+    # the two replicas' checkpoint evaluates on one rank (--evaluate; the other way round:
+    # test_evaluate_on_more_data_parallel_ranks_than_the_run)
+    _train(str(tmp_path / "inline"), cache_dir, 1, "--evaluate", *GREEDY_EVAL)
+    figures = json.loads((tmp_path / "inline" / "evaluations" / "step_2.json").read_text())
+    assert (figures["actor"], figures["settings"]["ranks"]) == ("checkpoint step2", 1)
+    answers = read_history(str(tmp_path / "inline" / "evaluations" / "step_2_samples.jsonl"))
+    assert [a["prompt_id"] for a in answers] == [f"builtin-eval-{i}" for i in range(5)]
 
 
 def test_stage_placement_with_overcommitment_and_tensor_parallel(cache_dir, tmp_path):
@@ -1073,3 +1080,23 @@ def test_a_resume_takes_the_configured_learning_rate(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # the lr after update 3 of 4 (linear, no warm-up): 1e-5 x (1 - 3/4)
     assert rows[2]["lr/actor"] == pytest.approx(1e-5 * 0.25)
+
+
+def test_evaluate_on_more_data_parallel_ranks_than_the_run(one_rank_run, cache_dir, tmp_path):
+    """``oppo-train --evaluate`` of a one-rank Megatron checkpoint on two ranks (two model
+    replicas, data parallel 2): the module's weights load on both, the evaluation's prompts
+    are shared out, and the answers are the run's last ones, greedy (rewards to 1e-4: the
+    prompts share batches with others than in the run, so their padding differs)."""
+    _, _, one_dir = one_rank_run
+    run = tmp_path / "run"
+    shutil.copytree(one_dir, run)  # the run's folder, as --evaluate finds it after training
+    _train(str(run), cache_dir, 2, "--evaluate", *GREEDY_EVAL)
+    figures = json.loads((run / "evaluations" / "step_2.json").read_text())
+    assert (figures["actor"], figures["settings"]["ranks"]) == ("checkpoint step2", 2)
+    again = read_history(str(run / "evaluations" / "step_2_samples.jsonl"))
+    last = [a for a in read_history(str(one_dir / "eval_samples.jsonl")) if a["step"] == 2]
+    assert sorted(a["prompt_id"] for a in again) == sorted(a["prompt_id"] for a in last)
+    by_id = {a["prompt_id"]: a for a in again}
+    for a in last:
+        assert by_id[a["prompt_id"]]["response"] == a["response"], a["prompt_id"]
+        assert by_id[a["prompt_id"]]["reward"] == pytest.approx(a["reward"], abs=1e-4)
