@@ -61,14 +61,18 @@ def _key(settings: dict) -> str:
 
 def prepare_builtin(cache_dir: str, *, arch: str, seed: int, num_prompts: int, sft_steps: int,
                     reward_steps: int, median_len: int, tail_sigma: float,
-                    max_new_tokens: int) -> PreparedWorkload:
-    """Return the cached workload for these settings, building it first when missing."""
+                    max_new_tokens: int, build: bool = True) -> PreparedWorkload:
+    """Return the cached workload for these settings, building it first when missing.
+    ``build=False``: for a rank that reads what rank 0 prepared; ``FileNotFoundError`` (naming the
+    folder) when it is missing."""
     settings = dict(arch=arch, seed=seed, num_prompts=num_prompts, sft_steps=sft_steps,
                     reward_steps=reward_steps, median_len=median_len, tail_sigma=tail_sigma,
                     max_new_tokens=max_new_tokens)
     root = os.path.join(cache_dir, f"{arch}-{_key(settings)}")
     if os.path.isfile(os.path.join(root, "meta.json")):
         return PreparedWorkload(root)
+    if not build:
+        raise FileNotFoundError(os.path.abspath(root))
     os.makedirs(cache_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".prepare-", dir=cache_dir)
     try:

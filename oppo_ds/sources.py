@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,8 +82,16 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
             prepared = prepare_builtin(w.cache_dir, **kwargs)
         if dist.is_initialized():
             dist.barrier()
-        if rank != 0:
-            prepared = prepare_builtin(w.cache_dir, **kwargs)  # now a cache hit
+        if rank != 0:  # now a cache hit, unless this rank's node does not share the folder
+            try:
+                prepared = prepare_builtin(w.cache_dir, build=False, **kwargs)
+            except FileNotFoundError as err:
+                raise ConfigError("workload.cache_dir", (
+                    f"rank {rank} ({socket.gethostname()}) cannot find {err}, the built-in "
+                    f"workload rank 0 prepared: the folder is not shared with rank 0's node. Put "
+                    f"it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), "
+                    f"under the same path")
+                ) from None
 
     def pick(value: Optional[str], fallback: str, builtin_path: Optional[str] = None) -> str:
         value = fallback if value is None else value

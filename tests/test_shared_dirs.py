@@ -89,7 +89,8 @@ def test_a_directory_on_a_node_local_disk_stops_every_rank_naming_the_key(tmp_pa
     assert results[0]["key"] == "logging.output_dir"  # the shared cache passes
     detail = results[0]["detail"]
     assert f"{run} is not one directory for every rank: rank 1 (" in detail
-    assert "rank 0 (" in detail and "checkpoint" in detail and "filesystem all nodes share" in detail
+    assert "rank 0 (" in detail and "checkpoint" in detail
+    assert "filesystem all nodes share" in detail
     assert os.listdir(run) == []  # rank 0's mark removed again
 
 
@@ -122,3 +123,30 @@ def test_one_process_checks_nothing(tmp_path):
 
     check_shared_dirs({"logging.output_dir": str(tmp_path / "run")})
     assert not (tmp_path / "run").exists()  # no group: nothing written, nothing created
+
+
+SMALL_WORKLOAD = ["workload.num_prompts=64", "workload.sft_steps=20", "workload.reward_steps=20",
+                  "generation.max_new_tokens=24"]
+
+
+def test_a_rank_that_finds_no_prepared_workload_says_the_folder_is_not_shared(tmp_path,
+                                                                            cache_dir):
+    """A rank other than 0 reads the built-in workload rank 0 prepared (the stage placement's
+    scorer rank too, outside the actor ranks' check above): where the folder holds none, it
+    stops naming workload.cache_dir instead of preparing its own, which could differ; where
+    rank 0 prepared it (the shared fixture's folder), it reads it."""
+    from oppo_ds.config import ConfigError, load_config
+    from oppo_ds.sources import resolve_sources
+
+    empty = tmp_path / "node-local-cache"
+    with pytest.raises(ConfigError) as err:
+        resolve_sources(load_config(None, SMALL_WORKLOAD + [f"workload.cache_dir={empty}"]),
+                        rank=2)
+    assert err.value.key == "workload.cache_dir"
+    assert err.value.detail.startswith("rank 2 (") and f"cannot find {empty}/" in err.value.detail
+    assert "not shared with rank 0's node" in err.value.detail
+    assert not empty.exists() or not any(empty.iterdir())  # nothing prepared by this rank
+    resolve_sources(load_config(None, SMALL_WORKLOAD + [f"workload.cache_dir={cache_dir}"]), rank=0)
+    src = resolve_sources(load_config(None, SMALL_WORKLOAD + [f"workload.cache_dir={cache_dir}"]),
+                          rank=2)
+    assert src.actor.startswith(str(cache_dir)) and os.path.isdir(src.actor)
