@@ -34,19 +34,19 @@ SETTLE_S = 5.0
 
 
 def check_shared_dirs(dirs: dict[str, str], *, settle_s: float = SETTLE_S) -> None:
-    """Raise ``ConfigError`` (the first such key of ``dirs``, in its order) on every rank of the
-    world when some rank does not see, within ``settle_s``, a file rank 0 created in that
-    key's directory, or when some rank cannot create the directory. ``dirs`` maps config keys
-    to paths (created when missing, as the run would) and must be the same on every rank; a
-    relative path is each rank's own working directory's. One rank, or no group: nothing to
-    check."""
+    """Raise the same ``ConfigError`` on every rank of the world when some rank cannot create
+    a directory of ``dirs`` (the lowest such rank's first key names it), else when some rank
+    does not see, within ``settle_s``, a file rank 0 created there (the first such key of
+    ``dirs``, in its order). ``dirs`` maps config keys to paths (created when missing, as the
+    run would) and must be the same on every rank; a relative path is each rank's own working
+    directory's. One rank, or no group: nothing to check."""
     if not comm.active() or not dirs:
         return
     rank, host = dist.get_rank(), socket.gethostname()
     token = comm.broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0]), 0)
     name = MARK.format(int(token.item()))
     marks = {key: os.path.join(path, name) for key, path in dirs.items()}
-    where = {key: os.path.abspath(path) for key, path in dirs.items()}  # by this rank's cwd
+    where = {key: _absolute(path) for key, path in dirs.items()}  # by this rank's cwd
     problem = None
     # every rank creates the folders, as the run would: on NFS a folder made by another node
     # can stay hidden behind a "no such file" this node cached for an earlier lookup
@@ -88,3 +88,12 @@ def check_shared_dirs(dirs: dict[str, str], *, settle_s: float = SETTLE_S) -> No
                 f"see the file rank 0 ({host0}) wrote there. {WHY.get(key, 'Every rank uses it')}: "
                 f"put it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), "
                 f"under the same path"))
+
+
+def _absolute(path: str) -> str:
+    """``path`` made absolute by this process's working directory; as given when that is
+    gone (nothing may raise before the check's barrier on one rank alone)."""
+    try:
+        return os.path.abspath(path)
+    except (OSError, ValueError):
+        return path

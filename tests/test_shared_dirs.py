@@ -104,6 +104,21 @@ def test_a_directory_rank_0_cannot_create_stops_every_rank(tmp_path):
     assert results[0]["detail"].startswith(f"{blocker / 'run'} cannot be written by rank 0 (")
 
 
+def test_a_directory_only_rank_1_cannot_create_stops_every_rank(tmp_path, monkeypatch):
+    """Rank 1 alone fails to create the folder (here a file stands where its relative path
+    leads): rank 0, which could, stops too, with rank 1's error."""
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+    (tmp_path / "b" / "x").write_text("")
+    monkeypatch.chdir(tmp_path / "a")
+    results = _two_ranks({"workload.cache_dir": "x/cache"}, cwd1=str(tmp_path / "b"))
+    assert results[0] == results[1]
+    assert results[0]["key"] == "workload.cache_dir"
+    assert results[0]["detail"].startswith(
+        f"{tmp_path / 'b' / 'x' / 'cache'} cannot be written by rank 1 (")
+    assert "Not a directory" in results[0]["detail"]
+
+
 def test_a_relative_path_in_another_working_directory_is_named_with_both_places(tmp_path,
                                                                                monkeypatch):
     """A rank started elsewhere resolves a relative output_dir to another folder: the error
