@@ -4,10 +4,10 @@ Under data parallel each rank writes its own part of a checkpoint (trainer state
 partitions) into ``logging.output_dir`` and a resume reads every part; rank 0 prepares the
 built-in workload in ``workload.cache_dir`` and the other ranks load it after a barrier. On a
 node-local disk (``/tmp``, ``/scratch``, ``/dev/shm``) the ranks of another node see none of
-that: they would prepare the workload again on their own, or take an incomplete checkpoint for
-none and start afresh beside ranks that resume. Rank 0 therefore writes a mark into each
-directory, and every rank looks for it; one that cannot see it stops the run, naming the key,
-its path and the hosts that do not share it.
+that: they would not find the workload (``sources.resolve_sources`` stops them, naming the
+folder), or take an incomplete checkpoint for none and start afresh beside ranks that resume.
+Rank 0 therefore writes a mark into each directory, and every rank looks for it; one that
+cannot see it stops the run, naming the key, its path and the hosts that do not share it.
 """
 from __future__ import annotations
 
