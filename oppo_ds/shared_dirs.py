@@ -27,6 +27,9 @@ WHY = {"logging.output_dir": "Every rank writes its part of each checkpoint ther
                              "resume reads all of them",
        "workload.cache_dir": "Rank 0 prepares the built-in workload there, and the other ranks "
                              "load it"}
+# what to do about a folder some node does not share (here and in sources.resolve_sources)
+SHARE_IT = "put it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), under " \
+    "the same path"
 # how long a rank waits for rank 0's mark to show before it calls the directory unshared:
 # a shared filesystem shows a file created before the barrier at once, and this only delays
 # the run that fails
@@ -86,8 +89,7 @@ def check_shared_dirs(dirs: dict[str, str], *, settle_s: float = SETTLE_S) -> No
             raise ConfigError(key, (
                 f"{where0[key]} is not one directory for every rank: {', '.join(blind)} cannot "
                 f"see the file rank 0 ({host0}) wrote there. {WHY.get(key, 'Every rank uses it')}: "
-                f"put it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), "
-                f"under the same path"))
+                f"{SHARE_IT}"))
 
 
 def _absolute(path: str) -> str:

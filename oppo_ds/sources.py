@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import workload as wl
 from .config import Config, ConfigError
+from .shared_dirs import SHARE_IT
 from .models import (FROM_CONFIG_ARCHS, NO_HEAD, checkpoint_config, has_value_head,
                      load_tokenizer, position_limit, response_end_ids, source_problem,
                      tokenizer_mismatch)
@@ -88,10 +89,8 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
             except FileNotFoundError as err:
                 raise ConfigError("workload.cache_dir", (
                     f"rank {rank} ({socket.gethostname()}) cannot find {err}, the built-in "
-                    f"workload rank 0 prepared: the folder is not shared with rank 0's node. Put "
-                    f"it on a filesystem all nodes share (NFS, Lustre, GPFS, a shared home), "
-                    f"under the same path")
-                ) from None
+                    f"workload rank 0 prepared: the folder is not shared with rank 0's node: "
+                    f"{SHARE_IT}")) from None
 
     def pick(value: Optional[str], fallback: str, builtin_path: Optional[str] = None) -> str:
         value = fallback if value is None else value
