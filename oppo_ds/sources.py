@@ -59,9 +59,13 @@ def uses_builtin_workload(cfg: Config) -> bool:
         (reward_read and m.reward == "builtin")
 
 
-def resolve_sources(cfg: Config, rank: int) -> Sources:
+def resolve_sources(cfg: Config, rank: int, *, prepare: bool = True) -> Sources:
     """Replace `builtin` by the prepared workload's directories (rank 0 prepares, the others
-    wait), and fill the defaults: reference = actor, critic = reward."""
+    wait), and fill the defaults: reference = actor, critic = reward. ``prepare=False`` leaves
+    the built-in workload alone: its models and prompts come back as None and its tokenizer
+    as built (``run_tokenizer``; the prepared one is that tokenizer, saved). That is enough to
+    read and encode the user's prompts, as the DeepSpeed-Chat flags' epoch count does in every
+    process before the ranks join."""
     m, d = cfg.model, cfg.data
     if cfg.workload.kind == "length_oracle":
         # nothing to prepare: `builtin` models are the architecture built from config
@@ -72,7 +76,7 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
                        reward=arch(m.reward, "builtin"), critic=arch(m.critic, m.reward),
                        tokenizer=m.tokenizer, prompts=d.prompts, builtin_prompts=False, oracle=True)
     prepared = None
-    if uses_builtin_workload(cfg):
+    if prepare and uses_builtin_workload(cfg):
         from .prepare import prepare_builtin
 
         w = cfg.workload
@@ -100,7 +104,8 @@ def resolve_sources(cfg: Config, rank: int) -> Sources:
     reward = pick(m.reward, "builtin", prepared and prepared.reward)
     tokenizer = m.tokenizer
     if tokenizer is None:
-        tokenizer = actor if os.path.isdir(actor) else (prepared.tokenizer if prepared else None)
+        tokenizer = actor if actor and os.path.isdir(actor) else \
+            (prepared.tokenizer if prepared else None)
     return Sources(actor=actor,
                    reference=pick(m.reference, m.actor, prepared and prepared.actor),
                    reward=reward,

@@ -243,12 +243,13 @@ def test_num_train_epochs_counts_the_prompts_left_after_the_overlong_ones(tmp_pa
                             for i in range(16)))
     base = ["--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
             "--num_train_epochs", "1", "--max_prompt_seq_len", "16", "--data_split", "0,0,1"]
-    # the count needs the built-in workload's tokenizer only: a workload trained 1 step (the
-    # defaults' 300 + 300 took a minute of the suite)
-    cfg, _ = resolve(base + [f"workload.cache_dir={tmp_path / 'w'}", "workload.sft_steps=1",
-                             "workload.reward_steps=1", "--data_path", str(data)], prepare=True)
+    # the count needs the built-in workload's tokenizer only, and every process counts before
+    # the ranks join: none prepares the workload (rank 0 does that once, after the join)
+    cfg, _ = resolve(base + [f"workload.cache_dir={tmp_path / 'w'}", "--data_path", str(data)],
+                     prepare=True)
     assert (cfg.data.overlong, cfg.generation.max_prompt_len) == ("skip", 16)
     assert cfg.steps == 5
+    assert not (tmp_path / "w").exists()
 
 
 def test_the_split_is_deepspeed_chats_own(tmp_path):

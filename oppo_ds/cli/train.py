@@ -72,8 +72,9 @@ def resolve_config(args, prepare_files: bool = True):
             if current.data.overlong != "skip":
                 return len(read_rows(current, current.data.prompts))
             # the prompts left after those over the limit (--max_prompt_seq_len) are
-            # skipped: DeepSpeed-Chat counts its epoch after that filter too
-            src = resolve_sources(current, rank=0)
+            # skipped: DeepSpeed-Chat counts its epoch after that filter too. Every process
+            # counts, before the ranks join: none prepares the built-in workload for it
+            src = resolve_sources(current, rank=0, prepare=False)
             return len(load_prompts(current, src, run_tokenizer(current, src), log=False)[0])
         steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts)
         if steps is not None:
