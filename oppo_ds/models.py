@@ -230,12 +230,18 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     prefix of ``unused_ok`` (the LM head or the scalar head of a checkpoint loaded as a body
     only, whose head we read ourselves): transformers' own report of them is a table per load
     that calls every such key "not ok if you expect identical arch"."""
+    from safetensors import SafetensorError
+
     hf_logger = logging.getLogger("transformers.modeling_utils")
     level = hf_logger.level
     hf_logger.setLevel(logging.ERROR)  # its report; errors still raise
     try:
         model, info = auto_cls.from_pretrained(path, local_files_only=True,
                                                output_loading_info=True, **kwargs)
+    except SafetensorError as err:  # its own message names no file
+        raise ValueError(f"{path}: its weights cannot be read ({err}): a weights file cut "
+                         f"short or not in safetensors format; copy the checkpoint again") \
+            from err
     finally:
         hf_logger.setLevel(level)
     missing = sorted(info.get("missing_keys") or ())

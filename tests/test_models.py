@@ -125,6 +125,18 @@ def test_causal_lm_from_checkpoint_with_missing_weights_fails(tmp_path):
         build_causal_lm(str(tmp_path))
 
 
+def test_a_weights_file_cut_short_names_the_checkpoint(tmp_path):
+    """safetensors' own error ("Error while deserializing header: ...") names no file: a
+    copy cut short, loaded as the actor, names the directory and what to do."""
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(tmp_path))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"^{tmp_path}: its weights cannot be read "
+                                         f"\\(Error while deserializing header") as err:
+        build_causal_lm(str(tmp_path))
+    assert "copy the checkpoint again" in str(err.value)
+
+
 # ---------------------------------------------------------------- value-head models
 
 @pytest.mark.parametrize("arch", ARCHS)
