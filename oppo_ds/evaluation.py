@@ -209,12 +209,12 @@ class Evaluating:
         evaluated before), and returns the figures; the other ranks, None."""
         from .rollout.generate import cudnn_attention
 
-        with cudnn_attention(self.cfg.system.cudnn_attention):
+        with cudnn_attention(self.cfg.system.cudnn_attention), self._stage_failures():
             if self.stage is not None and self.stage.is_scorer:
                 return self._serve_as_scorer_rank()  # until the actor ranks close the stage
             metrics, records = self.evaluate()
-        if self.remote is not None:
-            self.remote.close()
+            if self.remote is not None:
+                self.remote.close()
         if not self.is_main:
             return None
         actor = f"checkpoint {self.resumed_from}" if self.resumed_from else self.sources.actor

@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +27,7 @@ from .preemption import StopOnSignal, signal_name
 from .rollout.scorer import FROZEN_KINDS, StreamingScorer
 from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
 from .rollout.stage_stream import Replica, stage_score_ended
-from .rollout.stage_layout import StageLayout
+from .rollout.stage_layout import StageAborted, StageLayout, link_failure
 
 if TYPE_CHECKING:
     from .sources import Sources
@@ -64,6 +65,28 @@ class StagePlacement:
             logger.info("oppo.placement=stage: rank %d scores (%s) for actor ranks %s%s%s",
                         stage.scorer_rank, ", ".join(kinds), stage.actor_ranks, senders, critic)
         return stage
+
+    @contextmanager
+    def _stage_failures(self):
+        """Around the trainer's start-up and run under the stage placement. Once this
+        process's links are open, an error it fails on is said in the store
+        (``StageLayout.report_failure``): the scorer rank failing to load a model, say, which
+        its actor ranks would otherwise see as a closed connection only. An error that is
+        such a closed connection (``link_failure``) while another process has said why it
+        failed becomes ``StageAborted`` naming that process and its error, chained to the
+        connection's. Errors of every other kind, and every error before the links opened
+        (``abort`` covers those), pass unchanged."""
+        try:
+            yield
+        except Exception as err:
+            stage = getattr(self, "stage", None)
+            if stage is None or not stage.linked or isinstance(err, StageAborted):
+                raise
+            why = stage.failure() if link_failure(err) else None
+            if why is None:
+                stage.report_failure(err)
+                raise
+            raise StageAborted(f"{why}; {stage.name} stops too") from err
 
     @property
     def critic_on_stage(self) -> bool:

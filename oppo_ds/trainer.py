@@ -116,6 +116,13 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         self.kl_coef = cfg.ppo.kl_coef  # adapted after every step with ppo.kl_target
         if cfg.system.torch_threads:
             torch.set_num_threads(cfg.system.torch_threads)
+        # the stage placement: an error once this process's links are open is said to the
+        # other processes of the stage, which would otherwise see a closed connection only
+        with self._stage_failures():
+            self._set_up()
+
+    def _set_up(self) -> None:
+        cfg = self.cfg
         scorer_rank = self._join_world()
         src, eos = self._read_inputs(scorer_rank)
         s = cfg.system
@@ -645,7 +652,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         """The run: steps, evaluations, checkpoints (on the stage's scorer rank: serving the
         actor ranks); the summary. Attention off torch's cuDNN backend throughout unless
         ``system.cudnn_attention``."""
-        with cudnn_attention(self.cfg.system.cudnn_attention):
+        with cudnn_attention(self.cfg.system.cudnn_attention), self._stage_failures():
             return self._train()
 
     def _profile_stem(self, number: int) -> Optional[str]:

@@ -348,6 +348,74 @@ def test_an_actor_rank_ending_before_its_link_opened_stops_the_scorer_rank(cache
         "opened" in logs[1], logs[1][-2000:]
 
 
+def _run_ranks(args, ranks=2, timeout=300):
+    """Each rank's (exit code, output) of a run started without a launcher, so that one
+    failing process does not end the others: what each says on its own is seen."""
+    from _builders import rank_process
+
+    port = find_free_port()
+    procs = [rank_process(rank, ranks, port, args) for rank in range(ranks)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, log) for p, log in zip(procs, logs)]
+
+
+def test_the_scorer_rank_failing_after_its_links_opened_is_named_by_the_actor_rank(cache_dir,
+                                                                                    tmp_path):
+    """The scorer rank alone loads the reward model, after its links opened. Before, a
+    checkpoint it could not load stopped it with its traceback, and the actor rank with
+    gloo's "Connection closed by peer" at its first message. Now the scorer rank says in the
+    store what it failed on, and the actor rank's error names it. The reward checkpoint here
+    has an intact head file and config (every rank's checks pass) but a body whose weights
+    file is not one (a copy cut short)."""
+    from oppo_ds.models import VALUE_HEAD_FILE, _find_head_weight
+    from oppo_ds.sources import resolve_sources
+    from safetensors.torch import save_file
+
+    base = [*SMALL, f"workload.cache_dir={cache_dir}", "steps=1", "oppo.placement=stage"]
+    good = resolve_sources(load_config(None, base), rank=0).reward  # prepares the workload
+    bad = tmp_path / "reward"
+    shutil.copytree(good, bad)
+    save_file({"weight": _find_head_weight(good).contiguous()}, str(bad / VALUE_HEAD_FILE))
+    (bad / "model.safetensors").write_bytes(b"cut short")
+    (actor_rc, actor_log), (scorer_rc, scorer_log) = _run_ranks(
+        [*base, f"logging.output_dir={tmp_path / 'run'}", f"model.reward={bad}",
+         f"model.critic={good}"])
+    assert scorer_rc != 0 and f"ValueError: {bad}: its weights cannot be read" in scorer_log, \
+        scorer_log[-3000:]
+    assert actor_rc == 1, actor_log[-3000:]
+    last = actor_log.strip().splitlines()[-1]
+    assert "StageAborted: the scorer rank (rank 1, " in last, actor_log[-3000:]
+    assert f"failed on ValueError: {bad}: its weights cannot be read" in last, last
+    assert last.endswith("; actor rank 0 stops too"), last
+    assert "Connection closed by peer" in actor_log  # the closed connection, chained
+
+
+def test_an_actor_rank_failing_after_its_link_opened_is_named_by_the_scorer_rank(cache_dir,
+                                                                                  tmp_path):
+    """The reverse: the actor rank's reward function fails at step 1. The scorer rank, then
+    left with a closed link, says that actor rank 0 failed: with its error when actor rank
+    0's store still answers, else that the store's host ended (its own report went with
+    it); it no longer ends on gloo's bare error."""
+    rule = tmp_path / "rule.py"
+    rule.write_text("def score(prompts, completions, **fields):\n"
+                    "    raise ValueError('no score for these rows')\n")
+    results = _run_ranks([*SMALL, f"workload.cache_dir={cache_dir}", "steps=2",
+                          f"logging.output_dir={tmp_path / 'run'}", "oppo.placement=stage",
+                          f"model.reward_function={rule}:score"])
+    (actor_rc, actor_log), (scorer_rc, scorer_log) = results
+    assert actor_rc == 1 and "no score for these rows" in actor_log, actor_log[-3000:]
+    assert scorer_rc == 1, scorer_log[-3000:]
+    last = scorer_log.strip().splitlines()[-1]
+    assert "StageAborted: actor rank 0" in last and last.endswith("the scorer rank stops too"), \
+        scorer_log[-3000:]
+
+
 @pytest.mark.parametrize("signalled", [[1], [0, 1]], ids=["scorer-rank", "every-rank"])
 def test_a_signal_to_the_scorer_rank_stops_the_run_with_a_checkpoint(cache_dir, tmp_path, signalled):
     """srun passes the job's USR1 to every task, the scorer rank included, which had no

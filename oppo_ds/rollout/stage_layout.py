@@ -3,18 +3,23 @@ find each other: ``StageLayout`` (the launcher's ranks split into actor ranks an
 rank), ``replica_senders`` (one streaming rank per model replica) and ``Link`` /
 ``connect_link`` (a standalone two-rank process group per streaming actor rank), opened once
 both ends say in the store that they are ready, or given up at once when one says it ended
-(``StageLayout.abort``, ``StageAborted``). The messages that travel over a link are
-``stage.py``'s.
+(``StageLayout.abort``, ``StageAborted``). Once the links are open a process that fails says
+why in the store too (``StageLayout.report_failure``), and the processes that then see only
+a closed connection name that reason (``StageLayout.failure``). The messages that travel over
+a link are ``stage.py``'s.
 """
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..config_types import ConfigError
 
 
 @dataclass
@@ -81,11 +86,16 @@ STORE_CONNECT_TIMEOUT = timedelta(minutes=5)
 ABORT_GRACE_S = 60.0
 _KEYS = "oppo_ds/stage/"
 _ABORT, _ABORT_SEEN = _KEYS + "abort", _KEYS + "abort_seen"
+_FAILED = _KEYS + "failed"
+# the store's replies after a failure: a host that is gone is noticed at once, but a host
+# that is still ending should not hold a failing process for the link's 30 minutes
+FAILURE_STORE_TIMEOUT = timedelta(seconds=10)
 
 
 class StageAborted(RuntimeError):
-    """A process of the stage ended before its links opened (``StageLayout.abort``): the
-    others stop too instead of waiting for it. Its own log says why."""
+    """A process of the stage ended before its links opened (``StageLayout.abort``), or
+    failed after (``StageLayout.report_failure``): the others stop too, naming it, instead of
+    waiting for it or failing on a closed connection. Its own log has the whole traceback."""
 
 
 def _ready_key(actor_rank: int, end: str) -> str:
@@ -139,6 +149,8 @@ class StageLayout:
     # that another process ended before they did (then it has nobody to tell)
     linked: bool = field(default=False, init=False, repr=False)
     told: bool = field(default=False, init=False, repr=False)
+    # the store client the links were opened through (None on an actor rank that opens none)
+    store: object = field(default=None, init=False, repr=False)
 
     @property
     def scorer_rank(self) -> int:
@@ -219,8 +231,39 @@ class StageLayout:
             self._await(store, _ready_key(self.rank, "scorer"), timeout)
         links = {a: connect_link(store, a, self.scorer_rank, self.is_scorer, backend, timeout)
                  for a in mine}
-        self.linked = True
+        self.linked, self.store = True, store
         return links
+
+    def report_failure(self, err: BaseException) -> None:
+        """After this process's links opened: say in the store that it fails, and on what
+        (``err``'s type and message; a ``ConfigError`` as ``key: detail``), unless another
+        process said so first (then this failure follows from that one). The other end of a
+        link sees only a closed connection when this process ends; ``failure`` gives it the
+        reason. A no-op before the links opened (``abort`` covers that) and without a store;
+        never raises."""
+        if self.store is None:
+            return
+        text = str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+        try:
+            self.store.set_timeout(FAILURE_STORE_TIMEOUT)
+            where = f"rank {self.rank}, " if self.is_scorer else ""
+            self.store.compare_set(_FAILED, "", f"{self.name} ({where}{socket.gethostname()}) "
+                                                f"failed on {text}")
+        except Exception:  # the store's host (actor rank 0) is gone: nobody left to tell
+            pass
+
+    def failure(self) -> "str | None":
+        """What another process of the stage reported as it failed (``report_failure``); that
+        actor rank 0 ended, when its store can no longer be reached (it hosts the store, so
+        its own report goes with it); or None: nobody reported, or this process has no
+        store."""
+        if self.store is None:
+            return None
+        try:
+            self.store.set_timeout(FAILURE_STORE_TIMEOUT)
+            return self.store.get(_FAILED).decode() if self.store.check([_FAILED]) else None
+        except Exception:
+            return "actor rank 0, the host of the stage's store, ended (its log says why)"
 
     def _store(self, timeout: timedelta):
         address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -284,3 +327,11 @@ class StageLayout:
                 time.sleep(0.1)
         except Exception:  # at exit, with nothing left to do about it
             pass
+
+
+def link_failure(err: BaseException) -> bool:
+    """Whether ``err`` is what torch.distributed raises when the other end of a link, or of
+    a collective, is gone: a plain ``RuntimeError`` (gloo's "Connection closed by peer"), a
+    ``DistError`` (NCCL's), or a wait that timed out. Errors of oppo-ds's own types (a
+    non-finite loss every actor rank stops on alike, a reward function's) are not."""
+    return type(err) in (RuntimeError, TimeoutError) or isinstance(err, dist.DistError)
