@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import os
+import re
 from typing import NamedTuple, Optional
 
 import torch
@@ -107,7 +108,8 @@ def source_problem(source: str, *, trust_remote_code: bool = False) -> Optional[
     """Why ``source`` is not a model source (a local checkpoint directory whose config.json
     names a causal language model transformers has, or an architecture built from config), or
     None."""
-    return _path_problem(source) or _architecture_problem(source, trust_remote_code)
+    return _path_problem(source) or _architecture_problem(source, trust_remote_code) or \
+        _weights_problem(source)
 
 
 def _path_problem(source: str) -> Optional[str]:
@@ -119,6 +121,47 @@ def _path_problem(source: str) -> Optional[str]:
                 f"{', '.join(TINY_ARCHS)}")
     if not os.path.isfile(os.path.join(source, "config.json")):
         return f"{source!r} has no config.json: not a Hugging Face checkpoint directory"
+    return None
+
+
+# the weight files of a checkpoint directory transformers reads, and the indexes of sharded ones
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+CUT_SHORT = "a weights file cut short or not in safetensors format; copy the checkpoint again"
+
+
+def _weights_problem(source: str) -> Optional[str]:
+    """Why the weight files of checkpoint directory ``source`` cannot be loaded, as far as is
+    cheap to see before any model is built (a 70B checkpoint's shards take minutes to load):
+    a shard its index lists is missing, or a safetensors file's header does not parse or
+    does not cover the file (a copy cut short; ``safe_open`` reads the header alone). Pickled
+    ``.bin`` files are only looked for. None for an architecture built from config."""
+    from safetensors import SafetensorError, safe_open
+
+    if source in FROM_CONFIG_ARCHS:
+        return None
+    names = [name for name in ("model.safetensors", VALUE_HEAD_FILE)
+             if os.path.isfile(os.path.join(source, name))]
+    for index in WEIGHT_INDEXES:
+        path = os.path.join(source, index)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"{path} cannot be read as a weights index (a weight_map of files): {err!r}"
+        missing = [name for name in shards if not os.path.isfile(os.path.join(source, name))]
+        if missing:
+            return (f"{path} lists {len(missing)} weight file(s) the directory does not hold "
+                    f"({', '.join(missing[:3])}): a checkpoint copied in part")
+        names += shards
+    for name in names:
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(source, name), "pt"):
+                    pass
+            except (SafetensorError, OSError) as err:
+                return f"{os.path.join(source, name)} cannot be read ({err}): {CUT_SHORT}"
     return None
 
 
@@ -221,6 +264,36 @@ def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None
                          trust_remote_code=trust_remote_code)
 
 
+class _HeldReport(logging.Filter):
+    """Holds back what transformers logs below ERROR while a checkpoint loads (its load
+    report: a table per load) and keeps the text, from which ``mismatches`` reads the rows
+    of weights whose shape differs from the model's."""
+
+    _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+    _SHAPES = re.compile(r"ckpt: torch\.Size\((\[.*?\])\) vs model: ?torch\.Size\((\[.*?\])\)")
+
+    def __init__(self):
+        super().__init__()
+        self.texts: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        self.texts.append(self._ANSI.sub("", record.getMessage()))
+        return False
+
+    def mismatches(self) -> list[str]:
+        """``key (checkpoint [shape], model [shape])`` for each MISMATCH row held."""
+        out = []
+        for line in "\n".join(self.texts).splitlines():
+            cells = [cell.strip() for cell in line.split("|")]
+            if len(cells) >= 3 and cells[1] == "MISMATCH":
+                found = self._SHAPES.search(cells[2])
+                out.append(f"{cells[0]}: {found[1]} in the checkpoint, {found[2]} in the model"
+                           if found else cells[0])
+        return out
+
+
 def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwargs) -> nn.Module:
     """``auto_cls.from_pretrained`` that fails when weights are missing from the checkpoint:
     transformers only logs them and leaves them randomly initialised, which for an actor or
@@ -233,16 +306,24 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     from safetensors import SafetensorError
 
     hf_logger = logging.getLogger("transformers.modeling_utils")
-    level = hf_logger.level
-    hf_logger.setLevel(logging.ERROR)  # its report; errors still raise
+    level, report = hf_logger.level, _HeldReport()
+    hf_logger.setLevel(logging.WARNING)  # its report, held back (errors still pass)
+    hf_logger.addFilter(report)
     try:
         model, info = auto_cls.from_pretrained(path, local_files_only=True,
                                                output_loading_info=True, **kwargs)
     except SafetensorError as err:  # its own message names no file
-        raise ValueError(f"{path}: its weights cannot be read ({err}): a weights file cut "
-                         f"short or not in safetensors format; copy the checkpoint again") \
-            from err
+        raise ValueError(f"{path}: its weights cannot be read ({err}): {CUT_SHORT}") from err
+    except RuntimeError as err:  # "... look at the above report!", which was held back
+        shapes = report.mismatches()
+        if not shapes:
+            raise
+        raise ValueError(f"{path}: {len(shapes)} weights of the checkpoint have other shapes "
+                         f"than the architecture its config.json describes "
+                         f"({'; '.join(shapes[:3])}): a config.json of another model size, or "
+                         f"another model's weights") from err
     finally:
+        hf_logger.removeFilter(report)
         hf_logger.setLevel(level)
     missing = sorted(info.get("missing_keys") or ())
     if missing:

@@ -4,6 +4,7 @@ value model, local-only loading, dropout switched off."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from oppo_ds.models import (
     checkpoint_eos_ids,
     disable_dropout,
     load_tokenizer,
+    source_problem,
     tiny_config,
 )
 
@@ -131,10 +133,47 @@ def test_a_weights_file_cut_short_names_the_checkpoint(tmp_path):
     build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(tmp_path))
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(ValueError, match=f"^{tmp_path}: its weights cannot be read "
-                                         f"\\(Error while deserializing header") as err:
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: its weights cannot be "
+                                         f"read \\(Error while deserializing header") as err:
         build_causal_lm(str(tmp_path))
     assert "copy the checkpoint again" in str(err.value)
+    # and the start's check of every model source sees it before anything is built
+    assert source_problem(str(tmp_path)).startswith(f"{weights} cannot be read (Error while "
+                                                    f"deserializing header")
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_a_source_problem(tmp_path):
+    """The index names every shard; one not copied is named before any model is built (a
+    70B checkpoint's shards take minutes to load before transformers would notice)."""
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(
+        str(tmp_path), max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and source_problem(str(tmp_path)) is None
+    os.remove(tmp_path / shards[1])
+    assert source_problem(str(tmp_path)) == (
+        f"{tmp_path / 'model.safetensors.index.json'} lists 1 weight file(s) the directory does "
+        f"not hold ({shards[1]}): a checkpoint copied in part")
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    assert "cannot be read as a weights index" in source_problem(str(tmp_path))
+
+
+def test_weights_of_other_shapes_than_the_config_name_them(tmp_path):
+    """transformers raises "look at the above report!" and logs the report as a warning,
+    which the load holds back: the error now names the weights and both shapes."""
+    build_value_model("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    width = config["intermediate_size"]
+    config["intermediate_size"] = 2 * width
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert source_problem(str(tmp_path)) is None  # the files are whole: only a load tells
+    hidden = config["hidden_size"]
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: 3 weights of the "
+                                         f"checkpoint have other shapes than the architecture "
+                                         f"its config.json") as err:
+        build_value_model(str(tmp_path), require_head=True)
+    assert f"up_proj.weight: [{width}, {hidden}] in the checkpoint, [{2 * width}, {hidden}] in " \
+        f"the model" in str(err.value)
 
 
 # ---------------------------------------------------------------- value-head models
