@@ -69,22 +69,25 @@ class StagePlacement:
     @contextmanager
     def _stage_failures(self):
         """Around the trainer's start-up and run under the stage placement. Once this
-        process's links are open, an error it fails on is said in the store
+        process's links are open, an error of its own that it fails on is said in the store
         (``StageLayout.report_failure``): the scorer rank failing to load a model, say, which
-        its actor ranks would otherwise see as a closed connection only. An error that is
-        such a closed connection (``link_failure``) while another process has said why it
-        failed becomes ``StageAborted`` naming that process and its error, chained to the
-        connection's. Errors of every other kind, and every error before the links opened
-        (``abort`` covers those), pass unchanged."""
+        its actor ranks would otherwise see as a closed connection only. A closed connection
+        (``link_failure``) is nobody's failure here: when another process has said why it
+        failed it becomes ``StageAborted`` naming that process and its error, chained to the
+        connection's, else it passes unchanged and is not reported (a process killed without
+        a word, by the OOM killer say, must not be blamed on the first to notice). Errors
+        before the links opened (``abort`` covers those) pass unchanged."""
         try:
             yield
         except Exception as err:
             stage = getattr(self, "stage", None)
             if stage is None or not stage.linked or isinstance(err, StageAborted):
                 raise
-            why = stage.failure() if link_failure(err) else None
-            if why is None:
+            if not link_failure(err):
                 stage.report_failure(err)
+                raise
+            why = stage.failure()
+            if why is None:
                 raise
             raise StageAborted(f"{why}; {stage.name} stops too") from err
 

@@ -689,3 +689,22 @@ def test_layout_refuses_a_launch_it_cannot_split(env, tp, words):
     from oppo_ds.rollout.stage_layout import StageLayout
     with pytest.raises(ValueError, match=words):
         StageLayout.from_env(env, tp=tp)
+
+
+def test_a_closed_connection_is_told_from_a_process_s_own_error():
+    """``link_failure`` decides whether a process of the stage names another's reported
+    failure (a closed connection, a transport error, a timeout) or reports its own (anything
+    else, a tensor op's RuntimeError included)."""
+    import torch.distributed as dist
+    from oppo_ds.finite import NonFiniteError
+    from oppo_ds.rollout.stage_layout import link_failure
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:40123. This is typically caused by a remote worker crashing.")
+    assert link_failure(gloo)
+    assert link_failure(RuntimeError("[pair.cc:598] Connection reset by peer"))
+    assert link_failure(dist.DistBackendError("NCCL error: remote process exited"))
+    assert link_failure(TimeoutError("the other end of its link was not ready"))
+    assert not link_failure(RuntimeError("The size of tensor a (4) must match the size of b (3)"))
+    assert not link_failure(NonFiniteError("step 3: Connection closed by peer"))
+    assert not link_failure(ValueError("Connection closed by peer"))

@@ -87,8 +87,8 @@ ABORT_GRACE_S = 60.0
 _KEYS = "oppo_ds/stage/"
 _ABORT, _ABORT_SEEN = _KEYS + "abort", _KEYS + "abort_seen"
 _FAILED = _KEYS + "failed"
-# the store's replies after a failure: a host that is gone is noticed at once, but a host
-# that is still ending should not hold a failing process for the link's 30 minutes
+# the store's timeout once a process fails (the links' 30 minutes before): a store whose host
+# is gone fails at once, one that does not answer should not hold a failing process long
 FAILURE_STORE_TIMEOUT = timedelta(seconds=10)
 
 
@@ -329,9 +329,16 @@ class StageLayout:
             pass
 
 
+# what gloo's RuntimeError says when the process at the other end of a connection is gone
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def link_failure(err: BaseException) -> bool:
     """Whether ``err`` is what torch.distributed raises when the other end of a link, or of
-    a collective, is gone: a plain ``RuntimeError`` (gloo's "Connection closed by peer"), a
-    ``DistError`` (NCCL's), or a wait that timed out. Errors of oppo-ds's own types (a
-    non-finite loss every actor rank stops on alike, a reward function's) are not."""
-    return type(err) in (RuntimeError, TimeoutError) or isinstance(err, dist.DistError)
+    a collective, is gone: gloo's plain ``RuntimeError`` saying the connection closed, a
+    ``DistError`` (NCCL's), or a wait that timed out. Any other ``RuntimeError`` (a tensor
+    op's, say) is this process's own failure, as are errors of oppo-ds's own types (a
+    non-finite loss every actor rank stops on alike, a reward function's)."""
+    if isinstance(err, (dist.DistError, TimeoutError)):
+        return True
+    return type(err) is RuntimeError and any(text in str(err) for text in _CONNECTION_LOST)
