@@ -124,27 +124,30 @@ def _path_problem(source: str) -> Optional[str]:
     return None
 
 
-# the weight files of a checkpoint directory transformers reads, and the indexes of sharded ones
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# the weights of a checkpoint directory in the order transformers looks for them: it reads the
+# first that is there and ignores the rest (a repo can ship both indexes with one kind of shards)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 CUT_SHORT = "a weights file cut short or not in safetensors format; copy the checkpoint again"
 
 
 def _weights_problem(source: str) -> Optional[str]:
-    """Why the weight files of checkpoint directory ``source`` cannot be loaded, as far as is
+    """Why the weights transformers would read from checkpoint directory ``source`` (the
+    first of ``WEIGHT_FILES`` there, and a value head file) cannot be loaded, as far as is
     cheap to see before any model is built (a 70B checkpoint's shards take minutes to load):
     a shard its index lists is missing, or a safetensors file's header does not parse or
-    does not cover the file (a copy cut short; ``safe_open`` reads the header alone). Pickled
-    ``.bin`` files are only looked for. None for an architecture built from config."""
+    does not cover the file (a copy cut short; ``safe_open`` maps the file and reads the
+    header alone). Pickled ``.bin`` files are only looked for. None for an architecture built
+    from config, and for a directory with none of them (transformers says what it lacks)."""
     from safetensors import SafetensorError, safe_open
 
     if source in FROM_CONFIG_ARCHS:
         return None
-    names = [name for name in ("model.safetensors", VALUE_HEAD_FILE)
-             if os.path.isfile(os.path.join(source, name))]
-    for index in WEIGHT_INDEXES:
-        path = os.path.join(source, index)
-        if not os.path.isfile(path):
-            continue
+    first = next((name for name in WEIGHT_FILES if os.path.isfile(os.path.join(source, name))),
+                 None)
+    names = [VALUE_HEAD_FILE] if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)) else []
+    if first is not None and first.endswith(".index.json"):
+        path = os.path.join(source, first)
         try:
             with open(path) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
@@ -155,6 +158,8 @@ def _weights_problem(source: str) -> Optional[str]:
             return (f"{path} lists {len(missing)} weight file(s) the directory does not hold "
                     f"({', '.join(missing[:3])}): a checkpoint copied in part")
         names += shards
+    elif first is not None:
+        names.append(first)
     for name in names:
         if name.endswith(".safetensors"):
             try:
@@ -282,16 +287,23 @@ class _HeldReport(logging.Filter):
         self.texts.append(self._ANSI.sub("", record.getMessage()))
         return False
 
-    def mismatches(self) -> list[str]:
-        """``key (checkpoint [shape], model [shape])`` for each MISMATCH row held."""
-        out = []
+    def mismatches(self) -> tuple[int, list[str]]:
+        """How many weights the held report calls MISMATCH, and its rows, each
+        ``key: [shape] in the checkpoint, [shape] in the model``. A row can stand for several
+        weights: transformers folds layers into one key (``layers.{0, 1}.mlp.up_proj.weight``
+        is two)."""
+        count, rows = 0, []
         for line in "\n".join(self.texts).splitlines():
             cells = [cell.strip() for cell in line.split("|")]
             if len(cells) >= 3 and cells[1] == "MISMATCH":
+                weights = 1
+                for group in re.findall(r"\{([^}]*)\}", cells[0]):
+                    weights *= len(group.split(","))
+                count += weights
                 found = self._SHAPES.search(cells[2])
-                out.append(f"{cells[0]}: {found[1]} in the checkpoint, {found[2]} in the model"
-                           if found else cells[0])
-        return out
+                rows.append(f"{cells[0]}: {found[1]} in the checkpoint, {found[2]} in the model"
+                            if found else cells[0])
+        return count, rows
 
 
 def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwargs) -> nn.Module:
@@ -315,10 +327,10 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     except SafetensorError as err:  # its own message names no file
         raise ValueError(f"{path}: its weights cannot be read ({err}): {CUT_SHORT}") from err
     except RuntimeError as err:  # "... look at the above report!", which was held back
-        shapes = report.mismatches()
+        count, shapes = report.mismatches()
         if not shapes:
             raise
-        raise ValueError(f"{path}: {len(shapes)} weights of the checkpoint have other shapes "
+        raise ValueError(f"{path}: {count} weights of the checkpoint have other shapes "
                          f"than the architecture its config.json describes "
                          f"({'; '.join(shapes[:3])}): a config.json of another model size, or "
                          f"another model's weights") from err

@@ -181,10 +181,12 @@ def check_paths(cfg: Config, src: Sources) -> None:
     ``ConfigError`` naming the key otherwise, before the tokenizer is chosen (a missing actor
     directory would otherwise fall back to the built-in tokenizer and fail on the prompts) or
     any model is built."""
+    problems: dict[str, Optional[str]] = {}  # by source: the actor's is often the reference's
     for key, source in src.models.items():
-        problem = source_problem(source, trust_remote_code=cfg.model.trust_remote_code)
-        if problem:
-            raise ConfigError(f"model.{key}", problem)
+        if source not in problems:
+            problems[source] = source_problem(source, trust_remote_code=cfg.model.trust_remote_code)
+        if problems[source]:
+            raise ConfigError(f"model.{key}", problems[source])
     if src.reward_model and src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):
         raise ConfigError("model.reward", f"{src.reward}: {NO_HEAD}")
 

@@ -158,6 +158,23 @@ def test_a_sharded_checkpoint_missing_a_shard_is_a_source_problem(tmp_path):
     assert "cannot be read as a weights index" in source_problem(str(tmp_path))
 
 
+def test_only_the_weights_transformers_reads_are_checked(tmp_path):
+    """A repo downloaded without its .bin shards keeps pytorch_model.bin.index.json, which
+    transformers ignores when safetensors weights are there: no problem. Nor is a stale
+    sharded index beside a whole model.safetensors."""
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(
+        str(tmp_path), max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    bins = {key: "pytorch_model-00001-of-00002.bin" for key in index["weight_map"]}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": bins}))
+    assert source_problem(str(tmp_path)) is None
+    whole = tmp_path / "whole"
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(whole))
+    (whole / "model.safetensors.index.json").write_text(json.dumps(index))  # shards not there
+    assert source_problem(str(whole)) is None
+    build_causal_lm(str(whole))  # as transformers reads it
+
+
 def test_weights_of_other_shapes_than_the_config_name_them(tmp_path):
     """transformers raises "look at the above report!" and logs the report as a warning,
     which the load holds back: the error now names the weights and both shapes."""
@@ -168,7 +185,8 @@ def test_weights_of_other_shapes_than_the_config_name_them(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert source_problem(str(tmp_path)) is None  # the files are whole: only a load tells
     hidden = config["hidden_size"]
-    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: 3 weights of the "
+    mlp = 3 * config["num_hidden_layers"]  # up, gate and down in every layer
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: {mlp} weights of the "
                                          f"checkpoint have other shapes than the architecture "
                                          f"its config.json") as err:
         build_value_model(str(tmp_path), require_head=True)

@@ -703,6 +703,8 @@ def test_a_closed_connection_is_told_from_a_process_s_own_error():
                         "[127.0.0.1]:40123. This is typically caused by a remote worker crashing.")
     assert link_failure(gloo)
     assert link_failure(RuntimeError("[pair.cc:598] Connection reset by peer"))
+    assert link_failure(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                                     "waiting 1800000ms for recv operation to complete"))
     assert link_failure(dist.DistBackendError("NCCL error: remote process exited"))
     assert link_failure(TimeoutError("the other end of its link was not ready"))
     assert not link_failure(RuntimeError("The size of tensor a (4) must match the size of b (3)"))

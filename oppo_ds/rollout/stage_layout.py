@@ -329,16 +329,19 @@ class StageLayout:
             pass
 
 
-# what gloo's RuntimeError says when the process at the other end of a connection is gone
-_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# what gloo's RuntimeError says when the process at the other end of a connection is gone, or
+# did not answer within the group's timeout
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                    "Timed out waiting")
 
 
 def link_failure(err: BaseException) -> bool:
     """Whether ``err`` is what torch.distributed raises when the other end of a link, or of
-    a collective, is gone: gloo's plain ``RuntimeError`` saying the connection closed, a
-    ``DistError`` (NCCL's), or a wait that timed out. Any other ``RuntimeError`` (a tensor
-    op's, say) is this process's own failure, as are errors of oppo-ds's own types (a
-    non-finite loss every actor rank stops on alike, a reward function's)."""
+    a collective, is gone or silent: gloo's plain ``RuntimeError`` saying the connection
+    closed or a wait timed out, a ``DistError`` (NCCL's), a ``TimeoutError``. Any other
+    ``RuntimeError`` (a tensor op's, say) is this process's own failure, as are errors of
+    oppo-ds's own types (a non-finite loss every actor rank stops on alike, a reward
+    function's)."""
     if isinstance(err, (dist.DistError, TimeoutError)):
         return True
     return type(err) is RuntimeError and any(text in str(err) for text in _CONNECTION_LOST)
