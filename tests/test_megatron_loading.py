@@ -211,6 +211,33 @@ def test_missing_tensor_names_the_key_and_the_file(checkpoints, tmp_path):
         SafetensorsReader(sharded)(name)
 
 
+def test_a_stale_index_beside_a_whole_weights_file_is_ignored_as_transformers_does(checkpoints,
+                                                                                    tmp_path):
+    """transformers reads model.safetensors when it is there and ignores an index beside it
+    (left from an earlier sharded save, its shards gone); the Megatron reader read the index
+    and failed on the missing shards. The start's check (``source_problem``) passes the
+    directory, so both backends must load it."""
+    from oppo_ds.models import source_problem
+
+    src, _ = checkpoints["tiny-llama-lm-single"]
+    index = json.load(open(os.path.join(checkpoints["tiny-llama-lm-sharded"][0],
+                                        "model.safetensors.index.json")))
+    mixed = tmp_path / "mixed"
+    shutil.copytree(src, mixed)
+    json.dump(index, open(mixed / "model.safetensors.index.json", "w"))  # its shards: absent
+    assert source_problem(str(mixed)) is None
+    shape = shape_of(tiny_config("tiny-llama", VOCAB))
+    shards = []
+    for path in (str(mixed), src):
+        _, reader, prefix = open_checkpoint(path, "lm")
+        shards.append(hf_to_megatron(reader, shape, prefix=prefix))
+        reader.close()
+    got, want = shards
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
 def test_value_head_rules_match_the_hf_path(checkpoints):
     """A causal LM checkpoint as critic: a zero head, as ``build_value_model`` gives; as
     reward (a head required): refused by both paths."""

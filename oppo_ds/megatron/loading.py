@@ -56,8 +56,10 @@ class SafetensorsReader:
 
     def __init__(self, path: str):
         self.path = path
-        index = os.path.join(path, INDEX_FILE)
-        if os.path.isfile(index):
+        index, whole = os.path.join(path, INDEX_FILE), os.path.join(path, "model.safetensors")
+        # as transformers reads it: a whole model.safetensors before any index beside it
+        # (a stale one, whose shards may be gone), else the index, else every weights file
+        if os.path.isfile(index) and not os.path.isfile(whole):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
             self._where = {name: os.path.join(path, file) for name, file in weight_map.items()}
@@ -66,11 +68,12 @@ class SafetensorsReader:
             from safetensors import safe_open
 
             self._where = {}
-            for file in weight_files(path):
+            files = [whole] if os.path.isfile(whole) else weight_files(path)
+            for file in files:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
                         self._where.setdefault(name, file)
-            self._listing = ", ".join(os.path.basename(f) for f in weight_files(path)) or "no files"
+            self._listing = ", ".join(os.path.basename(f) for f in files) or "no files"
         self._open: dict[str, tuple[object, set]] = {}
         self.extra: dict[str, torch.Tensor] = {}
 
