@@ -169,7 +169,7 @@ class StagePlacement:
         rank then finds it prepared), on a streaming actor rank once its world exists."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl" and self.stage.is_scorer:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            comm.set_local_cuda_device()
         self.stage_links = self.stage.open_links(backend)
 
     def close(self) -> None:

@@ -345,8 +345,28 @@ def gathered_without_hooks(engines: list) -> Iterator[None]:
 _OPEN_ENGINES: "weakref.WeakSet[deepspeed.DeepSpeedEngine]" = weakref.WeakSet()
 
 
+def check_local_device() -> None:
+    """``RuntimeError`` saying what to do when this process cannot be put on GPU LOCAL_RANK,
+    where ``deepspeed.initialize`` puts every engine (and ZeRO-3 its partitions): it sees
+    fewer GPUs than that, as each task of ``srun --gpus-per-task`` sees one. DeepSpeed would
+    fail with CUDA's "invalid device ordinal", naming neither the variable nor the launch.
+    Nothing to check without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise RuntimeError(
+            f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}) has LOCAL_RANK="
+            f"{local} but sees {count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): DeepSpeed puts "
+            f"each rank on GPU LOCAL_RANK, so every process must see all GPUs of its node. "
+            f"Under Slurm request --gpus-per-node, not --gpus-per-task (each task then sees "
+            f"one GPU); do not narrow CUDA_VISIBLE_DEVICES per process")
+
+
 def _initialize(**kwargs) -> deepspeed.DeepSpeedEngine:
-    """``deepspeed.initialize``, its engine recorded as open."""
+    """``deepspeed.initialize``, its engine recorded as open; first ``check_local_device``."""
+    check_local_device()
     engine = deepspeed.initialize(**kwargs)[0]
     _OPEN_ENGINES.add(engine)
     return engine
