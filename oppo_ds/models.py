@@ -131,35 +131,45 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 CUT_SHORT = "a weights file cut short or not in safetensors format; copy the checkpoint again"
 
 
+def _weights_read(source: str) -> tuple[list[str], Optional[str]]:
+    """The weight files transformers reads from checkpoint directory ``source``: the first
+    of ``WEIGHT_FILES`` there, or the shards its index names (none when there is neither);
+    and why the index cannot be used (it does not parse, or names shards the directory does
+    not hold), or None."""
+    first = next((name for name in WEIGHT_FILES if os.path.isfile(os.path.join(source, name))),
+                 None)
+    if first is None or not first.endswith(".index.json"):
+        return [first] if first else [], None
+    path = os.path.join(source, first)
+    try:
+        with open(path) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return [], f"{path} cannot be read as a weights index (a weight_map of files): {err!r}"
+    missing = [name for name in shards if not os.path.isfile(os.path.join(source, name))]
+    if missing:
+        return [], (f"{path} lists {len(missing)} weight file(s) the directory does not hold "
+                    f"({', '.join(missing[:3])}): a checkpoint copied in part")
+    return shards, None
+
+
 def _weights_problem(source: str) -> Optional[str]:
-    """Why the weights transformers would read from checkpoint directory ``source`` (the
-    first of ``WEIGHT_FILES`` there, and a value head file) cannot be loaded, as far as is
-    cheap to see before any model is built (a 70B checkpoint's shards take minutes to load):
-    a shard its index lists is missing, or a safetensors file's header does not parse or
-    does not cover the file (a copy cut short; ``safe_open`` maps the file and reads the
-    header alone). Pickled ``.bin`` files are only looked for. None for an architecture built
-    from config, and for a directory with none of them (transformers says what it lacks)."""
+    """Why the weights transformers would read from checkpoint directory ``source``
+    (``_weights_read``, and a value head file) cannot be loaded, as far as is cheap to see
+    before any model is built (a 70B checkpoint's shards take minutes to load): a shard its
+    index lists is missing, or a safetensors file's header does not parse or does not cover
+    the file (a copy cut short; ``safe_open`` maps the file and reads the header alone).
+    Pickled ``.bin`` files are only looked for. None for an architecture built from config,
+    and for a directory with no weights file (transformers says what it lacks)."""
     from safetensors import SafetensorError, safe_open
 
     if source in FROM_CONFIG_ARCHS:
         return None
-    first = next((name for name in WEIGHT_FILES if os.path.isfile(os.path.join(source, name))),
-                 None)
-    names = [VALUE_HEAD_FILE] if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)) else []
-    if first is not None and first.endswith(".index.json"):
-        path = os.path.join(source, first)
-        try:
-            with open(path) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            return f"{path} cannot be read as a weights index (a weight_map of files): {err!r}"
-        missing = [name for name in shards if not os.path.isfile(os.path.join(source, name))]
-        if missing:
-            return (f"{path} lists {len(missing)} weight file(s) the directory does not hold "
-                    f"({', '.join(missing[:3])}): a checkpoint copied in part")
-        names += shards
-    elif first is not None:
-        names.append(first)
+    names, problem = _weights_read(source)
+    if problem:
+        return problem
+    if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):
+        names.append(VALUE_HEAD_FILE)
     for name in names:
         if name.endswith(".safetensors"):
             try:
@@ -287,23 +297,18 @@ class _HeldReport(logging.Filter):
         self.texts.append(self._ANSI.sub("", record.getMessage()))
         return False
 
-    def mismatches(self) -> tuple[int, list[str]]:
-        """How many weights the held report calls MISMATCH, and its rows, each
-        ``key: [shape] in the checkpoint, [shape] in the model``. A row can stand for several
-        weights: transformers folds layers into one key (``layers.{0, 1}.mlp.up_proj.weight``
-        is two)."""
-        count, rows = 0, []
+    def mismatches(self) -> list[str]:
+        """The held report's MISMATCH rows, each ``key: [shape] in the checkpoint, [shape] in
+        the model``. A row can stand for many weights: transformers folds layers into one key
+        (``layers.{0, 1}.mlp.up_proj.weight``, ``layers.{0...31}...`` past ten of them)."""
+        rows = []
         for line in "\n".join(self.texts).splitlines():
             cells = [cell.strip() for cell in line.split("|")]
             if len(cells) >= 3 and cells[1] == "MISMATCH":
-                weights = 1
-                for group in re.findall(r"\{([^}]*)\}", cells[0]):
-                    weights *= len(group.split(","))
-                count += weights
                 found = self._SHAPES.search(cells[2])
                 rows.append(f"{cells[0]}: {found[1]} in the checkpoint, {found[2]} in the model"
                             if found else cells[0])
-        return count, rows
+        return rows
 
 
 def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwargs) -> nn.Module:
@@ -327,13 +332,14 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     except SafetensorError as err:  # its own message names no file
         raise ValueError(f"{path}: its weights cannot be read ({err}): {CUT_SHORT}") from err
     except RuntimeError as err:  # "... look at the above report!", which was held back
-        count, shapes = report.mismatches()
+        shapes = report.mismatches()
         if not shapes:
             raise
-        raise ValueError(f"{path}: {count} weights of the checkpoint have other shapes "
-                         f"than the architecture its config.json describes "
-                         f"({'; '.join(shapes[:3])}): a config.json of another model size, or "
-                         f"another model's weights") from err
+        more = f"; and {len(shapes) - 3} more" if len(shapes) > 3 else ""
+        raise ValueError(f"{path}: weights of the checkpoint have other shapes than the "
+                         f"architecture its config.json describes ({'; '.join(shapes[:3])}"
+                         f"{more}): a config.json of another model size, or another model's "
+                         f"weights") from err
     finally:
         hf_logger.removeFilter(report)
         hf_logger.setLevel(level)
@@ -469,19 +475,26 @@ def has_value_head(path: str) -> bool:
 
 
 def _find_head_weight(path: str) -> Optional[torch.Tensor]:
-    from safetensors import safe_open
+    """The scalar head's weight in checkpoint ``path``: its own file's, else the first of
+    ``HEAD_KEYS`` in the safetensors files transformers reads for the body (``_weights_read``:
+    not a shard an earlier save left beside a whole ``model.safetensors``), else in any
+    safetensors file there; None without one."""
+    from safetensors import SafetensorError, safe_open
 
     own = os.path.join(path, VALUE_HEAD_FILE)
-    if os.path.isfile(own):
-        with safe_open(own, "pt") as f:
-            return f.get_tensor("weight")
-    for name in sorted(os.listdir(path)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(path, name), "pt") as f:
-            for key in HEAD_KEYS:
-                if key in f.keys():
-                    return f.get_tensor(key)
+    names = [name for name in _weights_read(path)[0] if name.endswith(".safetensors")] or \
+        sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    candidates = [(VALUE_HEAD_FILE, ("weight",))] if os.path.isfile(own) else []
+    candidates += [(name, HEAD_KEYS) for name in names if name != VALUE_HEAD_FILE]
+    for name, keys in candidates:
+        try:
+            with safe_open(os.path.join(path, name), "pt") as f:
+                found = next((key for key in keys if key in f.keys()), None)
+                if found is not None:
+                    return f.get_tensor(found)
+        except SafetensorError as err:  # its own message names no file
+            raise ValueError(f"{os.path.join(path, name)} cannot be read ({err}): "
+                             f"{CUT_SHORT}") from err
     return None
 
 

@@ -386,8 +386,7 @@ def test_the_scorer_rank_failing_after_its_links_opened_is_named_by_the_actor_ra
     (actor_rc, actor_log), (scorer_rc, scorer_log) = _run_ranks(
         [*base, f"logging.output_dir={tmp_path / 'run'}", f"model.reward={bad}",
          f"model.critic={good}"])
-    mlp = 3 * config["num_hidden_layers"]  # up, gate and down in every layer
-    failure = f"ValueError: {bad}: {mlp} weights of the checkpoint have other shapes"
+    failure = f"ValueError: {bad}: weights of the checkpoint have other shapes"
     assert scorer_rc != 0 and failure in scorer_log, scorer_log[-3000:]
     assert actor_rc == 1, actor_log[-3000:]
     line = next((x for x in actor_log.splitlines() if x.startswith("oppo-train: error: ")), "")
