@@ -8,6 +8,7 @@ it runs on whichever device the group's backend needs and comes back where it st
 from __future__ import annotations
 
 import os
+import socket
 from typing import Sequence
 
 import torch
@@ -60,6 +61,28 @@ def gather_lists(values: list, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, list(values), group=group)
     return [v for part in out for v in part]
+
+
+def check_local_device() -> None:
+    """``RuntimeError`` saying what to do when this process cannot be put on GPU LOCAL_RANK,
+    where ``deepspeed.initialize`` puts every engine (ZeRO-3 its partitions too) and the
+    stage placement its scorer rank: it sees fewer GPUs than that. Each task of ``srun
+    --gpus-per-task`` sees one; a node launched with more processes than GPUs (the scorer
+    rank with no GPU of its own) has one too many. DeepSpeed would fail with CUDA's "invalid
+    device ordinal", naming neither the variable nor the launch. Nothing to check without
+    CUDA, or when DeepSpeed is told to use another accelerator (DS_ACCELERATOR)."""
+    if not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
+        return
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise RuntimeError(
+            f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}) has LOCAL_RANK="
+            f"{local} but sees {count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): each process "
+            f"runs on GPU LOCAL_RANK, so it must see all GPUs of its node, and a node runs no "
+            f"more processes than it has GPUs (with oppo.placement: stage, the scorer rank "
+            f"too). Under Slurm request --gpus-per-node, not --gpus-per-task (each task then "
+            f"sees one GPU); do not narrow CUDA_VISIBLE_DEVICES per process")
 
 
 def set_local_cuda_device() -> torch.device:

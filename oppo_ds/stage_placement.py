@@ -168,7 +168,8 @@ class StagePlacement:
         the workload (the actor ranks open theirs after rank 0 has prepared it, so the scorer
         rank then finds it prepared), on a streaming actor rank once its world exists."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl" and self.stage.is_scorer:
+        if backend == "nccl" and self.stage.is_scorer:  # a GPU of its own, not a shared one
+            comm.check_local_device()
             comm.set_local_cuda_device()
         self.stage_links = self.stage.open_links(backend)
 

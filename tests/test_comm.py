@@ -78,3 +78,32 @@ def test_local_rank_picks_the_gpu_among_those_visible(monkeypatch, local_rank, v
     monkeypatch.setattr(torch.cuda, "current_device", lambda: chosen[-1])
     assert comm.set_local_cuda_device() == torch.device("cuda", expected)
     assert chosen == [expected]
+
+
+def test_a_process_that_sees_fewer_gpus_than_its_local_rank_is_told_the_launch_to_use(
+        monkeypatch):
+    """Under ``srun --gpus-per-task`` each task sees one GPU whatever its local rank, and
+    ``deepspeed.initialize`` (or the stage's scorer rank) failed on GPU LOCAL_RANK with CUDA's
+    "invalid device ordinal". No GPU here: torch.cuda's two answers are set as such a task's
+    would be (a mock around what cannot exist on this machine); the check reads nothing else
+    of CUDA."""
+    from oppo_ds.comm import check_local_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match=r"^rank 7 \(.*\) has LOCAL_RANK=3 but sees 1 GPU\(s\) "
+                                           r"\(CUDA_VISIBLE_DEVICES=3\): each process") as err:
+        check_local_device()
+    assert "request --gpus-per-node, not --gpus-per-task" in str(err.value)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # DeepSpeed on the CPU: no GPU is taken
+    check_local_device()
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the first task of the node: GPU 0 is there
+    check_local_device()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # --gpus-per-node=8
+    monkeypatch.setenv("LOCAL_RANK", "7")
+    check_local_device()

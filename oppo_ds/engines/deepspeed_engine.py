@@ -51,7 +51,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
-from oppo_ds.comm import set_local_cuda_device
+from oppo_ds.comm import check_local_device, set_local_cuda_device
 from oppo_ds.engines.base import (
     LossFn,
     ModelCallable,
@@ -343,25 +343,6 @@ def gathered_without_hooks(engines: list) -> Iterator[None]:
 # a ZeRO-3 engine's 1.9 GB of buffers (its 5e8-element reduce bucket) stayed after ``del`` and
 # ``gc.collect()``; its ``destroy()`` gave them back. Weak: the set keeps nothing alive.
 _OPEN_ENGINES: "weakref.WeakSet[deepspeed.DeepSpeedEngine]" = weakref.WeakSet()
-
-
-def check_local_device() -> None:
-    """``RuntimeError`` saying what to do when this process cannot be put on GPU LOCAL_RANK,
-    where ``deepspeed.initialize`` puts every engine (and ZeRO-3 its partitions): it sees
-    fewer GPUs than that, as each task of ``srun --gpus-per-task`` sees one. DeepSpeed would
-    fail with CUDA's "invalid device ordinal", naming neither the variable nor the launch.
-    Nothing to check without CUDA."""
-    if not torch.cuda.is_available():
-        return
-    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    if local >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise RuntimeError(
-            f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}) has LOCAL_RANK="
-            f"{local} but sees {count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): DeepSpeed puts "
-            f"each rank on GPU LOCAL_RANK, so every process must see all GPUs of its node. "
-            f"Under Slurm request --gpus-per-node, not --gpus-per-task (each task then sees "
-            f"one GPU); do not narrow CUDA_VISIBLE_DEVICES per process")
 
 
 def _initialize(**kwargs) -> deepspeed.DeepSpeedEngine:
