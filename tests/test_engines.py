@@ -773,6 +773,46 @@ def test_deepspeed_is_told_to_use_the_cpu_without_cuda(preset, want):
     assert out.stdout.split()[-2:] == [want, want]
 
 
+def test_a_left_over_cpu_adam_build_lock_is_named_too(tmp_path):
+    """The offload optimizer builds DeepSpeed's cpu_adam op on first use; a build stopped
+    part-way left its lock, and the next start waited on it without a word (measured: a CI
+    test here hung 17 minutes). A real DeepSpeedCPUAdam is made in a process of its own
+    (this one may have the op loaded already) with the lock in place; the lock is named, and
+    once it is removed the process goes on."""
+    import subprocess
+    import sys
+    import time
+
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    code = ("import torch\n"
+            "from oppo_ds.engines import deepspeed_engine as dse\n"
+            "dse.BUILD_LOCK_WARN_S = 0.5\n"
+            "try:\n"
+            "    dse._build_optimizer(torch.nn.Linear(2, 2), use_cpu_adam=True, lr=1e-3,\n"
+            "                         weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)\n"
+            "except Exception as err:  # no op was built: the lock was all there was\n"
+            "    print('went on:', type(err).__name__)\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline, err = time.time() + 120, ""
+        while "still waiting" not in err and time.time() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, err[-2000:]
+            err += line
+        assert f"still waiting after 0 s while {lock} exist(s)" in err
+        lock.unlink()
+        out, rest = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (err + rest)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_left_over_build_lock_is_named_after_the_wait(tmp_path, monkeypatch, capsys):
     """torch waits forever on the lock file of an op build that Ctrl-C interrupted (measured:
     every later start of the CI hung in DeepSpeed's init_distributed, FileBaton.wait); past

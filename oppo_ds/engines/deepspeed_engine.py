@@ -275,9 +275,11 @@ def _build_optimizer(model: torch.nn.Module, *, use_cpu_adam: bool, lr: float,
                      eps: float) -> torch.optim.Optimizer:
     groups = _param_groups(model, weight_decay)
     if use_cpu_adam:
-        # Imported here: the first construction JIT-compiles the op (~1 min, cached).
+        # Imported here: the first construction JIT-compiles the op (~1 min, cached), and
+        # waits for good on the lock of a build that was stopped part-way: then it says so
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+        with _warn_if_a_build_lock_holds():
+            return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
