@@ -476,16 +476,18 @@ def has_value_head(path: str) -> bool:
 
 def _find_head_weight(path: str) -> Optional[torch.Tensor]:
     """The scalar head's weight in checkpoint ``path``: its own file's, else the first of
-    ``HEAD_KEYS`` in the safetensors files transformers reads for the body (``_weights_read``:
-    not a shard an earlier save left beside a whole ``model.safetensors``), else in any
-    safetensors file there; None without one."""
+    ``HEAD_KEYS`` in the safetensors files transformers reads for the body (``_weights_read``),
+    then in the other safetensors files there by name (a head saved in a file of its own);
+    None without one. So a shard an earlier save left beside a whole ``model.safetensors``,
+    which sorts first, is read only when the body's files hold no head."""
     from safetensors import SafetensorError, safe_open
 
     own = os.path.join(path, VALUE_HEAD_FILE)
-    names = [name for name in _weights_read(path)[0] if name.endswith(".safetensors")] or \
-        sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    body = [name for name in _weights_read(path)[0] if name.endswith(".safetensors")]
+    others = sorted(name for name in os.listdir(path)
+                    if name.endswith(".safetensors") and name not in body)
     candidates = [(VALUE_HEAD_FILE, ("weight",))] if os.path.isfile(own) else []
-    candidates += [(name, HEAD_KEYS) for name in names if name != VALUE_HEAD_FILE]
+    candidates += [(name, HEAD_KEYS) for name in body + others if name != VALUE_HEAD_FILE]
     for name, keys in candidates:
         try:
             with safe_open(os.path.join(path, name), "pt") as f:

@@ -774,11 +774,12 @@ def test_deepspeed_is_told_to_use_the_cpu_without_cuda(preset, want):
 
 
 def test_a_left_over_cpu_adam_build_lock_is_named_too(tmp_path):
-    """The offload optimizer builds DeepSpeed's cpu_adam op on first use; a build stopped
-    part-way left its lock, and the next start waited on it without a word (measured: a CI
-    test here hung 17 minutes). A real DeepSpeedCPUAdam is made in a process of its own
-    (this one may have the op loaded already) with the lock in place; the lock is named, and
-    once it is removed the process goes on."""
+    """The offload optimizer builds DeepSpeed's cpu_adam op on first use, and a build stopped
+    part-way leaves its lock, on which the next start waits for good (measured: a CI test
+    here waited 17 minutes). A real DeepSpeedCPUAdam is made in a process of its own (this
+    one may have the op loaded already) with the lock in place; the lock is named, and once
+    it is removed the process goes on."""
+    import select
     import subprocess
     import sys
     import time
@@ -800,9 +801,11 @@ def test_a_left_over_cpu_adam_build_lock_is_named_too(tmp_path):
     try:
         deadline, err = time.time() + 120, ""
         while "still waiting" not in err and time.time() < deadline:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, err[-2000:]
-            err += line
+            # a line at a time, but never blocked past the deadline on a silent process
+            if select.select([proc.stderr], [], [], max(0.0, deadline - time.time()))[0]:
+                line = proc.stderr.readline()
+                assert line or proc.poll() is None, err[-2000:]
+                err += line
         assert f"still waiting after 0 s while {lock} exist(s)" in err
         lock.unlink()
         out, rest = proc.communicate(timeout=300)

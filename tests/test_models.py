@@ -327,6 +327,11 @@ def test_the_value_head_is_read_from_the_file_transformers_reads(tmp_path):
               str(tmp_path / "model-00001-of-00002.safetensors"))
     assert torch.equal(build_value_model(str(tmp_path)).value_head.weight,
                        torch.full_like(stale, 0.5))
+    # a head in a file of its own beside the body's (no value_head.safetensors) is still found
+    body = tmp_path / "body"
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(body))
+    save_file({"score.weight": stale.contiguous()}, str(body / "score.safetensors"))
+    assert torch.equal(build_value_model(str(body)).value_head.weight, stale)
 
 
 def test_value_head_reads_an_opt_bodys_projected_width(tmp_path):

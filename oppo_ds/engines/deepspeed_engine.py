@@ -276,7 +276,7 @@ def _build_optimizer(model: torch.nn.Module, *, use_cpu_adam: bool, lr: float,
     groups = _param_groups(model, weight_decay)
     if use_cpu_adam:
         # Imported here: the first construction JIT-compiles the op (~1 min, cached), and
-        # waits for good on the lock of a build that was stopped part-way: then it says so
+        # waits for good on the lock of a build that was stopped part-way: it names the lock
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         with _warn_if_a_build_lock_holds():
             return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
@@ -484,9 +484,8 @@ class DeepSpeedTrainEngine(TrainEngine):
         get_accelerator().manual_seed_all(seed)
         optimizer = lr_scheduler = None
         if not weights_only:
-            with _warn_if_a_build_lock_holds():  # CPU Adam builds an op on first use
-                optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
-                                             weight_decay=weight_decay, betas=betas, eps=eps)
+            optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
+                                         weight_decay=weight_decay, betas=betas, eps=eps)
             self._group_decay = [g["weight_decay"] for g in optimizer.param_groups]
             lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
                                                total_steps=total_steps, scheduler=scheduler)
