@@ -131,6 +131,12 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 CUT_SHORT = "a weights file cut short or not in safetensors format; copy the checkpoint again"
 
 
+def _unreadable(file: str, err: Exception) -> str:
+    """What to say of a safetensors ``file`` that safetensors cannot open (its own message
+    names no file)."""
+    return f"{file} cannot be read ({err}): {CUT_SHORT}"
+
+
 def _weights_read(source: str) -> tuple[list[str], Optional[str]]:
     """The weight files transformers reads from checkpoint directory ``source``: the first
     of ``WEIGHT_FILES`` there, or the shards its index names (none when there is neither);
@@ -176,7 +182,7 @@ def _weights_problem(source: str) -> Optional[str]:
                 with safe_open(os.path.join(source, name), "pt"):
                     pass
             except (SafetensorError, OSError) as err:
-                return f"{os.path.join(source, name)} cannot be read ({err}): {CUT_SHORT}"
+                return _unreadable(os.path.join(source, name), err)
     return None
 
 
@@ -494,9 +500,8 @@ def _find_head_weight(path: str) -> Optional[torch.Tensor]:
                 found = next((key for key in keys if key in f.keys()), None)
                 if found is not None:
                     return f.get_tensor(found)
-        except SafetensorError as err:  # its own message names no file
-            raise ValueError(f"{os.path.join(path, name)} cannot be read ({err}): "
-                             f"{CUT_SHORT}") from err
+        except SafetensorError as err:
+            raise ValueError(_unreadable(os.path.join(path, name), err)) from err
     return None
 
 

@@ -325,30 +325,6 @@ def test_stage_scores_the_finished_rows_a_resumed_pool_never_streamed(cache_dir,
         assert b[3][key] == pytest.approx(a[3][key], abs=1e-5), key
 
 
-def test_an_actor_rank_ending_before_its_link_opened_stops_the_scorer_rank(cache_dir, tmp_path):
-    """A bad model path stops the actor rank (exit 2) before it opens its link to the scorer
-    rank, which waited 30 minutes for that link before; now the actor rank says so in the
-    store at its exit and the scorer rank stops at once, naming it."""
-    from _builders import rank_process
-
-    args = [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={tmp_path / 'run'}",
-            "steps=1", "oppo.placement=stage", "model.reward=/nonexistent/dir"]
-    port = find_free_port()
-    procs = [rank_process(rank, 2, port, args) for rank in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert procs[0].returncode == 2 and "model.reward" in logs[0], logs[0][-2000:]
-    assert procs[1].returncode == 1, logs[1][-2000:]
-    assert "oppo-train: error: actor rank 0 ended before its link to the scorer rank (rank 1) " \
-        "opened" in logs[1], logs[1][-2000:]
-    assert "Traceback" not in logs[1], logs[1][-2000:]  # the actor rank's log holds its own
-
-
 def _run_ranks(args, ranks=2, timeout=300):
     """Each rank's (exit code, output) of a run started without a launcher, so that one
     failing process does not end the others: what each says on its own is seen."""
@@ -364,6 +340,20 @@ def _run_ranks(args, ranks=2, timeout=300):
                 p.kill()
                 p.wait()
     return [(p.returncode, log) for p, log in zip(procs, logs)]
+
+
+def test_an_actor_rank_ending_before_its_link_opened_stops_the_scorer_rank(cache_dir, tmp_path):
+    """A bad model path stops the actor rank (exit 2) before it opens its link to the scorer
+    rank, which waited 30 minutes for that link before; now the actor rank says so in the
+    store at its exit and the scorer rank stops at once, naming it."""
+    (actor_rc, actor_log), (scorer_rc, scorer_log) = _run_ranks(
+        [*SMALL, f"workload.cache_dir={cache_dir}", f"logging.output_dir={tmp_path / 'run'}",
+         "steps=1", "oppo.placement=stage", "model.reward=/nonexistent/dir"], timeout=120)
+    assert actor_rc == 2 and "model.reward" in actor_log, actor_log[-2000:]
+    assert scorer_rc == 1, scorer_log[-2000:]
+    assert "oppo-train: error: actor rank 0 ended before its link to the scorer rank (rank 1) " \
+        "opened" in scorer_log, scorer_log[-2000:]
+    assert "Traceback" not in scorer_log, scorer_log[-2000:]  # the actor rank's log holds its own
 
 
 def test_the_scorer_rank_failing_after_its_links_opened_is_named_by_the_actor_rank(cache_dir,
