@@ -171,6 +171,18 @@ def _main(argv: list[str] | None) -> int:
     _quiet_libraries(rank, cfg.oppo.placement == "stage" and rank == world - 1 > 0,
                      bars=cfg.logging.progress)
     from ..rollout.stage_layout import StageAborted
+
+    try:
+        return _run(cfg, args, rank)
+    except StageAborted as err:  # another process of the stage failed: its log has the
+        print(f"oppo-train: error: {err}", file=sys.stderr)  # traceback, and the links are
+        return 1  # broken, so there is nothing to close
+
+
+def _run(cfg, args, rank: int) -> int:
+    """Build the trainer and run it; its errors become one line and an exit code."""
+    from ..finite import NonFiniteError
+    from ..reward_fn import RewardFunctionError
     from ..trainer import PPOTrainer
 
     try:
@@ -178,17 +190,8 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, DataError, FileNotFoundError) as err:  # a checkpoint the settings cannot continue
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
-    except StageAborted as err:  # another process of the stage failed: its log has the traceback
-        print(f"oppo-train: error: {err}", file=sys.stderr)
-        return 1
-    from ..finite import NonFiniteError
-    from ..reward_fn import RewardFunctionError
-
     try:
         summary = trainer.evaluate_only() if args.evaluate else trainer.train()
-    except StageAborted as err:  # the other processes' links are broken: nothing to close
-        print(f"oppo-train: error: {err}", file=sys.stderr)
-        return 1
     except NonFiniteError as err:  # every actor rank stops alike, before anything is saved
         if rank == 0:
             print(f"oppo-train: error: {err}", file=sys.stderr)
