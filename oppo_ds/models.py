@@ -165,8 +165,9 @@ def _weights_problem(source: str) -> Optional[str]:
     before any model is built (a 70B checkpoint's shards take minutes to load): a shard its
     index lists is missing, or a safetensors file's header does not parse or does not cover
     the file (a copy cut short; ``safe_open`` maps the file and reads the header alone).
-    Pickled ``.bin`` files are only looked for. None for an architecture built from config,
-    and for a directory with no weights file (transformers says what it lacks)."""
+    Of a pickled ``.bin`` file only the zip directory at its end is read. None for an
+    architecture built from config, and for a directory with no weights file (transformers
+    says what it lacks)."""
     from safetensors import SafetensorError, safe_open
 
     if source in FROM_CONFIG_ARCHS:
@@ -177,13 +178,33 @@ def _weights_problem(source: str) -> Optional[str]:
     if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):
         names.append(VALUE_HEAD_FILE)
     for name in names:
+        path = os.path.join(source, name)
         if name.endswith(".safetensors"):
             try:
-                with safe_open(os.path.join(source, name), "pt"):
+                with safe_open(path, "pt"):
                     pass
             except (SafetensorError, OSError) as err:
-                return _unreadable(os.path.join(source, name), err)
+                return _unreadable(path, err)
+        elif _zip_cut_short(path):
+            return (f"{path} cannot be read: its zip directory, at the end of the file, is "
+                    f"missing or broken: {CUT_SHORT}")
     return None
+
+
+def _zip_cut_short(path: str) -> bool:
+    """Whether pickled weights ``path`` in torch's zip format (every save since torch 1.6)
+    has lost the directory at its end (a copy cut short; torch's own error then names no
+    file). Reads the end of the file only; a file in the older format is not checked."""
+    import zipfile
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return False
+    try:
+        with zipfile.ZipFile(path):
+            return False
+    except (zipfile.BadZipFile, OSError):
+        return True
 
 
 def _architecture_problem(source: str, trust_remote_code: bool) -> Optional[str]:
@@ -228,7 +249,7 @@ def _check_local_dir(path: str, trust_remote_code: bool = False) -> None:
     problem = _path_problem(path)
     if problem:
         raise FileNotFoundError(problem)
-    problem = _architecture_problem(path, trust_remote_code)
+    problem = _architecture_problem(path, trust_remote_code) or _weights_problem(path)
     if problem:
         raise ValueError(problem)
 
@@ -325,9 +346,8 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     Checkpoint weights the model does not use are logged in one line, except those under a
     prefix of ``unused_ok`` (the LM head or the scalar head of a checkpoint loaded as a body
     only, whose head we read ourselves): transformers' own report of them is a table per load
-    that calls every such key "not ok if you expect identical arch"."""
-    from safetensors import SafetensorError
-
+    that calls every such key "not ok if you expect identical arch". Weights files cut short
+    are refused before (``_check_local_dir``), with their names."""
     hf_logger = logging.getLogger("transformers.modeling_utils")
     level, report = hf_logger.level, _HeldReport()
     hf_logger.setLevel(logging.WARNING)  # its report, held back (errors still pass)
@@ -335,8 +355,6 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     try:
         model, info = auto_cls.from_pretrained(path, local_files_only=True,
                                                output_loading_info=True, **kwargs)
-    except SafetensorError as err:  # its own message names no file
-        raise ValueError(f"{path}: its weights cannot be read ({err}): {CUT_SHORT}") from err
     except RuntimeError as err:  # "... look at the above report!", which was held back
         shapes = report.mismatches()
         if not shapes:
@@ -482,27 +500,53 @@ def has_value_head(path: str) -> bool:
 
 def _find_head_weight(path: str) -> Optional[torch.Tensor]:
     """The scalar head's weight in checkpoint ``path``: its own file's, else the first of
-    ``HEAD_KEYS`` in the safetensors files transformers reads for the body (``_weights_read``),
-    then in the other safetensors files there by name (a head saved in a file of its own);
-    None without one. So a shard an earlier save left beside a whole ``model.safetensors``,
-    which sorts first, is read only when the body's files hold no head."""
-    from safetensors import SafetensorError, safe_open
-
+    ``HEAD_KEYS`` in the weight files transformers reads for the body (``_weights_read``:
+    safetensors or pickled ``.bin``), then in the other safetensors files there by name (a
+    head saved in a file of its own); None without one. So a shard an earlier save left
+    beside a whole ``model.safetensors``, which sorts first, is read only when the body's
+    files hold no head."""
     own = os.path.join(path, VALUE_HEAD_FILE)
-    body = [name for name in _weights_read(path)[0] if name.endswith(".safetensors")]
+    body = _weights_read(path)[0]
     others = sorted(name for name in os.listdir(path)
                     if name.endswith(".safetensors") and name not in body)
     candidates = [(VALUE_HEAD_FILE, ("weight",))] if os.path.isfile(own) else []
     candidates += [(name, HEAD_KEYS) for name in body + others if name != VALUE_HEAD_FILE]
     for name, keys in candidates:
-        try:
-            with safe_open(os.path.join(path, name), "pt") as f:
-                found = next((key for key in keys if key in f.keys()), None)
-                if found is not None:
-                    return f.get_tensor(found)
-        except SafetensorError as err:
-            raise ValueError(_unreadable(os.path.join(path, name), err)) from err
+        found = _read_first_key(os.path.join(path, name), keys)
+        if found is not None:
+            return found
     return None
+
+
+def _read_first_key(file: str, keys: tuple[str, ...]) -> Optional[torch.Tensor]:
+    """The tensor under the first of ``keys`` that weights ``file`` holds, or None; a
+    ``ValueError`` naming the file when it cannot be read. A safetensors file is read by its
+    header; a pickled ``.bin`` (older TRL and transformers saves, `safe_serialization=False`)
+    is mapped, not read whole (a 10 GB shard for one row of a head), and unpickled with
+    ``weights_only``, so a checkpoint cannot run code."""
+    from safetensors import SafetensorError, safe_open
+
+    if file.endswith(".safetensors"):
+        try:
+            with safe_open(file, "pt") as f:
+                found = next((key for key in keys if key in f.keys()), None)
+                return None if found is None else f.get_tensor(found)
+        except SafetensorError as err:
+            raise ValueError(_unreadable(file, err)) from err
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # saved in torch's format before 1.6: no zip to map
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle's, zipfile's and torch's errors of a file cut short
+        raise ValueError(f"{file} cannot be read as a pickled state dict ({err}): a weights "
+                         "file cut short, or one that holds more than tensors") from err
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
+    found = next((key for key in keys if key in state), None)
+    return None if found is None else state[found].clone()
 
 
 def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=None,

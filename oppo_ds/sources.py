@@ -187,8 +187,13 @@ def check_paths(cfg: Config, src: Sources) -> None:
             problems[source] = source_problem(source, trust_remote_code=cfg.model.trust_remote_code)
         if problems[source]:
             raise ConfigError(f"model.{key}", problems[source])
-    if src.reward_model and src.reward not in FROM_CONFIG_ARCHS and not has_value_head(src.reward):
-        raise ConfigError("model.reward", f"{src.reward}: {NO_HEAD}")
+    if src.reward_model and src.reward not in FROM_CONFIG_ARCHS:
+        try:
+            head = has_value_head(src.reward)
+        except ValueError as err:  # a pickled weights file cut short (safetensors ones are
+            raise ConfigError("model.reward", str(err)) from err  # seen by source_problem)
+        if not head:
+            raise ConfigError("model.reward", f"{src.reward}: {NO_HEAD}")
 
 
 def run_tokenizer(cfg: Config, src: Sources):

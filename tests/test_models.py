@@ -129,17 +129,17 @@ def test_causal_lm_from_checkpoint_with_missing_weights_fails(tmp_path):
 
 def test_a_weights_file_cut_short_names_the_checkpoint(tmp_path):
     """safetensors' own error ("Error while deserializing header: ...") names no file: a
-    copy cut short, loaded as the actor, names the directory and what to do."""
+    copy cut short, loaded as the actor, names the file and what to do, before transformers
+    reads it; the start's check of every model source says the same before anything is
+    built."""
     build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(str(tmp_path))
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: its weights cannot be "
-                                         f"read \\(Error while deserializing header") as err:
+    with pytest.raises(ValueError, match=f"^{re.escape(str(weights))} cannot be read \\(Error "
+                                         "while deserializing header") as err:
         build_causal_lm(str(tmp_path))
     assert "copy the checkpoint again" in str(err.value)
-    # and the start's check of every model source sees it before anything is built
-    assert source_problem(str(tmp_path)).startswith(f"{weights} cannot be read (Error while "
-                                                    f"deserializing header")
+    assert source_problem(str(tmp_path)) == str(err.value)
 
 
 def test_a_sharded_checkpoint_missing_a_shard_is_a_source_problem(tmp_path):
@@ -362,6 +362,51 @@ def test_value_head_under_other_keys(key, tmp_path):
     save_file({**load_file(path), key: head}, path, metadata={"format": "pt"})
     vm = build_value_model(str(tmp_path), require_head=True)
     assert torch.equal(vm.value_head.weight, head)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+def test_value_head_in_pickled_weights(sharded, tmp_path):
+    """A reward model saved as pytorch_model.bin (older TRL and transformers releases, many
+    published Llama-2-era reward models), whole or in shards with an index: transformers loads
+    its body, and the head was looked for in safetensors files only, so the run refused it as
+    having no head. Its head is read now, and it scores what the classifier scores."""
+    from oppo_ds.config import Config, ConfigError
+    from oppo_ds.sources import Sources, check_paths
+
+    config = tiny_config("tiny-llama", VOCAB)
+    config.num_labels = 1
+    torch.manual_seed(7)
+    clf = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    clf.save_pretrained(tmp_path)  # transformers 5 saves safetensors only: the .bin by hand
+    os.remove(tmp_path / "model.safetensors")
+    state = clf.state_dict()
+    if sharded:  # the head in the last shard, as a save in key order puts it
+        names = sorted(state, key=lambda k: k == "score.weight")
+        shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+                  "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+        for file, keys in shards.items():
+            torch.save({k: state[k] for k in keys}, tmp_path / file)
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    vm = build_value_model(str(tmp_path), require_head=True).eval()
+    assert torch.equal(vm.value_head.weight, clf.score.weight)
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.allclose(vm(x).values[:, -1], clf(x).logits[:, 0], atol=1e-5)
+
+    sources = Sources(actor="tiny-llama", reference="tiny-llama", reward=str(tmp_path),
+                      critic="tiny-llama", tokenizer=None, prompts="p.jsonl",
+                      builtin_prompts=False)
+    check_paths(Config(), sources)
+    last = sorted(tmp_path.glob("*.bin"))[-1]  # the file that holds the head, cut short
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    cut = f"{last} cannot be read: its zip directory, at the end of the file, is missing"
+    with pytest.raises(ValueError, match=re.escape(cut)):  # torch's own error names no file
+        build_value_model(str(tmp_path), require_head=True)
+    with pytest.raises(ConfigError, match=re.escape(f"model.reward: {last} cannot be read")):
+        check_paths(Config(), sources)
 
 
 def test_loading_a_body_reports_only_weights_it_does_not_expect(tmp_path, capfd, caplog, request):
