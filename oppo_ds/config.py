@@ -40,17 +40,24 @@ class ModelConfig:
     """Reward model (LM body + scalar head): a local directory, `builtin` or a tiny architecture."""
     critic: Optional[str] = None
     """Critic (value model); null = initialised from `reward`, as DeepSpeed-Chat does."""
-    reward_function: Optional[str] = None
+    reward_function: Optional[Union[str, list[str]]] = None
     """A Python function that scores the responses in place of the reward model (TRL's
     reward_funcs, OpenRLHF's reward-function file): `package.module:function` or
     `path/to/file.py:function`, called on each batch of finished responses as
     fn(prompts=[...], completions=[...], **fields) and returning one finite number per
     response; prompts as the data file holds them, completions as decoded text, and one list
-    per other field of the prompt rows (e.g. answer=[...], None where a row lacks it). No
-    reward model is then built or streamed (model.reward is only where the critic starts,
-    with model.critic null). Under system.backend: megatron every rank of a model replica
-    calls it and the replica trains on its first rank's scores. `oppo_ds.workload:gold_reward`
-    is the built-in task's hidden rule. Null: the reward model scores."""
+    per other field of the prompt rows (e.g. answer=[...], None where a row lacks it). A list
+    of functions scores with their weighted sum (`reward_weights`), as TRL's list does: each
+    may return None for a response it does not apply to, which then counts 0 in the sum, but
+    every response needs a number from at least one; each function's mean is logged as
+    reward_fn/<name>/mean. No reward model is then built or streamed (model.reward is only
+    where the critic starts, with model.critic null). Under system.backend: megatron every rank
+    of a model replica calls it and the replica trains on its first rank's scores.
+    `oppo_ds.workload:gold_reward` is the built-in task's hidden rule. Null: the reward model
+    scores."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per function of `reward_function` (TRL's reward_weights): the score is the
+    sum of each function's score times its weight. Null: 1 for each."""
     reward_normalize: bool = False
     """Score with the reward model's own normalisation, (score - mean) / std, from the `mean`
     and `std` its config.json holds: what OpenRLHF's reward-model training writes with
@@ -94,6 +101,23 @@ class ModelConfig:
         _require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha", "must be > 0 or null")
         _require(not self.only_optimize_lora or self.actor_lora_dim or self.critic_lora_dim,
                  "only_optimize_lora", "needs actor_lora_dim or critic_lora_dim > 0")
+        functions = self.reward_functions
+        _require(self.reward_function != [], "reward_function",
+                 "is an empty list: name at least one function, or null for the reward model")
+        _require(self.reward_weights is None or functions, "reward_weights",
+                 "weighs the functions of model.reward_function, which is null: set both, or "
+                 "neither (the reward model scores)")
+        _require(self.reward_weights is None or len(self.reward_weights) == len(functions),
+                 "reward_weights", f"has {len(self.reward_weights or ())} weight(s) for the "
+                 f"{len(functions)} function(s) of model.reward_function: one each")
+
+    @property
+    def reward_functions(self) -> list[str]:
+        """``reward_function`` as a list (none for the reward model)."""
+        if self.reward_function is None:
+            return []
+        return [self.reward_function] if isinstance(self.reward_function, str) \
+            else list(self.reward_function)
 
     @property
     def uses_reward_model(self) -> bool:

@@ -48,7 +48,8 @@ def objective_settings(values: dict) -> dict:
     """``{"ppo.kl_coef": 0.05, ...}``: the objective's settings in ``values`` (``Config.to_dict()``)."""
     out = {f"ppo.{k}": v for k, v in values["ppo"].items()}
     out.update({f"generation.{k}": values["generation"][k] for k in ("temperature", "top_k", "top_p")})
-    out["model.reward_function"] = values["model"].get("reward_function")  # what is rewarded
+    for key in ("reward_function", "reward_weights"):  # what is rewarded
+        out[f"model.{key}"] = values["model"].get(key)
     return {k: v for k, v in out.items() if k not in _OBJECTIVE_EXCLUDED}
 
 

@@ -14,9 +14,15 @@ keyword per other field of the prompts' rows (``answer=[...]``; None where a row
 field, for every row when the function names a field no row of the batch has), as TRL
 passes a data set's columns. Accept ``**kwargs`` to ignore fields. A score
 that is not a finite number stops the run naming the function and the response.
+
+An ``async def`` function is awaited. A list of functions (``RewardFunctions``) scores with
+their weighted sum, as TRL's list of ``reward_funcs`` with ``reward_weights``: one of several
+may return None for a response it does not apply to (0 in the sum), but each response needs a
+number from at least one.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -24,7 +30,7 @@ import math
 import os
 import sys
 from numbers import Real
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -80,13 +86,20 @@ def _named_parameters(fn: Callable) -> set[str]:
     return {p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty}
 
 
-class RewardFunction:
-    """``model.reward_function`` loaded, called on decoded responses: (B,) float32 scores."""
+async def _awaited(result):
+    return await result
 
-    def __init__(self, spec: str):
+
+class RewardFunction:
+    """One function of ``model.reward_function`` loaded, called on decoded responses: (B,)
+    float32 scores. ``allow_none``: a None score (one of several functions that does not
+    apply to the response) comes back as NaN."""
+
+    def __init__(self, spec: str, allow_none: bool = False):
         self.spec = spec
         self.fn = load_reward_function(spec)
         self.wants = _named_parameters(self.fn)
+        self.allow_none = allow_none
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
                  fields: Sequence[dict]) -> torch.Tensor:
@@ -97,6 +110,8 @@ class RewardFunction:
         columns = {k: [f.get(k) for f in fields] for k in names}
         try:
             scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)
+            if inspect.isawaitable(scores):  # an async function (TRL awaits them too)
+                scores = asyncio.run(_awaited(scores))
         except Exception as err:  # the user's code: say whose it was, keep its traceback
             raise RewardFunctionError(f"{KEY} {self.spec} raised {type(err).__name__}: {err} "
                                       f"(scoring {len(completions)} responses; their fields: "
@@ -112,9 +127,57 @@ class RewardFunction:
         for i, s in enumerate(scores):
             if isinstance(s, torch.Tensor) and s.numel() == 1:
                 s = s.item()
+            if s is None and self.allow_none:
+                scores[i] = math.nan
+                continue
             if not isinstance(s, Real) or not math.isfinite(s):
                 raise RewardFunctionError(
                     f"{KEY} {self.spec} scored response {i} {s!r}: every score must be a finite "
                     f"number (response: {completions[i][:80]!r})")
             scores[i] = float(s)
         return torch.tensor(scores, dtype=torch.float32)
+
+
+class RewardFunctions:
+    """``model.reward_function``'s functions and ``model.reward_weights``: (B,) float32
+    scores, each the weighted sum of the functions' scores, as TRL sums its reward_funcs. Of
+    several functions one may return None for a response (it does not apply there), which
+    counts 0; a response that none of them scores stops the run. ``totals`` holds each
+    function's (sum, count) of the scores it gave since ``take_totals``, for its mean."""
+
+    def __init__(self, specs: Sequence[str], weights: Optional[Sequence[float]] = None):
+        several = len(specs) > 1
+        self.terms = [RewardFunction(spec, allow_none=several) for spec in specs]
+        self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(specs)
+        names = [spec.rpartition(":")[2] for spec in specs]
+        # by function name, as TRL logs them; by position where two share a name
+        self.names = names if len(set(names)) == len(names) else \
+            [f"{i}_{name}" for i, name in enumerate(names)]
+        self.totals = torch.zeros(len(specs), 2, dtype=torch.float64)
+
+    @property
+    def spec(self) -> str:
+        return ", ".join(term.spec for term in self.terms)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
+                 fields: Sequence[dict], *, record: bool = False) -> torch.Tensor:
+        """The responses' scores; ``record``: add each function's to ``totals``."""
+        parts = torch.stack([term(prompts, completions, fields) for term in self.terms], 1)
+        scored = ~parts.isnan()
+        if record:
+            self.totals[:, 0] += parts.nan_to_num(0.0).sum(0).double()
+            self.totals[:, 1] += scored.sum(0).double()
+        none = (~scored.any(1)).nonzero().flatten().tolist()
+        if none:
+            i = none[0]
+            raise RewardFunctionError(
+                f"{KEY}: none of {self.spec} scored response {i} (each returned None; "
+                f"{len(none)} such of {len(completions)}): every response needs a number "
+                f"from at least one function (response: {completions[i][:80]!r})")
+        weights = torch.tensor(self.weights, dtype=torch.float32)
+        return (parts.nan_to_num(0.0) * weights).sum(1)
+
+    def take_totals(self) -> torch.Tensor:
+        """``totals`` (a (functions, 2) tensor of sums and counts), reset to zero."""
+        out, self.totals = self.totals, torch.zeros_like(self.totals)
+        return out

@@ -15,16 +15,18 @@ from .experience import used_widths
 
 
 class Scoring:
-    def function_scores(self, keys: list[str], gen, rows: dict,
-                        samples: bool = False) -> torch.Tensor:
+    def function_scores(self, keys: list[str], gen, rows: dict, samples: bool = False,
+                        record: bool = False) -> torch.Tensor:
         """model.reward_function's (B,) scores of the generation's responses, decoded to text,
         given each one's prompt row as read (``rows``: by row id). ``samples``: the keys are
         data.samples_per_prompt's rows ``<id>#k``, each its prompt's ``<id>`` (always: a data
-        set may also hold a row whose own id is ``<id>#k``, another prompt)."""
+        set may also hold a row whose own id is ``<id>#k``, another prompt). ``record``: count
+        each function's scores in the step's metrics (training, not evaluation)."""
         info = [rows[k.rsplit("#", 1)[0] if samples else k] for k in keys]
         completions = [self.tokenizer.decode(r[:length], skip_special_tokens=True)
                        for r, length in zip(gen.response_ids.tolist(), gen.lengths.tolist())]
-        return self.reward_fn([p for p, _ in info], completions, [f for _, f in info])
+        return self.reward_fn([p for p, _ in info], completions, [f for _, f in info],
+                              record=record)
 
     def _replica_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """The reward function's scores of the replica's first rank, on every rank of it

@@ -50,7 +50,7 @@ from .ppo_update import PPOUpdate
 from .ptx import ptx_block_len, ptx_blocks
 from .preemption import STOPPED_MARK, StopOnSignal, signal_name, signal_number
 from .resume import Resumable
-from .reward_fn import RewardFunction
+from .reward_fn import RewardFunctions
 from .shared_dirs import check_shared_dirs
 from .sources import (check_paths, check_prompt_format, check_sources, end_ids, load_prompts,
                       prompts_label, resolve_sources, reward_normalization, run_tokenizer,
@@ -199,7 +199,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             self._open_stage_links()  # after rank 0 prepared the workload (resolve_sources)
         # a reward function in place of the reward model: loaded before any prompt or engine,
         # and given each response's prompt row as read (by row id)
-        self.reward_fn = RewardFunction(cfg.model.reward_function) \
+        self.reward_fn = RewardFunctions(cfg.model.reward_functions, cfg.model.reward_weights) \
             if not cfg.model.uses_reward_model else None
         self.prompt_rows: dict[str, tuple] = {}
         self.eval_rows: dict[str, tuple] = {}
@@ -322,7 +322,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                    wandb=wandb)
         if self.is_main:
             save_config(cfg, os.path.join(cfg.logging.output_dir, "config.yaml"))
-            reward = src.reward if self.reward_fn is None else f"the function {cfg.model.reward_function}"
+            reward = src.reward if self.reward_fn is None else f"the function {self.reward_fn.spec}"
             logger.info("actor %s | critic %s | reward %s | reference %s | %d prompts | %d rank(s)"
                         " | hybrid engine: %s", src.actor,
                         src.critic if self.critic is not None else f"none ({p.advantage_estimator})",
@@ -578,7 +578,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
         if self.reward_fn is not None:
             scores = self._replica_scores(
-                self.function_scores(keys, gen, self.prompt_rows,
+                self.function_scores(keys, gen, self.prompt_rows, record=True,
                                      samples=self.cfg.data.samples_per_prompt > 1)
                 .to(gen.response_ids.device))
         else:
@@ -619,6 +619,11 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             metrics["lr/critic"] = self.critic.lr()
         if exp.gold is not None:
             metrics["gold/mean"] = sum(r[3] for r in rows) / len(rows)
+        if self.reward_fn is not None and len(self.reward_fn.terms) > 1:
+            # each function's mean over the responses it scored this step, on every rank
+            totals = comm.all_reduce(self.reward_fn.take_totals(), group=self.dp_group)
+            metrics.update({f"reward_fn/{name}/mean": total / count for name, (total, count)
+                            in zip(self.reward_fn.names, totals.tolist()) if count})
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",

@@ -13,7 +13,8 @@ from _builders import single_process_env, tiny_run_overrides
 
 from oppo_ds import workload as wl
 from oppo_ds.config import ConfigError
-from oppo_ds.reward_fn import RewardFunction, RewardFunctionError, load_reward_function
+from oppo_ds.reward_fn import (RewardFunction, RewardFunctionError, RewardFunctions,
+                               load_reward_function)
 
 
 def test_a_function_is_loaded_from_a_module_or_a_file(tmp_path):
@@ -79,6 +80,17 @@ def test_what_is_not_one_finite_number_per_response_stops_the_run(returned, word
     assert words in str(err.value)
 
 
+def test_an_async_function_is_awaited(tmp_path):
+    """TRL takes ``async def`` reward functions (a call to a verifier service); calling one
+    gives a coroutine, which was refused as "not a sequence of scores"."""
+    path = tmp_path / "remote.py"
+    path.write_text("import asyncio\n"
+                    "async def judge(prompts, completions, **_):\n"
+                    "    await asyncio.sleep(0)\n"
+                    "    return [float(len(c)) for c in completions]\n")
+    assert RewardFunction(f"{path}:judge")(["p", "q"], ["ab", "c"], [{}, {}]).tolist() == [2.0, 1.0]
+
+
 def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
     def fn(prompts, completions, answer):
         raise KeyError("solution")
@@ -120,6 +132,99 @@ def test_an_error_in_the_function_ends_oppo_train_with_its_frames_and_one_line(t
     assert f'File "{path}", line 2, in <listcomp>' in proc.stderr or \
         f'File "{path}", line 2, in f' in proc.stderr
     assert "trainer.py" not in proc.stderr  # none of our frames around it
+
+
+def _functions_file(tmp_path):
+    """Two rules as TRL's reward_funcs write them: one on the answer, which does not apply
+    (None) to a row without one, and one on the format."""
+    path = tmp_path / "rules.py"
+    path.write_text(
+        "def correct(prompts, completions, answer, **_):\n"
+        "    return [None if a is None else float(c.strip() == a)"
+        " for c, a in zip(completions, answer)]\n"
+        "def short(prompts, completions, **_):\n"
+        "    return [1.0 if len(c) <= 2 else -1.0 for c in completions]\n")
+    return path
+
+
+def test_several_functions_score_with_their_weighted_sum(tmp_path):
+    """TRL's reward_funcs with reward_weights: the score is each function's times its weight,
+    summed; a None (the function does not apply) counts 0. Each function's scores are counted
+    for its mean only when the call is recorded (training, not evaluation)."""
+    path = _functions_file(tmp_path)
+    reward = RewardFunctions([f"{path}:correct", f"{path}:short"], [2.0, 0.5])
+    rows = [{"answer": "4"}, {"answer": "4"}, {}]
+    scores = reward(["p", "q", "r"], ["4", "five", "ok"], rows)
+    # by hand: 2 * 1 + 0.5 * 1, 2 * 0 + 0.5 * -1, (None) + 0.5 * 1
+    assert scores.dtype == torch.float32 and scores.tolist() == [2.5, -0.5, 0.5]
+    assert reward.names == ["correct", "short"] and not reward.totals.any()
+    reward(["p", "q", "r"], ["4", "five", "ok"], rows, record=True)
+    reward(["p"], ["4"], [{"answer": "5"}], record=True)
+    assert reward.take_totals().tolist() == [[1.0, 3.0], [2.0, 4.0]]  # (sum, count) each
+    assert not reward.totals.any()  # taken: the next step counts afresh
+    # no weights: 1 each; one function alone gives its own scores
+    assert RewardFunctions([f"{path}:correct", f"{path}:short"])(
+        ["p"], ["4"], [{"answer": "4"}]).tolist() == [2.0]
+    assert RewardFunctions([f"{path}:short"], [3.0])(["p"], ["abc"], [{}]).tolist() == [-3.0]
+    # two functions of one name are told apart by their place
+    assert RewardFunctions([f"{path}:short", f"{path}:short"]).names == ["0_short", "1_short"]
+
+
+def test_a_response_no_function_scores_stops_the_run(tmp_path):
+    """Every function returned None for a response: nothing says what it is worth (TRL warns
+    and trains on 0). One function alone may not return None at all."""
+    path = _functions_file(tmp_path)
+    reward = RewardFunctions([f"{path}:correct", f"{path}:correct"])
+    with pytest.raises(RewardFunctionError) as err:
+        reward(["p", "q"], ["4", "x"], [{"answer": "4"}, {}])
+    assert str(err.value) == (
+        f"model.reward_function: none of {path}:correct, {path}:correct scored response 1 (each "
+        "returned None; 1 such of 2): every response needs a number from at least one function "
+        "(response: 'x')")
+    with pytest.raises(RewardFunctionError, match="scored response 0 None: every score must be"):
+        RewardFunctions([f"{path}:correct"])(["p"], ["4"], [{}])
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["model.reward_function=[]"], "model.reward_function", "is an empty list"),
+    (["model.reward_weights=[1.0]"], "model.reward_weights",
+     "model.reward_function, which is null"),
+    (["model.reward_function=[a:f,b:g]", "model.reward_weights=[1.0]"], "model.reward_weights",
+     "has 1 weight(s) for the 2 function(s) of model.reward_function: one each"),
+    (["model.reward_function=a:f", "model.reward_weights=[.nan]"], "model.reward_weights",
+     "(finite: not inf or nan)"),  # the type check's
+])
+def test_weights_that_do_not_fit_the_functions_name_the_key(overrides, key, words):
+    from oppo_ds.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(f"{key}: ") and words in str(err.value)
+
+
+def test_a_run_logs_each_functions_mean(tmp_path):
+    """A run scoring with two functions and their weights: each function's mean is logged
+    per step, and the reward the run trains on is their weighted sum (every row scored by
+    both here, and every scored row trained on: no pool, no filter)."""
+    from oppo_ds.telemetry import read_history
+    from oppo_ds.trainer import PPOTrainer
+    from oppo_ds.config import load_config
+
+    path = tmp_path / "rules.py"
+    path.write_text("def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
+                    "def vowels(completions, **_):\n"
+                    "    return [sum(ch in 'aeiou' for ch in c) for c in completions]\n")
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, 2), "logging.tensorboard=false",
+                             f"model.reward_function=[{path}:length,{path}:vowels]",
+                             "model.reward_weights=[1.0,-0.5]", "ppo.advantage_estimator=rloo",
+                             "data.samples_per_prompt=2"])
+    PPOTrainer(cfg).train()
+    history = read_history(str(tmp_path / "run" / "metrics.jsonl"))
+    assert len(history) == 2
+    for r in history:
+        assert r["reward/mean"] == pytest.approx(
+            r["reward_fn/length/mean"] - 0.5 * r["reward_fn/vowels/mean"], abs=1e-5)
+    assert any(r["reward_fn/length/mean"] > 0 for r in history)
 
 
 def test_gold_reward_is_the_hidden_rule():
