@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import os
+import pickle
 import re
 from typing import NamedTuple, Optional
 
@@ -137,26 +138,36 @@ def _unreadable(file: str, err: Exception) -> str:
     return f"{file} cannot be read ({err}): {CUT_SHORT}"
 
 
-def _weights_read(source: str) -> tuple[list[str], Optional[str]]:
-    """The weight files transformers reads from checkpoint directory ``source``: the first
-    of ``WEIGHT_FILES`` there, or the shards its index names (none when there is neither);
-    and why the index cannot be used (it does not parse, or names shards the directory does
-    not hold), or None."""
+class WeightsRead(NamedTuple):
+    """The weight files transformers reads from a checkpoint directory: the first of
+    ``WEIGHT_FILES`` there, or the shards its index names (none when there is neither); the
+    index's map of tensor names to files (None without an index); and why the index cannot
+    be used (it does not parse, or names shards the directory does not hold), or None."""
+    files: list[str]
+    weight_map: Optional[dict]
+    problem: Optional[str]
+
+
+def _weights_read(source: str) -> WeightsRead:
+    """:class:`WeightsRead` of checkpoint directory ``source``."""
     first = next((name for name in WEIGHT_FILES if os.path.isfile(os.path.join(source, name))),
                  None)
     if first is None or not first.endswith(".index.json"):
-        return [first] if first else [], None
+        return WeightsRead([first] if first else [], None, None)
     path = os.path.join(source, first)
     try:
         with open(path) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = dict(json.load(f)["weight_map"])
+        shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return [], f"{path} cannot be read as a weights index (a weight_map of files): {err!r}"
+        return WeightsRead([], None, f"{path} cannot be read as a weights index (a weight_map "
+                                     f"of files): {err!r}")
     missing = [name for name in shards if not os.path.isfile(os.path.join(source, name))]
     if missing:
-        return [], (f"{path} lists {len(missing)} weight file(s) the directory does not hold "
-                    f"({', '.join(missing[:3])}): a checkpoint copied in part")
-    return shards, None
+        return WeightsRead([], None, f"{path} lists {len(missing)} weight file(s) the directory "
+                                     f"does not hold ({', '.join(missing[:3])}): a checkpoint "
+                                     "copied in part")
+    return WeightsRead(shards, weight_map, None)
 
 
 def _weights_problem(source: str) -> Optional[str]:
@@ -172,7 +183,7 @@ def _weights_problem(source: str) -> Optional[str]:
 
     if source in FROM_CONFIG_ARCHS:
         return None
-    names, problem = _weights_read(source)
+    names, _, problem = _weights_read(source)
     if problem:
         return problem
     if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):
@@ -185,26 +196,34 @@ def _weights_problem(source: str) -> Optional[str]:
                     pass
             except (SafetensorError, OSError) as err:
                 return _unreadable(path, err)
-        elif _zip_cut_short(path):
-            return (f"{path} cannot be read: its zip directory, at the end of the file, is "
-                    f"missing or broken: {CUT_SHORT}")
+        else:
+            problem = _pickled_problem(path)
+            if problem:
+                return f"{path} cannot be read: {problem}: {CUT_SHORT}"
     return None
 
 
-def _zip_cut_short(path: str) -> bool:
-    """Whether pickled weights ``path`` in torch's zip format (every save since torch 1.6)
-    has lost the directory at its end (a copy cut short; torch's own error then names no
-    file). Reads the end of the file only; a file in the older format is not checked."""
+def _pickled_problem(path: str) -> Optional[str]:
+    """Why pickled weights ``path`` cannot be torch's (torch's own errors name no file), or
+    None: a file in torch's zip format (every save since torch 1.6) whose directory, at its
+    end, is gone (a copy cut short); or one that is neither that nor the older format, a
+    pickle (an empty file, a git-lfs pointer never pulled). Reads the file's first bytes and
+    its end only."""
     import zipfile
 
     with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":
-            return False
+        head = f.read(4)
+    if head[:1] == b"\x80":  # torch's format before 1.6: a pickle, checked as it loads
+        return None
+    if head != b"PK\x03\x04":
+        what = "empty" if not head else "a git-lfs pointer" if head == b"vers" else \
+            "not torch's weights format"
+        return f"the file is {what}"
     try:
         with zipfile.ZipFile(path):
-            return False
+            return None
     except (zipfile.BadZipFile, OSError):
-        return True
+        return "its zip directory, at the end of the file, is missing or broken"
 
 
 def _architecture_problem(source: str, trust_remote_code: bool) -> Optional[str]:
@@ -504,11 +523,15 @@ def _find_head_weight(path: str) -> Optional[torch.Tensor]:
     safetensors or pickled ``.bin``), then in the other safetensors files there by name (a
     head saved in a file of its own); None without one. So a shard an earlier save left
     beside a whole ``model.safetensors``, which sorts first, is read only when the body's
-    files hold no head."""
+    files hold no head. Of a sharded checkpoint only the shard its index names for a head
+    is opened."""
     own = os.path.join(path, VALUE_HEAD_FILE)
-    body = _weights_read(path)[0]
+    files, weight_map, _ = _weights_read(path)
+    # an index says which shard holds a head, if any does (a .bin shard is unpickled to look)
+    body = files if weight_map is None else \
+        sorted({weight_map[key] for key in HEAD_KEYS if key in weight_map})
     others = sorted(name for name in os.listdir(path)
-                    if name.endswith(".safetensors") and name not in body)
+                    if name.endswith(".safetensors") and name not in files)
     candidates = [(VALUE_HEAD_FILE, ("weight",))] if os.path.isfile(own) else []
     candidates += [(name, HEAD_KEYS) for name in body + others if name != VALUE_HEAD_FILE]
     for name, keys in candidates:
@@ -520,19 +543,53 @@ def _find_head_weight(path: str) -> Optional[torch.Tensor]:
 
 def _read_first_key(file: str, keys: tuple[str, ...]) -> Optional[torch.Tensor]:
     """The tensor under the first of ``keys`` that weights ``file`` holds, or None; a
-    ``ValueError`` naming the file when it cannot be read. A safetensors file is read by its
-    header; a pickled ``.bin`` (older TRL and transformers saves, `safe_serialization=False`)
-    is mapped, not read whole (a 10 GB shard for one row of a head), and unpickled with
-    ``weights_only``, so a checkpoint cannot run code."""
+    ``ValueError`` naming the file when it cannot be read, or when the head found has a bias
+    that is not zero (TRL's ``v_head.summary`` has one; the scalar head here has none, and
+    dropping it would move every score by it). A safetensors file is read by its header; a
+    pickled ``.bin`` (older TRL and transformers saves) is mapped, not read whole (a 10 GB
+    shard for one row of a head), and unpickled with ``weights_only``, so a checkpoint cannot
+    run code."""
     from safetensors import SafetensorError, safe_open
 
     if file.endswith(".safetensors"):
         try:
             with safe_open(file, "pt") as f:
-                found = next((key for key in keys if key in f.keys()), None)
-                return None if found is None else f.get_tensor(found)
+                names = set(f.keys())
+                found = next((key for key in keys if key in names), None)
+                if found is None:
+                    return None
+                bias = _bias_key(found)
+                _check_no_bias(file, found, f.get_tensor(bias) if bias in names else None)
+                return f.get_tensor(found)
         except SafetensorError as err:
             raise ValueError(_unreadable(file, err)) from err
+    state = _load_pickled(file)
+    found = next((key for key in keys if key in state), None)
+    if found is None:
+        nested = [k for k, v in state.items() if isinstance(v, dict)]
+        if nested and len(nested) == len(state):
+            raise ValueError(f"{file} holds its tensors under {', '.join(map(repr, nested))}, "
+                             "not at the top: save the inner state dict, as transformers "
+                             "reads it")
+        return None
+    _check_no_bias(file, found, state.get(_bias_key(found)))
+    return state[found].clone()
+
+
+def _bias_key(weight_key: str) -> str:
+    return weight_key[: -len("weight")] + "bias"
+
+
+def _check_no_bias(file: str, key: str, bias: Optional[torch.Tensor]) -> None:
+    if bias is not None and bias.abs().max() > 0:
+        raise ValueError(f"{file}: the scalar head {key} has a bias ({_bias_key(key)} = "
+                         f"{bias.flatten()[:1].item():.6g}), and the head here has none: every "
+                         "score would be moved by it. Delete the bias from the checkpoint to "
+                         "take the scores without it")
+
+
+def _load_pickled(file: str) -> dict:
+    """The state dict in pickled weights ``file``, mapped; ``ValueError`` naming the file."""
     try:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -540,13 +597,16 @@ def _read_first_key(file: str, keys: tuple[str, ...]) -> Optional[torch.Tensor]:
             if "mmap" not in str(err):
                 raise
             state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only met an object it does not allow
+        raise ValueError(f"{file} holds objects other than tensors, which are not unpickled "
+                         "here (a checkpoint could run code): save it as safetensors") from err
     except Exception as err:  # pickle's, zipfile's and torch's errors of a file cut short
-        raise ValueError(f"{file} cannot be read as a pickled state dict ({err}): a weights "
-                         "file cut short, or one that holds more than tensors") from err
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{file} cannot be read as a pickled state dict of tensors ({first}): "
+                         f"{CUT_SHORT}") from err
     if not isinstance(state, dict):
         raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
-    found = next((key for key in keys if key in state), None)
-    return None if found is None else state[found].clone()
+    return state
 
 
 def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=None,

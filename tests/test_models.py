@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from oppo_ds import workload
+from oppo_ds import models, workload
 from oppo_ds.models import (
     TINY_ARCHS,
     VALUE_HEAD_FILE,
@@ -365,7 +365,7 @@ def test_value_head_under_other_keys(key, tmp_path):
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
-def test_value_head_in_pickled_weights(sharded, tmp_path):
+def test_value_head_in_pickled_weights(sharded, tmp_path, monkeypatch):
     """A reward model saved as pytorch_model.bin (older TRL and transformers releases, many
     published Llama-2-era reward models), whole or in shards with an index: transformers loads
     its body, and the head was looked for in safetensors files only, so the run refused it as
@@ -390,6 +390,14 @@ def test_value_head_in_pickled_weights(sharded, tmp_path):
             {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
     else:
         torch.save(state, tmp_path / "pytorch_model.bin")
+    opened = []
+    load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: opened.append(os.path.basename(f))
+                        or load(f, *a, **k))
+    assert models.has_value_head(str(tmp_path))
+    # of shards, only the one the index names for the head is unpickled to find it
+    assert opened == ["pytorch_model-00002-of-00002.bin" if sharded else "pytorch_model.bin"]
+    monkeypatch.setattr(torch, "load", load)
     vm = build_value_model(str(tmp_path), require_head=True).eval()
     assert torch.equal(vm.value_head.weight, clf.score.weight)
     x = _tokens()
@@ -407,6 +415,57 @@ def test_value_head_in_pickled_weights(sharded, tmp_path):
         build_value_model(str(tmp_path), require_head=True)
     with pytest.raises(ConfigError, match=re.escape(f"model.reward: {last} cannot be read")):
         check_paths(Config(), sources)
+
+
+def test_pickled_heads_in_other_shapes_and_files_that_are_no_weights(tmp_path):
+    """A .bin in torch's format before 1.6 (no zip to map) is read; one cut short there stops
+    the start naming model.reward. An empty .bin or a git-lfs pointer never pulled is named
+    before loading (torch's errors name no file). A head with a bias that is not zero (TRL's
+    v_head.summary) is refused, since the head here has none; a zero bias is dropped. A state
+    dict nested one level down is named, not reported as having no head."""
+    from oppo_ds.config import Config, ConfigError
+    from oppo_ds.sources import Sources, check_paths
+
+    lm = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+    head = torch.randn(1, lm.config.hidden_size)
+
+    def checkpoint(name, state, **save):
+        lm.config.save_pretrained(tmp_path / name)
+        torch.save(state, tmp_path / name / "pytorch_model.bin", **save)
+        return str(tmp_path / name)
+
+    body = {f"model.{k}": v for k, v in lm.model.state_dict().items()}
+    legacy = checkpoint("legacy", {**body, "v_head.summary.weight": head},
+                        _use_new_zipfile_serialization=False)
+    assert torch.equal(build_value_model(legacy, require_head=True).value_head.weight, head)
+    sources = Sources(actor="tiny-llama", reference="tiny-llama", reward=legacy,
+                      critic="tiny-llama", tokenizer=None, prompts="p.jsonl",
+                      builtin_prompts=False)
+    file = tmp_path / "legacy" / "pytorch_model.bin"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=re.escape(f"model.reward: {file} cannot be read as a "
+                                                    "pickled state dict of tensors")):
+        check_paths(Config(), sources)
+
+    for name, content, what in (("empty", b"", "empty"),
+                                ("lfs", b"version https://git-lfs.github.com/spec/v1\n",
+                                 "a git-lfs pointer")):
+        path = checkpoint(name, {})
+        (tmp_path / name / "pytorch_model.bin").write_bytes(content)
+        assert source_problem(path) == (f"{tmp_path / name / 'pytorch_model.bin'} cannot be read: "
+                                        f"the file is {what}: {models.CUT_SHORT}")
+
+    biased = checkpoint("biased", {**body, "v_head.summary.weight": head,
+                                   "v_head.summary.bias": torch.tensor([0.25])})
+    with pytest.raises(ValueError, match=r"the scalar head v_head.summary.weight has a bias "
+                                         r"\(v_head.summary.bias = 0.25\)"):
+        build_value_model(biased, require_head=True)
+    unbiased = checkpoint("unbiased", {**body, "v_head.summary.weight": head,
+                                       "v_head.summary.bias": torch.zeros(1)})
+    assert torch.equal(build_value_model(unbiased).value_head.weight, head)
+    nested = checkpoint("nested", {"module": {**body, "v_head.weight": head}})
+    with pytest.raises(ValueError, match="holds its tensors under 'module', not at the top"):
+        models.has_value_head(nested)
 
 
 def test_loading_a_body_reports_only_weights_it_does_not_expect(tmp_path, capfd, caplog, request):
