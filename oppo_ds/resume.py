@@ -44,6 +44,12 @@ _OBJECTIVE_EXCLUDED = ("ppo.actor_lr", "ppo.critic_lr", "ppo.weight_decay",
                        "ppo.advantage_estimator", "ppo.micro_batch_size")
 
 
+def _compared(key: str, value):
+    """``value`` of objective setting ``key`` as resumes compare it: one reward function
+    (`f`) is the list of it (`[f]`)."""
+    return [value] if key == "model.reward_function" and isinstance(value, str) else value
+
+
 def objective_settings(values: dict) -> dict:
     """``{"ppo.kl_coef": 0.05, ...}``: the objective's settings in ``values`` (``Config.to_dict()``)."""
     out = {f"ppo.{k}": v for k, v in values["ppo"].items()}
@@ -264,7 +270,8 @@ class Resumable:
         now = objective_settings(self.cfg.to_dict())
         if state.get("kl_coef") is not None and self.cfg.ppo.kl_target is not None:
             now.pop("ppo.kl_coef")  # only the start: the adaptive coefficient goes on as saved
-        for key in (k for k in now if k in saved and saved[k] != now[k]):
+        for key in (k for k in now if k in saved and
+                    _compared(k, saved[k]) != _compared(k, now[k])):
             shown = ["null" if v is None else v for v in (now[key], saved[key])]  # as YAML
             logger.info("%s: %s, not the %s checkpoint %s was written with", key, *shown, tag)
 

@@ -29,6 +29,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
@@ -86,8 +87,24 @@ def _named_parameters(fn: Callable) -> set[str]:
     return {p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty}
 
 
-async def _awaited(result):
-    return await result
+_LOOP: Optional[asyncio.AbstractEventLoop] = None
+
+
+def _awaited(awaitable) -> Any:
+    """What ``awaitable`` gives, run on one event loop that lives for the process, in a
+    thread of its own: a client an async function opened on its first call (an HTTP
+    session's pool) is bound to the loop it ran in, and a loop per call (``asyncio.run``)
+    would be closed under it at the second; the caller's own running loop (a notebook's)
+    is not touched."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, name="oppo-reward-fn-loop",
+                         daemon=True).start()
+
+    async def result():
+        return await awaitable
+    return asyncio.run_coroutine_threadsafe(result(), _LOOP).result()
 
 
 class RewardFunction:
@@ -111,7 +128,7 @@ class RewardFunction:
         try:
             scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)
             if inspect.isawaitable(scores):  # an async function (TRL awaits them too)
-                scores = asyncio.run(_awaited(scores))
+                scores = _awaited(scores)
         except Exception as err:  # the user's code: say whose it was, keep its traceback
             raise RewardFunctionError(f"{KEY} {self.spec} raised {type(err).__name__}: {err} "
                                       f"(scoring {len(completions)} responses; their fields: "

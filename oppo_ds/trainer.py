@@ -619,11 +619,6 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             metrics["lr/critic"] = self.critic.lr()
         if exp.gold is not None:
             metrics["gold/mean"] = sum(r[3] for r in rows) / len(rows)
-        if self.reward_fn is not None and len(self.reward_fn.terms) > 1:
-            # each function's mean over the responses it scored this step, on every rank
-            totals = comm.all_reduce(self.reward_fn.take_totals(), group=self.dp_group)
-            metrics.update({f"reward_fn/{name}/mean": total / count for name, (total, count)
-                            in zip(self.reward_fn.names, totals.tolist()) if count})
         names = {"pg_loss": "loss/policy", "vf_loss": "loss/value", "clip_frac": "policy/clip_frac",
                  "entropy": "policy/entropy", "approx_kl": "policy/approx_kl",
                  "value_clip_frac": "value/clip_frac", "actor_grad_norm": "grad_norm/actor",
@@ -634,8 +629,16 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             if self.cfg.ppo.uses_reference else {}
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
-        means = comm.all_reduce(torch.stack(list(scalars.values())), group=self.dp_group) / self.world_size
-        metrics.update(zip(scalars, means.tolist()))
+        # and each reward function's (sum, count) of the scores it gave this step, in the same
+        # all-reduce (several functions only)
+        several = self.reward_fn is not None and len(self.reward_fn.terms) > 1
+        totals = self.reward_fn.take_totals() if several else torch.zeros(0, 2, dtype=torch.float64)
+        reduced = comm.all_reduce(
+            torch.cat([torch.stack(list(scalars.values())), totals.flatten()]), group=self.dp_group)
+        metrics.update(zip(scalars, (reduced[:len(scalars)] / self.world_size).tolist()))
+        metrics.update({f"reward_fn/{name}/mean": total / count for name, (total, count) in
+                        zip(self.reward_fn.names, reduced[len(scalars):].view(-1, 2).tolist())
+                        if count} if several else {})
         return metrics
 
     def close(self) -> None:

@@ -82,13 +82,22 @@ def test_what_is_not_one_finite_number_per_response_stops_the_run(returned, word
 
 def test_an_async_function_is_awaited(tmp_path):
     """TRL takes ``async def`` reward functions (a call to a verifier service); calling one
-    gives a coroutine, which was refused as "not a sequence of scores"."""
+    gives a coroutine, which was refused as "not a sequence of scores". Every call runs on
+    one event loop, so what the function opened on the loop at its first call (a client's
+    connection pool) still works at the next; a loop per call was closed under it."""
     path = tmp_path / "remote.py"
     path.write_text("import asyncio\n"
+                    "LOOPS = []\n"
                     "async def judge(prompts, completions, **_):\n"
+                    "    LOOPS.append(asyncio.get_running_loop())\n"
+                    "    assert not LOOPS[0].is_closed()\n"
                     "    await asyncio.sleep(0)\n"
                     "    return [float(len(c)) for c in completions]\n")
-    assert RewardFunction(f"{path}:judge")(["p", "q"], ["ab", "c"], [{}, {}]).tolist() == [2.0, 1.0]
+    reward = RewardFunction(f"{path}:judge")
+    for _ in range(2):
+        assert reward(["p", "q"], ["ab", "c"], [{}, {}]).tolist() == [2.0, 1.0]
+    loops = sys.modules["oppo_reward_fn_remote"].LOOPS
+    assert len(loops) == 2 and loops[0] is loops[1]
 
 
 def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
@@ -235,3 +244,13 @@ def test_gold_reward_is_the_hidden_rule():
     got = wl.gold_reward(["warm q c ->", "warm q c ->", "no task here"], ["a b", "<eos>", "a"])
     assert got[0] == pytest.approx((v["a"] + v["b"]) / 2)
     assert got[1:] == [-1.0, -1.0]
+
+
+def test_a_resume_takes_one_function_as_the_list_of_it():
+    """`model.reward_function: f` and `[f]` reward alike: a resume from one to the other is
+    no change of objective to name."""
+    from oppo_ds.resume import _compared
+
+    assert _compared("model.reward_function", "a.py:f") == \
+        _compared("model.reward_function", ["a.py:f"]) != _compared("model.reward_function", None)
+    assert _compared("ppo.kl_coef", 0.1) == 0.1
