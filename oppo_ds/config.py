@@ -342,6 +342,18 @@ class SystemConfig:
     DeepSpeed has them for the architecture; the model's own forward otherwise)."""
     inference_tp_size: int = 1
     """Tensor-parallel size of the hybrid engine's inference containers."""
+    deepspeed_config: Optional[dict] = None
+    """DeepSpeed config entries merged into the config oppo-ds builds for each DeepSpeed
+    engine (actor, critic, and with partition_reference the reference), for what no key here
+    sets: ZeRO's buckets and prefetching (`zero_optimization: {reduce_bucket_size: 5e8,
+    overlap_comm: true, stage3_prefetch_bucket_size: ...}`), ZeRO++ (`zero_hpz_partition_size`,
+    `zero_quantized_weights`), `communication_data_type`, `comms_logger`, `flops_profiler`.
+    Mappings merge key by key; a value replaces the built one (logged). DeepSpeed's own check
+    runs on it at start, so a key or value it refuses stops the run there; a top-level key
+    DeepSpeed does not read is a warning, or an error when it is spelled nearly as one it
+    reads. What other keys set is refused, naming the key to use: batch sizes, ZeRO stage and
+    offload, dtype, optimizer and scheduler, gradient clipping, the hybrid engine's switch.
+    Backend deepspeed. Null: none."""
     torch_threads: int = 0
     """torch intra-op threads per process (0 = torch's default; set 1 per rank when several
     ranks share a small CPU)."""
@@ -386,6 +398,14 @@ class SystemConfig:
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")
         _require(not self.offload_reference or self.partition_reference, "offload_reference",
                  "needs partition_reference: true (the offloaded weights are ZeRO-3 partitions)")
+        if self.deepspeed_config is not None:
+            _require(self.backend == "deepspeed", "deepspeed_config",
+                     f"needs backend: deepspeed, got backend: {self.backend}")
+            from .engines.ds_config import deepspeed_overrides_problem
+
+            problem = deepspeed_overrides_problem(self.deepspeed_config, zero_stage=self.zero_stage,
+                                                  offload=self.offload, dtype=self.dtype)
+            _require(problem is None, "deepspeed_config", str(problem))
 
     def check_world(self, processes: int) -> None:
         """``ConfigError`` when ``processes`` (the run's actor ranks) cannot be cut into whole

@@ -45,7 +45,8 @@ def describe_type(tp) -> str:
         item = typing.get_args(tp)[0]
         plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
         return f"a list of {plural[item]}" if item in plural else f"a list, each {describe_type(item)}"
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+            dict: "a mapping"}.get(tp, str(tp))
 
 
 # PyYAML follows YAML 1.1, where a float needs a dot: `1e-5` loads as the string "1e-5".
@@ -109,7 +110,23 @@ def _convert(key: str, value: Any, tp) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return _numbers_read(value)
     raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
+
+
+def _numbers_read(value: Any) -> Any:
+    """``value`` (a free-form mapping, e.g. a DeepSpeed section) with the strings YAML 1.1
+    leaves unread as numbers (`5e7`, `1e-5`) read as numbers: ints where whole, else floats."""
+    if isinstance(value, dict):
+        return {k: _numbers_read(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers_read(v) for v in value]
+    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        number = float(value)
+        return int(number) if number.is_integer() and math.isfinite(number) else number
+    return value
 
 
 def build_dataclass(cls, data: dict, prefix: str):

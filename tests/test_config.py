@@ -387,6 +387,53 @@ def test_cross_field_and_range_validation(overrides, key, words):
     assert words in str(err.value)
 
 
+DS = "system.deepspeed_config"
+
+
+@pytest.mark.parametrize("value, words", [
+    ("{zero_optimization: {stage: 3}}", "zero_optimization.stage is set by system.zero_stage: "
+                                        "set it there"),
+    ("{optimizer: {type: Adam}}", "optimizer is set by ppo.actor_lr, ppo.critic_lr and "
+                                  "ppo.weight_decay (Adam, built here)"),
+    ("{bf16: {enabled: true}}", "bf16.enabled is set by system.dtype"),
+    ("{train_batch_size: 64}", "train_batch_size is set by ppo.mini_batch_size"),
+    # DeepSpeed's own check: its pydantic model of the ZeRO section forbids unknown keys
+    ("{zero_optimization: {reduce_bucket_sise: 5e7}}",
+     "DeepSpeed refuses it: ValidationError: 1 validation error for DeepSpeedZeroConfig "
+     "reduce_bucket_sise Extra inputs are not permitted"),
+    ("{communication_data_type: fp33}", "DeepSpeed refuses it: ValueError: Invalid "
+                                        "communication_data_type"),
+    # a top-level key DeepSpeed ignores: an error when it is a typo of one it reads
+    ("{comunication_data_type: fp32}", "comunication_data_type: DeepSpeed reads no such key; "
+                                       "did you mean 'communication_data_type'?"),
+    ("[1]", "got [1], expected a mapping or null"),
+])
+def test_deepspeed_config_entries_deepspeed_or_other_keys_refuse_name_why(value, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{DS}={value}"])
+    assert err.value.key == DS and words in str(err.value)
+    with pytest.raises(ConfigError, match="needs backend: deepspeed, got backend: megatron"):
+        load_config(None, ["system.backend=megatron", f"{DS}={{overlap_comm: true}}"])
+
+
+def test_deepspeed_config_entries_are_read_as_numbers_and_unknown_keys_warned(caplog):
+    """YAML 1.1 reads `5e7` as text; DeepSpeed's integer fields refuse text. A key DeepSpeed's
+    config check does not read, and that is like none it reads, is a warning (some of its
+    parts read keys of their own)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(None, [f"{DS}.zero_optimization.reduce_bucket_size=5e7",
+                                 f"{DS}.zero_optimization.overlap_comm=true",
+                                 f"{DS}.gradient_predivide_factor=2.0", f"{DS}.my_plugin=1"])
+    assert cfg.system.deepspeed_config == {
+        "zero_optimization": {"reduce_bucket_size": 50000000, "overlap_comm": True},
+        "gradient_predivide_factor": 2.0, "my_plugin": 1}
+    assert [r.getMessage() for r in caplog.records if "deepspeed_config" in r.getMessage()] == [
+        f"{DS}.my_plugin: DeepSpeed's config check does not read it; it has an effect only if "
+        "another part of DeepSpeed does"]
+
+
 def test_zero_grad_clip_and_zero_workload_training_steps_are_allowed():
     cfg = load_config(None, ["ppo.grad_clip=0", "workload.sft_steps=0", "workload.reward_steps=0",
                              "workload.tail_sigma=0", "ppo.reward_clip=null"])

@@ -729,6 +729,28 @@ def test_close_destroys_the_trainers_engines_and_no_other(cache_dir, tmp_path):
     assert first.actor.ds_engine not in open_engines()
 
 
+def test_deepspeed_config_entries_reach_every_engine(cache_dir, tmp_path):
+    """system.deepspeed_config is merged into the DeepSpeed config of the actor, the critic
+    and the partitioned reference: DeepSpeed's engines report the values given (ZeRO's bucket
+    sizes, its parameter persistence threshold, the gradients' communication dtype), not the
+    ones built here."""
+    import torch
+
+    trainer, summary = run(
+        cache_dir, tmp_path / "run", "steps=1", "checkpoint.export_hf=false",
+        "system.zero_stage=3", "system.partition_reference=true",
+        "system.deepspeed_config={zero_optimization: {reduce_bucket_size: 12345, "
+        "stage3_param_persistence_threshold: 77}, communication_data_type: fp32}")
+    assert summary["steps"] == 1
+    engines = [trainer.actor.ds_engine, trainer.critic.ds_engine,
+               trainer.reference._oppo_zero3_engine]
+    for engine in engines:
+        assert engine.zero_param_persistence_threshold() == 77
+        assert engine.communication_data_type == torch.float32
+    assert [e.zero_reduce_bucket_size() for e in engines[:2]] == [12345, 12345]
+    trainer.close()
+
+
 @pytest.mark.parametrize("placement, extra", [
     ("inline", []), ("colocated", []), ("colocated", ["system.switch_interval_ms=0.2"])],
     ids=["inline", "colocated", "colocated-switch-interval"])

@@ -64,7 +64,8 @@ from oppo_ds.engines.base import (
 # pure functions of the environment, kept importable from here
 from oppo_ds.rendezvous import expand_hostlist, slurm_rendezvous  # noqa: F401
 from oppo_ds.engines.ds_checkpoint import load_weights_alone, tag_folder
-from oppo_ds.engines.ds_config import DTYPES, build_ds_config, build_inference_ds_config
+from oppo_ds.engines.ds_config import (DTYPES, build_ds_config, build_inference_ds_config,
+                                      merged_config)
 
 logger = logging.getLogger(__name__)
 
@@ -478,7 +479,7 @@ class DeepSpeedTrainEngine(TrainEngine):
                 dtype=dtype, grad_clip=grad_clip, tensorboard_dir=tensorboard_dir,
                 force_ds_cpu_optimizer=use_cpu_adam, grad_accum_dtype=grad_accum_dtype, **hybrid)
         if ds_config_overrides:
-            self.config = _merged(self.config, ds_config_overrides)
+            self.config = merged_config(self.config, ds_config_overrides)
 
         torch.manual_seed(seed)
         get_accelerator().manual_seed_all(seed)
@@ -647,19 +648,6 @@ def _total_grad_norm(module: torch.nn.Module) -> float | None:
     return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
 
-def _merged(base: dict, overrides: dict) -> dict:
-    """``base`` with ``overrides`` merged in recursively (dicts merge, values replace)."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            if key in out:
-                logger.info("ds_config_overrides: %s = %r (built: %r)", key, value, out[key])
-            out[key] = value
-    return out
-
-
 # --------------------------------------------------------------------------------------
 # Frozen models (reference, reward)
 # --------------------------------------------------------------------------------------
@@ -690,11 +678,12 @@ def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | st
     return model
 
 
-def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = False
-                        ) -> torch.nn.Module:
+def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = False,
+                        overrides: dict | None = None) -> torch.nn.Module:
     """Make ``model`` a frozen scorer partitioned over the data-parallel ranks by ZeRO-3
     (DeepSpeed-Chat's evaluation config for its reference model); ``offload`` keeps the
-    partitions in CPU memory. Returns the module: ZeRO-3's hooks on its submodules gather
+    partitions in CPU memory; ``overrides`` are merged into its DeepSpeed config
+    (``system.deepspeed_config``). Returns the module: ZeRO-3's hooks on its submodules gather
     each layer's weights for its forward and release them after, so a rank holds 1 / world
     of the weights plus one layer at a time.
 
@@ -707,6 +696,8 @@ def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = F
     init_distributed_if_needed()
     config = build_inference_ds_config(zero_stage=3, offload=offload, dtype=dtype,
                                        world_size=deepspeed.comm.get_world_size())
+    if overrides:
+        config = merged_config(config, overrides)
     model.requires_grad_(False)
     engine = _initialize(model=model, config=config)
     engine.eval()

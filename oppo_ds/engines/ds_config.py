@@ -11,10 +11,13 @@ fixed up silently.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from oppo_ds.config_checks import (grad_accum_dtype_problem, resolved_grad_accum_dtype,
                                    uses_bf16_optimizer)
+
+logger = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -285,3 +288,89 @@ def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
             pin_parameters=True, tp_gather_partition_size=TP_GATHER_PARTITION_SIZE,
             max_out_tokens=MAX_OUT_TOKENS, world_size=world_size)
     return config
+
+
+def merged_config(base: dict, overrides: dict, log: bool = True, path: str = "") -> dict:
+    """``base`` with ``overrides`` merged in recursively (mappings merge, values replace);
+    each value replaced is logged with its path unless not ``log``."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged_config(out[key], value, log, f"{path}{key}.")
+        else:
+            if key in out and log:
+                logger.info("DeepSpeed config: %s%s = %r (built: %r)", path, key, value,
+                            out[key])
+            out[key] = value
+    return out
+
+
+# DeepSpeed entries that other keys set, by path in its config, with the key that sets them
+OWNED_ENTRIES = {
+    ("train_batch_size",): "ppo.mini_batch_size (per rank here; DeepSpeed's counts all ranks)",
+    ("train_micro_batch_size_per_gpu",): "ppo.micro_batch_size",
+    ("gradient_accumulation_steps",): "ppo.mini_batch_size and ppo.micro_batch_size",
+    ("zero_optimization", "stage"): "system.zero_stage",
+    ("zero_optimization", "offload_optimizer"): "system.offload",
+    ("zero_optimization", "offload_param"): "system.offload or system.offload_reference",
+    ("bf16", "enabled"): "system.dtype",
+    ("fp16", "enabled"): "system.dtype",
+    ("optimizer",): "ppo.actor_lr, ppo.critic_lr and ppo.weight_decay (Adam, built here)",
+    ("scheduler",): "ppo.lr_schedule and ppo.warmup_steps",
+    ("gradient_clipping",): "ppo.grad_clip",
+    ("hybrid_engine", "enabled"): "system.hybrid_engine",
+    ("hybrid_engine", "inference_tp_size"): "system.inference_tp_size",
+    ("data_types", "grad_accum_dtype"): "system.grad_accum_dtype",
+}
+
+
+def deepspeed_overrides_problem(overrides: dict, *, zero_stage: int, offload: bool,
+                                dtype: str) -> str | None:
+    """Why ``overrides`` (``system.deepspeed_config``) cannot be merged into the configs
+    built here, or None: an entry another key sets, a value or section key DeepSpeed's own
+    check refuses (run on the actor's config, as merged), or a top-level key spelled nearly
+    as one DeepSpeed reads (a typo). A top-level key it does not read and that is like none
+    of its keys is logged as a warning: DeepSpeed ignores such keys, and some are read by its parts
+    outside the config's check."""
+    import difflib
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for path, key in OWNED_ENTRIES.items():
+        node = overrides
+        for part in path:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            return f"{'.'.join(path)} is set by {key}: set it there"
+    built = build_ds_config(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                            world_size=1, zero_stage=zero_stage, offload=offload, dtype=dtype,
+                            grad_clip=1.0)
+    read: set[str] = set()
+
+    class _Reading(dict):  # the top-level keys DeepSpeed's config reader asks for
+        def get(self, key, *default):
+            read.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            read.add(key)
+            return super().__contains__(key)
+
+    try:
+        DeepSpeedConfig(_Reading(merged_config(built, overrides, log=False)))
+    except Exception as err:  # pydantic's ValidationError, DeepSpeed's own ValueErrors
+        return f"DeepSpeed refuses it: {type(err).__name__}: {' '.join(str(err).split())}"
+    for key in sorted(set(overrides) - read):
+        close = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.9)
+        if close:
+            return f"{key}: DeepSpeed reads no such key; did you mean {close[0]!r}?"
+        logger.warning("system.deepspeed_config.%s: DeepSpeed's config check does not read it; "
+                       "it has an effect only if another part of DeepSpeed does", key)
+    return None
+
+
+_MISSING = object()

@@ -88,7 +88,8 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     on = build_device(s.zero_stage)  # where a model built from config is made
     actor_model = prepare_trained(
         disable_dropout(build_causal_lm(src.actor, device=on, **common)), cfg, "actor")
-    engine_args = dict(engine_args, grad_accum_dtype=s.grad_accum_dtype)
+    engine_args = dict(engine_args, grad_accum_dtype=s.grad_accum_dtype,
+                       ds_config_overrides=s.deepspeed_config)
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, weights_only=evaluating,
                                  **engine_args)
@@ -109,7 +110,8 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         reference = None  # on the scorer rank, or the KL is off, or an evaluation
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
-                                        offload=s.offload_reference)
+                                        offload=s.offload_reference,
+                                        overrides=s.deepspeed_config)
     else:
         reference = prepare_frozen(build_causal_lm(src.reference, device=on, **common), s.dtype,
                                    device)
