@@ -537,6 +537,12 @@ def _find_head_weight(path: str) -> Optional[torch.Tensor]:
     for name, keys in candidates:
         found = _read_first_key(os.path.join(path, name), keys)
         if found is not None:
+            if weight_map is not None and name in body:  # its bias may sit in another shard
+                key = next(k for k in HEAD_KEYS if weight_map.get(k) == name)
+                shard = weight_map.get(_bias_key(key))
+                if shard not in (None, name):
+                    _check_no_bias(os.path.join(path, name), key, _read_first_key(
+                        os.path.join(path, shard), (_bias_key(key),)))
             return found
     return None
 
@@ -597,7 +603,10 @@ def _load_pickled(file: str) -> dict:
             if "mmap" not in str(err):
                 raise
             state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:  # weights_only met an object it does not allow
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" not in str(err):  # torch wraps every weights-only error so
+            raise ValueError(f"{file} cannot be read as a pickled state dict of tensors "
+                             f"({type(err).__name__}): {CUT_SHORT}") from err
         raise ValueError(f"{file} holds objects other than tensors, which are not unpickled "
                          "here (a checkpoint could run code): save it as safetensors") from err
     except Exception as err:  # pickle's, zipfile's and torch's errors of a file cut short

@@ -463,6 +463,17 @@ def test_pickled_heads_in_other_shapes_and_files_that_are_no_weights(tmp_path):
     unbiased = checkpoint("unbiased", {**body, "v_head.summary.weight": head,
                                        "v_head.summary.bias": torch.zeros(1)})
     assert torch.equal(build_value_model(unbiased).value_head.weight, head)
+    # the bias in another shard than the weight, as an index may put it
+    split = tmp_path / "split"
+    lm.config.save_pretrained(split)
+    shards = {"a.bin": {**body, "v_head.summary.weight": head},
+              "b.bin": {"v_head.summary.bias": torch.tensor([-1.5])}}
+    for name, part in shards.items():
+        torch.save(part, split / name)
+    (split / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, part in shards.items() for k in part}}))
+    with pytest.raises(ValueError, match=r"has a bias \(v_head.summary.bias = -1.5\)"):
+        models.has_value_head(str(split))
     nested = checkpoint("nested", {"module": {**body, "v_head.weight": head}})
     with pytest.raises(ValueError, match="holds its tensors under 'module', not at the top"):
         models.has_value_head(nested)
