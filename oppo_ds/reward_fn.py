@@ -23,6 +23,7 @@ number from at least one.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import importlib.util
 import inspect
@@ -88,23 +89,46 @@ def _named_parameters(fn: Callable) -> set[str]:
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
+_LOOP_THREAD: Optional[threading.Thread] = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for async reward functions, running in a daemon thread of
+    its own (started again if that thread ended); stopped and closed at exit."""
+    global _LOOP, _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP_THREAD is None or not _LOOP_THREAD.is_alive():
+            _LOOP = asyncio.new_event_loop()
+            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, daemon=True,
+                                            name="oppo-reward-fn-loop")
+            _LOOP_THREAD.start()
+            atexit.register(_stop_loop, _LOOP, _LOOP_THREAD)
+        return _LOOP
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+    if not thread.is_alive():
+        loop.close()
 
 
 def _awaited(awaitable) -> Any:
-    """What ``awaitable`` gives, run on one event loop that lives for the process, in a
-    thread of its own: a client an async function opened on its first call (an HTTP
-    session's pool) is bound to the loop it ran in, and a loop per call (``asyncio.run``)
-    would be closed under it at the second; the caller's own running loop (a notebook's)
-    is not touched."""
-    global _LOOP
-    if _LOOP is None:
-        _LOOP = asyncio.new_event_loop()
-        threading.Thread(target=_LOOP.run_forever, name="oppo-reward-fn-loop",
-                         daemon=True).start()
+    """What ``awaitable`` gives, run on the process's one event loop (``_event_loop``): a
+    client an async function opened on its first call (an HTTP session's pool) is bound to
+    the loop it ran in, and a loop per call (``asyncio.run``) would be closed under it at
+    the second; the caller's own running loop (a notebook's) is not touched. The caller's
+    CUDA device and grad mode, which are per thread, go with it."""
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    grad = torch.is_grad_enabled()
 
     async def result():
-        return await awaitable
-    return asyncio.run_coroutine_threadsafe(result(), _LOOP).result()
+        if device is not None:
+            torch.cuda.set_device(device)
+        with torch.set_grad_enabled(grad):
+            return await awaitable
+    return asyncio.run_coroutine_threadsafe(result(), _event_loop()).result()
 
 
 class RewardFunction:

@@ -88,16 +88,21 @@ def test_an_async_function_is_awaited(tmp_path):
     path = tmp_path / "remote.py"
     path.write_text("import asyncio\n"
                     "LOOPS = []\n"
+                    "GRAD = []\n"
                     "async def judge(prompts, completions, **_):\n"
+                    "    import torch\n"
                     "    LOOPS.append(asyncio.get_running_loop())\n"
+                    "    GRAD.append(torch.is_grad_enabled())\n"
                     "    assert not LOOPS[0].is_closed()\n"
                     "    await asyncio.sleep(0)\n"
                     "    return [float(len(c)) for c in completions]\n")
     reward = RewardFunction(f"{path}:judge")
     for _ in range(2):
-        assert reward(["p", "q"], ["ab", "c"], [{}, {}]).tolist() == [2.0, 1.0]
-    loops = sys.modules["oppo_reward_fn_remote"].LOOPS
-    assert len(loops) == 2 and loops[0] is loops[1]
+        with torch.no_grad():  # as the trainer scores: the function's thread has it too
+            assert reward(["p", "q"], ["ab", "c"], [{}, {}]).tolist() == [2.0, 1.0]
+    module = sys.modules["oppo_reward_fn_remote"]
+    assert len(module.LOOPS) == 2 and module.LOOPS[0] is module.LOOPS[1]
+    assert module.GRAD == [False, False]
 
 
 def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
