@@ -352,7 +352,8 @@ class SystemConfig:
     runs on it at start, so a key or value it refuses stops the run there; a top-level key
     DeepSpeed does not read is a warning, or an error when it is spelled nearly as one it
     reads. What other keys set is refused, naming the key to use: batch sizes, ZeRO stage and
-    offload, dtype, optimizer and scheduler, gradient clipping, the hybrid engine's switch.
+    offload, dtype, optimizer and scheduler, gradient clipping, the hybrid engine's switch
+    (compared as DeepSpeed parses them, so its aliases are caught too).
     Backend deepspeed. Null: none."""
     torch_threads: int = 0
     """torch intra-op threads per process (0 = torch's default; set 1 per rank when several
@@ -403,8 +404,10 @@ class SystemConfig:
                      f"needs backend: deepspeed, got backend: {self.backend}")
             from .engines.ds_config import deepspeed_overrides_problem
 
-            problem = deepspeed_overrides_problem(self.deepspeed_config, zero_stage=self.zero_stage,
-                                                  offload=self.offload, dtype=self.dtype)
+            problem = deepspeed_overrides_problem(
+                self.deepspeed_config, zero_stage=self.zero_stage, offload=self.offload,
+                dtype=self.dtype, partition_reference=self.partition_reference,
+                offload_reference=self.offload_reference)
             _require(problem is None, "deepspeed_config", str(problem))
 
     def check_world(self, processes: int) -> None:

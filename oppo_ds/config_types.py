@@ -6,6 +6,7 @@ key takes a non-finite number (YAML's .inf, .nan)."""
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import math
 import re
@@ -116,16 +117,22 @@ def _convert(key: str, value: Any, tp) -> Any:
     raise ConfigError(key, f"got {value!r}, expected {describe_type(tp)}")
 
 
+# what YAML 1.1 leaves a string though it is a number: an exponent without a dot before it
+# or without a sign in it (`5e7`, `1e-5`, `1.0e5`)
+_EXPONENT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _numbers_read(value: Any) -> Any:
-    """``value`` (a free-form mapping, e.g. a DeepSpeed section) with the strings YAML 1.1
-    leaves unread as numbers (`5e7`, `1e-5`) read as numbers: ints where whole, else floats."""
+    """``value`` (a free-form mapping, e.g. a DeepSpeed section) with the numbers YAML 1.1
+    leaves as strings (``_EXPONENT_TEXT``) read as numbers, exactly: an int where whole
+    (`5e7`), else a float. Other strings stay text (`"2024"` quoted is a name)."""
     if isinstance(value, dict):
         return {k: _numbers_read(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_numbers_read(v) for v in value]
-    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-        number = float(value)
-        return int(number) if number.is_integer() and math.isfinite(number) else number
+    if isinstance(value, str) and _EXPONENT_TEXT.fullmatch(value.strip()):
+        number = decimal.Decimal(value.strip())
+        return int(number) if number == number.to_integral_value() else float(number)
     return value
 
 

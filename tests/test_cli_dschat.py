@@ -82,6 +82,17 @@ def test_a_dschat_command_line_maps_onto_the_config():
         assert flag in joined, flag
 
 
+def test_hybrid_engine_knobs_go_into_its_deepspeed_section():
+    """--unpin_actor_parameters, --release_inference_cache and --tp_gather_partition_size
+    had no effect; they now set the hybrid engine's section as DeepSpeed-Chat's
+    get_train_ds_config writes them, through system.deepspeed_config."""
+    cfg, notes = resolve(["--enable_hybrid_engine", "--unpin_actor_parameters",
+                          "--release_inference_cache", "--tp_gather_partition_size", "4"])
+    assert cfg.system.deepspeed_config == {"hybrid_engine": {
+        "pin_parameters": False, "release_inference_cache": True, "tp_gather_partition_size": 4}}
+    assert not [n for n in notes if "inference_cache" in n or "unpin" in n]
+
+
 def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
     cfg, _ = resolve(["--per_device_generation_batch_size", "8", "--generation_batches", "2",
                       "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",

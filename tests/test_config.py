@@ -391,12 +391,19 @@ DS = "system.deepspeed_config"
 
 
 @pytest.mark.parametrize("value, words", [
-    ("{zero_optimization: {stage: 3}}", "zero_optimization.stage is set by system.zero_stage: "
-                                        "set it there"),
+    ("{zero_optimization: {stage: 3}}", "zero_optimization.stage is set by system.zero_stage "
+                                        "(0 here, 3 as DeepSpeed reads the entries given)"),
+    # DeepSpeed's aliases and old forms of the same settings: compared as DeepSpeed parses them
+    ("{bfloat16: {enabled: true}}", "bf16.enabled is set by system.dtype (False here, True"),
+    ("{zero_optimization: {cpu_offload: true}}", "zero_optimization.offload_optimizer is set by "
+                                                 "system.offload (none here, device cpu as"),
     ("{optimizer: {type: Adam}}", "optimizer is set by ppo.actor_lr, ppo.critic_lr and "
-                                  "ppo.weight_decay (Adam, built here)"),
-    ("{bf16: {enabled: true}}", "bf16.enabled is set by system.dtype"),
-    ("{train_batch_size: 64}", "train_batch_size is set by ppo.mini_batch_size"),
+                                  "ppo.weight_decay (Adam, built here) (none here, 'adam'"),
+    ("{timers: {throughput: {enabled: true}}}", "timers.throughput.enabled is set by "
+                                                "logging.profile_step"),
+    ("{checkpoint: {load_universal: true}}", "checkpoint.load_universal is set by "
+                                             "checkpoint.resume"),
+    ("{gradient_clipping: 0.5}", "gradient_clipping is set by ppo.grad_clip (1.0 here, 0.5"),
     # DeepSpeed's own check: its pydantic model of the ZeRO section forbids unknown keys
     ("{zero_optimization: {reduce_bucket_sise: 5e7}}",
      "DeepSpeed refuses it: ValidationError: 1 validation error for DeepSpeedZeroConfig "
@@ -410,10 +417,17 @@ DS = "system.deepspeed_config"
 ])
 def test_deepspeed_config_entries_deepspeed_or_other_keys_refuse_name_why(value, words):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"{DS}={value}"])
+        load_config(None, ["system.zero_stage=1", f"{DS}={value}"] if "stage: 3" not in value
+                    else [f"{DS}={value}"])
     assert err.value.key == DS and words in str(err.value)
+
+
+def test_deepspeed_config_entries_equal_to_what_a_key_sets_are_no_conflict():
     with pytest.raises(ConfigError, match="needs backend: deepspeed, got backend: megatron"):
         load_config(None, ["system.backend=megatron", f"{DS}={{overlap_comm: true}}"])
+    cfg = load_config(None, ["system.zero_stage=3", "system.partition_reference=true",
+                             f"{DS}={{zero_optimization: {{stage: 3}}}}"])
+    assert cfg.system.deepspeed_config == {"zero_optimization": {"stage": 3}}
 
 
 def test_deepspeed_config_entries_are_read_as_numbers_and_unknown_keys_warned(caplog):
@@ -429,6 +443,9 @@ def test_deepspeed_config_entries_are_read_as_numbers_and_unknown_keys_warned(ca
     assert cfg.system.deepspeed_config == {
         "zero_optimization": {"reduce_bucket_size": 50000000, "overlap_comm": True},
         "gradient_predivide_factor": 2.0, "my_plugin": 1}
+    # text stays text: only YAML 1.1's exponents without a dot or sign are numbers it missed
+    cfg = load_config(None, [f"{DS}.tensorboard.job_name='2024'"])
+    assert cfg.system.deepspeed_config == {"tensorboard": {"job_name": "2024"}}
     assert [r.getMessage() for r in caplog.records if "deepspeed_config" in r.getMessage()] == [
         f"{DS}.my_plugin: DeepSpeed's config check does not read it; it has an effect only if "
         "another part of DeepSpeed does"]

@@ -479,7 +479,7 @@ class DeepSpeedTrainEngine(TrainEngine):
                 dtype=dtype, grad_clip=grad_clip, tensorboard_dir=tensorboard_dir,
                 force_ds_cpu_optimizer=use_cpu_adam, grad_accum_dtype=grad_accum_dtype, **hybrid)
         if ds_config_overrides:
-            self.config = merged_config(self.config, ds_config_overrides)
+            self.config = merged_config(self.config, ds_config_overrides, log=self.rank == 0)
 
         torch.manual_seed(seed)
         get_accelerator().manual_seed_all(seed)
@@ -697,7 +697,7 @@ def prepare_partitioned(model: torch.nn.Module, dtype: str, *, offload: bool = F
     config = build_inference_ds_config(zero_stage=3, offload=offload, dtype=dtype,
                                        world_size=deepspeed.comm.get_world_size())
     if overrides:
-        config = merged_config(config, overrides)
+        config = merged_config(config, overrides, log=deepspeed.comm.get_rank() == 0)
     model.requires_grad_(False)
     engine = _initialize(model=model, config=config)
     engine.eval()

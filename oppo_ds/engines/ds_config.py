@@ -12,6 +12,7 @@ fixed up silently.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from oppo_ds.config_checks import (grad_accum_dtype_problem, resolved_grad_accum_dtype,
@@ -292,7 +293,7 @@ def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
 
 def merged_config(base: dict, overrides: dict, log: bool = True, path: str = "") -> dict:
     """``base`` with ``overrides`` merged in recursively (mappings merge, values replace);
-    each value replaced is logged with its path unless not ``log``."""
+    each value replaced is logged with its path unless not ``log`` (the first rank logs)."""
     out = dict(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -305,46 +306,75 @@ def merged_config(base: dict, overrides: dict, log: bool = True, path: str = "")
     return out
 
 
-# DeepSpeed entries that other keys set, by path in its config, with the key that sets them
-OWNED_ENTRIES = {
-    ("train_batch_size",): "ppo.mini_batch_size (per rank here; DeepSpeed's counts all ranks)",
-    ("train_micro_batch_size_per_gpu",): "ppo.micro_batch_size",
-    ("gradient_accumulation_steps",): "ppo.mini_batch_size and ppo.micro_batch_size",
-    ("zero_optimization", "stage"): "system.zero_stage",
-    ("zero_optimization", "offload_optimizer"): "system.offload",
-    ("zero_optimization", "offload_param"): "system.offload or system.offload_reference",
-    ("bf16", "enabled"): "system.dtype",
-    ("fp16", "enabled"): "system.dtype",
-    ("optimizer",): "ppo.actor_lr, ppo.critic_lr and ppo.weight_decay (Adam, built here)",
-    ("scheduler",): "ppo.lr_schedule and ppo.warmup_steps",
-    ("gradient_clipping",): "ppo.grad_clip",
-    ("hybrid_engine", "enabled"): "system.hybrid_engine",
-    ("hybrid_engine", "inference_tp_size"): "system.inference_tp_size",
-    ("data_types", "grad_accum_dtype"): "system.grad_accum_dtype",
-}
+# what other keys decide, as DeepSpeed's parsed config holds it: (attribute path, the entry
+# as written in DeepSpeed's JSON, the key that sets it). Compared parsed, so that DeepSpeed's
+# aliases (`bfloat16`, `zero_optimization.cpu_offload`, a bare `zero_optimization: true`)
+# are caught as well as the entries themselves
+OWNED_SETTINGS = (
+    ("train_batch_size", "train_batch_size", "ppo.mini_batch_size (per rank here)"),
+    ("train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu", "ppo.micro_batch_size"),
+    ("gradient_accumulation_steps", "gradient_accumulation_steps",
+     "ppo.mini_batch_size and ppo.micro_batch_size"),
+    ("zero_optimization_stage", "zero_optimization.stage", "system.zero_stage"),
+    ("zero_config.offload_optimizer", "zero_optimization.offload_optimizer", "system.offload"),
+    ("zero_config.offload_param", "zero_optimization.offload_param",
+     "system.offload or system.offload_reference"),
+    ("bfloat16_config.enabled", "bf16.enabled", "system.dtype"),
+    ("float16_config.enabled", "fp16.enabled", "system.dtype"),
+    ("bfloat16_config.bf16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads",
+     "system.dtype and system.grad_accum_dtype"),
+    ("bfloat16_config.bf16_optimizer_states", "bf16.bf16_optimizer_states",
+     "system.dtype and system.grad_accum_dtype"),
+    ("float16_config.fp16_master_weights_and_grads", "fp16.fp16_master_weights_and_grads",
+     "system.dtype and system.grad_accum_dtype"),
+    ("torch_autocast_enabled", "torch_autocast.enabled", "system.dtype"),
+    ("grad_accum_dtype", "data_types.grad_accum_dtype", "system.grad_accum_dtype"),
+    ("optimizer_name", "optimizer", "ppo.actor_lr, ppo.critic_lr and ppo.weight_decay (Adam, "
+                                    "built here)"),
+    ("scheduler_name", "scheduler", "ppo.lr_schedule and ppo.warmup_steps"),
+    ("gradient_clipping", "gradient_clipping", "ppo.grad_clip"),
+    ("hybrid_engine.enabled", "hybrid_engine.enabled", "system.hybrid_engine"),
+    ("hybrid_engine.inference_tp_size", "hybrid_engine.inference_tp_size",
+     "system.inference_tp_size"),
+    ("timers_config.enabled", "timers.throughput.enabled",
+     "logging.profile_step (its timer syncs the device every forward, a decoded token's too)"),
+    ("load_universal_checkpoint", "checkpoint.load_universal",
+     "checkpoint.resume (oppo-ds loads its own checkpoints)"),
+)
+
+
+class _OneRank:
+    """An ``mpu`` for DeepSpeedConfig: one data-parallel rank, as the configs checked here
+    are built for (it asks torch.distributed otherwise, once that is up)."""
+
+    @staticmethod
+    def get_data_parallel_world_size() -> int:
+        return 1
 
 
 def deepspeed_overrides_problem(overrides: dict, *, zero_stage: int, offload: bool,
-                                dtype: str) -> str | None:
+                                dtype: str, partition_reference: bool = False,
+                                offload_reference: bool = False) -> str | None:
     """Why ``overrides`` (``system.deepspeed_config``) cannot be merged into the configs
-    built here, or None: an entry another key sets, a value or section key DeepSpeed's own
-    check refuses (run on the actor's config, as merged), or a top-level key spelled nearly
-    as one DeepSpeed reads (a typo). A top-level key it does not read and that is like none
-    of its keys is logged as a warning: DeepSpeed ignores such keys, and some are read by its parts
-    outside the config's check."""
+    built here, or None. Each config the run may build (the actor's and critic's, the
+    actor's for an evaluation, the partitioned reference's) is parsed by DeepSpeed with and
+    without them: an error is DeepSpeed refusing an entry (its pydantic check of a section,
+    its own ValueErrors), and a parsed setting that differs is one another key decides
+    (``OWNED_SETTINGS``). A top-level key DeepSpeed does not read is an error when it is
+    spelled nearly as one it reads (a typo), else a warning (once per process, on the first
+    rank): DeepSpeed ignores such keys, and some are read by its parts outside the check."""
     import difflib
 
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    for path, key in OWNED_ENTRIES.items():
-        node = overrides
-        for part in path:
-            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-        if node is not _MISSING:
-            return f"{'.'.join(path)} is set by {key}: set it there"
-    built = build_ds_config(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-                            world_size=1, zero_stage=zero_stage, offload=offload, dtype=dtype,
-                            grad_clip=1.0)
+    configs = [build_ds_config(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                               world_size=1, zero_stage=zero_stage, offload=offload, dtype=dtype,
+                               grad_clip=1.0),
+               build_inference_ds_config(zero_stage=3 if zero_stage == 3 else 0,
+                                         offload=offload and zero_stage == 3, dtype=dtype)]
+    if partition_reference:
+        configs.append(build_inference_ds_config(zero_stage=3, offload=offload_reference,
+                                                 dtype=dtype))
     read: set[str] = set()
 
     class _Reading(dict):  # the top-level keys DeepSpeed's config reader asks for
@@ -360,17 +390,41 @@ def deepspeed_overrides_problem(overrides: dict, *, zero_stage: int, offload: bo
             read.add(key)
             return super().__contains__(key)
 
-    try:
-        DeepSpeedConfig(_Reading(merged_config(built, overrides, log=False)))
-    except Exception as err:  # pydantic's ValidationError, DeepSpeed's own ValueErrors
-        return f"DeepSpeed refuses it: {type(err).__name__}: {' '.join(str(err).split())}"
+    for built in configs:
+        try:
+            merged = DeepSpeedConfig(_Reading(merged_config(built, overrides, log=False)),
+                                     mpu=_OneRank())
+        except Exception as err:  # pydantic's ValidationError, DeepSpeed's own ValueErrors
+            return f"DeepSpeed refuses it: {type(err).__name__}: {' '.join(str(err).split())}"
+        own = DeepSpeedConfig(built, mpu=_OneRank())
+        for attribute, entry, key in OWNED_SETTINGS:
+            given, set_here = _attribute(merged, attribute), _attribute(own, attribute)
+            if given != set_here:
+                return (f"{entry} is set by {key} ({_shown(set_here)} here, {_shown(given)} "
+                        f"as DeepSpeed reads the entries given): set it there")
     for key in sorted(set(overrides) - read):
         close = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.9)
         if close:
             return f"{key}: DeepSpeed reads no such key; did you mean {close[0]!r}?"
-        logger.warning("system.deepspeed_config.%s: DeepSpeed's config check does not read it; "
-                       "it has an effect only if another part of DeepSpeed does", key)
+        if key not in _WARNED and os.environ.get("RANK", "0") == "0":
+            _WARNED.add(key)
+            logger.warning("system.deepspeed_config.%s: DeepSpeed's config check does not read "
+                           "it; it has an effect only if another part of DeepSpeed does", key)
     return None
 
 
-_MISSING = object()
+def _shown(value) -> str:
+    """A parsed setting in a few words (an offload section by its device)."""
+    if value is None:
+        return "none"
+    device = getattr(value, "device", None)
+    return f"device {getattr(device, 'value', device)}" if device is not None else repr(value)
+
+
+def _attribute(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+_WARNED: set[str] = set()

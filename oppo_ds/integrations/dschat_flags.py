@@ -174,12 +174,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("compute_fp32_loss", IGNORED, "the PPO losses are reduced in fp32 already"),
     _f("align_overflow", IGNORED, "actor and critic keep their own loss scales"),
     _f("offload_reward_model", IGNORED, "the reward model stays on the device (it streams)"),
-    _f("unpin_actor_parameters", IGNORED, "a hybrid-engine memory knob oppo-ds does not expose"),
-    _f("release_inference_cache", IGNORED, "a hybrid-engine memory knob oppo-ds does not expose"),
-    _f("tp_gather_partition_size", IGNORED, "a hybrid-engine knob oppo-ds does not expose", int),
+    _f("unpin_actor_parameters", MAPPED, "system.deepspeed_config.hybrid_engine.pin_parameters: "
+       "false (the hybrid engine's, as in DeepSpeed-Chat)"),
+    _f("release_inference_cache", MAPPED, "system.deepspeed_config.hybrid_engine."
+       "release_inference_cache: true"),
+    _f("tp_gather_partition_size", MAPPED, "system.deepspeed_config.hybrid_engine."
+       "tp_gather_partition_size", int),
     _f("enable_mixed_precision_lora", REFUSED, "ZeRO++ quantized LoRA weights are not supported"),
     _f("deepspeed_config", REFUSED, "the DeepSpeed config is built from the oppo-ds config "
-       "(system.* keys)", str),
+       "(system.* keys; entries of your own: system.deepspeed_config)", str),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
@@ -248,6 +251,13 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     for name, key in switches.items():
         if flags.get(name):
             put(key, True)
+    hybrid = "system.deepspeed_config.hybrid_engine."  # as DeepSpeed-Chat writes its section
+    if flags.get("unpin_actor_parameters"):
+        put(hybrid + "pin_parameters", False)
+    if flags.get("release_inference_cache"):
+        put(hybrid + "release_inference_cache", True)
+    if "tp_gather_partition_size" in flags:
+        put(hybrid + "tp_gather_partition_size", flags["tp_gather_partition_size"])
     if "data_path" in flags:
         # DeepSpeed-Chat's prompts carry their own format ("\n\nHuman: ... \n\nAssistant:") and
         # it tokenizes them as they are; a chat template would wrap them in a second one
