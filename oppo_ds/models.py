@@ -594,6 +594,10 @@ def _check_no_bias(file: str, key: str, bias: Optional[torch.Tensor]) -> None:
                          "take the scores without it")
 
 
+# what pickle and torch's weights-only unpickler say of a pickle cut short
+_CUT_TEXTS = ("Ran out of input", "EOF", "truncated", "Unsupported operand")
+
+
 def _load_pickled(file: str) -> dict:
     """The state dict in pickled weights ``file``, mapped; ``ValueError`` naming the file."""
     try:
@@ -603,8 +607,8 @@ def _load_pickled(file: str) -> dict:
             if "mmap" not in str(err):
                 raise
             state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "Unsupported global" not in str(err):  # torch wraps every weights-only error so
+    except pickle.UnpicklingError as err:  # torch wraps every weights-only failure so
+        if any(text in str(err) for text in _CUT_TEXTS):
             raise ValueError(f"{file} cannot be read as a pickled state dict of tensors "
                              f"({type(err).__name__}): {CUT_SHORT}") from err
         raise ValueError(f"{file} holds objects other than tensors, which are not unpickled "
