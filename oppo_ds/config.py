@@ -348,12 +348,13 @@ class SystemConfig:
     sets: ZeRO's buckets and prefetching (`zero_optimization: {reduce_bucket_size: 5e8,
     overlap_comm: true, stage3_prefetch_bucket_size: ...}`), ZeRO++ (`zero_hpz_partition_size`,
     `zero_quantized_weights`), `communication_data_type`, `comms_logger`, `flops_profiler`.
-    Mappings merge key by key; a value replaces the built one (logged). DeepSpeed's own check
-    runs on it at start, so a key or value it refuses stops the run there; a top-level key
-    DeepSpeed does not read is a warning, or an error when it is spelled nearly as one it
-    reads. What other keys set is refused, naming the key to use: batch sizes, ZeRO stage and
-    offload, dtype, optimizer and scheduler, gradient clipping, the hybrid engine's switch
-    (compared as DeepSpeed parses them, so its aliases are caught too).
+    Mappings merge key by key; a value replaces the built one (logged). Checked at start
+    against the configs the run builds: what DeepSpeed's own check refuses stops the run;
+    what another key sets (batch sizes, ZeRO stage and offload device, dtype, optimizer and
+    scheduler, gradient clipping, the hybrid engine's switch; compared as DeepSpeed parses
+    it) is refused unless it restates the run's value, naming the key to use; a top-level
+    key DeepSpeed does not read is a warning, or an error when it is spelled nearly as one it
+    reads.
     Backend deepspeed. Null: none."""
     torch_threads: int = 0
     """torch intra-op threads per process (0 = torch's default; set 1 per rank when several
@@ -399,16 +400,8 @@ class SystemConfig:
                  f"needs zero_stage: 3, got zero_stage: {self.zero_stage}")
         _require(not self.offload_reference or self.partition_reference, "offload_reference",
                  "needs partition_reference: true (the offloaded weights are ZeRO-3 partitions)")
-        if self.deepspeed_config is not None:
-            _require(self.backend == "deepspeed", "deepspeed_config",
-                     f"needs backend: deepspeed, got backend: {self.backend}")
-            from .engines.ds_config import deepspeed_overrides_problem
-
-            problem = deepspeed_overrides_problem(
-                self.deepspeed_config, zero_stage=self.zero_stage, offload=self.offload,
-                dtype=self.dtype, partition_reference=self.partition_reference,
-                offload_reference=self.offload_reference)
-            _require(problem is None, "deepspeed_config", str(problem))
+        _require(self.deepspeed_config is None or self.backend == "deepspeed",
+                 "deepspeed_config", f"needs backend: deepspeed, got backend: {self.backend}")
 
     def check_world(self, processes: int) -> None:
         """``ConfigError`` when ``processes`` (the run's actor ranks) cannot be cut into whole

@@ -27,6 +27,8 @@ def check_across_sections(cfg) -> None:
             f"needs workload.kind: length_oracle (the built-in task trains tiny-* models)")
     if not cfg.ppo.uses_reference:
         _check_reference_free(cfg)
+    if cfg.system.deepspeed_config is not None:
+        _check_deepspeed_entries(cfg)
     require(not (cfg.system.partition_reference and "reference" in cfg.oppo.stream_to
                  and cfg.oppo.streaming), "system.partition_reference",
             "a partitioned reference cannot stream (each forward is collective over the "
@@ -75,6 +77,29 @@ def _check_critic_free(cfg) -> None:
     require(cfg.model.critic is None, "model.critic", f"must be null: {none}")
     require(not cfg.model.critic_lora_dim, "model.critic_lora_dim", f"must be 0: {none}")
     cfg.oppo.stream_to = [k for k in cfg.oppo.stream_to if k != "critic"]
+
+
+def _check_deepspeed_entries(cfg) -> None:
+    """system.deepspeed_config against the DeepSpeed configs the run builds, for one rank
+    with the run's settings (``ds_config.deepspeed_overrides_problem``)."""
+    from .engines.ds_config import (build_ds_config, build_inference_ds_config,
+                                    deepspeed_overrides_problem)
+
+    p, s = cfg.ppo, cfg.system
+    trained = build_ds_config(
+        train_micro_batch_size_per_gpu=p.micro_batch_size,
+        gradient_accumulation_steps=max(1, p.mini_batch_size // p.micro_batch_size),
+        world_size=1, zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,
+        grad_clip=p.grad_clip, hybrid_engine=s.hybrid_engine,
+        inference_tp_size=s.inference_tp_size, grad_accum_dtype=s.grad_accum_dtype)
+    others = [build_inference_ds_config(  # an evaluation's actor (oppo-train --evaluate)
+        zero_stage=3 if s.zero_stage == 3 else 0, offload=s.offload and s.zero_stage == 3,
+        dtype=s.dtype, hybrid_engine=s.hybrid_engine, inference_tp_size=s.inference_tp_size)]
+    if s.partition_reference:
+        others.append(build_inference_ds_config(zero_stage=3, offload=s.offload_reference,
+                                                dtype=s.dtype))
+    problem = deepspeed_overrides_problem(s.deepspeed_config, trained, others)
+    require(problem is None, "system.deepspeed_config", str(problem))
 
 
 def _check_reward_function(cfg) -> None:

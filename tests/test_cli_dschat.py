@@ -91,6 +91,9 @@ def test_hybrid_engine_knobs_go_into_its_deepspeed_section():
     assert cfg.system.deepspeed_config == {"hybrid_engine": {
         "pin_parameters": False, "release_inference_cache": True, "tp_gather_partition_size": 4}}
     assert not [n for n in notes if "inference_cache" in n or "unpin" in n]
+    cfg, notes = resolve(["--release_inference_cache"])  # as in DeepSpeed-Chat: no effect
+    assert cfg.system.deepspeed_config is None
+    assert "--release_inference_cache has no effect without --enable_hybrid_engine" in notes
 
 
 def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():

@@ -392,18 +392,22 @@ DS = "system.deepspeed_config"
 
 @pytest.mark.parametrize("value, words", [
     ("{zero_optimization: {stage: 3}}", "zero_optimization.stage is set by system.zero_stage "
-                                        "(0 here, 3 as DeepSpeed reads the entries given)"),
-    # DeepSpeed's aliases and old forms of the same settings: compared as DeepSpeed parses them
-    ("{bfloat16: {enabled: true}}", "bf16.enabled is set by system.dtype (False here, True"),
-    ("{zero_optimization: {cpu_offload: true}}", "zero_optimization.offload_optimizer is set by "
-                                                 "system.offload (none here, device cpu as"),
+                                        "(1 here, 3 as DeepSpeed reads the entries given)"),
+    ("{gradient_clipping: 1.0}", "gradient_clipping is set by ppo.grad_clip (0.5 here, 1.0"),
+    ("{hybrid_engine: {enabled: true}}", "hybrid_engine.enabled is set by system.hybrid_engine"),
+    ("{zero_optimization: {offload_optimizer: {device: cpu}}}",
+     "zero_optimization.offload_optimizer.device is set by system.offload (none here, 'cpu'"),
     ("{optimizer: {type: Adam}}", "optimizer is set by ppo.actor_lr, ppo.critic_lr and "
                                   "ppo.weight_decay (Adam, built here) (none here, 'adam'"),
     ("{timers: {throughput: {enabled: true}}}", "timers.throughput.enabled is set by "
                                                 "logging.profile_step"),
     ("{checkpoint: {load_universal: true}}", "checkpoint.load_universal is set by "
                                              "checkpoint.resume"),
-    ("{gradient_clipping: 0.5}", "gradient_clipping is set by ppo.grad_clip (1.0 here, 0.5"),
+    # DeepSpeed's older names and forms of owned entries
+    ("{bfloat16: {enabled: true}}", "bfloat16 is DeepSpeed's old name of bf16: write bf16"),
+    ("{zero_optimization: {cpu_offload: true}}", "zero_optimization.cpu_offload is DeepSpeed's "
+                                                 "old name of zero_optimization.offload_optimizer"),
+    ("{zero_optimization: true}", "zero_optimization must be a mapping of ZeRO's entries"),
     # DeepSpeed's own check: its pydantic model of the ZeRO section forbids unknown keys
     ("{zero_optimization: {reduce_bucket_sise: 5e7}}",
      "DeepSpeed refuses it: ValidationError: 1 validation error for DeepSpeedZeroConfig "
@@ -416,18 +420,30 @@ DS = "system.deepspeed_config"
     ("[1]", "got [1], expected a mapping or null"),
 ])
 def test_deepspeed_config_entries_deepspeed_or_other_keys_refuse_name_why(value, words):
+    """Compared with the run's own settings (ZeRO-1, grad_clip 0.5 here), as DeepSpeed
+    parses them."""
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["system.zero_stage=1", f"{DS}={value}"] if "stage: 3" not in value
-                    else [f"{DS}={value}"])
+        load_config(None, ["system.zero_stage=1", "ppo.grad_clip=0.5", f"{DS}={value}"])
     assert err.value.key == DS and words in str(err.value)
 
 
-def test_deepspeed_config_entries_equal_to_what_a_key_sets_are_no_conflict():
+def test_deepspeed_config_entries_that_restate_a_key_or_tune_its_section_are_taken():
+    """An entry equal to what a key sets is no conflict, and an offload section's own
+    options (pin_memory) are the user's; entries another key sets are left out of every
+    engine's config (the critic has no hybrid engine, the partitioned reference its own
+    stage), the rest goes into each."""
+    from oppo_ds.engines.ds_config import without_owned
+
     with pytest.raises(ConfigError, match="needs backend: deepspeed, got backend: megatron"):
         load_config(None, ["system.backend=megatron", f"{DS}={{overlap_comm: true}}"])
-    cfg = load_config(None, ["system.zero_stage=3", "system.partition_reference=true",
-                             f"{DS}={{zero_optimization: {{stage: 3}}}}"])
-    assert cfg.system.deepspeed_config == {"zero_optimization": {"stage": 3}}
+    entries = ("{zero_optimization: {stage: 2, offload_optimizer: {device: cpu, pin_memory: "
+               "false}}, gradient_clipping: 1.0, hybrid_engine: {enabled: true, "
+               "pin_parameters: false}}")
+    cfg = load_config(None, ["system.zero_stage=2", "system.offload=true",
+                             "system.hybrid_engine=true", f"{DS}={entries}"])
+    assert without_owned(cfg.system.deepspeed_config) == {
+        "zero_optimization": {"offload_optimizer": {"pin_memory": False}},
+        "hybrid_engine": {"pin_parameters": False}}
 
 
 def test_deepspeed_config_entries_are_read_as_numbers_and_unknown_keys_warned(caplog):

@@ -316,8 +316,9 @@ OWNED_SETTINGS = (
     ("gradient_accumulation_steps", "gradient_accumulation_steps",
      "ppo.mini_batch_size and ppo.micro_batch_size"),
     ("zero_optimization_stage", "zero_optimization.stage", "system.zero_stage"),
-    ("zero_config.offload_optimizer", "zero_optimization.offload_optimizer", "system.offload"),
-    ("zero_config.offload_param", "zero_optimization.offload_param",
+    ("zero_config.offload_optimizer.device", "zero_optimization.offload_optimizer.device",
+     "system.offload"),
+    ("zero_config.offload_param.device", "zero_optimization.offload_param.device",
      "system.offload or system.offload_reference"),
     ("bfloat16_config.enabled", "bf16.enabled", "system.dtype"),
     ("float16_config.enabled", "fp16.enabled", "system.dtype"),
@@ -341,6 +342,35 @@ OWNED_SETTINGS = (
     ("load_universal_checkpoint", "checkpoint.load_universal",
      "checkpoint.resume (oppo-ds loads its own checkpoints)"),
 )
+# the sections of those entries whose whole value another key sets, as written (of an
+# offload section only the device is: its pin_memory, buffer_count are the user's)
+_OWNED_SECTIONS = ("optimizer", "scheduler")
+# DeepSpeed's older names of owned entries: refused by name (the check compares the actor's
+# config, and another engine's could read them otherwise)
+_OLD_NAMES = {"bfloat16": "bf16", "zero_optimization.cpu_offload": "zero_optimization."
+              "offload_optimizer", "zero_optimization.cpu_offload_param": "zero_optimization."
+              "offload_param", "zero_optimization.cpu_offload_use_pin_memory":
+              "zero_optimization.offload_optimizer.pin_memory"}
+
+
+def without_owned(overrides: dict) -> dict:
+    """``overrides`` without the entries another key sets (``OWNED_SETTINGS``, as written):
+    what is merged into each engine's config. The check accepted them only where they restate
+    the actor's settings, and other engines have their own (the critic no hybrid engine, an
+    evaluation's actor and the partitioned reference their own stage, offload and batch
+    sizes)."""
+    drop = [entry.split(".") for _, entry, _ in OWNED_SETTINGS] + \
+        [section.split(".") for section in _OWNED_SECTIONS]
+
+    def keep(node: dict, path: list[str]) -> dict:
+        out = {}
+        for key, value in node.items():
+            here = path + [key]
+            if here in drop:
+                continue
+            out[key] = keep(value, here) if isinstance(value, dict) else value
+        return out
+    return keep(overrides, [])
 
 
 class _OneRank:
@@ -352,29 +382,31 @@ class _OneRank:
         return 1
 
 
-def deepspeed_overrides_problem(overrides: dict, *, zero_stage: int, offload: bool,
-                                dtype: str, partition_reference: bool = False,
-                                offload_reference: bool = False) -> str | None:
+def deepspeed_overrides_problem(overrides: dict, trained: dict,
+                                others: list[dict] = ()) -> str | None:
     """Why ``overrides`` (``system.deepspeed_config``) cannot be merged into the configs
-    built here, or None. Each config the run may build (the actor's and critic's, the
-    actor's for an evaluation, the partitioned reference's) is parsed by DeepSpeed with and
-    without them: an error is DeepSpeed refusing an entry (its pydantic check of a section,
-    its own ValueErrors), and a parsed setting that differs is one another key decides
-    (``OWNED_SETTINGS``). A top-level key DeepSpeed does not read is an error when it is
-    spelled nearly as one it reads (a typo), else a warning (once per process, on the first
-    rank): DeepSpeed ignores such keys, and some are read by its parts outside the check."""
+    built here, or None. ``trained``: the actor's and critic's config as built for one rank
+    from the run's keys; ``others``: those of models that do not train, which get the
+    overrides ``without_owned``. Each is parsed by DeepSpeed with the overrides: an error is
+    DeepSpeed refusing an entry (its pydantic check of a section, its own ValueErrors). The
+    trained config is also parsed without them, and a setting of ``OWNED_SETTINGS`` that
+    differs is one another key decides. A top-level key DeepSpeed does not read is an error
+    when it is spelled nearly as one it reads (a typo), else a warning (once per process, on
+    the first rank): DeepSpeed ignores such keys, and some are read by its parts outside the
+    check."""
     import difflib
 
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    configs = [build_ds_config(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-                               world_size=1, zero_stage=zero_stage, offload=offload, dtype=dtype,
-                               grad_clip=1.0),
-               build_inference_ds_config(zero_stage=3 if zero_stage == 3 else 0,
-                                         offload=offload and zero_stage == 3, dtype=dtype)]
-    if partition_reference:
-        configs.append(build_inference_ds_config(zero_stage=3, offload=offload_reference,
-                                                 dtype=dtype))
+    if "zero_optimization" in overrides and not isinstance(overrides["zero_optimization"], dict):
+        return ("zero_optimization must be a mapping of ZeRO's entries (DeepSpeed's old form "
+                f"{overrides['zero_optimization']!r} sets the stage, which system.zero_stage sets)")
+    for old, new in _OLD_NAMES.items():
+        node = overrides
+        for part in old.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            return f"{old} is DeepSpeed's old name of {new}: write {new}"
     read: set[str] = set()
 
     class _Reading(dict):  # the top-level keys DeepSpeed's config reader asks for
@@ -390,18 +422,19 @@ def deepspeed_overrides_problem(overrides: dict, *, zero_stage: int, offload: bo
             read.add(key)
             return super().__contains__(key)
 
-    for built in configs:
+    parsed = []
+    for built, entries in [(trained, overrides)] + [(c, without_owned(overrides)) for c in others]:
         try:
-            merged = DeepSpeedConfig(_Reading(merged_config(built, overrides, log=False)),
-                                     mpu=_OneRank())
+            parsed.append(DeepSpeedConfig(_Reading(merged_config(built, entries, log=False)),
+                                          mpu=_OneRank()))
         except Exception as err:  # pydantic's ValidationError, DeepSpeed's own ValueErrors
             return f"DeepSpeed refuses it: {type(err).__name__}: {' '.join(str(err).split())}"
-        own = DeepSpeedConfig(built, mpu=_OneRank())
-        for attribute, entry, key in OWNED_SETTINGS:
-            given, set_here = _attribute(merged, attribute), _attribute(own, attribute)
-            if given != set_here:
-                return (f"{entry} is set by {key} ({_shown(set_here)} here, {_shown(given)} "
-                        f"as DeepSpeed reads the entries given): set it there")
+    own = DeepSpeedConfig(trained, mpu=_OneRank())
+    for attribute, entry, key in OWNED_SETTINGS:
+        given, set_here = _attribute(parsed[0], attribute), _attribute(own, attribute)
+        if given != set_here:
+            return (f"{entry} is set by {key} ({_shown(set_here)} here, {_shown(given)} as "
+                    f"DeepSpeed reads the entries given): set it there")
     for key in sorted(set(overrides) - read):
         close = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.9)
         if close:
@@ -414,17 +447,17 @@ def deepspeed_overrides_problem(overrides: dict, *, zero_stage: int, offload: bo
 
 
 def _shown(value) -> str:
-    """A parsed setting in a few words (an offload section by its device)."""
-    if value is None:
-        return "none"
-    device = getattr(value, "device", None)
-    return f"device {getattr(device, 'value', device)}" if device is not None else repr(value)
+    return "none" if value is None else repr(value)
 
 
 def _attribute(obj, path: str):
+    """The setting at ``path`` of a parsed DeepSpeedConfig; an enum by its value, and an
+    offload device of "none" as None (no offload section)."""
     for part in path.split("."):
         obj = getattr(obj, part, None)
-    return obj
+    obj = getattr(obj, "value", obj)
+    return None if obj == "none" else obj
 
 
 _WARNED: set[str] = set()
+_MISSING = object()

@@ -79,6 +79,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
                       evaluating: bool) -> Models:
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
+    from .ds_config import without_owned
 
     p, s = cfg.ppo, cfg.system
     if s.dtype == "fp16" and not torch.cuda.is_available():
@@ -88,8 +89,12 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     on = build_device(s.zero_stage)  # where a model built from config is made
     actor_model = prepare_trained(
         disable_dropout(build_causal_lm(src.actor, device=on, **common)), cfg, "actor")
+    # system.deepspeed_config less what other keys set: the check took those only where they
+    # restate the actor's settings, and the critic (no hybrid engine), an evaluation's actor
+    # and the partitioned reference have their own
+    entries = without_owned(s.deepspeed_config) if s.deepspeed_config else None
     engine_args = dict(engine_args, grad_accum_dtype=s.grad_accum_dtype,
-                       ds_config_overrides=s.deepspeed_config)
+                       ds_config_overrides=entries)
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, weights_only=evaluating,
                                  **engine_args)
@@ -110,8 +115,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         reference = None  # on the scorer rank, or the KL is off, or an evaluation
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
-                                        offload=s.offload_reference,
-                                        overrides=s.deepspeed_config)
+                                        offload=s.offload_reference, overrides=entries)
     else:
         reference = prepare_frozen(build_causal_lm(src.reference, device=on, **common), s.dtype,
                                    device)

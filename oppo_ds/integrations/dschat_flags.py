@@ -251,13 +251,17 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     for name, key in switches.items():
         if flags.get(name):
             put(key, True)
-    hybrid = "system.deepspeed_config.hybrid_engine."  # as DeepSpeed-Chat writes its section
-    if flags.get("unpin_actor_parameters"):
-        put(hybrid + "pin_parameters", False)
-    if flags.get("release_inference_cache"):
-        put(hybrid + "release_inference_cache", True)
-    if "tp_gather_partition_size" in flags:
-        put(hybrid + "tp_gather_partition_size", flags["tp_gather_partition_size"])
+    hybrid = {"unpin_actor_parameters": ("pin_parameters", False),
+              "release_inference_cache": ("release_inference_cache", True),
+              "tp_gather_partition_size": ("tp_gather_partition_size", None)}
+    for name, (entry, value) in hybrid.items():  # as DeepSpeed-Chat writes its section
+        if flags.get(name) in (None, False):
+            continue
+        if not flags.get("enable_hybrid_engine"):
+            warnings.append(f"--{name} has no effect without --enable_hybrid_engine")
+            continue
+        put(f"system.deepspeed_config.hybrid_engine.{entry}",
+            flags[name] if value is None else value)
     if "data_path" in flags:
         # DeepSpeed-Chat's prompts carry their own format ("\n\nHuman: ... \n\nAssistant:") and
         # it tokenizes them as they are; a chat template would wrap them in a second one
