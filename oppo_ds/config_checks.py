@@ -86,18 +86,22 @@ def _check_deepspeed_entries(cfg) -> None:
                                     deepspeed_overrides_problem)
 
     p, s = cfg.ppo, cfg.system
+    # built for one rank, which inference_tp_size need not divide: its value is set after
+    hybrid = dict(hybrid_engine=s.hybrid_engine, inference_tp_size=1)
     trained = build_ds_config(
         train_micro_batch_size_per_gpu=p.micro_batch_size,
         gradient_accumulation_steps=max(1, p.mini_batch_size // p.micro_batch_size),
         world_size=1, zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,
-        grad_clip=p.grad_clip, hybrid_engine=s.hybrid_engine,
-        inference_tp_size=s.inference_tp_size, grad_accum_dtype=s.grad_accum_dtype)
-    others = [build_inference_ds_config(  # an evaluation's actor (oppo-train --evaluate)
+        grad_clip=p.grad_clip, grad_accum_dtype=s.grad_accum_dtype, **hybrid)
+    evaluating = build_inference_ds_config(  # an evaluation's actor (oppo-train --evaluate)
         zero_stage=3 if s.zero_stage == 3 else 0, offload=s.offload and s.zero_stage == 3,
-        dtype=s.dtype, hybrid_engine=s.hybrid_engine, inference_tp_size=s.inference_tp_size)]
+        dtype=s.dtype, **hybrid)
+    for config in (trained, evaluating) if s.hybrid_engine else ():
+        config["hybrid_engine"]["inference_tp_size"] = s.inference_tp_size
+    others = [(evaluating, 3 if s.zero_stage == 3 else 0)]
     if s.partition_reference:
-        others.append(build_inference_ds_config(zero_stage=3, offload=s.offload_reference,
-                                                dtype=s.dtype))
+        others.append((build_inference_ds_config(zero_stage=3, offload=s.offload_reference,
+                                                 dtype=s.dtype), 3))
     problem = deepspeed_overrides_problem(s.deepspeed_config, trained, others)
     require(problem is None, "system.deepspeed_config", str(problem))
 

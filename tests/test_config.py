@@ -432,7 +432,7 @@ def test_deepspeed_config_entries_that_restate_a_key_or_tune_its_section_are_tak
     options (pin_memory) are the user's; entries another key sets are left out of every
     engine's config (the critic has no hybrid engine, the partitioned reference its own
     stage), the rest goes into each."""
-    from oppo_ds.engines.ds_config import without_owned
+    from oppo_ds.engines.ds_config import engine_entries, without_owned
 
     with pytest.raises(ConfigError, match="needs backend: deepspeed, got backend: megatron"):
         load_config(None, ["system.backend=megatron", f"{DS}={{overlap_comm: true}}"])
@@ -444,6 +444,22 @@ def test_deepspeed_config_entries_that_restate_a_key_or_tune_its_section_are_tak
     assert without_owned(cfg.system.deepspeed_config) == {
         "zero_optimization": {"offload_optimizer": {"pin_memory": False}},
         "hybrid_engine": {"pin_parameters": False}}
+    # the hybrid engine's tensor parallel over more ranks than the check's one
+    load_config(None, ["system.hybrid_engine=true", "system.inference_tp_size=2",
+                       f"{DS}={{communication_data_type: fp32}}"])
+    # an entry of ZeRO-1/2 alone: the evaluation's stage-0 actor is built without ZeRO's
+    cfg = load_config(None, ["system.zero_stage=2", "ppo.grad_clip=0",
+                             f"{DS}={{zero_optimization: {{compute_grad_norm: false}}, "
+                             "communication_data_type: fp32}"])
+    assert engine_entries(cfg.system.deepspeed_config, 0) == {"communication_data_type": "fp32"}
+    assert engine_entries(cfg.system.deepspeed_config, 2) == cfg.system.deepspeed_config
+    # options of an offload section that offloads nothing change nothing
+    load_config(None, ["system.zero_stage=1",
+                       f"{DS}={{zero_optimization: {{offload_optimizer: {{pin_memory: false}}}}}}"])
+    # but part of the optimizer stepped by DeepSpeed's own AdamW is another optimizer
+    with pytest.raises(ConfigError, match="offload_optimizer.ratio is set by system.offload"):
+        load_config(None, ["system.zero_stage=3", "system.offload=true",
+                           f"{DS}={{zero_optimization: {{offload_optimizer: {{ratio: 0.5}}}}}}"])
 
 
 def test_deepspeed_config_entries_are_read_as_numbers_and_unknown_keys_warned(caplog):

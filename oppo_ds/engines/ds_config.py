@@ -307,9 +307,9 @@ def merged_config(base: dict, overrides: dict, log: bool = True, path: str = "")
 
 
 # what other keys decide, as DeepSpeed's parsed config holds it: (attribute path, the entry
-# as written in DeepSpeed's JSON, the key that sets it). Compared parsed, so that DeepSpeed's
-# aliases (`bfloat16`, `zero_optimization.cpu_offload`, a bare `zero_optimization: true`)
-# are caught as well as the entries themselves
+# as written in DeepSpeed's JSON, the key that sets it). Compared parsed, so that an entry
+# restating the run's value is taken; DeepSpeed's older names are refused by name first
+# (``_OLD_NAMES``)
 OWNED_SETTINGS = (
     ("train_batch_size", "train_batch_size", "ppo.mini_batch_size (per rank here)"),
     ("train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu", "ppo.micro_batch_size"),
@@ -320,6 +320,12 @@ OWNED_SETTINGS = (
      "system.offload"),
     ("zero_config.offload_param.device", "zero_optimization.offload_param.device",
      "system.offload or system.offload_reference"),
+    # a ratio under 1 steps part of the partitions with a torch AdamW of DeepSpeed's, whose
+    # learning rate the schedule never moves; super_offload swaps in another optimizer
+    ("zero_config.offload_optimizer.ratio", "zero_optimization.offload_optimizer.ratio",
+     "system.offload (the whole optimizer is offloaded)"),
+    ("zero_config.offload_optimizer.super_offload",
+     "zero_optimization.offload_optimizer.super_offload", "system.offload (DeepSpeedCPUAdam)"),
     ("bfloat16_config.enabled", "bf16.enabled", "system.dtype"),
     ("float16_config.enabled", "fp16.enabled", "system.dtype"),
     ("bfloat16_config.bf16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads",
@@ -373,6 +379,17 @@ def without_owned(overrides: dict) -> dict:
     return keep(overrides, [])
 
 
+def engine_entries(overrides: dict, zero_stage: int) -> dict:
+    """What an engine at ZeRO ``zero_stage`` gets of ``system.deepspeed_config``: the entries
+    ``without_owned``, and at stage 0 none of ZeRO's section (its entries are for stages
+    1-3, and DeepSpeed refuses some at 0): an evaluation's actor of a ZeRO-1/2 run is built
+    at stage 0."""
+    out = without_owned(overrides)
+    if zero_stage == 0:
+        out.pop("zero_optimization", None)
+    return out
+
+
 class _OneRank:
     """An ``mpu`` for DeepSpeedConfig: one data-parallel rank, as the configs checked here
     are built for (it asks torch.distributed otherwise, once that is up)."""
@@ -383,11 +400,12 @@ class _OneRank:
 
 
 def deepspeed_overrides_problem(overrides: dict, trained: dict,
-                                others: list[dict] = ()) -> str | None:
+                                others: list[tuple[dict, int]] = ()) -> str | None:
     """Why ``overrides`` (``system.deepspeed_config``) cannot be merged into the configs
-    built here, or None. ``trained``: the actor's and critic's config as built for one rank
-    from the run's keys; ``others``: those of models that do not train, which get the
-    overrides ``without_owned``. Each is parsed by DeepSpeed with the overrides: an error is
+    built here, or None. ``trained``: the actor's config as built for one rank from the
+    run's keys (the critic's is the same without the hybrid engine); ``others``: (config,
+    ZeRO stage) of models that do not train, which get the ``engine_entries`` of that stage.
+    Each is parsed by DeepSpeed with the overrides: an error is
     DeepSpeed refusing an entry (its pydantic check of a section, its own ValueErrors). The
     trained config is also parsed without them, and a setting of ``OWNED_SETTINGS`` that
     differs is one another key decides. A top-level key DeepSpeed does not read is an error
@@ -423,7 +441,8 @@ def deepspeed_overrides_problem(overrides: dict, trained: dict,
             return super().__contains__(key)
 
     parsed = []
-    for built, entries in [(trained, overrides)] + [(c, without_owned(overrides)) for c in others]:
+    given = [(trained, overrides)] + [(c, engine_entries(overrides, st)) for c, st in others]
+    for built, entries in given:
         try:
             parsed.append(DeepSpeedConfig(_Reading(merged_config(built, entries, log=False)),
                                           mpu=_OneRank()))
@@ -451,10 +470,14 @@ def _shown(value) -> str:
 
 
 def _attribute(obj, path: str):
-    """The setting at ``path`` of a parsed DeepSpeedConfig; an enum by its value, and an
-    offload device of "none" as None (no offload section)."""
+    """The setting at ``path`` of a parsed DeepSpeedConfig, an enum by its value; None under
+    an offload section whose device is "none" (as no section: options given for one that
+    offloads nothing change nothing)."""
     for part in path.split("."):
         obj = getattr(obj, part, None)
+        device = getattr(obj, "device", None)
+        if getattr(device, "value", device) == "none":
+            return None
     obj = getattr(obj, "value", obj)
     return None if obj == "none" else obj
 

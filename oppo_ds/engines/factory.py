@@ -79,7 +79,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
                       evaluating: bool) -> Models:
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
-    from .ds_config import without_owned
+    from .ds_config import engine_entries
 
     p, s = cfg.ppo, cfg.system
     if s.dtype == "fp16" and not torch.cuda.is_available():
@@ -92,7 +92,8 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
     # system.deepspeed_config less what other keys set: the check took those only where they
     # restate the actor's settings, and the critic (no hybrid engine), an evaluation's actor
     # and the partitioned reference have their own
-    entries = without_owned(s.deepspeed_config) if s.deepspeed_config else None
+    entries = {} if not s.deepspeed_config else engine_entries(
+        s.deepspeed_config, (3 if s.zero_stage == 3 else 0) if evaluating else s.zero_stage)
     engine_args = dict(engine_args, grad_accum_dtype=s.grad_accum_dtype,
                        ds_config_overrides=entries)
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
@@ -115,7 +116,8 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         reference = None  # on the scorer rank, or the KL is off, or an evaluation
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
-                                        offload=s.offload_reference, overrides=entries)
+                                        offload=s.offload_reference,
+                                        overrides=engine_entries(s.deepspeed_config or {}, 3))
     else:
         reference = prepare_frozen(build_causal_lm(src.reference, device=on, **common), s.dtype,
                                    device)
