@@ -405,9 +405,9 @@ def deepspeed_overrides_problem(overrides: dict, trained: dict,
     built here, or None. ``trained``: the actor's config as built for one rank from the
     run's keys (the critic's is the same without the hybrid engine); ``others``: (config,
     ZeRO stage) of models that do not train, which get the ``engine_entries`` of that stage.
-    Each is parsed by DeepSpeed with the overrides: an error is
-    DeepSpeed refusing an entry (its pydantic check of a section, its own ValueErrors). The
-    trained config is also parsed without them, and a setting of ``OWNED_SETTINGS`` that
+    Each is parsed by DeepSpeed with the overrides: an error is DeepSpeed refusing an entry
+    (its pydantic check of a section, its own ValueErrors). The trained config is also
+    parsed without them, and a setting of ``OWNED_SETTINGS`` that
     differs is one another key decides. A top-level key DeepSpeed does not read is an error
     when it is spelled nearly as one it reads (a typo), else a warning (once per process, on
     the first rank): DeepSpeed ignores such keys, and some are read by its parts outside the
@@ -441,8 +441,8 @@ def deepspeed_overrides_problem(overrides: dict, trained: dict,
             return super().__contains__(key)
 
     parsed = []
-    given = [(trained, overrides)] + [(c, engine_entries(overrides, st)) for c, st in others]
-    for built, entries in given:
+    configs = [(trained, overrides)] + [(c, engine_entries(overrides, st)) for c, st in others]
+    for built, entries in configs:
         try:
             parsed.append(DeepSpeedConfig(_Reading(merged_config(built, entries, log=False)),
                                           mpu=_OneRank()))
