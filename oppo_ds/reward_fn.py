@@ -15,10 +15,10 @@ field, for every row when the function names a field no row of the batch has), a
 passes a data set's columns. Accept ``**kwargs`` to ignore fields. A score
 that is not a finite number stops the run naming the function and the response.
 
-An ``async def`` function is awaited. A list of functions (``RewardFunctions``) scores with
-their weighted sum, as TRL's list of ``reward_funcs`` with ``reward_weights``: one of several
-may return None for a response it does not apply to (0 in the sum), but each response needs a
-number from at least one.
+An ``async def`` function is awaited (those of a list together). A list of functions
+(``RewardFunctions``) scores with their weighted sum, as TRL's list of ``reward_funcs`` with
+``reward_weights``: one of several may return None for a response it does not apply to (0 in
+the sum), but each response needs a number from at least one.
 """
 from __future__ import annotations
 
@@ -52,13 +52,21 @@ def load_reward_function(spec: str) -> Callable:
         if not os.path.isfile(where):
             raise ConfigError(KEY, f"{where}: no such file")
         module_name = "oppo_reward_fn_" + os.path.splitext(os.path.basename(where))[0]
-        loader = importlib.util.spec_from_file_location(module_name, where)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module  # so that pickling and dataclasses in it work
-        try:
-            loader.loader.exec_module(module)
-        except Exception as err:
-            raise ConfigError(KEY, f"{where}: loading it failed: {type(err).__name__}: {err}") from err
+        module, stamp = sys.modules.get(module_name), (os.path.abspath(where),
+                                                        os.stat(where).st_mtime_ns)
+        # two functions of one file share its module (its state: a client, a cache, an
+        # event), as two of one importable module do; a file changed since is loaded again
+        if getattr(module, "_oppo_loaded_from", None) != stamp:
+            loader = importlib.util.spec_from_file_location(module_name, os.path.abspath(where))
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[module_name] = module  # so that pickling and dataclasses in it work
+            module._oppo_loaded_from = stamp
+            try:
+                loader.loader.exec_module(module)
+            except Exception as err:
+                del sys.modules[module_name]
+                raise ConfigError(KEY, f"{where}: loading it failed: {type(err).__name__}: "
+                                       f"{err}") from err
     else:
         try:
             module = importlib.import_module(where)
@@ -114,27 +122,29 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
         loop.close()
 
 
-def _awaited(awaitable) -> Any:
-    """What ``awaitable`` gives, run on the process's one event loop (``_event_loop``): a
-    client an async function opened on its first call (an HTTP session's pool) is bound to
+def _awaited(awaitables: list) -> list:
+    """What each of ``awaitables`` gives, or the exception it raised, run together on the
+    process's one event loop (``_event_loop``), as TRL gathers its async reward functions:
+    a client an async function opened on its first call (an HTTP session's pool) is bound to
     the loop it ran in, and a loop per call (``asyncio.run``) would be closed under it at
     the second; the caller's own running loop (a notebook's) is not touched. The caller's
-    CUDA device and grad mode, which are per thread, go with it."""
+    CUDA device and grad mode, which are per thread, go with them."""
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     grad = torch.is_grad_enabled()
 
-    async def result():
+    async def results():
         if device is not None:
             torch.cuda.set_device(device)
         with torch.set_grad_enabled(grad):
-            return await awaitable
-    return asyncio.run_coroutine_threadsafe(result(), _event_loop()).result()
+            return await asyncio.gather(*awaitables, return_exceptions=True)
+    return asyncio.run_coroutine_threadsafe(results(), _event_loop()).result()
 
 
 class RewardFunction:
     """One function of ``model.reward_function`` loaded, called on decoded responses: (B,)
     float32 scores. ``allow_none``: a None score (one of several functions that does not
-    apply to the response) comes back as NaN."""
+    apply to the response) comes back as NaN. A call is ``start`` (what the function
+    returned, an awaitable for an ``async def`` one) and ``finish`` (the scores checked)."""
 
     def __init__(self, spec: str, allow_none: bool = False):
         self.spec = spec
@@ -144,19 +154,35 @@ class RewardFunction:
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
                  fields: Sequence[dict]) -> torch.Tensor:
+        call = self.start(prompts, completions, fields)
+        if inspect.isawaitable(call[0]):
+            call = (_awaited([call[0]])[0], call[1])
+        return self.finish(*call, completions)
+
+    def start(self, prompts: Sequence[Any], completions: Sequence[str],
+              fields: Sequence[dict]) -> tuple[Any, list[str]]:
+        """(what the function returned, the field names it was given)."""
         names = sorted({k for f in fields for k in f} - {"prompts", "completions"})
         # a field the function names but no row of this batch has: None for each row, as
         # for a row that lacks it (``answer`` of prompts without one)
         names += sorted(self.wants - set(names) - {"prompts", "completions"})
         columns = {k: [f.get(k) for f in fields] for k in names}
         try:
-            scores = self.fn(prompts=list(prompts), completions=list(completions), **columns)
-            if inspect.isawaitable(scores):  # an async function (TRL awaits them too)
-                scores = _awaited(scores)
+            return self.fn(prompts=list(prompts), completions=list(completions),
+                           **columns), names
         except Exception as err:  # the user's code: say whose it was, keep its traceback
-            raise RewardFunctionError(f"{KEY} {self.spec} raised {type(err).__name__}: {err} "
-                                      f"(scoring {len(completions)} responses; their fields: "
-                                      f"{', '.join(names) or 'none'})") from err
+            raise self._raised(err, completions, names) from err
+
+    def _raised(self, err: BaseException, completions, names) -> "RewardFunctionError":
+        return RewardFunctionError(f"{KEY} {self.spec} raised {type(err).__name__}: {err} "
+                                   f"(scoring {len(completions)} responses; their fields: "
+                                   f"{', '.join(names) or 'none'})")
+
+    def finish(self, scores: Any, names: list[str], completions: Sequence[str]) -> torch.Tensor:
+        """The scores the function returned (or the exception its awaitable raised),
+        checked: one finite number per response (None allowed with ``allow_none``)."""
+        if isinstance(scores, BaseException):
+            raise self._raised(scores, completions, names) from scores
         try:
             scores = list(scores)
         except TypeError:
@@ -203,7 +229,20 @@ class RewardFunctions:
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
                  fields: Sequence[dict], *, record: bool = False) -> torch.Tensor:
         """The responses' scores; ``record``: add each function's to ``totals``."""
-        parts = torch.stack([term(prompts, completions, fields) for term in self.terms], 1)
+        calls = []
+        try:
+            for term in self.terms:
+                calls.append(term.start(prompts, completions, fields))
+        except RewardFunctionError:  # the coroutines of the functions before it never run
+            for result, _ in calls:
+                getattr(result, "close", lambda: None)()
+            raise
+        waiting = [i for i, (result, _) in enumerate(calls) if inspect.isawaitable(result)]
+        for i, result in zip(waiting, _awaited([calls[i][0] for i in waiting]) if waiting
+                             else ()):  # async functions run together, as TRL runs them
+            calls[i] = (result, calls[i][1])
+        parts = torch.stack([term.finish(*call, completions)
+                             for term, call in zip(self.terms, calls)], 1)
         scored = ~parts.isnan()
         if record:
             self.totals[:, 0] += parts.nan_to_num(0.0).sum(0).double()

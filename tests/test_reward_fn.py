@@ -105,6 +105,30 @@ def test_an_async_function_is_awaited(tmp_path):
     assert module.GRAD == [False, False]
 
 
+def test_async_functions_of_a_list_run_together(tmp_path):
+    """Of several functions, the async ones are awaited together, as TRL gathers them: here
+    the first waits for what the second does, which one after the other would never see
+    (it would time out). Functions of one file share its module, as those of an importable
+    module do (each loaded the file afresh: two events). An error in one names it."""
+    path = tmp_path / "pair.py"
+    path.write_text("import asyncio\n"
+                    "SEEN = asyncio.Event()\n"
+                    "async def waits(completions, **_):\n"
+                    "    await asyncio.wait_for(SEEN.wait(), 10)\n"
+                    "    return [1.0 for _ in completions]\n"
+                    "async def tells(completions, **_):\n"
+                    "    SEEN.set()\n"
+                    "    return [2.0 for _ in completions]\n"
+                    "def plain(completions, **_):\n"
+                    "    return [4.0 for _ in completions]\n"
+                    "async def fails(completions, **_):\n"
+                    "    raise KeyError('gone')\n")
+    reward = RewardFunctions([f"{path}:waits", f"{path}:plain", f"{path}:tells"])
+    assert reward(["p"], ["a"], [{}]).tolist() == [7.0]
+    with pytest.raises(RewardFunctionError, match=f"{path}:fails raised KeyError: 'gone'"):
+        RewardFunctions([f"{path}:plain", f"{path}:fails"])(["p"], ["a"], [{}])
+
+
 def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
     def fn(prompts, completions, answer):
         raise KeyError("solution")
