@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -51,22 +52,30 @@ def load_reward_function(spec: str) -> Callable:
     if where.endswith(".py"):
         if not os.path.isfile(where):
             raise ConfigError(KEY, f"{where}: no such file")
-        module_name = "oppo_reward_fn_" + os.path.splitext(os.path.basename(where))[0]
-        module, stamp = sys.modules.get(module_name), (os.path.abspath(where),
-                                                        os.stat(where).st_mtime_ns)
+        path, info = os.path.abspath(where), os.stat(where)
+        module_name = (f"oppo_reward_fn_{os.path.splitext(os.path.basename(where))[0]}_"
+                       f"{hashlib.sha1(path.encode()).hexdigest()[:8]}")
+        before, stamp = sys.modules.get(module_name), (info.st_mtime_ns, info.st_size,
+                                                       info.st_ino)
         # two functions of one file share its module (its state: a client, a cache, an
         # event), as two of one importable module do; a file changed since is loaded again
-        if getattr(module, "_oppo_loaded_from", None) != stamp:
-            loader = importlib.util.spec_from_file_location(module_name, os.path.abspath(where))
+        module = before
+        if getattr(before, "_oppo_loaded_from", None) != stamp:
+            loader = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(loader)
             sys.modules[module_name] = module  # so that pickling and dataclasses in it work
-            module._oppo_loaded_from = stamp
             try:
                 loader.loader.exec_module(module)
-            except Exception as err:
-                del sys.modules[module_name]
+            except BaseException as err:  # a half-run file is not kept (nor reused)
+                if before is None:
+                    sys.modules.pop(module_name, None)
+                else:
+                    sys.modules[module_name] = before
+                if not isinstance(err, Exception):
+                    raise
                 raise ConfigError(KEY, f"{where}: loading it failed: {type(err).__name__}: "
                                        f"{err}") from err
+            module._oppo_loaded_from = stamp
     else:
         try:
             module = importlib.import_module(where)
@@ -132,11 +141,17 @@ def _awaited(awaitables: list) -> list:
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     grad = torch.is_grad_enabled()
 
+    async def one(awaitable):  # anything it raises is its result, named by its function
+        try:
+            return await awaitable
+        except BaseException as err:  # SystemExit too: it would end the loop's thread
+            return err
+
     async def results():
         if device is not None:
             torch.cuda.set_device(device)
         with torch.set_grad_enabled(grad):
-            return await asyncio.gather(*awaitables, return_exceptions=True)
+            return await asyncio.gather(*(one(a) for a in awaitables))
     return asyncio.run_coroutine_threadsafe(results(), _event_loop()).result()
 
 
@@ -233,9 +248,10 @@ class RewardFunctions:
         try:
             for term in self.terms:
                 calls.append(term.start(prompts, completions, fields))
-        except RewardFunctionError:  # the coroutines of the functions before it never run
+        except BaseException:  # the coroutines of the functions before it never run
             for result, _ in calls:
-                getattr(result, "close", lambda: None)()
+                if inspect.iscoroutine(result):
+                    result.close()
             raise
         waiting = [i for i, (result, _) in enumerate(calls) if inspect.isawaitable(result)]
         for i, result in zip(waiting, _awaited([calls[i][0] for i in waiting]) if waiting

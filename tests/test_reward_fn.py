@@ -100,7 +100,7 @@ def test_an_async_function_is_awaited(tmp_path):
     for _ in range(2):
         with torch.no_grad():  # as the trainer scores: the function's thread has it too
             assert reward(["p", "q"], ["ab", "c"], [{}, {}]).tolist() == [2.0, 1.0]
-    module = sys.modules["oppo_reward_fn_remote"]
+    module = sys.modules[reward.fn.__module__]
     assert len(module.LOOPS) == 2 and module.LOOPS[0] is module.LOOPS[1]
     assert module.GRAD == [False, False]
 
@@ -125,8 +125,20 @@ def test_async_functions_of_a_list_run_together(tmp_path):
                     "    raise KeyError('gone')\n")
     reward = RewardFunctions([f"{path}:waits", f"{path}:plain", f"{path}:tells"])
     assert reward(["p"], ["a"], [{}]).tolist() == [7.0]
-    with pytest.raises(RewardFunctionError, match=f"{path}:fails raised KeyError: 'gone'"):
+    with pytest.raises(RewardFunctionError, match=f"{path}:fails raised KeyError: 'gone'") as err:
         RewardFunctions([f"{path}:plain", f"{path}:fails"])(["p"], ["a"], [{}])
+    assert isinstance(err.value.__cause__, KeyError)  # its frames, as oppo-train prints them
+    # a sync function failing after an async one: that one's coroutine is closed, not left
+    # never awaited
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(completions, **_):\n    raise ValueError('no')\n")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would be one
+        with pytest.raises(RewardFunctionError, match="raised ValueError: no"):
+            RewardFunctions([f"{path}:tells", f"{broken}:f"])(["p"], ["a"], [{}])
+        import gc
+        gc.collect()
 
 
 def test_an_error_in_the_function_names_it_and_the_fields_it_was_given():
