@@ -407,11 +407,10 @@ def deepspeed_overrides_problem(overrides: dict, trained: dict,
     ZeRO stage) of models that do not train, which get the ``engine_entries`` of that stage.
     Each is parsed by DeepSpeed with the overrides: an error is DeepSpeed refusing an entry
     (its pydantic check of a section, its own ValueErrors). The trained config is also
-    parsed without them, and a setting of ``OWNED_SETTINGS`` that
-    differs is one another key decides. A top-level key DeepSpeed does not read is an error
-    when it is spelled nearly as one it reads (a typo), else a warning (once per process, on
-    the first rank): DeepSpeed ignores such keys, and some are read by its parts outside the
-    check."""
+    parsed without them, and a setting of ``OWNED_SETTINGS`` that differs is one another key
+    decides. A top-level key DeepSpeed does not read is an error when it is spelled nearly as
+    one it reads (a typo), else a warning (once per process, on the first rank): DeepSpeed
+    ignores such keys, and some are read by its parts outside the check."""
     import difflib
 
     from deepspeed.runtime.config import DeepSpeedConfig
