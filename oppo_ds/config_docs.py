@@ -53,7 +53,8 @@ def _class_doc(cls) -> str:
 def config_markdown() -> str:
     """The body of docs/config.md, generated from the dataclasses."""
     lines = ["# Configuration reference", "",
-             "Generated from `oppo_ds/config.py` (`ppo`: `oppo_ds/config_ppo.py`) by",
+             "Generated from `oppo_ds/config.py` (`ppo`: `oppo_ds/config_ppo.py`, `system`:",
+             "`oppo_ds/config_system.py`) by",
              "`python -m oppo_ds.config_docs`;",
              "a test fails when this page and the dataclasses disagree.", "",
              "Set keys in a YAML file (`oppo-train --config FILE`) or on the command line",
