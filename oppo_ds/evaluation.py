@@ -161,7 +161,8 @@ class Evaluating:
                     args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
                     scores = self.function_scores([p.id for p in prompts], gen, self.eval_rows) \
                         if self.reward_fn is not None else \
-                        self._micro_batched(lambda *a: sequence_scores(self.reward, *a), args)
+                        self._micro_batched(lambda *a: sequence_scores(
+                            self.reward, *a, self.cfg.system.packing_samples), args)
                 gold = torch.tensor(self._gold(gen)) if e.prompts == "builtin" else None
                 scores = self.normalized(scores)
                 records += text_records(self.tokenizer, [p.id for p in prompts], gen, scores, gold,

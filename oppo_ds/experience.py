@@ -120,32 +120,133 @@ def model_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> dict:
                 position_ids=position_ids_from_mask(attention_mask))
 
 
+def packed_inputs(prompt_ids, prompt_mask, response_ids,
+                  response_mask) -> tuple[dict, torch.Tensor]:
+    """The rows' real tokens packed, without padding, into as few rows as hold them, each as
+    wide as the longest sequence (``system.packing_samples``): (the model's inputs, (B, P + T)
+    where each column of the padded rows is in the packed ones, flattened).
+
+    Each sequence's positions start again at 0 and no attention mask is given, which is how
+    transformers' models (and ours under Megatron) tell packed sequences apart: a token
+    attends to the earlier tokens of its own sequence only, so each output is the one the
+    padded batch gives. Sequences go into rows first-fit, longest first; the rest of a row is
+    padding, a sequence of its own whose outputs are not read. No row is wider than the
+    padded batch and there are no more rows, so no forward costs more than the padded one,
+    masked attention over whole rows included. A padding column maps to a real token of its
+    own row."""
+    full = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    real = full["attention_mask"].bool()
+    columns = torch.arange(real.shape[1], device=real.device)
+    # the first and last real columns, and how many: one run of real tokens per row
+    spans = torch.stack([torch.where(real, columns, real.shape[1]).min(1).values,
+                         torch.where(real, columns, -1).max(1).values, real.sum(1)], 1)
+    starts, ends, lengths = (list(c) for c in zip(*spans.tolist()))
+    if any(e - s + 1 != n for s, e, n in zip(starts, ends, lengths)):
+        raise ValueError("packed_inputs: a row's real tokens are not one run (prompts must be "
+                         "left-padded and responses right-padded)")
+    width = max(lengths)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((b for b, left in enumerate(room) if left >= lengths[i]), None)
+        if fit is None:
+            bins.append([])
+            room.append(width)
+            fit = len(bins) - 1
+        bins[fit].append(i)
+        room[fit] -= lengths[i]
+    ids, device = full["input_ids"], full["input_ids"].device
+    packed_ids = ids.new_zeros(len(bins), width)
+    positions = torch.zeros(len(bins), width, dtype=torch.long, device=device)
+    index = torch.zeros(real.shape, dtype=torch.long, device=device)
+    for b, rows in enumerate(bins):
+        at = 0
+        for i in rows:
+            start, n = starts[i], lengths[i]
+            packed_ids[b, at:at + n] = ids[i, start:start + n]
+            positions[b, at:at + n] = torch.arange(n, device=device)
+            index[i] = b * width + at + (columns - start).clamp(0, n - 1)
+            at += n
+        positions[b, at:] = torch.arange(width - at, device=device)
+    return dict(input_ids=packed_ids, position_ids=positions, use_cache=False), index
+
+
+def packing_problem(forward, vocab_size: int, device, half: bool) -> Optional[str]:
+    """Why a model cannot take packed sequences (``system.packing_samples``), or None.
+    ``forward(inputs)``: the model's output (logits or values, (1, L, ...)) for
+    ``packed_inputs``-style inputs. Three short forwards: the outputs of a packed sequence
+    must not change with the tokens of the sequence before it (attention kept apart), nor
+    with where it sits in the row (positions taken from ``position_ids``); the tolerance is
+    rounding's, 1e-3 (fp32) or 3e-2 (bf16, fp16) of the largest output, far below what
+    attending to another sequence or a wrong position changes."""
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(vocab_size, (5,), generator=gen)
+    other = (first + 1) % max(vocab_size, 2)
+    second = torch.randint(vocab_size, (4,), generator=gen)
+
+    def run(*seqs):
+        inputs = dict(input_ids=torch.cat(seqs)[None].to(device), use_cache=False,
+                      position_ids=torch.cat([torch.arange(len(q)) for q in seqs])[None].to(device))
+        return forward(inputs)[0].float()
+
+    after, after_other, alone = run(first, second), run(other, second), run(second, first)
+    tolerance = (3e-2 if half else 1e-3) * (1 + float(after.abs().max()))
+    if float((after[5:] - after_other[5:]).abs().max()) > tolerance:
+        return ("the tokens of one packed sequence changed the outputs of the next: its "
+                "attention does not keep sequences apart by position_ids")
+    if float((after[5:] - alone[:4]).abs().max()) > tolerance:
+        return ("a packed sequence's outputs changed with where it sits in the row: the model "
+                "does not take its positions from position_ids")
+    return None
+
+
 def response_slice(prompt_len: int, response_len: int) -> slice:
     """Positions whose outputs predict (logits) or evaluate the state before (values) each
     response token: the output at position i looks at tokens [0..i]."""
     return slice(prompt_len - 1, prompt_len - 1 + response_len)
 
 
+def _outputs_at(model, field: str, prompt_ids, prompt_mask, response_ids, response_mask,
+                columns, packed: bool) -> torch.Tensor:
+    """The model's ``field`` output (``logits`` or ``values``) at ``columns`` of the padded
+    rows (a slice, or (B, K) column indices): (B, K, ...) from one forward of the padded batch
+    or, ``packed``, of its real tokens packed (``packed_inputs``). Outputs at padding columns are
+    those of some real token (finite, to be masked)."""
+    if not packed:
+        out = getattr(model(**model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)),
+                      field)
+        if isinstance(columns, slice):
+            return out[:, columns]
+        return out[torch.arange(out.shape[0], device=out.device)[:, None], columns]
+    inputs, index = packed_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    where = index[:, columns] if isinstance(columns, slice) else index.gather(1, columns)
+    return getattr(model(**inputs), field).flatten(0, 1)[where]
+
+
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, logits) of the response tokens under a causal LM: (B, T), (B, T, V)."""
-    inputs = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    logits = model(**inputs).logits[:, response_slice(prompt_ids.shape[1], response_ids.shape[1])]
+                      temperature: float,
+                      packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, logits) of the response tokens under a causal LM: (B, T), (B, T, V).
+    ``packed``: from one forward of the rows packed (``packed_inputs``)."""
+    logits = _outputs_at(model, "logits", prompt_ids, prompt_mask, response_ids, response_mask,
+                         response_slice(prompt_ids.shape[1], response_ids.shape[1]), packed)
     if temperature > 0:
         logits = logits / temperature
     return logprobs_from_logits(logits, response_ids), logits
 
 
-def response_values(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+def response_values(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                    packed: bool = False) -> torch.Tensor:
     """Per-token values (B, T) of a value-head model: V(prompt + response[:t])."""
-    inputs = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    values = model(**inputs).values
-    return values[:, response_slice(prompt_ids.shape[1], response_ids.shape[1])].float()
+    values = _outputs_at(model, "values", prompt_ids, prompt_mask, response_ids, response_mask,
+                         response_slice(prompt_ids.shape[1], response_ids.shape[1]), packed)
+    return values.float()
 
 
-def sequence_scores(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+def sequence_scores(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                    packed: bool = False) -> torch.Tensor:
     """Reward (B,): the value head at each sequence's last response token."""
-    inputs = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    values = model(**inputs).values.float()
     last = prompt_ids.shape[1] + response_mask.sum(1).long() - 1
-    return values.gather(1, last[:, None]).squeeze(1)
+    values = _outputs_at(model, "values", prompt_ids, prompt_mask, response_ids, response_mask,
+                         last[:, None], packed)
+    return values.float().squeeze(1)

@@ -205,7 +205,8 @@ class PPOUpdate:
         mask = self._loss_mask(mb)
         normalizer = normalizer(mask)
         logprobs, logits = response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                             mb.response_mask, self.cfg.generation.temperature)
+                                             mb.response_mask, self.cfg.generation.temperature,
+                                             packed=self.cfg.system.packing_samples)
         if p.entropy_coef != 0:  # a bonus, or (negative) a penalty: its gradient either way
             entropy = entropy_from_logits(logits)
         else:
@@ -260,7 +261,8 @@ class PPOUpdate:
         return loss + self.cfg.ppo.ptx_coef * ptx_loss, stats
 
     def _critic_loss(self, model, mb: Experience, normalizer):
-        values = response_values(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+        values = response_values(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                 mb.response_mask, packed=self.cfg.system.packing_samples)
         return clipped_value_loss(values, mb.old_values, mb.returns, mb.response_mask,
                                   self.cfg.ppo.value_clip_eps, normalizer)
 

@@ -270,6 +270,40 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             self.critic_send_s = 0.0
             if model_parallel_dp is not None and len(self.stage.senders) < self.actor_ranks:
                 self.replica = self._stage_replica()
+        if cfg.system.packing_samples:
+            self._check_packing()
+
+    def _check_packing(self) -> None:
+        """system.packing_samples: every model this rank runs over whole sequences takes
+        packed ones (``packing_problem``), or the run stops naming it. Every rank checks
+        alike, before the first step: the forwards of a ZeRO-3 or Megatron model are
+        collective."""
+        from .experience import packing_problem
+
+        def logits(model):
+            return lambda inputs: model(**inputs).logits
+
+        def values(model):
+            return lambda inputs: model(**inputs).values
+
+        def engine(wrapped, output):
+            return lambda inputs: wrapped.forward_no_grad(lambda m: output(m)(inputs))
+
+        models = {}
+        if not self.evaluating_only:
+            models["model.actor"] = engine(self.actor, logits)
+            if self.critic is not None:
+                models["model.critic"] = engine(self.critic, values)
+            if self.reference is not None:
+                models["model.reference"] = logits(self.reference)
+        if self.reward is not None:
+            models["model.reward"] = values(self.reward)
+        half = self.cfg.system.dtype != "fp32"
+        for key, forward in models.items():
+            with torch.no_grad():
+                problem = packing_problem(forward, len(self.tokenizer), self.device, half)
+            require(problem is None, "system.packing_samples",
+                    f"{key}: {problem}; set system.packing_samples: false for this model")
 
     def _build_rollout_state(self) -> None:
         """The sampling generators, the prompt streams, the chunk-size controller, the rollout
@@ -550,7 +584,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         what the streaming scorers already produced (``streamed``, by kind; ``actor``: the
         log-probs the actor's decode computed) is taken as is."""
         streamed = streamed or {}
-        temp = self.cfg.generation.temperature
+        temp, packed = self.cfg.generation.temperature, self.cfg.system.packing_samples
         args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
         # per row, from the rollout pool: None where nothing valid was streamed (a critic
         # value from before the last update, or a scorer that did not see the row)
@@ -569,20 +603,26 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                                          filler=args) if rows or kind in calls else None
             return _stack_rows(got, rows, scored, gen.response_ids.shape[1], gen.response_ids.device)
 
-        old_logprobs = streamed_or_scored(
-            "actor", lambda *a: self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp)[0]))
-        old_values = torch.zeros_like(gen.response_mask) if self.critic is None else streamed_or_scored(
-            "critic", lambda *a: self.critic.forward_no_grad(lambda m: response_values(m, *a)))
+        def actor_logprobs(*a):
+            return self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp, packed)[0])
+
+        def critic_values(*a):
+            return self.critic.forward_no_grad(lambda m: response_values(m, *a, packed))
+
+        old_logprobs = streamed_or_scored("actor", actor_logprobs)
+        old_values = torch.zeros_like(gen.response_mask) if self.critic is None else \
+            streamed_or_scored("critic", critic_values)
         # with the KL off there is no reference: its log-probs are the actor's, a KL of exactly 0
         ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
-            "reference", lambda *a: response_logprobs(self.reference, *a, temp)[0])
+            "reference", lambda *a: response_logprobs(self.reference, *a, temp, packed)[0])
         if self.reward_fn is not None:
             scores = self._replica_scores(
                 self.function_scores(keys, gen, self.prompt_rows, record=True,
                                      samples=self.cfg.data.samples_per_prompt > 1)
                 .to(gen.response_ids.device))
         else:
-            scores = self.normalized(streamed_or_scored("reward", lambda *a: sequence_scores(self.reward, *a)))
+            scores = self.normalized(streamed_or_scored(
+                "reward", lambda *a: sequence_scores(self.reward, *a, packed)))
         gold = None
         if self.builtin_prompts:
             gold = torch.tensor(self._gold(gen), dtype=torch.float32, device=gen.response_ids.device)

@@ -267,6 +267,10 @@ class MegatronModel(nn.Module):
         if use_cache and cache is None:
             from transformers import DynamicCache
             cache = DynamicCache()
+        # packed sequences (system.packing_samples), told apart as transformers does: no mask,
+        # no cache, and positions that start again at 0
+        segments = packed_segments(position_ids) \
+            if attention_mask is None and position_ids is not None and cache is None else None
         if attention_mask is not None:
             past = attention_mask.shape[1] - s
         else:
@@ -280,7 +284,7 @@ class MegatronModel(nn.Module):
         else:
             hidden = parallel.recv_from_prev_stage((s, n, self.shape.hidden), self.dtype,
                                                    input_ids.device, g)
-        mask = _attention_mask(attention_mask, s)
+        mask = _attention_mask(attention_mask, s) if segments is None else _packed_mask(segments)
         cos, sin = self._rotary(position_ids, hidden.dtype)
         recompute = self.recompute and torch.is_grad_enabled() and not use_cache
         for index, layer in enumerate(self.gpt.decoder.layers):
@@ -350,6 +354,21 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """(N, S) the number of the packed sequence each position belongs to: a new one starts
+    wherever the position is not the one before plus 1."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).long().cumsum(-1)
+
+
+def _packed_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(N, 1, S, S) boolean, True where a query may attend: a key at or before it in the same
+    packed sequence."""
+    s = segments.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    return (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
 
 
 def _attention_mask(padding: torch.Tensor, s: int) -> torch.Tensor:
