@@ -50,14 +50,14 @@ class SystemConfig:
     sequences (OpenRLHF's --packing_samples, verl's use_remove_padding): the PPO update's
     forwards and backwards of actor and critic, and the old log-probs, reference log-probs,
     values and reward scores computed after the rollout (an evaluation's scores too). They go
-    into rows as wide as the longest sequence, first-fit: with long-tailed responses about half
-    the padded tokens, and never a wider or taller forward (docs/memory.md). The outputs are
-    the padded batch's up to rounding. A sequence attends to itself only: its positions start
-    again at 0 and no attention mask is given, as transformers' architectures (and the
-    Megatron models) tell packed sequences apart, flash-attention-2 as variable-length ones.
+    into rows as wide as the longest sequence, first-fit: with long-tailed responses about
+    half the padded tokens, and never a wider or taller forward (docs/memory.md). The outputs
+    are the padded batch's up to rounding. A sequence attends to itself only: its positions
+    start again at 0 and no attention mask is given, as transformers' architectures under
+    their default attention, sdpa, (and the Megatron models) tell packed sequences apart.
     Checked at start with a forward of each model, which stops the run when one lets packed
-    sequences see each other. The decode and the streaming scorers, on KV caches, are as
-    before."""
+    sequences see each other (code of a checkpoint's own, flash-attention-2 with several
+    rows). The decode and the streaming scorers, on KV caches, are as before."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training and inference precision."""
     grad_accum_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

@@ -134,6 +134,8 @@ def packed_inputs(prompt_ids, prompt_mask, response_ids,
     padded batch and there are no more rows, so no forward costs more than the padded one,
     masked attention over whole rows included. A padding column maps to a real token of its
     own row."""
+    if prompt_ids.shape[0] == 0:
+        raise ValueError("packed_inputs: no rows to pack")
     full = model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     real = full["attention_mask"].bool()
     columns = torch.arange(real.shape[1], device=real.device)
@@ -171,32 +173,42 @@ def packed_inputs(prompt_ids, prompt_mask, response_ids,
     return dict(input_ids=packed_ids, position_ids=positions, use_cache=False), index
 
 
+PACKING_PROBLEMS = (
+    "the tokens of one packed sequence changed the outputs of the next: its attention does not "
+    "keep sequences apart by position_ids",
+    "a packed sequence's outputs changed with where it sits in the row: the model does not take "
+    "its positions from position_ids",
+)
+
+
 def packing_problem(forward, vocab_size: int, device, half: bool) -> Optional[str]:
-    """Why a model cannot take packed sequences (``system.packing_samples``), or None.
-    ``forward(inputs)``: the model's output (logits or values, (1, L, ...)) for
-    ``packed_inputs``-style inputs. Three short forwards: the outputs of a packed sequence
-    must not change with the tokens of the sequence before it (attention kept apart), nor
-    with where it sits in the row (positions taken from ``position_ids``); the tolerance is
-    rounding's, 1e-3 (fp32) or 3e-2 (bf16, fp16) of the largest output, far below what
+    """Why a model cannot take packed sequences (``system.packing_samples``), or None: one of
+    ``PACKING_PROBLEMS``. ``forward(inputs)``: the model's output (logits or values,
+    (R, L, ...)) for ``packed_inputs``-style inputs.
+
+    One forward of three packed rows as ``packed_inputs`` makes them (several rows: under
+    flash-attention-2 transformers tells packed sequences apart in a batch of one row only):
+    sequences A then B, A' (other tokens) then B, and B then A. B's outputs must be the same
+    after A and after A' (attention kept apart), and the same after A as first in its row
+    (positions taken from ``position_ids``). The first comparison is of the same shapes and
+    should be exact; the second rounds differently. Tolerances: 1e-3 (fp32) or 1e-2 (bf16,
+    fp16) of the largest output for the first, 1e-3 or 3e-2 for the second, far below what
     attending to another sequence or a wrong position changes."""
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(vocab_size, (5,), generator=gen)
     other = (first + 1) % max(vocab_size, 2)
     second = torch.randint(vocab_size, (4,), generator=gen)
-
-    def run(*seqs):
-        inputs = dict(input_ids=torch.cat(seqs)[None].to(device), use_cache=False,
-                      position_ids=torch.cat([torch.arange(len(q)) for q in seqs])[None].to(device))
-        return forward(inputs)[0].float()
-
-    after, after_other, alone = run(first, second), run(other, second), run(second, first)
-    tolerance = (3e-2 if half else 1e-3) * (1 + float(after.abs().max()))
-    if float((after[5:] - after_other[5:]).abs().max()) > tolerance:
-        return ("the tokens of one packed sequence changed the outputs of the next: its "
-                "attention does not keep sequences apart by position_ids")
-    if float((after[5:] - alone[:4]).abs().max()) > tolerance:
-        return ("a packed sequence's outputs changed with where it sits in the row: the model "
-                "does not take its positions from position_ids")
+    rows = [(first, second), (other, second), (second, first)]
+    inputs = dict(
+        input_ids=torch.stack([torch.cat(r) for r in rows]).to(device), use_cache=False,
+        position_ids=torch.stack([torch.cat([torch.arange(len(q)) for q in r])
+                                  for r in rows]).to(device))
+    after, after_other, alone = forward(inputs).float()
+    scale = 1 + float(after.abs().max())
+    if float((after[5:] - after_other[5:]).abs().max()) > (1e-2 if half else 1e-3) * scale:
+        return PACKING_PROBLEMS[0]
+    if float((after[5:] - alone[:4]).abs().max()) > (3e-2 if half else 1e-3) * scale:
+        return PACKING_PROBLEMS[1]
     return None
 
 

@@ -277,8 +277,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         """system.packing_samples: every model this rank runs over whole sequences takes
         packed ones (``packing_problem``), or the run stops naming it. Every rank checks
         alike, before the first step: the forwards of a ZeRO-3 or Megatron model are
-        collective."""
-        from .experience import packing_problem
+        collective, and what one rank finds stops every rank."""
+        from .experience import PACKING_PROBLEMS, packing_problem
 
         def logits(model):
             return lambda inputs: model(**inputs).logits
@@ -299,11 +299,18 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         if self.reward is not None:
             models["model.reward"] = values(self.reward)
         half = self.cfg.system.dtype != "fp32"
-        for key, forward in models.items():
+        found = []  # per model: 0, or 1 + the index of its problem in PACKING_PROBLEMS
+        for forward in models.values():
             with torch.no_grad():
                 problem = packing_problem(forward, len(self.tokenizer), self.device, half)
-            require(problem is None, "system.packing_samples",
-                    f"{key}: {problem}; set system.packing_samples: false for this model")
+            found.append(0 if problem is None else 1 + PACKING_PROBLEMS.index(problem))
+        # agreed over every actor rank: a rank that stopped alone would leave the others
+        # waiting in the next collective
+        found = comm.all_reduce_ints(found, op=dist.ReduceOp.MAX)
+        for key, code in zip(models, found):
+            require(code == 0, "system.packing_samples",
+                    f"{key}: {PACKING_PROBLEMS[code - 1]}; set system.packing_samples: false "
+                    "for this model")
 
     def _build_rollout_state(self) -> None:
         """The sampling generators, the prompt streams, the chunk-size controller, the rollout

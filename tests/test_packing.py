@@ -51,6 +51,8 @@ def test_packed_inputs_hold_the_real_tokens_in_rows_as_wide_as_the_longest():
     full = torch.cat([prompt_ids, response_ids], 1)
     real = torch.cat([prompt_mask, response_mask.long()], 1).bool()
     assert torch.equal(ids.flatten()[index[real]], full[real])
+    with pytest.raises(ValueError, match="no rows to pack"):
+        packed_inputs(prompt_ids[:0], prompt_mask[:0], response_ids[:0], response_mask[:0])
     with pytest.raises(ValueError, match="not one run"):
         holed = prompt_mask.clone()
         holed[0, 2] = 0
@@ -152,6 +154,21 @@ class _OwnPositions(torch.nn.Module):
         return self.lm(input_ids=input_ids, position_ids=own, attention_mask=mask, **kwargs)
 
 
+class _OneRowOnly(torch.nn.Module):
+    """A model that tells packed sequences apart in a batch of one row only, as transformers'
+    flash-attention-2 path does (``_is_packed_sequence``); several rows get plain causal
+    attention, as ones for a mask gives."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        mask = None if input_ids.shape[0] == 1 else torch.ones_like(input_ids)
+        return self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                       **kwargs)
+
+
 def test_a_model_that_does_not_keep_packed_sequences_apart_is_found():
     gpt2 = random_lm("tiny-gpt2", VOCAB, seed=1)  # absolute positions: each one shows
 
@@ -166,6 +183,9 @@ def test_a_model_that_does_not_keep_packed_sequences_apart_is_found():
         value = sharpen(build_value_model("tiny-llama", vocab_size=VOCAB, seed=2), seed=12)
         assert packing_problem(lambda i: value(**i).values, VOCAB, cpu, half=False) is None
         assert packing_problem(logits(_OneMask(gpt2)), VOCAB, cpu, half=False) == (
+            "the tokens of one packed sequence changed the outputs of the next: its attention "
+            "does not keep sequences apart by position_ids")
+        assert packing_problem(logits(_OneRowOnly(gpt2)), VOCAB, cpu, half=True) == (
             "the tokens of one packed sequence changed the outputs of the next: its attention "
             "does not keep sequences apart by position_ids")
         assert packing_problem(logits(_OwnPositions(gpt2)), VOCAB, cpu, half=False) == (
