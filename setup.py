@@ -30,7 +30,7 @@ setup(
     ],
     extras_require={
         # the bench plot and the TRL peer are tested too
-        "test": ["pytest>=8", "pytest-timeout", "matplotlib", "trl==1.12.0",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "matplotlib", "trl==1.12.0",
                  "megatron-core==0.16.1", "wandb==0.31.0"],
         # the version oppo_ds/megatron/compat.py was checked against (its signature test)
         "megatron": ["megatron-core==0.16.1"],
