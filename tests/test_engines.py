@@ -780,11 +780,10 @@ def test_a_left_over_cpu_adam_build_lock_is_named_too(tmp_path):
     one may have the op loaded already) with the lock in place; the lock is named, and once
     it is removed the process goes on."""
     import select
+    import shutil
     import subprocess
     import sys
     import time
-
-    import shutil
 
     from torch.utils.cpp_extension import _get_build_directory
 
