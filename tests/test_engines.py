@@ -193,13 +193,57 @@ def test_grad_norm_is_reported_before_clipping_at_every_stage():
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
 
-def test_train_step_needs_exactly_gas_micro_batches():
-    engine = make_engine(micro_batch_size=2, gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
-        engine.train_step([fixed_batch(2)], lm_loss)
-    with pytest.raises(ValueError, match="got 3"):
-        engine.train_step([fixed_batch(2)] * 3, lm_loss)
-    assert engine.ds_engine.global_steps == 0
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
+                                          (1, "bf16")])
+def test_any_number_of_micro_batches_is_one_update(stage, dtype):
+    """Micro-batches sized by tokens (ppo.micro_batch_tokens) come in any number: three, then
+    one, on an engine of 2 accumulation steps are one update each (DeepSpeed counts
+    global_steps 1, then 2), whose gradient is the sum of the micro-batches' losses divided by
+    2, whatever their number: the same parameters as an engine of one step given that sum in
+    one micro-batch (1e-5 in fp32; in bf16, DeepSpeed's BF16 optimizer of ZeRO-1, within
+    bf16's rounding of the weights, 1/128 of their size). ZeRO-1 to 3 reduce at the call's
+    last micro-batch, not at DeepSpeed's own count. No micro-batch at all is refused."""
+    model = tiny_model("gpt2")
+    twin = copy.deepcopy(model)
+    # eps 1: the update is about lr * g
+    optim = dict(lr=1.0, eps=1.0, grad_clip=None, dtype=dtype)
+    counted = make_engine(model=model, zero_stage=stage, micro_batch_size=2,
+                          gradient_accumulation_steps=2, **optim)
+    summed = make_engine(model=twin, zero_stage=stage, micro_batch_size=6,
+                         gradient_accumulation_steps=1, **optim)
+    if dtype == "bf16":
+        assert type(counted.ds_engine.optimizer).__name__ == "BF16_Optimizer"
+    atol = 1e-5 if dtype == "fp32" else None
+
+    def half_of_the_sum(module, parts):
+        return sum(lm_loss(module, part)[0] for part in parts) / 2, {}
+
+    parts = split(fixed_batch(6), 3)
+    before = full_params(summed)
+    assert len(counted.train_step(parts, lm_loss)) == 3
+    summed.train_step([parts], half_of_the_sum)
+    assert counted.ds_engine.global_steps == summed.ds_engine.global_steps == 1
+    after = full_params(summed)
+    assert max((after[n] - before[n]).abs().max().item() for n in after) > 1e-3
+    _close_within(full_params(counted), after, atol)
+    counted.train_step(parts[:1], lm_loss)
+    summed.train_step([parts[:1]], half_of_the_sum)
+    assert counted.ds_engine.global_steps == summed.ds_engine.global_steps == 2
+    _close_within(full_params(counted), full_params(summed), atol)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        counted.train_step([], lm_loss)
+    assert counted.ds_engine.global_steps == 2
+
+
+def _close_within(got: dict, want: dict, atol: float | None) -> None:
+    """``assert_params_close`` at ``atol``; None: bf16's rounding, 1/128 of each weight's
+    largest."""
+    if atol is not None:
+        assert_params_close(got, want, atol=atol)
+        return
+    for name, value in want.items():
+        scale = value.float().abs().max().item()
+        assert (got[name].float() - value.float()).abs().max().item() <= scale / 128 + 1e-6, name
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -131,10 +131,13 @@ class TrainEngine(ABC):
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> list[dict]:
         """One optimizer update over a mini-batch.
 
-        For each micro-batch: ``loss, stats = loss_fn(model, micro_batch)``, backward.
-        The update (clipping, optimizer, LR scheduler) happens after the last micro-batch.
-        ``len(micro_batches)`` must equal ``gradient_accumulation_steps`` (``ValueError``
-        otherwise), so one call is always exactly one update.
+        For each micro-batch: ``loss, stats = loss_fn(model, micro_batch)``, backward of
+        ``loss / gradient_accumulation_steps``. The update (clipping, optimizer, LR scheduler)
+        happens after the last micro-batch, so one call is always exactly one update. Usually
+        there are ``gradient_accumulation_steps`` micro-batches; any number of at least one is
+        taken (micro-batches sized by tokens, ``ppo.micro_batch_tokens``), each loss still
+        divided by ``gradient_accumulation_steps``: ``algo.loss_normalizer`` accounts for that
+        divisor, not for the count. No micro-batch is a ``ValueError``.
 
         Returns:
             the ``stats`` dicts, one per micro-batch, in order.
@@ -201,8 +204,6 @@ class TrainEngine(ABC):
                                f"evaluation): it has no optimizer, so it cannot {what}")
 
     def _check_micro_batches(self, micro_batches: list) -> None:
-        """The rule of :meth:`train_step`: one call is exactly one update."""
-        if len(micro_batches) != self.gradient_accumulation_steps:
-            raise ValueError(f"train_step needs exactly gradient_accumulation_steps="
-                             f"{self.gradient_accumulation_steps} micro-batches, "
-                             f"got {len(micro_batches)}")
+        """The rule of :meth:`train_step`: one call is one update, of one micro-batch or more."""
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch, got none")

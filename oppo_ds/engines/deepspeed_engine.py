@@ -547,11 +547,15 @@ class DeepSpeedTrainEngine(TrainEngine):
         self._engine.train()
         all_stats = []
         for i, micro_batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            # the accumulation boundary is this call's last micro-batch, however many there
+            # are (DeepSpeed would count gradient_accumulation_steps of them): step() updates
+            # there only, and ZeRO reduces the gradients there. backward() divides by
+            # gradient_accumulation_steps either way.
+            self._engine.set_gradient_accumulation_boundary(last)
             loss, stats = loss_fn(self._engine, micro_batch)
-            # backward() divides by gradient_accumulation_steps; step() only updates at the
-            # accumulation boundary, i.e. after the last micro-batch of this call.
             self._engine.backward(loss)
-            if i == len(micro_batches) - 1 and self._untracked_grad_norm:
+            if last and self._untracked_grad_norm:
                 self._last_grad_norm = _total_grad_norm(self.module)
             self._engine.step()
             all_stats.append(stats)
