@@ -41,6 +41,8 @@ def check_across_sections(cfg) -> None:
     require(cfg.ppo.warmup_steps <= updates, "ppo.warmup_steps", (
         f"must be at most the run's optimizer updates, steps x ppo.ppo_epochs x "
         f"ppo.batch_size / ppo.mini_batch_size = {updates}, got {cfg.ppo.warmup_steps}"))
+    if cfg.ppo.micro_batch_tokens is not None:
+        _check_micro_batch_tokens(cfg)
     require(cfg.ppo.overlong_buffer_len <= cfg.generation.max_new_tokens,
             "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
             f"({cfg.generation.max_new_tokens}), got {cfg.ppo.overlong_buffer_len}")
@@ -65,6 +67,21 @@ def check_across_sections(cfg) -> None:
         require(cfg.workload.kind != "length_oracle", "eval.prompts",
                 "the length oracle's models have random weights and its responses end at "
                 "drawn lengths: there is nothing to evaluate; set eval.prompts: null")
+
+
+def _check_micro_batch_tokens(cfg) -> None:
+    """ppo.micro_batch_tokens holds one sequence of the longest, and under PPO-ptx the
+    pretraining block that goes with it into the same backward."""
+    from .ptx import ptx_block_len
+
+    longest = cfg.generation.max_prompt_len + cfg.generation.max_new_tokens
+    what = f"generation.max_prompt_len + max_new_tokens = {longest}"
+    if cfg.ppo.ptx_coef > 0:
+        longest += ptx_block_len(cfg)
+        what += f", plus a PPO-ptx block of {ptx_block_len(cfg)} (data.ptx_block_len)"
+    require(cfg.ppo.micro_batch_tokens >= longest, "ppo.micro_batch_tokens",
+            f"must hold one sequence of the longest, {what}: {longest}, got "
+            f"{cfg.ppo.micro_batch_tokens}")
 
 
 def _check_critic_free(cfg) -> None:

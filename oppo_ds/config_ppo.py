@@ -20,7 +20,22 @@ class PPOConfig:
     """Sequences per optimizer update, per rank (batch_size must be a multiple)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward, per rank: a memory knob only, it does not change the
-    gradient (token-level loss aggregation)."""
+    gradient (token-level loss aggregation). Also the rows of each no-grad forward that scores
+    the experience (old log-probs, values, reference, reward). With ppo.micro_batch_tokens the
+    update's micro-batches are sized by tokens instead, and this sets the engines' accumulation
+    steps (mini_batch_size / micro_batch_size), by which each micro-batch's loss is divided."""
+    micro_batch_tokens: Optional[int] = None
+    """Micro-batches of the PPO update sized by tokens (OpenRLHF's --use_dynamic_batch with
+    --train_max_tokens_per_gpu, verl's ppo_max_token_len_per_gpu): at most this many token
+    positions per forward/backward of actor and critic, per rank, padding included (rows x
+    their longest prompt + longest response, or the packed rows under
+    system.packing_samples). Each mini-batch is split, longest sequences first, into the
+    fewest micro-batches within the budget; every rank makes as many as the rank that needs
+    most. Like ppo.micro_batch_size it does not change the update (1e-5 in fp32, summation
+    order); train/micro_batches logs the count. Under PPO-ptx each sequence also counts the
+    pretraining block that goes with it into the backward (data.ptx_block_len). At least one
+    sequence of the longest, generation.max_prompt_len + max_new_tokens (+ a block under
+    PPO-ptx). null = off: ppo.micro_batch_size sequences each."""
     ppo_epochs: int = 1
     """Passes over one step's experience."""
     freeze_actor_steps: int = 0
@@ -193,6 +208,8 @@ class PPOConfig:
                  f"must divide batch_size ({self.batch_size}), got {self.mini_batch_size}")
         _require(self.mini_batch_size % self.micro_batch_size == 0, "micro_batch_size",
                  f"must divide mini_batch_size ({self.mini_batch_size}), got {self.micro_batch_size}")
+        _require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+                 "micro_batch_tokens", f"must be >= 1 or null, got {self.micro_batch_tokens}")
         for key in ("gamma", "lam"):
             _require(0.0 <= getattr(self, key) <= 1.0, key, "must be in [0, 1]")
         for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):

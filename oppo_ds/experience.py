@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from .algo import logprobs_from_logits
+from .micro_batches import first_fit_rows
 from .rollout.generate import position_ids_from_mask
 
 
@@ -147,16 +148,7 @@ def packed_inputs(prompt_ids, prompt_mask, response_ids,
         raise ValueError("packed_inputs: a row's real tokens are not one run (prompts must be "
                          "left-padded and responses right-padded)")
     width = max(lengths)
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fit = next((b for b, left in enumerate(room) if left >= lengths[i]), None)
-        if fit is None:
-            bins.append([])
-            room.append(width)
-            fit = len(bins) - 1
-        bins[fit].append(i)
-        room[fit] -= lengths[i]
+    bins = first_fit_rows(lengths, width)
     ids, device = full["input_ids"], full["input_ids"].device
     packed_ids = ids.new_zeros(len(bins), width)
     positions = torch.zeros(len(bins), width, dtype=torch.long, device=device)

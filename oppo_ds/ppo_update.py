@@ -17,7 +17,8 @@ from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, en
                    loss_normalizer, masked_mean, masked_whiten, overlong_penalty, token_normalizer,
                    truncated_is_weights, truncated_rows)
 from .experience import Experience, response_logprobs, response_values
-from .ptx import lm_loss
+from .micro_batches import split_by_tokens
+from .ptx import lm_loss, ptx_block_len
 
 
 # update statistics reduced by their largest value over micro-batches and ranks, not averaged
@@ -100,13 +101,16 @@ class PPOUpdate:
         weights: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
-        ptx_losses: list[float] = []
+        ptx_losses: list[tuple[float, int]] = []
+        counts: list[int] = []
+        self._micro_batches_needed: list[int] = []
         actor_trains = self.actor_trains
         trained = [(n, e) for n, e in self.trained_engines.items() if n != "actor" or actor_trains]
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
-                micro = [exp.select(idx).trimmed() for idx in mini.split(p.micro_batch_size)]
+                micro = [exp.select(idx).trimmed() for idx in self._micro_batch_rows(exp, mini)]
+                counts.append(len(micro))
                 loss_masks = [self._loss_mask(m) for m in micro]
                 local = torch.stack([sum(m.response_mask.sum() for m in micro).double(),
                                      sum(m.sum() for m in loss_masks).double(),
@@ -132,9 +136,10 @@ class PPOUpdate:
                     actor_batches = list(zip(micro, ptx))
                 actor_stats = self.actor.train_step(actor_batches, loss_fn) if actor_trains \
                     else [{} for _ in micro]
-                for a in actor_stats:  # a mean over full blocks: every micro-batch counts alike
+                # a mean over full blocks, each micro-batch weighed by its blocks (one a row)
+                for m, a in zip(micro, actor_stats):
                     if "ptx_loss" in a:
-                        ptx_losses.append(float(a.pop("ptx_loss")))
+                        ptx_losses.append((float(a.pop("ptx_loss")), len(m)))
                 critic_stats = self.critic.train_step(micro, partial(self._critic_loss, normalizer=norm)) \
                     if self.critic is not None else [{} for _ in micro]
                 for name, engine in trained:
@@ -156,11 +161,32 @@ class PPOUpdate:
         if self.critic is not None:
             stats["explained_variance"] = self._explained_variance(exp)
         if ptx_losses:
-            stats["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
+            stats["ptx_loss"] = sum(v * n for v, n in ptx_losses) / sum(n for _, n in ptx_losses)
+        stats["micro_batches"] = sum(counts) / len(counts)  # the same on every rank
+        if self._micro_batches_needed:  # this rank's own split, before the ranks agreed
+            needed = self._micro_batches_needed
+            stats["micro_batches_needed"] = sum(needed) / len(needed)
         # the largest of the step's updates (the same on every rank: a global norm); NaN wins
         stats.update({f"{name}_grad_norm": next((x for x in v if x != x), max(v))
                       for name, v in norms.items() if v})
         return stats
+
+    def _micro_batch_rows(self, exp: Experience, mini: torch.Tensor) -> list[torch.Tensor]:
+        """The rows of mini-batch ``mini`` (indices into ``exp``) in micro-batches:
+        ppo.micro_batch_size each, or under ppo.micro_batch_tokens sized by tokens
+        (``micro_batches.split_by_tokens``), as many on this rank as on the data-parallel rank
+        that needs most (ZeRO's collectives run once per backward)."""
+        p = self.cfg.ppo
+        if p.micro_batch_tokens is None:
+            return list(mini.split(p.micro_batch_size))
+        split = partial(split_by_tokens, exp.prompt_mask[mini].sum(1).tolist(),
+                        exp.response_mask[mini].sum(1).tolist(), p.micro_batch_tokens,
+                        self.cfg.system.packing_samples,
+                        extra_per_row=ptx_block_len(self.cfg) if self.ptx_stream is not None else 0)
+        fewest = len(split())
+        self._micro_batches_needed.append(fewest)
+        count = comm.all_reduce_ints([fewest], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
+        return [mini[torch.tensor(g, dtype=torch.long)] for g in split(count)]
 
     def _pooled(self, sums: dict, weights: dict, maxima: dict) -> dict[str, float]:
         """The update's statistics over every rank's tokens: each weighted mean is the sum over

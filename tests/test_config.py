@@ -331,6 +331,13 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["ppo.overlong_penalty_factor=-1"], "ppo.overlong_penalty_factor", "must be >= 0"),
     (["ppo.overlong_buffer_len=200", "generation.max_new_tokens=128"], "ppo.overlong_buffer_len",
      "at most generation.max_new_tokens (128), got 200"),
+    (["ppo.micro_batch_tokens=0"], "ppo.micro_batch_tokens", "must be >= 1 or null, got 0"),
+    (["ppo.micro_batch_tokens=100", "generation.max_prompt_len=32", "generation.max_new_tokens=96"],
+     "ppo.micro_batch_tokens", "must hold one sequence of the longest, generation.max_prompt_len "
+     "+ max_new_tokens = 128: 128, got 100"),
+    (["ppo.micro_batch_tokens=200", "generation.max_prompt_len=32", "generation.max_new_tokens=96",
+      "ppo.ptx_coef=0.5", "data.ptx=/data/text.jsonl", "data.ptx_block_len=80"],
+     "ppo.micro_batch_tokens", "plus a PPO-ptx block of 80 (data.ptx_block_len): 208, got 200"),
     (["ppo.kl_penalty=loss"], "ppo.kl_estimator", "k1 with kl_penalty: loss"),
     (["ppo.kl_penalty=loss", "ppo.kl_estimator=abs"], "ppo.kl_estimator", "use mse or k3"),
     (["ppo.dual_clip=1"], "ppo.dual_clip", "must be > 1 or null"),

@@ -248,3 +248,29 @@ def test_two_ranks_partitioned_offloaded_reference_gives_the_same_run(tmp_path):
             for key in ("kl/mean", "reward/mean", "loss/policy", "loss/value"):
                 assert abs(full[key] - part[key]) <= tolerance * max(1.0, abs(full[key])), \
                     (name, key, full, part)
+
+
+def test_two_zero3_ranks_agree_on_micro_batches_sized_by_tokens(tmp_path):
+    """ppo.micro_batch_tokens=64 on 2 ZeRO-3 ranks: each rank splits its mini-batch of 4 by
+    its own response lengths, the two make as many micro-batches as the one that needs more
+    (ZeRO-3 gathers and reduce-scatters in every forward and backward: a rank with fewer would
+    wait in the other's collective), and the run is the one in micro-batches of 2 (1e-5,
+    summation order), with another count of micro-batches per update."""
+    cache = tmp_path / "cache"
+    runs = {}
+    for name, extra in (("micro2", []), ("tokens", ["ppo.micro_batch_tokens=64"])):
+        out = tmp_path / name
+        launch(out, cache, "steps=2", "system.zero_stage=3", "checkpoint.export_hf=false", *extra)
+        runs[name] = read_history(str(out / "metrics.jsonl"))
+    assert [r["train/micro_batches"] for r in runs["micro2"]] == [2, 2]
+    assert any(r["train/micro_batches"] != 2 for r in runs["tokens"]), runs["tokens"]
+    # the ranks' own splits differed (their mean below the count they agreed on): the
+    # agreement was needed
+    assert any(r["train/micro_batches_needed"] < r["train/micro_batches"]
+               for r in runs["tokens"]), runs["tokens"]
+    assert "train/micro_batches_needed" not in runs["micro2"][0]
+    for fixed, tokens in zip(runs["micro2"], runs["tokens"], strict=True):
+        assert fixed["response/lengths"] == tokens["response/lengths"]
+        for key in ("kl/mean", "reward/mean", "loss/policy", "loss/value", "grad_norm/actor",
+                    "grad_norm/critic"):
+            assert tokens[key] == pytest.approx(fixed[key], abs=1e-5), (key, fixed, tokens)

@@ -1105,6 +1105,34 @@ def test_a_resume_takes_the_configured_learning_rate(tmp_path):
     assert rows[2]["lr/actor"] == pytest.approx(1e-5 * 0.25)
 
 
+def test_micro_batches_sized_by_tokens_under_megatron(tmp_path):
+    """ppo.micro_batch_tokens under system.backend megatron: a budget of 4 sequences of the
+    longest (4 x (32 + 6)) makes one micro-batch of each mini-batch of 4, and the engine takes
+    it as the update (its loss divided by the 2 accumulation steps of micro-batches of 2, as
+    the normaliser assumes); the run is the one in micro-batches of 2 (1e-5, relative for the
+    value loss in the hundreds: summation order)."""
+    from _builders import single_process_env, tiny_run_overrides
+
+    env = single_process_env()
+    rows = {}
+    for name, extra in (("micro2", []), ("tokens", ["ppo.micro_batch_tokens=152"])):
+        common = tiny_run_overrides(tmp_path / name, steps=2) + [
+            "system.backend=megatron", "checkpoint.export_hf=false", *extra]
+        proc = subprocess.run([sys.executable, "-m", "oppo_ds.train", *common], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[name] = read_history(str(tmp_path / name / "run" / "metrics.jsonl"))
+    assert [r["train/micro_batches"] for r in rows["micro2"]] == [2, 2]
+    assert [r["train/micro_batches"] for r in rows["tokens"]] == [1, 1]
+    for fixed, tokens in zip(rows["micro2"], rows["tokens"], strict=True):
+        assert fixed["response/lengths"] == tokens["response/lengths"]
+        for key in ("reward/mean", "kl/mean", "loss/policy", "loss/value", "grad_norm/actor",
+                    "grad_norm/critic"):
+            # the value loss of the untrained tiny critic is in the hundreds: 1e-5 relative
+            assert tokens[key] == pytest.approx(fixed[key], rel=1e-5, abs=1e-5), \
+                (key, fixed, tokens)
+
+
 def test_evaluate_on_more_data_parallel_ranks_than_the_run(one_rank_run, cache_dir, tmp_path):
     """``oppo-train --evaluate`` of a one-rank Megatron checkpoint on two ranks (two model
     replicas, data parallel 2): the module's weights load on both, the evaluation's prompts

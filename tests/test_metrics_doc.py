@@ -76,7 +76,8 @@ def test_every_logged_and_every_named_metric_is_documented(cache_dir, tmp_path):
         cache_dir, tmp_path / "oppo", "steps=3", "oppo.streaming=true", "oppo.overcommit=auto",
         "oppo.off_policy=truncated_is", "ppo.dual_clip=3.0", "ppo.value_clip_eps=0.2",
         "ppo.overlong_buffer_len=8", "ppo.ptx_coef=0.1", f"data.ptx={ptx}",
-        "ppo.kl_target=1.0", "eval.prompts=builtin", "eval.num_prompts=8", "eval.every=2")
+        "ppo.kl_target=1.0", "eval.prompts=builtin", "eval.num_prompts=8", "eval.every=2",
+        "ppo.micro_batch_tokens=150")
     logged |= logged_keys(
         cache_dir, tmp_path / "dapo", "steps=2", "ppo.advantage_estimator=rloo",
         "data.samples_per_prompt=2", "ppo.filter_groups=true", "oppo.overcommit=2",
@@ -88,7 +89,7 @@ def test_every_logged_and_every_named_metric_is_documented(cache_dir, tmp_path):
     for key in ("pool/deferrals", "stream/scoring_hidden_frac", "train/is_weight_mean",
                 "loss/ptx", "loss/kl", "filter/rounds", "eval/reward_mean", "train/ratio_max",
                 "policy/dual_clip_frac", "reward/overlong_penalty",
-                "reward_fn/0_gold_reward/mean"):
+                "reward_fn/0_gold_reward/mean", "train/micro_batches_needed"):
         assert key in logged, key
     assert undocumented(logged, docs) == [], "logged, not in docs/metrics.md"
     named = named_in_code()

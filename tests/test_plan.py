@@ -162,6 +162,12 @@ def test_memory_items_follow_the_configuration():
                        shapes, 1, 8, dev).items
     assert lora["actor_optimizer"] + lora["actor_grads"] == 16 * a.lora_params(64) / 8
     assert lora["actor_params"] == 2 * (a.params() + a.lora_params(64)) / 8
+    # micro-batches of a quarter of the tokens (micro_batch_size 8 x seq before): the update's
+    # activations shrink (its logits and layers scale with tokens), the scoring forwards' stay
+    budget = plan_memory(_cfg("system.zero_stage=3", f"ppo.micro_batch_tokens={2 * seq}"),
+                         shapes, 1, 8, dev).items
+    assert budget["activations_train"] == pytest.approx(m8["activations_train"] / 4, rel=1e-6)
+    assert budget["activations_score"] == m8["activations_score"]
     over = plan_memory(_cfg("oppo.overcommit=8", "oppo.streaming=true"), shapes, 1, 8, dev).items
     # B + Delta rows, each up to a deferred row's partial response (max_new_tokens - 1, packed
     # after its prompt) longer: the rollout then decodes max_new_tokens more for its new rows
@@ -308,6 +314,25 @@ def test_sequential_step_of_a_fixed_length_batch_is_the_hand_sum():
         assert step.phases == pytest.approx({"generate": generate, "score": score, "other": 0.01, "train": train})
         assert step.step_s == pytest.approx(generate + score + 0.01 + train)
         assert step.tail_waste == 0.0
+
+
+def test_micro_batches_by_tokens_train_in_fewer_calls():
+    """ppo.micro_batch_tokens in the simulation: 8 rows of 11 + 20 tokens within 248
+    positions are one forward/backward per mini-batch, where micro-batches of 4 are two; within
+    124, two again; the scoring forwards keep micro-batches of 4."""
+    dev, L, B, micro, mini = _overhead_device(), 20, 8, 4, 8
+    shape = tiny_shape("tiny-llama", 33)
+    phases = {}
+    for budget in (None, 8 * 31, 4 * 31):
+        lay = Layout(batch=B, micro=micro, mini=mini, epochs=1, prompt_len=11, micro_tokens=budget)
+        costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay)
+        res = StepSimulator(costs, LengthDist(192, values=(L,))).run(Schedule("sequential"),
+                                                                     steps=2, warmup=0)
+        phases[budget] = res.steps[0].phases
+    calls = {None: 2, 8 * 31: 1, 4 * 31: 2}
+    for budget, n in calls.items():
+        assert phases[budget]["train"] == pytest.approx(2 * (n * dev.train_call_s + dev.optim_s))
+        assert phases[budget]["score"] == phases[None]["score"]
 
 
 def _first_sequential_step(dev, B, micro, mini, **models):
@@ -710,6 +735,12 @@ def test_megatron_plan_with_recomputation_keeps_layer_inputs_only():
     # 20 layers per stage: their inputs (hidden x 2 bytes a token) plus one layer whole
     inputs = 20 * a.hidden * 2 * tokens / GIB
     assert less < full / 2 and less > inputs  # the fp32 logits (4 GiB here) stay
+    # the update's micro-batches by tokens: half the tokens, half the activations (the
+    # breakdown is rounded to MiB)
+    half = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo,
+                                                            micro_batch_tokens=tokens // 2))
+    assert plan(half, 4, 8, h100, steps=2)["breakdown_gib"]["activations_train"] == \
+        pytest.approx(full / 2, abs=1e-3)
 
 
 def test_megatron_plan_names_a_wrong_split():

@@ -77,14 +77,22 @@ def _metrics(out):
 
 
 def test_the_micro_batch_split_changes_nothing(cache_dir, ptx_file, tmp_path):
-    """Micro-batches of 4 or of 2 sequences (and of pretraining blocks beside them): the same
-    updates (1e-5: float sums in another order)."""
+    """Micro-batches of 4 or of 2 sequences (and of pretraining blocks beside them), or sized
+    by tokens (ppo.micro_batch_tokens=100, each sequence counting its 16-token block too, so
+    1 to 3 sequences and as many blocks a micro-batch): the same updates (1e-5: float sums in
+    another order), loss/ptx the mean over the blocks whatever their split."""
     run(cache_dir, tmp_path / "m4", "steps=3", *PTX, f"data.ptx={ptx_file}")
     run(cache_dir, tmp_path / "m2", "steps=3", *PTX, f"data.ptx={ptx_file}", "ppo.micro_batch_size=2")
-    a, b = _metrics(tmp_path / "m4"), _metrics(tmp_path / "m2")
-    for step in (1, 2, 3):
-        for key in ("loss/ptx", "loss/policy", "reward/mean", "kl/mean"):
-            assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
+    run(cache_dir, tmp_path / "t100", "steps=3", *PTX, f"data.ptx={ptx_file}",
+        "ppo.micro_batch_tokens=100")
+    a = _metrics(tmp_path / "m4")
+    for other in ("m2", "t100"):
+        b = _metrics(tmp_path / other)
+        for step in (1, 2, 3):
+            for key in ("loss/ptx", "loss/policy", "reward/mean", "kl/mean", "grad_norm/actor"):
+                assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (other, step, key)
+    counts = [r["train/micro_batches"] for r in _metrics(tmp_path / "t100").values()]
+    assert max(counts) > 1 and any(c != int(c) for c in counts), counts  # uneven splits
     assert 0 < a[1]["loss/ptx"] < 5  # a per-token mean NLL over a 33-token vocabulary
 
 

@@ -535,6 +535,45 @@ def test_micro_batch_size_does_not_change_the_math(cache_dir, tmp_path, mode, le
         assert abs(token["grad_norm/actor"] - a[1]["grad_norm/actor"]) > 1e-3
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_micro_batches_sized_by_tokens_do_not_change_the_math(cache_dir, tmp_path, monkeypatch,
+                                                              packing):
+    """ppo.micro_batch_tokens=64 (the least these lengths allow is 32 + 24): each mini-batch of
+    4 is split into micro-batches of at most 64 token positions, padding included (packed rows
+    under system.packing_samples), their number varying from one mini-batch to the next, and
+    the run is the one in micro-batches of 4 (1e-5, summation order); train/micro_batches logs
+    the count (1 for micro-batches of 4)."""
+    from oppo_ds import ppo_update
+    from oppo_ds.micro_batches import forward_tokens
+
+    costs, counts = [], []
+    real = ppo_update.PPOUpdate._micro_batch_rows
+
+    def rows(self, exp, mini):
+        groups = real(self, exp, mini)
+        if self.cfg.ppo.micro_batch_tokens is not None:
+            counts.append(len(groups))
+            costs.extend(forward_tokens(exp.prompt_mask[g].sum(1).tolist(),
+                                        exp.response_mask[g].sum(1).tolist(), packing)
+                         for g in groups)
+        return groups
+    monkeypatch.setattr(ppo_update.PPOUpdate, "_micro_batch_rows", rows)
+    packed = f"system.packing_samples={str(packing).lower()}"
+    run(cache_dir, tmp_path / "m4", "steps=3", packed)
+    run(cache_dir, tmp_path / "t64", "steps=3", packed, "ppo.micro_batch_tokens=64")
+    a = _metrics_by_step(tmp_path / "m4" / "metrics.jsonl")
+    b = _metrics_by_step(tmp_path / "t64" / "metrics.jsonl")
+    assert 0 < max(costs) <= 64 and len(counts) == 3 * 2  # steps x mini-batches
+    assert len(set(counts)) > 1 and max(counts) > 1, counts
+    for step in (1, 2, 3):
+        for key in ("reward/mean", "gold/mean", "loss/policy", "kl/mean", "response/len_mean",
+                    "grad_norm/actor", "grad_norm/critic", "loss/value", "policy/clip_frac",
+                    "policy/entropy", "train/ratio_max", "train/explained_variance"):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
+        assert a[step]["train/micro_batches"] == 1
+        assert b[step]["train/micro_batches"] == sum(counts[2 * step - 2:2 * step]) / 2
+
+
 def test_explained_variance_and_the_largest_ratio_are_the_batchs(cache_dir, tmp_path,
                                                                  monkeypatch):
     """``train/explained_variance`` is ``1 - Var(R - V) / Var(R)`` over the step's response

@@ -133,8 +133,12 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
 
     micro_tokens = cfg.ppo.micro_batch_size * seq
+    # the update's micro-batches hold ppo.micro_batch_tokens positions at most when it is set
+    # (and never more than a mini-batch)
+    train_tokens = min(cfg.ppo.micro_batch_tokens, cfg.ppo.mini_batch_size * seq) \
+        if cfg.ppo.micro_batch_tokens else micro_tokens
 
-    def activations(shape: ModelShape, logits: bool) -> float:
+    def activations(shape: ModelShape, logits: bool, micro_tokens: int = train_tokens) -> float:
         layer = _activation_bytes_per_token(shape, w, tp) * micro_tokens
         if s.gradient_checkpointing:  # each layer's input (whole on every rank), one layer whole
             out = shape.layers // pp * shape.hidden * w * micro_tokens + layer
@@ -144,7 +148,8 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
 
     items["activations_train"] = max(activations(shapes.actor, True), activations(shapes.critic, False)
                                      if cfg.ppo.uses_critic else 0.0)
-    items["activations_score"] = max(activations(shapes.actor, False) / (shapes.actor.layers // pp),
+    items["activations_score"] = max(activations(shapes.actor, False, micro_tokens)
+                                     / (shapes.actor.layers // pp),
                                      4 * micro_tokens * shapes.actor.vocab * 2)
     items["framework"] = FRAMEWORK_GIB * GIB
 

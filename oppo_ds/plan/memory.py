@@ -269,9 +269,13 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                                   if gen.cuda_graph else 0.0)
 
     micro_tokens = cfg.ppo.micro_batch_size * seq
+    # the update's micro-batches hold ppo.micro_batch_tokens positions at most when it is set
+    # (and never more than a mini-batch)
+    train_tokens = min(cfg.ppo.micro_batch_tokens, cfg.ppo.mini_batch_size * seq) \
+        if cfg.ppo.micro_batch_tokens else micro_tokens
     ckpt = s.gradient_checkpointing
-    items["activations_train"] = max(_activations(shapes.actor, micro_tokens, w, ckpt, True),
-                                     _activations(shapes.critic, micro_tokens, w, ckpt, False)
+    items["activations_train"] = max(_activations(shapes.actor, train_tokens, w, ckpt, True),
+                                     _activations(shapes.critic, train_tokens, w, ckpt, False)
                                      if cfg.ppo.uses_critic else 0.0)
     # no-grad scoring forwards keep one layer's activations and the fp32 logits
     items["activations_score"] = max(_activations(shapes.actor, micro_tokens, w, False, True) / shapes.actor.layers,

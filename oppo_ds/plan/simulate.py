@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..micro_batches import split_by_tokens
 from .costs import Device
 from .shapes import ModelShape, Shapes
 
@@ -96,6 +97,7 @@ class Layout:
     gpus_per_node: int = 1
     nodes: int = 1
     per_prompt: int = 1         # responses the pool takes together (a group baseline's n)
+    micro_tokens: int | None = None  # the update's micro-batches by tokens (ppo.micro_batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -278,10 +280,22 @@ class CostModel:
             order = rng.permutation(len(lengths))
             minis = [order[i:i + lay.mini] for i in range(0, len(order), lay.mini)]
             for mini in minis:
-                micros = [lengths[mini[j:j + lay.micro]] for j in range(0, len(mini), lay.micro)]
+                micros = [lengths[mini[g]] for g in self._micro_batch_rows(lengths[mini])]
                 for kind in self.trained:
                     total += self._train_model(kind, micros) + self._optimizer_step(kind)
         return total
+
+    def _micro_batch_rows(self, lengths: np.ndarray) -> list:
+        """A mini-batch's rows (positions in ``lengths``) in the update's micro-batches:
+        ``micro`` each, or within ``micro_tokens`` positions of prompts padded to
+        ``prompt_len`` (this rank's own split: the count agreed with the other ranks, the
+        largest, is not modelled)."""
+        lay = self.lay
+        if lay.micro_tokens is None:
+            return [list(range(j, min(j + lay.micro, len(lengths))))
+                    for j in range(0, len(lengths), lay.micro)]
+        return split_by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
+                               lay.micro_tokens, packed=False)
 
     def critic_to_stage_s(self) -> float:
         """The stage placement's critic weights before a rollout: gathered whole on the

@@ -1,0 +1,92 @@
+"""Micro-batches sized by tokens (``ppo.micro_batch_tokens``; OpenRLHF's ``--use_dynamic_batch``
+with ``--train_max_tokens_per_gpu``, verl's ``ppo_max_token_len_per_gpu``).
+
+A fixed number of sequences per forward/backward (``ppo.micro_batch_size``) has to be sized
+for the longest responses a run can give, so most micro-batches of a long-tailed length
+distribution run far below the memory they could use, and the rare long ones decide the
+setting. Here a mini-batch is split instead into micro-batches whose forward computes at most
+a budget of token positions, padding included: many short sequences go together, a long one
+goes with few.
+
+What a micro-batch costs is what its forward computes (``forward_tokens``): its rows as wide as
+their longest prompt plus their longest response (the update trims each micro-batch to its own
+widths, ``Experience.trimmed``), or, with ``system.packing_samples``, the packed rows
+``experience.packed_inputs`` builds, each as wide as the longest sequence. The split
+(``split_by_tokens``) sorts a rank's rows longest first and fills each micro-batch while its
+cost stays within the budget; every data-parallel rank then makes as many micro-batches as the
+rank that needs most (ZeRO's gradient collectives run once per backward: the ranks' counts must
+match), a rank with fewer splitting its largest ones in two. Under PPO-ptx each sequence brings
+a pretraining block into its micro-batch's backward, so each row counts a block's length more.
+The number of micro-batches does not change the update: the losses are normalised over the
+whole mini-batch (``algo.loss_normalizer``) and the engines divide each by their configured
+accumulation steps whatever their number.
+"""
+from __future__ import annotations
+
+
+def first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """The indices of ``lengths`` in packed rows of ``width``: longest first, each into the first
+    row with room for it (``experience.packed_inputs``'s rule). Every length must be at most
+    ``width``."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
+        if fit is None:
+            rows.append([])
+            room.append(width)
+            fit = len(rows) - 1
+        rows[fit].append(i)
+        room[fit] -= lengths[i]
+    return rows
+
+
+def forward_tokens(prompt_lens: list[int], response_lens: list[int], packed: bool) -> int:
+    """Token positions one forward of these sequences computes, padding included: rows x (the
+    longest prompt + the longest response), or with ``packed`` the packed rows x the longest
+    sequence. 0 for no sequence."""
+    if not prompt_lens:
+        return 0
+    if not packed:
+        return len(prompt_lens) * (max(prompt_lens) + max(response_lens))
+    lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
+    return len(first_fit_rows(lengths, max(lengths))) * max(lengths)
+
+
+def split_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: int,
+                    packed: bool, count: int | None = None,
+                    extra_per_row: int = 0) -> list[list[int]]:
+    """The rows (indices) of a mini-batch in micro-batches whose ``forward_tokens``, plus
+    ``extra_per_row`` positions for each row (a PPO-ptx block that goes with it), stay within
+    ``budget``, longest rows first: the fewest this greedy rule makes, or exactly ``count`` (at
+    least that many, at most the rows), the micro-batch of highest cost split in two (its longer
+    and shorter halves) until there are that many. A row over the budget alone makes a
+    micro-batch of its own."""
+    n = len(prompt_lens)
+    if n == 0:
+        raise ValueError("split_by_tokens: no rows")
+    if budget < 1:
+        raise ValueError(f"split_by_tokens: budget must be >= 1, got {budget}")
+    order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+
+    def cost(rows: list[int]) -> int:
+        return forward_tokens([prompt_lens[i] for i in rows], [response_lens[i] for i in rows],
+                              packed) + extra_per_row * len(rows)
+
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and cost(groups[-1] + [i]) <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    if count is None:
+        return groups
+    if not len(groups) <= count <= n:
+        raise ValueError(f"split_by_tokens: count must be between the fewest micro-batches "
+                         f"({len(groups)}) and the rows ({n}), got {count}")
+    while len(groups) < count:
+        g = max((g for g in range(len(groups)) if len(groups[g]) > 1),
+                key=lambda g: cost(groups[g]))
+        rows = groups.pop(g)
+        groups[g:g] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return groups

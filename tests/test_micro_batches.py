@@ -1,0 +1,81 @@
+"""Micro-batches sized by tokens (``oppo_ds.micro_batches``, ``ppo.micro_batch_tokens``): the
+cost of a forward, padded and packed, and the split of a mini-batch under a budget, worked out
+by hand; the whole update's invariance is in test_trainer.py and, over two ZeRO-3 ranks, in
+test_distributed.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from oppo_ds.experience import packed_inputs
+from oppo_ds.micro_batches import first_fit_rows, forward_tokens, split_by_tokens
+
+
+def test_a_forward_costs_its_rows_times_their_widths():
+    # padded: 3 rows x (longest prompt 5 + longest response 7)
+    assert forward_tokens([5, 2, 3], [1, 7, 2], packed=False) == 36
+    # packed: lengths 6, 9, 5 in rows of 9: [9], [6], [5] (6 + 5 > 9) -> 3 x 9
+    assert forward_tokens([5, 2, 3], [1, 7, 2], packed=True) == 27
+    # lengths 6, 3, 3 in rows of 6: [6], [3, 3] -> 2 x 6, where padding costs 3 x 6
+    assert forward_tokens([2, 2, 2], [4, 1, 1], packed=True) == 12
+    assert forward_tokens([2, 2, 2], [4, 1, 1], packed=False) == 18
+    assert forward_tokens([], [], packed=False) == 0
+    assert first_fit_rows([6, 3, 3, 2], 6) == [[0], [1, 2], [3]]
+
+
+def test_packed_cost_is_the_rows_packed_inputs_builds():
+    rng = random.Random(0)
+    for _ in range(20):
+        n = rng.randint(1, 8)
+        prompts = [rng.randint(1, 6) for _ in range(n)]
+        responses = [rng.randint(1, 9) for _ in range(n)]
+        prompt_mask = torch.tensor([[0] * (6 - p) + [1] * p for p in prompts])
+        response_mask = torch.tensor([[1] * r + [0] * (9 - r) for r in responses])
+        ids = torch.ones(n, 6, dtype=torch.long), torch.ones(n, 9, dtype=torch.long)
+        inputs, _ = packed_inputs(ids[0], prompt_mask, ids[1], response_mask)
+        assert forward_tokens(prompts, responses, packed=True) == inputs["input_ids"].numel()
+
+
+def test_the_split_fills_micro_batches_longest_first_within_the_budget():
+    prompts, responses = [4, 4, 2, 2], [10, 2, 2, 1]  # lengths 14, 6, 4, 3
+    # [0] alone (with row 1: 2 x 14 > 20); [1, 2, 3]: 3 x (4 + 2) = 18
+    assert split_by_tokens(prompts, responses, 20, packed=False) == [[0], [1, 2, 3]]
+    # three asked for: the costlier one with rows to spare is split, its longer half first
+    assert split_by_tokens(prompts, responses, 20, packed=False, count=3) == [[0], [1], [2, 3]]
+    assert split_by_tokens(prompts, responses, 20, packed=False, count=4) == [[0], [1], [2], [3]]
+    # packed rows hold more within the same budget: lengths 6, 3, 3 pack into 2 rows of 6
+    prompts, responses = [2, 2, 2, 2], [4, 1, 1, 1]
+    assert split_by_tokens(prompts, responses, 12, packed=False) == [[0, 1], [2, 3]]
+    assert split_by_tokens(prompts, responses, 12, packed=True) == [[0, 1, 2], [3]]
+    # a row over the budget goes alone; a budget of everything is one micro-batch
+    assert split_by_tokens([30, 1], [5, 1], 10, packed=False) == [[0], [1]]
+    assert split_by_tokens(prompts, responses, 10 ** 6, packed=False) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_every_row_once_and_every_micro_batch_within_the_budget(packed):
+    rng = random.Random(1)
+    for _ in range(50):
+        n = rng.randint(1, 16)
+        prompts = [rng.randint(1, 32) for _ in range(n)]
+        responses = [rng.choice([rng.randint(1, 8), rng.randint(1, 64)]) for _ in range(n)]
+        budget = rng.randint(96, 400)
+        fewest = split_by_tokens(prompts, responses, budget, packed)
+        for count in range(len(fewest), n + 1):
+            groups = split_by_tokens(prompts, responses, budget, packed, count)
+            assert len(groups) == count
+            assert sorted(i for g in groups for i in g) == list(range(n))
+            for g in groups:
+                cost = forward_tokens([prompts[i] for i in g], [responses[i] for i in g], packed)
+                assert cost <= budget
+
+
+def test_impossible_splits_are_refused():
+    with pytest.raises(ValueError, match="between the fewest micro-batches .2. and the rows .4."):
+        split_by_tokens([4, 4, 2, 2], [10, 2, 2, 1], 20, packed=False, count=5)
+    with pytest.raises(ValueError, match="got 1"):
+        split_by_tokens([4, 4, 2, 2], [10, 2, 2, 1], 20, packed=False, count=1)
+    with pytest.raises(ValueError, match="no rows"):
+        split_by_tokens([], [], 20, packed=False)
