@@ -25,34 +25,42 @@ from oppo_ds.models import disable_dropout, shape_config, tiny_config
 ROWS, PROMPT, RESPONSE = 8, 32, 192
 
 
-def micro_batch(rng: random.Random, vocab: int):
-    prompts = [rng.randint(8, PROMPT) for _ in range(ROWS)]
+def micro_batch(rng: random.Random, vocab: int, rows: int = ROWS):
+    """(prompt ids, prompt mask, response ids, response mask) of ``rows`` rows of the built-in
+    workload's lengths: prompts left-padded to 32, responses right-padded to their longest."""
+    prompts = [rng.randint(8, PROMPT) for _ in range(rows)]
     responses = [min(RESPONSE, max(1, int(16 * math.exp(0.9 * rng.gauss(0, 1)))))
-                 for _ in range(ROWS)]
+                 for _ in range(rows)]
     width = max(responses)
-    prompt_mask = torch.zeros(ROWS, PROMPT, dtype=torch.long)
-    response_mask = torch.zeros(ROWS, width)
-    for i in range(ROWS):
+    prompt_mask = torch.zeros(rows, PROMPT, dtype=torch.long)
+    response_mask = torch.zeros(rows, width)
+    for i in range(rows):
         prompt_mask[i, PROMPT - prompts[i]:] = 1
         response_mask[i, :responses[i]] = 1
-    prompt_ids = torch.randint(3, vocab, (ROWS, PROMPT)) * prompt_mask
-    response_ids = torch.randint(3, vocab, (ROWS, width)) * response_mask.long()
+    prompt_ids = torch.randint(3, vocab, (rows, PROMPT)) * prompt_mask
+    response_ids = torch.randint(3, vocab, (rows, width)) * response_mask.long()
     return prompt_ids, prompt_mask, response_ids, response_mask
 
 
-def main() -> None:
+def bench_model(arch: str, layers: int):
+    """(model, config): ``arch``'s causal LM with random weights (seed 0), fp32: a tiny-*
+    built-in shape, or a real one cut to ``layers`` layers with a vocabulary of 4096."""
     from transformers import AutoModelForCausalLM
 
-    arch = sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"
-    layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-    count = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     torch.manual_seed(0)
     if arch.startswith("tiny"):
         config = tiny_config(arch, 512)
     else:
         config = shape_config(arch, 4096)
         config.num_hidden_layers = layers
-    model = disable_dropout(AutoModelForCausalLM.from_config(config))
+    return disable_dropout(AutoModelForCausalLM.from_config(config)), config
+
+
+def main() -> None:
+    arch = sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"
+    layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    count = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+    model, config = bench_model(arch, layers)
     rng = random.Random(0)
     batches = [micro_batch(rng, config.vocab_size) for _ in range(count)]
     padded = sum(ROWS * (b[0].shape[1] + b[2].shape[1]) for b in batches)
