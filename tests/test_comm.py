@@ -46,6 +46,24 @@ def test_all_reduce_over_two_gloo_ranks():
         assert device == "cpu" and active
 
 
+def test_free_ports_lie_below_the_ephemeral_range():
+    """``find_free_port`` draws below the kernel's range for outgoing connections, where no
+    client socket is given the port before the rendezvous server binds it (a client may
+    otherwise connect to itself: "Connection reset by peer", with which a launch's
+    rendezvous failed in a CI run of two pytest workers); the ports differ from draw to draw
+    and can be bound."""
+    import socket
+
+    from oppo_ds.engines.deepspeed_engine import _ephemeral_ports
+
+    low = _ephemeral_ports()[0]
+    ports = [find_free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports), (low, ports)
+    assert len(set(ports)) > 10
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))
+
+
 def test_one_process_without_a_group_returns_the_input():
     t = torch.tensor([2.0])
     assert comm.all_reduce(t) is t

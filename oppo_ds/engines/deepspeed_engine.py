@@ -32,6 +32,7 @@ import contextlib
 import functools
 import logging
 import os
+import random
 import socket
 import sys
 import threading
@@ -83,10 +84,39 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 # --------------------------------------------------------------------------------------
 
 def find_free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it; never a fixed number)."""
+    """A TCP port that was free a moment ago, drawn at random below the kernel's ephemeral
+    range (never a fixed number). A port from that range, which is what binding port 0 gives,
+    can be taken before the rendezvous server binds it by any process's outgoing connection,
+    its own clients' included: a client connecting to a port nobody listens on yet may be
+    given that same port as its local one and connect to itself (TCP self-connect), which
+    torch's TCPStore reports as "Connection reset by peer". Below the range no outgoing
+    connection is given it, and a random draw keeps concurrent callers (tests run side by
+    side, runs started together) apart. Where the range leaves no room below it, the OS picks
+    as before."""
+    low = _ephemeral_ports()[0]
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randint(max(1024, low - 12000), low - 1) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+            return sock.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's
+    ``net.ipv4.ip_local_port_range``; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 # DeepSpeed builds its ops (the CPU all-reduce's shared-memory op at the first init of an
