@@ -103,14 +103,17 @@ class PPOUpdate:
         norms: dict[str, list[float]] = {"actor": [], "critic": []}
         ptx_losses: list[tuple[float, int]] = []
         counts: list[int] = []
-        self._micro_batches_needed: list[int] = []
+        needed: list[int] = []  # under ppo.micro_batch_tokens: this rank's own splits
         actor_trains = self.actor_trains
         trained = [(n, e) for n, e in self.trained_engines.items() if n != "actor" or actor_trains]
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
             for mini in order.split(p.mini_batch_size):
-                micro = [exp.select(idx).trimmed() for idx in self._micro_batch_rows(exp, mini)]
+                rows, fewest = self._micro_batch_rows(exp, mini)
+                micro = [exp.select(idx).trimmed() for idx in rows]
                 counts.append(len(micro))
+                if fewest is not None:
+                    needed.append(fewest)
                 loss_masks = [self._loss_mask(m) for m in micro]
                 local = torch.stack([sum(m.response_mask.sum() for m in micro).double(),
                                      sum(m.sum() for m in loss_masks).double(),
@@ -163,30 +166,33 @@ class PPOUpdate:
         if ptx_losses:
             stats["ptx_loss"] = sum(v * n for v, n in ptx_losses) / sum(n for _, n in ptx_losses)
         stats["micro_batches"] = sum(counts) / len(counts)  # the same on every rank
-        if self._micro_batches_needed:  # this rank's own split, before the ranks agreed
-            needed = self._micro_batches_needed
+        if needed:  # this rank's own split, before the ranks agreed
             stats["micro_batches_needed"] = sum(needed) / len(needed)
         # the largest of the step's updates (the same on every rank: a global norm); NaN wins
         stats.update({f"{name}_grad_norm": next((x for x in v if x != x), max(v))
                       for name, v in norms.items() if v})
         return stats
 
-    def _micro_batch_rows(self, exp: Experience, mini: torch.Tensor) -> list[torch.Tensor]:
-        """The rows of mini-batch ``mini`` (indices into ``exp``) in micro-batches:
-        ppo.micro_batch_size each, or under ppo.micro_batch_tokens sized by tokens
-        (``micro_batches.split_by_tokens``), as many on this rank as on the data-parallel rank
-        that needs most (ZeRO's collectives run once per backward)."""
+    def _micro_batch_rows(self, exp: Experience,
+                          mini: torch.Tensor) -> tuple[list[torch.Tensor], int | None]:
+        """The rows of mini-batch ``mini`` (indices into ``exp``) in micro-batches, and how many
+        this rank's own split needed (None without a budget): ppo.micro_batch_size each, or
+        under ppo.micro_batch_tokens sized by tokens (``micro_batches.split_by_tokens``), as
+        many on this rank as on the data-parallel rank that needs most (ZeRO's collectives run
+        once per backward)."""
         p = self.cfg.ppo
         if p.micro_batch_tokens is None:
-            return list(mini.split(p.micro_batch_size))
+            return list(mini.split(p.micro_batch_size)), None
         split = partial(split_by_tokens, exp.prompt_mask[mini].sum(1).tolist(),
                         exp.response_mask[mini].sum(1).tolist(), p.micro_batch_tokens,
                         self.cfg.system.packing_samples,
                         extra_per_row=ptx_block_len(self.cfg) if self.ptx_stream is not None else 0)
-        fewest = len(split())
-        self._micro_batches_needed.append(fewest)
-        count = comm.all_reduce_ints([fewest], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
-        return [mini[torch.tensor(g, dtype=torch.long)] for g in split(count)]
+        groups = split()
+        count = comm.all_reduce_ints([len(groups)], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
+        fewest = len(groups)
+        if count > fewest:  # another rank needs more: split to as many
+            groups = split(count)
+        return [mini[torch.tensor(g, dtype=torch.long)] for g in groups], fewest
 
     def _pooled(self, sums: dict, weights: dict, maxima: dict) -> dict[str, float]:
         """The update's statistics over every rank's tokens: each weighted mean is the sum over

@@ -550,13 +550,13 @@ def test_micro_batches_sized_by_tokens_do_not_change_the_math(cache_dir, tmp_pat
     real = ppo_update.PPOUpdate._micro_batch_rows
 
     def rows(self, exp, mini):
-        groups = real(self, exp, mini)
+        groups, fewest = real(self, exp, mini)
         if self.cfg.ppo.micro_batch_tokens is not None:
             counts.append(len(groups))
             costs.extend(forward_tokens(exp.prompt_mask[g].sum(1).tolist(),
                                         exp.response_mask[g].sum(1).tolist(), packing)
                          for g in groups)
-        return groups
+        return groups, fewest
     monkeypatch.setattr(ppo_update.PPOUpdate, "_micro_batch_rows", rows)
     packed = f"system.packing_samples={str(packing).lower()}"
     run(cache_dir, tmp_path / "m4", "steps=3", packed)

@@ -26,7 +26,7 @@ from ..config import Config, ConfigError
 from ..rollout.static_length import widest_context
 from .costs import GIB, Device
 from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, on_scorer_rank,
-                     scorer_rank_memory, streamed_scorers)
+                     scorer_rank_memory, streamed_scorers, train_micro_tokens)
 from .shapes import ModelShape, Shapes
 
 
@@ -133,20 +133,18 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
 
     micro_tokens = cfg.ppo.micro_batch_size * seq
-    # the update's micro-batches hold ppo.micro_batch_tokens positions at most when it is set
-    # (and never more than a mini-batch)
-    train_tokens = min(cfg.ppo.micro_batch_tokens, cfg.ppo.mini_batch_size * seq) \
-        if cfg.ppo.micro_batch_tokens else micro_tokens
+    train_tokens = train_micro_tokens(cfg, seq)
 
-    def activations(shape: ModelShape, logits: bool, micro_tokens: int = train_tokens) -> float:
-        layer = _activation_bytes_per_token(shape, w, tp) * micro_tokens
+    def activations(shape: ModelShape, logits: bool, tokens: int) -> float:
+        layer = _activation_bytes_per_token(shape, w, tp) * tokens
         if s.gradient_checkpointing:  # each layer's input (whole on every rank), one layer whole
-            out = shape.layers // pp * shape.hidden * w * micro_tokens + layer
+            out = shape.layers // pp * shape.hidden * w * tokens + layer
         else:
             out = shape.layers // pp * layer
-        return out + (2 * 4 * micro_tokens * shape.vocab if logits else 0.0)
+        return out + (2 * 4 * tokens * shape.vocab if logits else 0.0)
 
-    items["activations_train"] = max(activations(shapes.actor, True), activations(shapes.critic, False)
+    items["activations_train"] = max(activations(shapes.actor, True, train_tokens),
+                                     activations(shapes.critic, False, train_tokens)
                                      if cfg.ppo.uses_critic else 0.0)
     items["activations_score"] = max(activations(shapes.actor, False, micro_tokens)
                                      / (shapes.actor.layers // pp),

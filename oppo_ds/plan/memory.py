@@ -199,6 +199,16 @@ def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool, lo
     return out
 
 
+def train_micro_tokens(cfg: Config, seq: int) -> int:
+    """Token positions of the update's largest micro-batch, sequences of ``seq`` at most:
+    ppo.micro_batch_size of them, or ppo.micro_batch_tokens when it is set (never more than a
+    mini-batch's)."""
+    p = cfg.ppo
+    if p.micro_batch_tokens is None:
+        return p.micro_batch_size * seq
+    return min(p.micro_batch_tokens, p.mini_batch_size * seq)
+
+
 def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, device: Device,
                 headroom: float = 0.1) -> MemoryPlan:
     s, gen = cfg.system, cfg.generation
@@ -269,10 +279,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                                   if gen.cuda_graph else 0.0)
 
     micro_tokens = cfg.ppo.micro_batch_size * seq
-    # the update's micro-batches hold ppo.micro_batch_tokens positions at most when it is set
-    # (and never more than a mini-batch)
-    train_tokens = min(cfg.ppo.micro_batch_tokens, cfg.ppo.mini_batch_size * seq) \
-        if cfg.ppo.micro_batch_tokens else micro_tokens
+    train_tokens = train_micro_tokens(cfg, seq)
     ckpt = s.gradient_checkpointing
     items["activations_train"] = max(_activations(shapes.actor, train_tokens, w, ckpt, True),
                                      _activations(shapes.critic, train_tokens, w, ckpt, False)
