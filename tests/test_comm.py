@@ -54,9 +54,9 @@ def test_free_ports_lie_below_the_ephemeral_range():
     and can be bound."""
     import socket
 
-    from oppo_ds.engines.deepspeed_engine import _ephemeral_ports
+    from oppo_ds.engines.deepspeed_engine import _ephemeral_port_floor
 
-    low = _ephemeral_ports()[0]
+    low = _ephemeral_port_floor()
     ports = [find_free_port() for _ in range(20)]
     assert all(1024 <= p < low for p in ports), (low, ports)
     assert len(set(ports)) > 10

@@ -93,30 +93,29 @@ def find_free_port() -> int:
     connection is given it, and a random draw keeps concurrent callers (tests run side by
     side, runs started together) apart. Where the range leaves no room below it, the OS picks
     as before."""
-    low = _ephemeral_ports()[0]
+    low = _ephemeral_port_floor()
     draw = random.SystemRandom()
-    for _ in range(64):
-        port = draw.randint(max(1024, low - 12000), low - 1) if low > 2048 else 0
+    for _ in range(64 if low > 2048 else 0):
+        port = draw.randint(max(1024, low - 12000), low - 1)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:  # taken: draw again
                 continue
-            return sock.getsockname()[1]
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of ports for outgoing connections (Linux's
+def _ephemeral_port_floor() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's
     ``net.ipv4.ip_local_port_range``; its default elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # DeepSpeed builds its ops (the CPU all-reduce's shared-memory op at the first init of an
