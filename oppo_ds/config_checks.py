@@ -43,6 +43,11 @@ def check_across_sections(cfg) -> None:
         f"ppo.batch_size / ppo.mini_batch_size = {updates}, got {cfg.ppo.warmup_steps}"))
     if cfg.ppo.micro_batch_tokens is not None:
         _check_micro_batch_tokens(cfg)
+    longest = cfg.generation.max_prompt_len + cfg.generation.max_new_tokens
+    require(cfg.ppo.score_batch_tokens is None or cfg.ppo.score_batch_tokens >= longest,
+            "ppo.score_batch_tokens", f"must hold one sequence of the longest, "
+            f"generation.max_prompt_len + max_new_tokens: {longest}, got "
+            f"{cfg.ppo.score_batch_tokens}")
     require(cfg.ppo.overlong_buffer_len <= cfg.generation.max_new_tokens,
             "ppo.overlong_buffer_len", f"must be at most generation.max_new_tokens "
             f"({cfg.generation.max_new_tokens}), got {cfg.ppo.overlong_buffer_len}")

@@ -21,9 +21,10 @@ class PPOConfig:
     micro_batch_size: int = 8
     """Sequences per forward/backward, per rank: a memory knob only, it does not change the
     gradient (token-level loss aggregation). Also the rows of each no-grad forward that scores
-    the experience (old log-probs, values, reference, reward). With ppo.micro_batch_tokens the
-    update's micro-batches are sized by tokens instead, and this sets the engines' accumulation
-    steps (mini_batch_size / micro_batch_size), by which each micro-batch's loss is divided."""
+    the experience (old log-probs, values, reference, reward) unless ppo.score_batch_tokens is
+    set. With ppo.micro_batch_tokens the update's micro-batches are sized by tokens instead, and
+    this sets the engines' accumulation steps (mini_batch_size / micro_batch_size), by which
+    each micro-batch's loss is divided."""
     micro_batch_tokens: Optional[int] = None
     """Micro-batches of the PPO update sized by tokens (OpenRLHF's --use_dynamic_batch with
     --train_max_tokens_per_gpu, verl's ppo_max_token_len_per_gpu): at most this many token
@@ -36,6 +37,16 @@ class PPOConfig:
     pretraining block that goes with it into the backward (data.ptx_block_len). At least one
     sequence of the longest, generation.max_prompt_len + max_new_tokens (+ a block under
     PPO-ptx). null = off: ppo.micro_batch_size sequences each."""
+    score_batch_tokens: Optional[int] = None
+    """The no-grad forwards that score the experience after the rollout (the actor's old
+    log-probs, the critic's values, the reference's log-probs, the reward model's scores, and
+    an evaluation's scores) sized by tokens, as ppo.micro_batch_tokens sizes the update's
+    (OpenRLHF's --rollout_max_tokens_per_gpu): at most this many token positions a forward,
+    padding included, longest sequences first; where those forwards are collective (ZeRO-3's
+    actor and critic, a partitioned reference) every rank makes as many as the rank that
+    needs most. The scores are the same (1e-5 in fp32). The streaming scorers prefill chunks
+    and are not sized by it. At least generation.max_prompt_len + max_new_tokens. null = off:
+    ppo.micro_batch_size sequences each."""
     ppo_epochs: int = 1
     """Passes over one step's experience."""
     freeze_actor_steps: int = 0
@@ -208,8 +219,9 @@ class PPOConfig:
                  f"must divide batch_size ({self.batch_size}), got {self.mini_batch_size}")
         _require(self.mini_batch_size % self.micro_batch_size == 0, "micro_batch_size",
                  f"must divide mini_batch_size ({self.mini_batch_size}), got {self.micro_batch_size}")
-        _require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
-                 "micro_batch_tokens", f"must be >= 1 or null, got {self.micro_batch_tokens}")
+        for key in ("micro_batch_tokens", "score_batch_tokens"):
+            _require(getattr(self, key) is None or getattr(self, key) >= 1, key,
+                     f"must be >= 1 or null, got {getattr(self, key)}")
         for key in ("gamma", "lam"):
             _require(0.0 <= getattr(self, key) <= 1.0, key, "must be in [0, 1]")
         for key in ("actor_lr", "critic_lr", "clip_eps", "value_clip_eps"):

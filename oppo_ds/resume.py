@@ -38,10 +38,11 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
 # the settings of the objective a resume may change (the run continues under the new ones),
 # named in the log when they differ from the checkpoint's: every ppo key but the learning
 # rates and weight decay (logged from the engines' own state), the estimator (refused above)
-# and the micro-batch size and token budget (memory knobs that leave the update as it is), the
+# and the micro-batch size and token budgets (memory knobs that leave the update as it is), the
 # sampling, and the reward function
 _OBJECTIVE_EXCLUDED = ("ppo.actor_lr", "ppo.critic_lr", "ppo.weight_decay",
-                       "ppo.advantage_estimator", "ppo.micro_batch_size", "ppo.micro_batch_tokens")
+                       "ppo.advantage_estimator", "ppo.micro_batch_size", "ppo.micro_batch_tokens",
+                       "ppo.score_batch_tokens")
 
 
 def _compared(key: str, value):

@@ -4,6 +4,7 @@ normalization, scorer calls over trimmed micro-batches (as many on every rank wh
 forward is collective), and the built-in task's gold score. A mixin of ``PPOTrainer``."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from . import comm
 from . import workload as wl
 from .experience import used_widths
+from .micro_batches import split_by_tokens
 
 
 class Scoring:
@@ -46,43 +48,79 @@ class Scoring:
         mean, std = self.reward_norm
         return (scores - mean) / std
 
+    def _score_groups(self, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
+                      count: Optional[int] = None) -> list[list[int]]:
+        """The rows of one scoring call each: ppo.micro_batch_size rows in order, or under
+        ppo.score_batch_tokens the fewest micro-batches within that many positions, padding
+        included (``micro_batches.split_by_tokens``, longest rows first). ``count``: with the
+        budget, split further to that many calls (at most one a row; the calls past the rows
+        are the caller's filler)."""
+        rows, budget = prompt_mask.shape[0], self.cfg.ppo.score_batch_tokens
+        if budget is None:
+            n = self.cfg.ppo.micro_batch_size
+            return [list(range(i, min(i + n, rows))) for i in range(0, rows, n)]
+        if rows == 0:
+            return []
+        split = partial(split_by_tokens, prompt_mask.sum(1).tolist(),
+                        response_mask.sum(1).tolist(), budget, self.cfg.system.packing_samples)
+        groups = split()
+        return groups if count is None or count <= len(groups) else split(min(count, rows))
+
     def _micro_batched(self, fn, args, calls: Optional[int] = None, filler=None):
-        """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask),
-        each trimmed to its own longest prompt and response; (B,) or (B, T) results, padded
-        back to the batch's response width with zeros (None for no rows). ``calls``: make
-        that many calls in all, the ones past the rows on the first row of ``filler``, their
-        results dropped (a collective forward: every rank must call it alike)."""
-        n, width = self.cfg.ppo.micro_batch_size, args[2].shape[1]
+        """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask)
+        (``_score_groups``), each trimmed to its own longest prompt and response; (B,) or
+        (B, T) results in the rows' order, padded back to the batch's response width with
+        zeros (None for no rows). ``calls``: make that many calls in all, the ones past the
+        rows on the first row of ``filler``, their results dropped (a collective forward:
+        every rank must call it alike)."""
+        width = args[2].shape[1]
         if args[0].shape[0] == 0 and calls is None:
             raise ValueError("no rows to score")
+        groups = self._score_groups(args[1], args[3], calls)
         parts = []
 
         def call(prompt_ids, prompt_mask, response_ids, response_mask):
             p, t = used_widths(prompt_mask, response_mask)
             return fn(prompt_ids[:, -p:], prompt_mask[:, -p:], response_ids[:, :t], response_mask[:, :t])
 
-        for i in range(0, args[0].shape[0], n):
-            out = call(*(a[i:i + n] for a in args))
+        for rows in groups:
+            index = torch.tensor(rows, dtype=torch.long, device=args[0].device)
+            out = call(*(a[index] for a in args))
             if out.dim() == 2 and out.shape[1] < width:
                 out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
             parts.append(out)
         for _ in range(len(parts), calls or 0):
             call(*(a[:1] for a in filler))
-        return torch.cat(parts, dim=0) if parts else None
+        if not parts:
+            return None
+        scored = torch.cat(parts, dim=0)
+        order = [i for rows in groups for i in rows]
+        if order == list(range(len(order))):
+            return scored
+        back = torch.empty_like(scored)
+        back[torch.tensor(order, dtype=torch.long, device=scored.device)] = scored
+        return back
 
-    def _equal_forward_calls(self, missing: dict[str, list[int]]) -> dict[str, int]:
+    def _equal_forward_calls(self, scored_rows: dict[str, list[int]],
+                             masks: tuple[torch.Tensor, torch.Tensor]) -> dict[str, int]:
         """How many scoring calls each kind must make on this rank so that every data-parallel
-        rank makes the same number: under ZeRO-3 the actor's and critic's forwards are
-        collectives, and with the rollout pool each rank has its own rows left to score
-        after streaming (a row that finished in an earlier step, one whose critic values
-        predate the update); a rank with fewer calls than the others would wait in the
-        next collective while they wait in the forward. {} where no forward is collective."""
-        kinds = [k for k in ("actor", "critic") if k in missing]
+        rank makes the same number: under ZeRO-3 the actor's and critic's forwards (and a
+        partitioned reference's) are collectives, and a rank with fewer calls than the others
+        would wait in the next collective while they wait in the forward. The rows a kind
+        scores on a rank differ with the rollout pool (a row that finished in an earlier step,
+        one whose critic values predate the update) and, under ppo.score_batch_tokens, so
+        does the split of the same number of rows. ``scored_rows``: each kind's rows on this
+        rank (the same kinds on every rank); ``masks``: the batch's prompt and response masks.
+        {} where no forward is collective."""
+        collective = ("actor", "critic") + (("reference",) if self.cfg.system.partition_reference
+                                            else ())
+        kinds = [k for k in collective if k in scored_rows]
         if not kinds or self.cfg.system.zero_stage != 3 or self.world_size < 2:
             return {}
-        n = self.cfg.ppo.micro_batch_size
-        counts = comm.all_reduce_ints([-(-len(missing[k]) // n) for k in kinds],
-                                      op=dist.ReduceOp.MAX, group=self.dp_group)
+        prompt_mask, response_mask = masks
+        counts = comm.all_reduce_ints(
+            [len(self._score_groups(prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]))
+             for k in kinds], op=dist.ReduceOp.MAX, group=self.dp_group)
         return dict(zip(kinds, counts))
 
     def _gold(self, gen) -> list[float]:

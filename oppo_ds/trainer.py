@@ -597,12 +597,16 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         # value from before the last update, or a scorer that did not see the row)
         missing = {kind: [i for i, r in enumerate(got) if r is None]
                    for kind, got in streamed.items() if isinstance(got, list)}
-        calls = self._equal_forward_calls(missing)
+        # and the kinds that score every row (the same kinds on every rank)
+        every_row = list(range(gen.prompt_ids.shape[0]))
+        calls = self._equal_forward_calls(
+            {**{k: every_row for k in ("actor", "critic", "reference") if streamed.get(k) is None},
+             **missing}, (gen.prompt_mask, gen.response_mask))
 
         def streamed_or_scored(kind, fn):
             got = streamed.get(kind)
             if got is None:
-                return self._micro_batched(fn, args)
+                return self._micro_batched(fn, args, calls=calls.get(kind), filler=args)
             if isinstance(got, torch.Tensor):
                 return got
             rows = missing[kind]

@@ -332,6 +332,10 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["ppo.overlong_buffer_len=200", "generation.max_new_tokens=128"], "ppo.overlong_buffer_len",
      "at most generation.max_new_tokens (128), got 200"),
     (["ppo.micro_batch_tokens=0"], "ppo.micro_batch_tokens", "must be >= 1 or null, got 0"),
+    (["ppo.score_batch_tokens=-3"], "ppo.score_batch_tokens", "must be >= 1 or null, got -3"),
+    (["ppo.score_batch_tokens=50", "generation.max_new_tokens=24"], "ppo.score_batch_tokens",
+     "must hold one sequence of the longest, generation.max_prompt_len + max_new_tokens: 56, "
+     "got 50"),
     (["ppo.micro_batch_tokens=100", "generation.max_prompt_len=32", "generation.max_new_tokens=96"],
      "ppo.micro_batch_tokens", "must hold one sequence of the longest, generation.max_prompt_len "
      "+ max_new_tokens = 128: 128, got 100"),

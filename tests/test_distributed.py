@@ -72,7 +72,7 @@ def test_two_ranks_train_and_resume(tmp_path, zero_stage):
 
 
 @pytest.mark.parametrize("streaming,sync_every", [(False, 1), (True, 1), (True, 3)],
-                         ids=["pool", "pool+streaming", "pool+streaming+blocks"])
+                         ids=["pool", "pool+streaming", "pool+streaming+blocks+score-tokens"])
 def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming, sync_every):
     """ZeRO-3 with overcommitment on 2 ranks: each rank keeps its own pool and takes its own
     first B; decoding stops for both at the same token (one all-reduce per token: both ranks
@@ -86,7 +86,9 @@ def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming, syn
     forward, the other in the next all-reduce).
 
     Decoding in blocks (``generation.sync_every`` 3, chunks of 4: blocks of 3 and 1), the
-    stop rule is one all-reduce a block, whose tokens are kept up to where it held on both."""
+    stop rule is one all-reduce a block, whose tokens are kept up to where it held on both.
+    That run also sizes the scoring forwards by tokens (``ppo.score_batch_tokens``), so the
+    ranks' rows left to score are split by their lengths and the counts agreed on."""
     import torch
 
     from oppo_ds.rollout.pool import RolloutPool
@@ -95,6 +97,7 @@ def test_two_ranks_zero3_overcommit_decode_in_lock_step(tmp_path, streaming, syn
     launch(out, cache, "steps=3", "system.zero_stage=3", "oppo.overcommit=3", "checkpoint.every=3",
            "checkpoint.export_hf=false",
            *(["oppo.streaming=true", "oppo.chunk_size=4"] if streaming else []),
+           *(["ppo.score_batch_tokens=64"] if sync_every > 1 else []),
            f"generation.sync_every={sync_every}")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 3 * 2 * 4
@@ -255,10 +258,12 @@ def test_two_zero3_ranks_agree_on_micro_batches_sized_by_tokens(tmp_path):
     its own response lengths, the two make as many micro-batches as the one that needs more
     (ZeRO-3 gathers and reduce-scatters in every forward and backward: a rank with fewer would
     wait in the other's collective), and the run is the one in micro-batches of 2 (1e-5,
-    summation order), with another count of micro-batches per update."""
+    summation order), with another count of micro-batches per update. The scoring forwards
+    are sized by tokens too (ppo.score_batch_tokens=64), the ranks agreeing on their calls."""
     cache = tmp_path / "cache"
     runs = {}
-    for name, extra in (("micro2", []), ("tokens", ["ppo.micro_batch_tokens=64"])):
+    for name, extra in (("micro2", []), ("tokens", ["ppo.micro_batch_tokens=64",
+                                                    "ppo.score_batch_tokens=64"])):
         out = tmp_path / name
         launch(out, cache, "steps=2", "system.zero_stage=3", "checkpoint.export_hf=false", *extra)
         runs[name] = read_history(str(out / "metrics.jsonl"))

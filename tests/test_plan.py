@@ -168,6 +168,10 @@ def test_memory_items_follow_the_configuration():
                          shapes, 1, 8, dev).items
     assert budget["activations_train"] == pytest.approx(m8["activations_train"] / 4, rel=1e-6)
     assert budget["activations_score"] == m8["activations_score"]
+    scored = plan_memory(_cfg("system.zero_stage=3", f"ppo.score_batch_tokens={2 * seq}"),
+                         shapes, 1, 8, dev).items
+    assert scored["activations_score"] == pytest.approx(m8["activations_score"] / 4, rel=1e-6)
+    assert scored["activations_train"] == m8["activations_train"]
     over = plan_memory(_cfg("oppo.overcommit=8", "oppo.streaming=true"), shapes, 1, 8, dev).items
     # B + Delta rows, each up to a deferred row's partial response (max_new_tokens - 1, packed
     # after its prompt) longer: the rollout then decodes max_new_tokens more for its new rows
@@ -319,7 +323,8 @@ def test_sequential_step_of_a_fixed_length_batch_is_the_hand_sum():
 def test_micro_batches_by_tokens_train_in_fewer_calls():
     """ppo.micro_batch_tokens in the simulation: 8 rows of 11 + 20 tokens within 248
     positions are one forward/backward per mini-batch, where micro-batches of 4 are two; within
-    124, two again; the scoring forwards keep micro-batches of 4."""
+    124, two again; the scoring forwards keep micro-batches of 4, or with
+    ppo.score_batch_tokens 248 score in one call per model."""
     dev, L, B, micro, mini = _overhead_device(), 20, 8, 4, 8
     shape = tiny_shape("tiny-llama", 33)
     phases = {}
@@ -333,6 +338,12 @@ def test_micro_batches_by_tokens_train_in_fewer_calls():
     for budget, n in calls.items():
         assert phases[budget]["train"] == pytest.approx(2 * (n * dev.train_call_s + dev.optim_s))
         assert phases[budget]["score"] == phases[None]["score"]
+    assert phases[None]["score"] == pytest.approx(4 * 2 * dev.prefill_call_s)
+    lay = Layout(batch=B, micro=micro, mini=mini, epochs=1, prompt_len=11, score_tokens=8 * 31)
+    costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay)
+    res = StepSimulator(costs, LengthDist(192, values=(L,))).run(Schedule("sequential"),
+                                                                 steps=2, warmup=0)
+    assert res.steps[0].phases["score"] == pytest.approx(4 * 1 * dev.prefill_call_s)
 
 
 def _first_sequential_step(dev, B, micro, mini, **models):

@@ -542,7 +542,8 @@ def test_micro_batches_sized_by_tokens_do_not_change_the_math(cache_dir, tmp_pat
     4 is split into micro-batches of at most 64 token positions, padding included (packed rows
     under system.packing_samples), their number varying from one mini-batch to the next, and
     the run is the one in micro-batches of 4 (1e-5, summation order); train/micro_batches logs
-    the count (1 for micro-batches of 4)."""
+    the count (1 for micro-batches of 4). ppo.score_batch_tokens=64 splits the scoring
+    forwards alike, their results put back in the rows' order."""
     from oppo_ds import ppo_update
     from oppo_ds.micro_batches import forward_tokens
 
@@ -560,7 +561,8 @@ def test_micro_batches_sized_by_tokens_do_not_change_the_math(cache_dir, tmp_pat
     monkeypatch.setattr(ppo_update.PPOUpdate, "_micro_batch_rows", rows)
     packed = f"system.packing_samples={str(packing).lower()}"
     run(cache_dir, tmp_path / "m4", "steps=3", packed)
-    run(cache_dir, tmp_path / "t64", "steps=3", packed, "ppo.micro_batch_tokens=64")
+    run(cache_dir, tmp_path / "t64", "steps=3", packed, "ppo.micro_batch_tokens=64",
+        "ppo.score_batch_tokens=64")
     a = _metrics_by_step(tmp_path / "m4" / "metrics.jsonl")
     b = _metrics_by_step(tmp_path / "t64" / "metrics.jsonl")
     assert 0 < max(costs) <= 64 and len(counts) == 3 * 2  # steps x mini-batches

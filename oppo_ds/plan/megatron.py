@@ -146,9 +146,12 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     items["activations_train"] = max(activations(shapes.actor, True, train_tokens),
                                      activations(shapes.critic, False, train_tokens)
                                      if cfg.ppo.uses_critic else 0.0)
-    items["activations_score"] = max(activations(shapes.actor, False, micro_tokens)
+    # each scoring forward holds ppo.score_batch_tokens positions at most when it is set
+    score_tokens = min(cfg.ppo.score_batch_tokens, rows * seq) \
+        if cfg.ppo.score_batch_tokens else micro_tokens
+    items["activations_score"] = max(activations(shapes.actor, False, score_tokens)
                                      / (shapes.actor.layers // pp),
-                                     4 * micro_tokens * shapes.actor.vocab * 2)
+                                     4 * score_tokens * shapes.actor.vocab * 2)
     items["framework"] = FRAMEWORK_GIB * GIB
 
     resident = sum(items[k] for k in ("actor_params", "actor_grads", "actor_optimizer",

@@ -284,9 +284,13 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["activations_train"] = max(_activations(shapes.actor, train_tokens, w, ckpt, True),
                                      _activations(shapes.critic, train_tokens, w, ckpt, False)
                                      if cfg.ppo.uses_critic else 0.0)
-    # no-grad scoring forwards keep one layer's activations and the fp32 logits
-    items["activations_score"] = max(_activations(shapes.actor, micro_tokens, w, False, True) / shapes.actor.layers,
-                                     4 * micro_tokens * shapes.actor.vocab * 2)
+    # no-grad scoring forwards keep one layer's activations and the fp32 logits; each holds
+    # ppo.score_batch_tokens positions at most when it is set (never more than the rollout's)
+    score_tokens = min(cfg.ppo.score_batch_tokens, rows * seq) \
+        if cfg.ppo.score_batch_tokens else micro_tokens
+    items["activations_score"] = max(
+        _activations(shapes.actor, score_tokens, w, False, True) / shapes.actor.layers,
+        4 * score_tokens * shapes.actor.vocab * 2)
     items["framework"] = FRAMEWORK_GIB * GIB
 
     resident = (actor.params + actor.grads + actor.optimizer + critic.params + critic.grads

@@ -55,7 +55,7 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
                       max_defer=cfg.oppo.max_defer_steps, tp=1,
                       groups=min(replicas, max_groups), gpus=replicas,
                       gpus_per_node=gpus_per_node, nodes=nodes, per_prompt=per_prompt,
-                      micro_tokens=p.micro_batch_tokens)
+                      micro_tokens=p.micro_batch_tokens, score_tokens=p.score_batch_tokens)
     actors = actor_rank_gpus(cfg, gpus)  # stage: the scorer rank's GPU decodes nothing
     tp = s.inference_tp_size if s.hybrid_engine else 1
     if actors % tp:
@@ -66,7 +66,8 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
     return Layout(batch=p.batch_size, micro=p.micro_batch_size, mini=p.mini_batch_size,
                   epochs=p.ppo_epochs, prompt_len=prompt_len(cfg), max_defer=cfg.oppo.max_defer_steps,
                   tp=tp, groups=min(gpus // tp, max_groups), gpus=gpus, gpus_per_node=gpus_per_node,
-                  nodes=nodes, per_prompt=per_prompt, micro_tokens=p.micro_batch_tokens)
+                  nodes=nodes, per_prompt=per_prompt, micro_tokens=p.micro_batch_tokens,
+                  score_tokens=p.score_batch_tokens)
 
 
 def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> CostModel:

@@ -98,6 +98,7 @@ class Layout:
     nodes: int = 1
     per_prompt: int = 1         # responses the pool takes together (a group baseline's n)
     micro_tokens: int | None = None  # the update's micro-batches by tokens (ppo.micro_batch_tokens)
+    score_tokens: int | None = None  # the scoring forwards by tokens (ppo.score_batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,17 @@ class CostModel:
         """No-grad forwards over ``lengths`` rows in micro-batches trimmed to their longest."""
         if len(lengths) == 0:
             return 0.0
-        tokens, ctx, calls = _micro_tokens(lengths, self.lay.micro, self.lay.prompt_len)
+        lay = self.lay
+        if lay.score_tokens is None:
+            tokens, ctx, calls = _micro_tokens(lengths, lay.micro, lay.prompt_len)
+        else:  # each micro-batch of the split, trimmed to its longest
+            tokens = ctx = 0.0
+            groups = split_by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
+                                     lay.score_tokens, packed=False)
+            for g in groups:
+                t, c, _ = _micro_tokens(lengths[g], len(g), lay.prompt_len)
+                tokens, ctx = tokens + t, ctx + c
+            calls = len(groups)
         return self.prefill_job(kind, tokens, ctx, calls).alone
 
     # ---------------------------------------------------------------- training
