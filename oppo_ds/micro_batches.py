@@ -53,6 +53,43 @@ def forward_tokens(prompt_lens: list[int], response_lens: list[int], packed: boo
     return len(first_fit_rows(lengths, max(lengths))) * max(lengths)
 
 
+class _Filling:
+    """The micro-batch being filled, rows added longest first, with the cost of one more row
+    in O(packed rows): its widest prompt and response, or, packed, the room left in each packed
+    row (``first_fit_rows`` places rows longest first, so a row added last lands where it
+    would in a first fit of the whole micro-batch; the width is the first row's length)."""
+
+    def __init__(self, i: int, prompt: int, response: int, packed: bool, extra: int):
+        self.rows, self.packed, self.extra = [i], packed, extra
+        self.prompt, self.response = prompt, response
+        self.width = prompt + response
+        self.room = [0]  # the first row fills its packed row
+
+    def _placed(self, prompt: int, response: int) -> tuple[int | None, int]:
+        """The packed row a sequence would go into (None: a new one) and the cost with it."""
+        n = len(self.rows) + 1
+        if not self.packed:
+            width = max(self.prompt, prompt) + max(self.response, response)
+            return None, n * width + self.extra * n
+        length = prompt + response
+        fit = next((r for r, left in enumerate(self.room) if left >= length), None)
+        return fit, (len(self.room) + (fit is None)) * self.width + self.extra * n
+
+    def cost_with(self, prompt: int, response: int) -> int:
+        """The micro-batch's cost (``split_by_tokens``'s) with one more sequence."""
+        return self._placed(prompt, response)[1]
+
+    def add(self, i: int, prompt: int, response: int) -> None:
+        fit, _ = self._placed(prompt, response)
+        self.rows.append(i)
+        self.prompt, self.response = max(self.prompt, prompt), max(self.response, response)
+        if self.packed:
+            if fit is None:
+                self.room.append(self.width)
+                fit = len(self.room) - 1
+            self.room[fit] -= prompt + response
+
+
 def split_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: int,
                     packed: bool, count: int | None = None,
                     extra_per_row: int = 0) -> list[list[int]]:
@@ -73,12 +110,14 @@ def split_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: in
         return forward_tokens([prompt_lens[i] for i in rows], [response_lens[i] for i in rows],
                               packed) + extra_per_row * len(rows)
 
-    groups: list[list[int]] = []
+    filling: list[_Filling] = []
     for i in order:
-        if groups and cost(groups[-1] + [i]) <= budget:
-            groups[-1].append(i)
+        p, r = prompt_lens[i], response_lens[i]
+        if filling and filling[-1].cost_with(p, r) <= budget:
+            filling[-1].add(i, p, r)
         else:
-            groups.append([i])
+            filling.append(_Filling(i, p, r, packed, extra_per_row))
+    groups = [f.rows for f in filling]
     if count is None:
         return groups
     if not len(groups) <= count <= n:

@@ -72,6 +72,32 @@ def test_every_row_once_and_every_micro_batch_within_the_budget(packed):
                 assert cost <= budget
 
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_running_cost_is_the_forward_of_the_rows_so_far(packed):
+    """The split keeps each micro-batch's cost as it fills (its widths, or its packed rows'
+    room); the greedy rule it must match, checked from scratch with ``forward_tokens``: rows
+    longest first (ties by index), each micro-batch within the budget (or one row alone), and
+    the next row would have taken it over. Ptx blocks (extra positions a row) included."""
+    rng = random.Random(2)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        prompts = [rng.randint(1, 24) for _ in range(n)]
+        responses = [rng.choice([rng.randint(0, 6), rng.randint(0, 80)]) for _ in range(n)]
+        budget, extra = rng.randint(1, 900), rng.choice([0, 0, 7])
+        groups = split_by_tokens(prompts, responses, budget, packed, extra_per_row=extra)
+
+        def cost(rows):
+            return forward_tokens([prompts[i] for i in rows], [responses[i] for i in rows],
+                                  packed) + extra * len(rows)
+
+        order = sorted(range(n), key=lambda i: (-(prompts[i] + responses[i]), i))
+        assert [i for g in groups for i in g] == order
+        for g, after in zip(groups, groups[1:] + [None]):
+            assert len(g) == 1 or cost(g) <= budget
+            if after is not None:
+                assert cost(g + after[:1]) > budget
+
 def test_impossible_splits_are_refused():
     with pytest.raises(ValueError, match="between the fewest micro-batches .2. and the rows .4."):
         split_by_tokens([4, 4, 2, 2], [10, 2, 2, 1], 20, packed=False, count=5)
