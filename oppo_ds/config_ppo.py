@@ -6,7 +6,7 @@ and dynamic sampling. Like every section it is a dataclass with a docstring unde
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from .config_types import require as _require
@@ -60,6 +60,12 @@ class PPOConfig:
     """Critic learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay for actor and critic."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's beta1 and beta2 for actor and critic (OpenRLHF's --adam_betas, TRL's adam_beta1
+    and adam_beta2). The default is DeepSpeed-Chat's and OpenRLHF's; TRL's is [0.9, 0.999]. A
+    resume takes this run's values, as it takes the learning rates (the change is logged)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon for actor and critic (TRL's adam_epsilon). A resume takes this run's."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate decay after warm-up."""
     warmup_steps: int = 0
@@ -233,6 +239,10 @@ class PPOConfig:
         _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         for key in ("weight_decay", "warmup_steps"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+                 "adam_betas", f"must be two numbers in [0, 1) (beta1, beta2), got "
+                 f"{self.adam_betas}")
+        _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
         _require(self.grad_clip is None or self.grad_clip >= 0, "grad_clip",
                  f"must be >= 0 or null (null or 0 = off), got {self.grad_clip}")
         _require(self.reward_clip is None or self.reward_clip > 0, "reward_clip",

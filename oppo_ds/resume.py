@@ -36,13 +36,13 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
                        "system.grad_accum_dtype", "ppo.advantage_estimator")
 
 # the settings of the objective a resume may change (the run continues under the new ones),
-# named in the log when they differ from the checkpoint's: every ppo key but the learning
-# rates and weight decay (logged from the engines' own state), the estimator (refused above)
-# and the micro-batch size and token budgets (memory knobs that leave the update as it is), the
-# sampling, and the reward function
-_OBJECTIVE_EXCLUDED = ("ppo.actor_lr", "ppo.critic_lr", "ppo.weight_decay",
-                       "ppo.advantage_estimator", "ppo.micro_batch_size", "ppo.micro_batch_tokens",
-                       "ppo.score_batch_tokens")
+# named in the log when they differ from the checkpoint's: every ppo key but the optimizer's
+# (learning rates, weight decay, Adam's betas and epsilon: logged from the engines' own state),
+# the estimator (refused above) and the micro-batch size and token budgets (memory knobs that
+# leave the update as it is), the sampling, and the reward function
+_OBJECTIVE_EXCLUDED = ("ppo.actor_lr", "ppo.critic_lr", "ppo.weight_decay", "ppo.adam_betas",
+                       "ppo.adam_eps", "ppo.advantage_estimator", "ppo.micro_batch_size",
+                       "ppo.micro_batch_tokens", "ppo.score_batch_tokens")
 
 
 def _compared(key: str, value):
@@ -260,13 +260,16 @@ class Resumable:
         for note in filter(None, notes):
             logger.info("%s", note)
         keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
-                ("actor", "weight_decay"): "ppo.weight_decay"}  # one key for both decays
+                # one key for both engines' decays, betas and epsilons
+                ("actor", "weight_decay"): "ppo.weight_decay", ("actor", "betas"): "ppo.adam_betas",
+                ("actor", "eps"): "ppo.adam_eps"}
         for (name, setting), key in keys.items():
             engine = self.trained_engines.get(name)
             if engine is not None and setting in engine.resumed_changes:
-                saved, now = engine.resumed_changes[setting]
-                logger.info("%s: %g, not the %g checkpoint %s was written with", key, now,
-                            saved, tag)
+                # the betas as the YAML gives them
+                shown = [list(v) if setting == "betas" else f"{v:g}"
+                         for v in reversed(engine.resumed_changes[setting])]
+                logger.info("%s: %s, not the %s checkpoint %s was written with", key, *shown, tag)
         saved = state.get("objective") or {}  # none in checkpoints before 2026-11-25
         now = objective_settings(self.cfg.to_dict())
         if state.get("kl_coef") is not None and self.cfg.ppo.kl_target is not None:

@@ -226,7 +226,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         cfg = self.cfg
         p, s = cfg.ppo, cfg.system
         engine_args = dict(total_steps=optimizer_updates(cfg), weight_decay=p.weight_decay,
-                           warmup_steps=p.warmup_steps,
+                           betas=tuple(p.adam_betas), eps=p.adam_eps, warmup_steps=p.warmup_steps,
                            scheduler=p.lr_schedule, micro_batch_size=p.micro_batch_size,
                            gradient_accumulation_steps=p.mini_batch_size // p.micro_batch_size,
                            zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,

@@ -377,6 +377,10 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["ppo.reward_clip=-2"], "ppo.reward_clip", "must be > 0 or null"),
     (["ppo.weight_decay=-0.1"], "ppo.weight_decay", "must be >= 0, got -0.1"),
     (["ppo.warmup_steps=-1"], "ppo.warmup_steps", "must be >= 0, got -1"),
+    (["ppo.adam_betas=[0.9]"], "ppo.adam_betas", "must be two numbers in [0, 1) (beta1, beta2), "
+                                                 "got [0.9]"),
+    (["ppo.adam_betas=[0.9, 1.0]"], "ppo.adam_betas", "got [0.9, 1.0]"),
+    (["ppo.adam_eps=0"], "ppo.adam_eps", "must be > 0, got 0.0"),
     (["ppo.grad_clip=-1"], "ppo.grad_clip", "must be >= 0 or null (null or 0 = off), got -1.0"),
     (["workload.num_prompts=0"], "workload.num_prompts", "must be >= 1, got 0"),
     (["workload.sft_steps=-1"], "workload.sft_steps", "must be >= 0, got -1"),
@@ -408,8 +412,9 @@ DS = "system.deepspeed_config"
     ("{hybrid_engine: {enabled: true}}", "hybrid_engine.enabled is set by system.hybrid_engine"),
     ("{zero_optimization: {offload_optimizer: {device: cpu}}}",
      "zero_optimization.offload_optimizer.device is set by system.offload (none here, 'cpu'"),
-    ("{optimizer: {type: Adam}}", "optimizer is set by ppo.actor_lr, ppo.critic_lr and "
-                                  "ppo.weight_decay (Adam, built here) (none here, 'adam'"),
+    ("{optimizer: {type: Adam}}", "optimizer is set by ppo.actor_lr, ppo.critic_lr, "
+                                  "ppo.weight_decay, ppo.adam_betas and ppo.adam_eps (AdamW, "
+                                  "built here) (none here, 'adam'"),
     ("{timers: {throughput: {enabled: true}}}", "timers.throughput.enabled is set by "
                                                 "logging.profile_step"),
     ("{checkpoint: {load_universal: true}}", "checkpoint.load_universal is set by "
@@ -510,6 +515,7 @@ NUMBER, NUMBER_OR_NULL = "a number", "a number or null"
     ("ppo.actor_lr=1e999", NUMBER), ("ppo.kl_coef=" + "9" * 400, NUMBER),
     ("ppo.grad_clip=.inf", NUMBER_OR_NULL), ("eval.temperature=.nan", NUMBER_OR_NULL),
     ("ppo.filter_groups_reward_range=[0, .inf]", "a list of numbers or null"),
+    ("ppo.adam_betas=[0.9, .nan]", NUMBER),
 ])
 def test_non_finite_float_rejected(override, expected):
     """.inf and .nan are YAML floats: every float key took them unless a range check happened

@@ -327,10 +327,10 @@ def test_save_then_load_restores_weights_optimizer_and_lr(stage, dtype, tmp_path
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_resume_takes_the_configured_learning_rate_and_weight_decay(stage, tmp_path):
     """The optimizer's and scheduler's saved state carry the peak learning rate and weight
-    decay a checkpoint was written with; they replaced the configured ones, so a run resumed
-    with a lower learning rate (what the NaN stop advises) trained on with the old one. Now the
-    configuration wins and the schedule goes on from the loaded update; the same settings
-    change nothing (resumed_changes empty)."""
+    decay a checkpoint was written with (and Adam's betas and epsilon); they replaced the
+    configured ones, so a run resumed with a lower learning rate (what the NaN stop advises)
+    trained on with the old one. Now the configuration wins and the schedule goes on from the
+    loaded update; the same settings change nothing (resumed_changes empty)."""
     schedule = dict(warmup_steps=1, total_steps=10, scheduler="linear", zero_stage=stage)
     batch = fixed_batch()
     original = make_engine(lr=1e-2, **schedule)
@@ -341,13 +341,15 @@ def test_a_resume_takes_the_configured_learning_rate_and_weight_decay(stage, tmp
     same.load(str(tmp_path))
     assert same.resumed_changes == {} and same.lr() == original.lr()
 
-    lower = make_engine(lr=1e-4, weight_decay=0.1, **schedule)
+    lower = make_engine(lr=1e-4, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6, **schedule)
     lower.load(str(tmp_path))
-    assert lower.resumed_changes == {"lr": (1e-2, 1e-4), "weight_decay": (0.0, 0.1)}
+    assert lower.resumed_changes == {"lr": (1e-2, 1e-4), "weight_decay": (0.0, 0.1),
+                                     "betas": ((0.9, 0.95), (0.8, 0.99)), "eps": (1e-8, 1e-6)}
     factor = 1 - (3 - 1) / (10 - 1)  # linear decay after one warm-up update, at update 3
     assert lower.lr() == pytest.approx(1e-4 * factor)
     groups = lower.ds_engine.optimizer.param_groups
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.1]  # norms and biases: none
+    assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 for g in groups)
     lower.train_step([batch], lm_loss)
     assert lower.lr() == pytest.approx(1e-4 * (1 - (4 - 1) / (10 - 1)))
 

@@ -1082,7 +1082,8 @@ def test_export_names_what_is_missing(tmp_path):
 def test_a_resume_takes_the_configured_learning_rate(tmp_path):
     """As with DeepSpeed (test_engines): the Megatron engine's saved optimizer and scheduler
     state carried the checkpoint's peak learning rate and weight decay, which replaced the
-    configured ones on resume; the configuration wins now, and the log says so."""
+    configured ones on resume (Adam's betas and epsilon too); the configuration wins now, and
+    the log says so."""
     from _builders import single_process_env, tiny_run_overrides
 
     env = single_process_env()
@@ -1096,9 +1097,13 @@ def test_a_resume_takes_the_configured_learning_rate(tmp_path):
         return proc.stderr
 
     run()
-    log = run("steps=4", "ppo.actor_lr=1e-05", "ppo.weight_decay=0.1")
+    log = run("steps=4", "ppo.actor_lr=1e-05", "ppo.weight_decay=0.1",
+              "ppo.adam_betas=[0.8,0.99]", "ppo.adam_eps=1e-06")
     assert "ppo.actor_lr: 1e-05, not the 0.0005 checkpoint step2 was written with" in log
     assert "ppo.weight_decay: 0.1, not the 0 checkpoint step2 was written with" in log
+    assert "ppo.adam_betas: [0.8, 0.99], not the [0.9, 0.95] checkpoint step2 was written with" \
+        in log
+    assert "ppo.adam_eps: 1e-06, not the 1e-08 checkpoint step2 was written with" in log
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # the lr after update 3 of 4 (linear, no warm-up): 1e-5 x (1 - 3/4)

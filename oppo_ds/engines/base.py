@@ -65,26 +65,26 @@ def check_schedule(*, warmup_steps: int, total_steps: int, scheduler: str) -> No
 
 
 def reapply_hyperparameters(param_groups: list[dict], scheduler, lr: float,
-                            group_decay: list[float]) -> dict[str, tuple[float, float]]:
+                            group_decay: list[float], betas: tuple[float, float], eps: float
+                            ) -> dict[str, tuple]:
     """After loading an optimizer and its LambdaLR from a checkpoint, put back the peak
-    learning rate ``lr`` and each group's weight decay this run was configured with: the
-    saved state dicts carry the values the checkpoint was written with, which would win
-    silently (a resume told to lower the learning rate kept the old one). The schedule goes
-    on from the loaded step. Returns ``{name: (saved, now)}`` for each value that differed."""
-    saved_lr = scheduler.base_lrs[0]
-    saved_decay = max(g.get("weight_decay", 0.0) for g in param_groups)
+    learning rate ``lr``, each group's weight decay, and Adam's ``betas`` and ``eps`` this run
+    was configured with: the saved state dicts carry the values the checkpoint was written
+    with, which would win silently (a resume told to lower the learning rate kept the old one).
+    The schedule goes on from the loaded step; the moments go on as saved. Returns
+    ``{name: (saved, now)}`` for each value that differed."""
+    saved = {"lr": scheduler.base_lrs[0],
+             "weight_decay": max(g.get("weight_decay", 0.0) for g in param_groups),
+             "betas": tuple(param_groups[0]["betas"]), "eps": param_groups[0]["eps"]}
     scheduler.base_lrs = [lr] * len(param_groups)
     for group, decay, factor in zip(param_groups, group_decay, scheduler.lr_lambdas):
         group["initial_lr"] = lr
         group["weight_decay"] = decay
         group["lr"] = lr * factor(scheduler.last_epoch)
+        group["betas"], group["eps"] = tuple(betas), eps
     scheduler._last_lr = [g["lr"] for g in param_groups]  # what get_last_lr() reports
-    changed = {}
-    if saved_lr != lr:
-        changed["lr"] = (saved_lr, lr)
-    if saved_decay != max(group_decay):
-        changed["weight_decay"] = (saved_decay, max(group_decay))
-    return changed
+    now = {"lr": lr, "weight_decay": max(group_decay), "betas": tuple(betas), "eps": eps}
+    return {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
 
 
 @contextlib.contextmanager
@@ -195,7 +195,8 @@ class TrainEngine(ABC):
 
     resumed_changes: dict[str, tuple[float, float]] = {}
     """After :meth:`load`: the optimizer settings (``lr``: the peak learning rate,
-    ``weight_decay``) this run's configuration changed from the checkpoint's, as (saved, now)."""
+    ``weight_decay``, ``betas``, ``eps``) this run's configuration changed from the
+    checkpoint's, as (saved, now)."""
 
     def _refuse_without_optimizer(self, what: str) -> None:
         """``RuntimeError`` for ``what`` (training, a save) on a weights-only engine."""

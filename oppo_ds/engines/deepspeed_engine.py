@@ -519,7 +519,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             self._group_decay = [g["weight_decay"] for g in optimizer.param_groups]
             lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
                                                total_steps=total_steps, scheduler=scheduler)
-        self._peak_lr = lr
+        self._peak_lr, self._adam = lr, (tuple(betas), eps)
         without_kernels = hybrid_engine and not self._want_kernels(inject_kernels)
         with _hybrid_engine_without_kernels() if without_kernels else contextlib.nullcontext():
             self._engine = _initialize(model=model, optimizer=optimizer,
@@ -659,7 +659,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         if not module_only:
             self.resumed_changes = reapply_hyperparameters(
                 self._engine.optimizer.param_groups, self._engine.lr_scheduler, self._peak_lr,
-                self._group_decay)
+                self._group_decay, *self._adam)
         return client_state or {}
 
     def lr(self) -> float:

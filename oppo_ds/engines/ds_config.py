@@ -336,8 +336,8 @@ OWNED_SETTINGS = (
      "system.dtype and system.grad_accum_dtype"),
     ("torch_autocast_enabled", "torch_autocast.enabled", "system.dtype"),
     ("grad_accum_dtype", "data_types.grad_accum_dtype", "system.grad_accum_dtype"),
-    ("optimizer_name", "optimizer", "ppo.actor_lr, ppo.critic_lr and ppo.weight_decay (Adam, "
-                                    "built here)"),
+    ("optimizer_name", "optimizer", "ppo.actor_lr, ppo.critic_lr, ppo.weight_decay, "
+                                    "ppo.adam_betas and ppo.adam_eps (AdamW, built here)"),
     ("scheduler_name", "scheduler", "ppo.lr_schedule and ppo.warmup_steps"),
     ("gradient_clipping", "gradient_clipping", "ppo.grad_clip"),
     ("hybrid_engine.enabled", "hybrid_engine.enabled", "system.hybrid_engine"),

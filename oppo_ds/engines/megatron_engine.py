@@ -89,7 +89,7 @@ class MegatronTrainEngine(TrainEngine):
         self.device = model.device
         self.grad_clip = grad_clip
         self.weights_only = weights_only
-        self._peak_lr = lr
+        self._peak_lr, self._adam = lr, (tuple(betas), eps)
         self._grad_norm: float | None = None
         if weights_only:
             return
@@ -227,7 +227,8 @@ class MegatronTrainEngine(TrainEngine):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.resumed_changes = reapply_hyperparameters(self.optimizer.param_groups, self.scheduler,
-                                                       self._peak_lr, self._group_decay)
+                                                       self._peak_lr, self._group_decay,
+                                                       *self._adam)
         if self._master is not None:
             with torch.no_grad():
                 for master, saved in zip(self._master, state["master"]):
@@ -319,6 +320,7 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                                spec=spec)
 
     train = dict(total_steps=engine_args["total_steps"], weight_decay=engine_args["weight_decay"],
+                 betas=engine_args["betas"], eps=engine_args["eps"],
                  warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
                  gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
                  grad_clip=engine_args["grad_clip"])

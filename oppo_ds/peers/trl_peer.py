@@ -224,7 +224,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         whiten_rewards=p.whiten_rewards,
         # optimizer: torch AdamW with our engine's betas / eps
         learning_rate=p.actor_lr, weight_decay=p.weight_decay, optim="adamw_torch",
-        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+        adam_beta1=p.adam_betas[0], adam_beta2=p.adam_betas[1], adam_epsilon=p.adam_eps,
         max_grad_norm=p.grad_clip if p.grad_clip is not None else 0.0,  # unused by TRL's PPO loop
         lr_scheduler_type=schedule, warmup_steps=warmup,
         # precision and memory
