@@ -77,8 +77,6 @@ def check_across_sections(cfg) -> None:
 def _check_micro_batch_tokens(cfg) -> None:
     """ppo.micro_batch_tokens holds one sequence of the longest, and under PPO-ptx the
     pretraining block that goes with it into the same backward."""
-    from .ptx import ptx_block_len
-
     longest = cfg.generation.max_prompt_len + cfg.generation.max_new_tokens
     what = f"generation.max_prompt_len + max_new_tokens = {longest}"
     if cfg.ppo.ptx_coef > 0:
@@ -208,6 +206,13 @@ def flat_bf16(dtype: str, zero_stage: int, offload: bool) -> bool:
     """Whether DeepSpeed gives this model its flat BF16 optimizer when the gradients
     accumulate in fp32 (bf16 under ZeRO-1 without offload)."""
     return dtype == "bf16" and zero_stage == 1 and not offload
+
+
+def ptx_block_len(cfg) -> int:
+    """Tokens of a PPO-ptx block: ``data.ptx_block_len``, or a prompt and a response at their
+    longest."""
+    g = cfg.generation
+    return cfg.data.ptx_block_len or g.max_prompt_len + g.max_new_tokens
 
 
 def resolved_grad_accum_dtype(grad_accum_dtype: str, *, dtype: str, zero_stage: int,

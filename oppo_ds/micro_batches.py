@@ -1,5 +1,7 @@
 """Micro-batches sized by tokens (``ppo.micro_batch_tokens``; OpenRLHF's ``--use_dynamic_batch``
-with ``--train_max_tokens_per_gpu``, verl's ``ppo_max_token_len_per_gpu``).
+with ``--train_max_tokens_per_gpu``, verl's ``ppo_max_token_len_per_gpu``), and the no-grad
+forwards that score the experience by the same rule (``ppo.score_batch_tokens``, OpenRLHF's
+``--rollout_max_tokens_per_gpu``; ``scoring.Scoring._score_groups``).
 
 A fixed number of sequences per forward/backward (``ppo.micro_batch_size``) has to be sized
 for the longest responses a run can give, so most micro-batches of a long-tailed length
@@ -65,8 +67,9 @@ class _Filling:
         self.width = prompt + response
         self.room = [0]  # the first row fills its packed row
 
-    def _placed(self, prompt: int, response: int) -> tuple[int | None, int]:
-        """The packed row a sequence would go into (None: a new one) and the cost with it."""
+    def placed(self, prompt: int, response: int) -> tuple[int | None, int]:
+        """The packed row one more sequence would go into (None: a new one, or not packed) and
+        the micro-batch's cost (``split_by_tokens``'s) with it."""
         n = len(self.rows) + 1
         if not self.packed:
             width = max(self.prompt, prompt) + max(self.response, response)
@@ -75,12 +78,8 @@ class _Filling:
         fit = next((r for r, left in enumerate(self.room) if left >= length), None)
         return fit, (len(self.room) + (fit is None)) * self.width + self.extra * n
 
-    def cost_with(self, prompt: int, response: int) -> int:
-        """The micro-batch's cost (``split_by_tokens``'s) with one more sequence."""
-        return self._placed(prompt, response)[1]
-
-    def add(self, i: int, prompt: int, response: int) -> None:
-        fit, _ = self._placed(prompt, response)
+    def add(self, i: int, prompt: int, response: int, fit: int | None) -> None:
+        """Row ``i`` in, into packed row ``fit`` (``placed``'s)."""
         self.rows.append(i)
         self.prompt, self.response = max(self.prompt, prompt), max(self.response, response)
         if self.packed:
@@ -113,8 +112,9 @@ def split_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: in
     filling: list[_Filling] = []
     for i in order:
         p, r = prompt_lens[i], response_lens[i]
-        if filling and filling[-1].cost_with(p, r) <= budget:
-            filling[-1].add(i, p, r)
+        fit, cost_with = filling[-1].placed(p, r) if filling else (None, budget + 1)
+        if cost_with <= budget:
+            filling[-1].add(i, p, r, fit)
         else:
             filling.append(_Filling(i, p, r, packed, extra_per_row))
     groups = [f.rows for f in filling]

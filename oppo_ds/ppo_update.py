@@ -16,9 +16,10 @@ from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, en
                    gae_advantages, group_baseline_scores, kl_loss, kl_shaped_rewards,
                    loss_normalizer, masked_mean, masked_whiten, overlong_penalty, token_normalizer,
                    truncated_is_weights, truncated_rows)
+from .config_checks import ptx_block_len
 from .experience import Experience, response_logprobs, response_values
 from .micro_batches import split_by_tokens
-from .ptx import lm_loss, ptx_block_len
+from .ptx import lm_loss
 
 
 # update statistics reduced by their largest value over micro-batches and ranks, not averaged

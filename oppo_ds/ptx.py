@@ -21,12 +21,6 @@ from .datafiles import DataError, PromptRow
 from .rollout.generate import position_ids_from_mask
 
 
-def ptx_block_len(cfg) -> int:
-    """``data.ptx_block_len``, or a prompt and a response at their longest."""
-    g = cfg.generation
-    return cfg.data.ptx_block_len or g.max_prompt_len + g.max_new_tokens
-
-
 def ptx_blocks(rows: list[PromptRow], tokenizer, block_len: int, label: str) -> list[Prompt]:
     """The texts of ``rows`` tokenized (with the tokenizer's special tokens, as
     ``tokenizer(text)`` adds them), concatenated and cut into blocks of ``block_len`` ids."""

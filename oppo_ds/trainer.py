@@ -24,7 +24,7 @@ from . import comm
 from .algo import masked_mean, overlong_penalty
 from .checkpoint import CheckpointManager, check_tag, checkpoint_root
 from .config import Config, ConfigError, save_config
-from .config_checks import optimizer_updates
+from .config_checks import optimizer_updates, ptx_block_len
 from .config_types import require
 from .data import PromptStream, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
@@ -47,7 +47,7 @@ from .rollout.waste import tail_waste
 from .scoring import Scoring
 from .pool_rollout import PoolRollout
 from .ppo_update import PPOUpdate
-from .ptx import ptx_block_len, ptx_blocks
+from .ptx import ptx_blocks
 from .preemption import STOPPED_MARK, StopOnSignal, signal_name, signal_number
 from .resume import Resumable
 from .reward_fn import RewardFunctions
@@ -597,11 +597,15 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         # value from before the last update, or a scorer that did not see the row)
         missing = {kind: [i for i, r in enumerate(got) if r is None]
                    for kind, got in streamed.items() if isinstance(got, list)}
-        # and the kinds that score every row (the same kinds on every rank)
+        # and, under ppo.score_batch_tokens, the kinds that score every row: the ranks' rows
+        # are as many, but split by their lengths they can take a different number of calls
+        # (the same kinds on every rank: they follow the config)
         every_row = list(range(gen.prompt_ids.shape[0]))
-        calls = self._equal_forward_calls(
-            {**{k: every_row for k in ("actor", "critic", "reference") if streamed.get(k) is None},
-             **missing}, (gen.prompt_mask, gen.response_mask))
+        whole = [k for k, used in (("actor", True), ("critic", self.critic is not None),
+                                   ("reference", self.cfg.ppo.uses_reference))
+                 if used and streamed.get(k) is None] if self.cfg.ppo.score_batch_tokens else []
+        calls = self._equal_forward_calls({**{k: every_row for k in whole}, **missing},
+                                          (gen.prompt_mask, gen.response_mask))
 
         def streamed_or_scored(kind, fn):
             got = streamed.get(kind)

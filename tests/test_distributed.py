@@ -235,13 +235,16 @@ def test_two_ranks_partitioned_offloaded_reference_gives_the_same_run(tmp_path):
     run with a full reference copy per rank (1e-6: the same numbers are gathered; the KL
     term is computed from the same logits). With system.packing_samples too, every forward
     over whole sequences of the actor, critic and partitioned reference takes packed rows
-    (the start's check a collective forward of each on both ranks): the same run within 1e-4,
-    the rounding of other shapes carried through two updates."""
+    (the start's check a collective forward of each on both ranks), and the scoring forwards
+    are sized by tokens (ppo.score_batch_tokens=64), so the ranks agree on the partitioned
+    reference's calls as on the actor's and critic's: the same run within 1e-4, the rounding
+    of other shapes carried through two updates."""
     cache = tmp_path / "cache"
     runs = {}
     partitioned = ["system.partition_reference=true", "system.offload_reference=true"]
     for name, extra in (("full", []), ("partitioned", partitioned),
-                        ("packed", partitioned + ["system.packing_samples=true"])):
+                        ("packed", partitioned + ["system.packing_samples=true",
+                                                  "ppo.score_batch_tokens=64"])):
         out = tmp_path / name
         launch(out, cache, "steps=2", "system.zero_stage=3", "checkpoint.export_hf=false", *extra)
         runs[name] = read_history(str(out / "metrics.jsonl"))

@@ -72,7 +72,6 @@ def test_every_row_once_and_every_micro_batch_within_the_budget(packed):
                 assert cost <= budget
 
 
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_running_cost_is_the_forward_of_the_rows_so_far(packed):
     """The split keeps each micro-batch's cost as it fills (its widths, or its packed rows'
@@ -97,6 +96,7 @@ def test_the_running_cost_is_the_forward_of_the_rows_so_far(packed):
             assert len(g) == 1 or cost(g) <= budget
             if after is not None:
                 assert cost(g + after[:1]) > budget
+
 
 def test_impossible_splits_are_refused():
     with pytest.raises(ValueError, match="between the fewest micro-batches .2. and the rows .4."):

@@ -172,6 +172,14 @@ def test_memory_items_follow_the_configuration():
                          shapes, 1, 8, dev).items
     assert scored["activations_score"] == pytest.approx(m8["activations_score"] / 4, rel=1e-6)
     assert scored["activations_train"] == m8["activations_train"]
+    # PPO-ptx: the actor's micro-batch holds its rows' blocks too (8 x (seq + seq) positions),
+    # within a budget as well; its activations are the actor's, the larger model's here
+    ptx = ["ppo.ptx_coef=0.5", "data.ptx=/data/pretrain.jsonl", f"data.ptx_block_len={seq}"]
+    with_ptx = plan_memory(_cfg("system.zero_stage=3", *ptx), shapes, 1, 8, dev).items
+    assert with_ptx["activations_train"] == pytest.approx(2 * m8["activations_train"], rel=1e-6)
+    ptx_budget = plan_memory(_cfg("system.zero_stage=3", f"ppo.micro_batch_tokens={4 * seq}",
+                                  *ptx), shapes, 1, 8, dev).items
+    assert ptx_budget["activations_train"] == pytest.approx(m8["activations_train"] / 2, rel=1e-6)
     over = plan_memory(_cfg("oppo.overcommit=8", "oppo.streaming=true"), shapes, 1, 8, dev).items
     # B + Delta rows, each up to a deferred row's partial response (max_new_tokens - 1, packed
     # after its prompt) longer: the rollout then decodes max_new_tokens more for its new rows
@@ -344,6 +352,32 @@ def test_micro_batches_by_tokens_train_in_fewer_calls():
     res = StepSimulator(costs, LengthDist(192, values=(L,))).run(Schedule("sequential"),
                                                                  steps=2, warmup=0)
     assert res.steps[0].phases["score"] == pytest.approx(4 * 1 * dev.prefill_call_s)
+
+
+def test_ppo_ptx_blocks_count_in_the_actors_update_and_its_budget():
+    """PPO-ptx in the simulation: each row brings a block (31 tokens here) into the actor's
+    forward/backward, a second forward in the same call. Within 248 positions the 8 rows of
+    31 tokens are two micro-batches with their blocks (4 x 62), not one, for the critic too
+    (the update splits once); the actor's calls pay a second pass of per-layer costs, the
+    critic's not. The planner sets the block from data.ptx_block_len; a run without PPO-ptx
+    has none."""
+    dev, B = _overhead_device(layer_s=0.01), 8
+    shape = tiny_shape("tiny-llama", 33)
+    layer = 2 * shape.layers * dev.layer_s
+    train = {}
+    for ptx in (0, 31):
+        lay = Layout(batch=B, micro=4, mini=8, epochs=1, prompt_len=11, micro_tokens=8 * 31,
+                     ptx_block=ptx)
+        costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay)
+        res = StepSimulator(costs, LengthDist(192, values=(20,))).run(Schedule("sequential"),
+                                                                      steps=2, warmup=0)
+        train[ptx] = res.steps[0].phases["train"]
+    per_call = dev.train_call_s + layer
+    assert train[0] == pytest.approx(2 * (per_call + dev.optim_s))
+    assert train[31] == pytest.approx(2 * (per_call + layer) + 2 * per_call + 2 * dev.optim_s)
+    ptx = ["ppo.ptx_coef=0.5", "data.ptx=/data/pretrain.jsonl", "data.ptx_block_len=64"]
+    assert layout(_cfg(*ptx), 1, 8).ptx_block == 64
+    assert layout(_cfg(), 1, 8).ptx_block == 0
 
 
 def _first_sequential_step(dev, B, micro, mini, **models):

@@ -26,7 +26,8 @@ from ..config import Config, ConfigError
 from ..rollout.static_length import widest_context
 from .costs import GIB, Device
 from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, on_scorer_rank,
-                     scorer_rank_memory, streamed_scorers, train_micro_tokens)
+                     scorer_rank_memory, score_micro_tokens, streamed_scorers,
+                     train_micro_tokens)
 from .shapes import ModelShape, Shapes
 
 
@@ -132,9 +133,6 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta, rollout_seq) for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
 
-    micro_tokens = cfg.ppo.micro_batch_size * seq
-    train_tokens = train_micro_tokens(cfg, seq)
-
     def activations(shape: ModelShape, logits: bool, tokens: int) -> float:
         layer = _activation_bytes_per_token(shape, w, tp) * tokens
         if s.gradient_checkpointing:  # each layer's input (whole on every rank), one layer whole
@@ -143,12 +141,11 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
             out = shape.layers // pp * layer
         return out + (2 * 4 * tokens * shape.vocab if logits else 0.0)
 
-    items["activations_train"] = max(activations(shapes.actor, True, train_tokens),
-                                     activations(shapes.critic, False, train_tokens)
-                                     if cfg.ppo.uses_critic else 0.0)
-    # each scoring forward holds ppo.score_batch_tokens positions at most when it is set
-    score_tokens = min(cfg.ppo.score_batch_tokens, rows * seq) \
-        if cfg.ppo.score_batch_tokens else micro_tokens
+    items["activations_train"] = max(
+        activations(shapes.actor, True, train_micro_tokens(cfg, seq, actor=True)),
+        activations(shapes.critic, False, train_micro_tokens(cfg, seq))
+        if cfg.ppo.uses_critic else 0.0)
+    score_tokens = score_micro_tokens(cfg, rows, seq)
     items["activations_score"] = max(activations(shapes.actor, False, score_tokens)
                                      / (shapes.actor.layers // pp),
                                      4 * score_tokens * shapes.actor.vocab * 2)

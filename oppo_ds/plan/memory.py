@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
-from ..config_checks import resolved_grad_accum_dtype, uses_bf16_optimizer
+from ..config_checks import ptx_block_len, resolved_grad_accum_dtype, uses_bf16_optimizer
 from ..rollout.static_length import cache_length, widest_context
 from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
@@ -199,14 +199,26 @@ def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool, lo
     return out
 
 
-def train_micro_tokens(cfg: Config, seq: int) -> int:
+def train_micro_tokens(cfg: Config, seq: int, actor: bool = False) -> int:
     """Token positions of the update's largest micro-batch, sequences of ``seq`` at most:
     ppo.micro_batch_size of them, or ppo.micro_batch_tokens when it is set (never more than a
-    mini-batch's)."""
+    mini-batch's). ``actor``: the actor's, where under PPO-ptx each sequence brings a
+    pretraining block into the same backward (the budget counts it too)."""
     p = cfg.ppo
+    row = seq + (ptx_block_len(cfg) if actor and cfg.data.ptx is not None else 0)
     if p.micro_batch_tokens is None:
+        return p.micro_batch_size * row
+    return min(p.micro_batch_tokens, p.mini_batch_size * row)
+
+
+def score_micro_tokens(cfg: Config, rows: int, seq: int) -> int:
+    """Token positions of the largest no-grad forward that scores the experience, ``rows``
+    sequences of ``seq`` at most in the rollout: ppo.micro_batch_size of them, or
+    ppo.score_batch_tokens when it is set (never more than the rollout's)."""
+    p = cfg.ppo
+    if p.score_batch_tokens is None:
         return p.micro_batch_size * seq
-    return min(p.micro_batch_tokens, p.mini_batch_size * seq)
+    return min(p.score_batch_tokens, rows * seq)
 
 
 def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, device: Device,
@@ -278,16 +290,13 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["kept_decode_graph"] = (items["actor_kv"] + w * rows * shapes.actor.vocab
                                   if gen.cuda_graph else 0.0)
 
-    micro_tokens = cfg.ppo.micro_batch_size * seq
-    train_tokens = train_micro_tokens(cfg, seq)
     ckpt = s.gradient_checkpointing
-    items["activations_train"] = max(_activations(shapes.actor, train_tokens, w, ckpt, True),
-                                     _activations(shapes.critic, train_tokens, w, ckpt, False)
-                                     if cfg.ppo.uses_critic else 0.0)
-    # no-grad scoring forwards keep one layer's activations and the fp32 logits; each holds
-    # ppo.score_batch_tokens positions at most when it is set (never more than the rollout's)
-    score_tokens = min(cfg.ppo.score_batch_tokens, rows * seq) \
-        if cfg.ppo.score_batch_tokens else micro_tokens
+    items["activations_train"] = max(
+        _activations(shapes.actor, train_micro_tokens(cfg, seq, actor=True), w, ckpt, True),
+        _activations(shapes.critic, train_micro_tokens(cfg, seq), w, ckpt, False)
+        if cfg.ppo.uses_critic else 0.0)
+    # no-grad scoring forwards keep one layer's activations and the fp32 logits
+    score_tokens = score_micro_tokens(cfg, rows, seq)
     items["activations_score"] = max(
         _activations(shapes.actor, score_tokens, w, False, True) / shapes.actor.layers,
         4 * score_tokens * shapes.actor.vocab * 2)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError
+from ..config_checks import ptx_block_len
 from . import megatron
 from .costs import Device
 from .memory import actor_rank_gpus, dtype_bytes, plan_memory
@@ -47,6 +48,7 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
     s, p = cfg.system, cfg.ppo
     gpus = nodes * gpus_per_node
     per_prompt = cfg.data.samples_per_prompt if p.group_baseline else 1
+    ptx = ptx_block_len(cfg) if cfg.data.ptx is not None else 0  # PPO-ptx: a block a row
     if s.backend == "megatron":  # a decode group is one model replica; gpus: the replicas
         tp, pp = megatron.model_split(cfg)
         replicas = megatron.actor_gpus(cfg, gpus) // (tp * pp)
@@ -55,7 +57,8 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
                       max_defer=cfg.oppo.max_defer_steps, tp=1,
                       groups=min(replicas, max_groups), gpus=replicas,
                       gpus_per_node=gpus_per_node, nodes=nodes, per_prompt=per_prompt,
-                      micro_tokens=p.micro_batch_tokens, score_tokens=p.score_batch_tokens)
+                      micro_tokens=p.micro_batch_tokens, score_tokens=p.score_batch_tokens,
+                      ptx_block=ptx)
     actors = actor_rank_gpus(cfg, gpus)  # stage: the scorer rank's GPU decodes nothing
     tp = s.inference_tp_size if s.hybrid_engine else 1
     if actors % tp:
@@ -67,7 +70,7 @@ def layout(cfg: Config, nodes: int, gpus_per_node: int, max_groups: int = MAX_GR
                   epochs=p.ppo_epochs, prompt_len=prompt_len(cfg), max_defer=cfg.oppo.max_defer_steps,
                   tp=tp, groups=min(gpus // tp, max_groups), gpus=gpus, gpus_per_node=gpus_per_node,
                   nodes=nodes, per_prompt=per_prompt, micro_tokens=p.micro_batch_tokens,
-                  score_tokens=p.score_batch_tokens)
+                  score_tokens=p.score_batch_tokens, ptx_block=ptx)
 
 
 def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> CostModel:

@@ -99,6 +99,7 @@ class Layout:
     per_prompt: int = 1         # responses the pool takes together (a group baseline's n)
     micro_tokens: int | None = None  # the update's micro-batches by tokens (ppo.micro_batch_tokens)
     score_tokens: int | None = None  # the scoring forwards by tokens (ppo.score_batch_tokens)
+    ptx_block: int = 0          # PPO-ptx: each row's pretraining block in the actor's update
 
 
 @dataclass(frozen=True)
@@ -255,15 +256,18 @@ class CostModel:
         # weights' gradients; checkpointing recomputes the forward
         mult = (2 if self.lora_only and self.lora_dims.get(kind) else 3) + (1 if self.checkpointing else 0)
         params = shape.params(head)
+        ptx = lay.ptx_block if kind == "actor" else 0  # PPO-ptx: a second forward, of blocks
         total = 0.0
         for mb in batches:
             tokens, ctx, _ = _micro_tokens(mb, len(mb), lay.prompt_len)
+            tokens, ctx = tokens + len(mb) * ptx, ctx + len(mb) * ptx * (ptx + 1) / 2
             flops = mult * (tokens * 2 * shape.matmul_params(head)
                             + 4 * shape.layers * shape.heads * shape.head_dim * ctx) / self.mtp
-            comm = 3 * self._gather_s(params) if self.zero_stage == 3 else 0.0
+            # ZeRO-3 gathers the weights for each forward and the backward
+            comm = (3 + bool(ptx)) * self._gather_s(params) if self.zero_stage == 3 else 0.0
             if self.zero_stage == 3 and self.offload:
                 comm += 2 * self.w * params / lay.gpus / dev.host_link_bw
-            total += (dev.train_call_s + 2 * shape.layers * dev.layer_s
+            total += (dev.train_call_s + 2 * shape.layers * dev.layer_s * (2 if ptx else 1)
                       + max(flops / dev.train_flops, comm))
         return total
 
@@ -299,14 +303,14 @@ class CostModel:
     def _micro_batch_rows(self, lengths: np.ndarray) -> list:
         """A mini-batch's rows (positions in ``lengths``) in the update's micro-batches:
         ``micro`` each, or within ``micro_tokens`` positions of prompts padded to
-        ``prompt_len`` (this rank's own split: the count agreed with the other ranks, the
-        largest, is not modelled)."""
+        ``prompt_len`` and each row's PPO-ptx block (this rank's own split: the count agreed
+        with the other ranks, the largest, is not modelled)."""
         lay = self.lay
         if lay.micro_tokens is None:
             return [list(range(j, min(j + lay.micro, len(lengths))))
                     for j in range(0, len(lengths), lay.micro)]
         return split_by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
-                               lay.micro_tokens, packed=False)
+                               lay.micro_tokens, packed=False, extra_per_row=lay.ptx_block)
 
     def critic_to_stage_s(self) -> float:
         """The stage placement's critic weights before a rollout: gathered whole on the
