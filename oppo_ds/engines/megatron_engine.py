@@ -320,10 +320,12 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
                                spec=spec)
 
     train = dict(total_steps=engine_args["total_steps"], weight_decay=engine_args["weight_decay"],
-                 betas=engine_args["betas"], eps=engine_args["eps"],
                  warmup_steps=engine_args["warmup_steps"], scheduler=engine_args["scheduler"],
                  gradient_accumulation_steps=engine_args["gradient_accumulation_steps"],
                  grad_clip=engine_args["grad_clip"])
+    # Adam's betas and epsilon where given (the trainer gives ppo.adam_betas and adam_eps); the
+    # engine's defaults otherwise, as DeepSpeedTrainEngine takes them
+    train.update({k: engine_args[k] for k in ("betas", "eps") if k in engine_args})
     def trained(source: str, kind: str, lr: float, weights_only: bool = False
                 ) -> MegatronTrainEngine:
         model = load(source, kind)
