@@ -26,6 +26,12 @@ accumulation steps whatever their number.
 from __future__ import annotations
 
 
+def fixed_rows(n: int, size: int) -> list[list[int]]:
+    """Rows ``0..n-1`` in micro-batches of ``size`` in order (``ppo.micro_batch_size``'s rule),
+    the last one shorter where ``size`` does not divide ``n``."""
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
 def first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
     """The indices of ``lengths`` in packed rows of ``width``: longest first, each into the first
     row with room for it (``experience.packed_inputs``'s rule). Every length must be at most

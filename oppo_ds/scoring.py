@@ -1,4 +1,5 @@
-"""``Scoring``: the trainer's helpers that score finished responses outside the stream:
+"""``Scoring``: the trainer's scoring of finished responses outside the stream: the step's
+experience (``make_experience``: what the streaming scorers did not produce),
 model.reward_function on decoded text (one answer per model replica), the reward model's
 normalization, scorer calls over trimmed micro-batches (as many on every rank where the
 forward is collective), and the built-in task's gold score. A mixin of ``PPOTrainer``."""
@@ -12,11 +13,92 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .experience import used_widths
-from .micro_batches import split_by_tokens
+from .experience import (Experience, response_logprobs, response_values, sequence_scores,
+                         used_widths)
+from .micro_batches import fixed_rows, split_by_tokens
+
+
+def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
+                width: int, device) -> torch.Tensor:
+    """Per-row results (scalars, or (T_row,) right-padded to ``width``) as one tensor on
+    ``device``, rows listed in ``missing`` taken in order from ``scored`` (the others may
+    sit elsewhere: a resumed pool's rows come back on the CPU)."""
+    fill, missing = iter(scored.unbind(0)) if scored is not None else iter(()), set(missing)
+    rows = [next(fill) if i in missing else r for i, r in enumerate(rows)]
+    if rows[0].dim() == 0:
+        return torch.stack([r.float().to(device) for r in rows])
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
+    for i, r in enumerate(rows):
+        n = min(r.numel(), width)
+        out[i, :n] = r[:n].to(out.device)
+    return out
 
 
 class Scoring:
+    @torch.no_grad()
+    def make_experience(self, keys: list[str], gen, streamed: Optional[dict] = None) -> Experience:
+        """Reference log-probs, critic values, rewards and the actor's own (old) log-probs;
+        what the streaming scorers already produced (``streamed``, by kind; ``actor``: the
+        log-probs the actor's decode computed) is taken as is."""
+        streamed = streamed or {}
+        temp, packed = self.cfg.generation.temperature, self.cfg.system.packing_samples
+        args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
+        # per row, from the rollout pool: None where nothing valid was streamed (a critic
+        # value from before the last update, or a scorer that did not see the row)
+        missing = {kind: [i for i, r in enumerate(got) if r is None]
+                   for kind, got in streamed.items() if isinstance(got, list)}
+        # and, under ppo.score_batch_tokens, the kinds that score every row: the ranks' rows
+        # are as many, but split by their lengths they can take a different number of calls
+        # (the same kinds on every rank: they follow the config)
+        every_row = list(range(gen.prompt_ids.shape[0]))
+        whole = [k for k, used in (("actor", True), ("critic", self.critic is not None),
+                                   ("reference", self.cfg.ppo.uses_reference))
+                 if used and streamed.get(k) is None] if self.cfg.ppo.score_batch_tokens else []
+        agreed = self._agreed_calls({**{k: every_row for k in whole}, **missing},
+                                    (gen.prompt_mask, gen.response_mask))
+
+        def streamed_or_scored(kind, fn):
+            got = streamed.get(kind)
+            if got is None:
+                return self._micro_batched(fn, args, agreed.get(kind), filler=args)
+            if isinstance(got, torch.Tensor):
+                return got
+            rows = missing[kind]
+            scored = self._micro_batched(fn, tuple(a[rows] for a in args), agreed.get(kind),
+                                         filler=args) if rows or kind in agreed else None
+            return _stack_rows(got, rows, scored, gen.response_ids.shape[1],
+                               gen.response_ids.device)
+
+        def actor_logprobs(*a):
+            return self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp, packed)[0])
+
+        def critic_values(*a):
+            return self.critic.forward_no_grad(lambda m: response_values(m, *a, packed))
+
+        old_logprobs = streamed_or_scored("actor", actor_logprobs)
+        old_values = torch.zeros_like(gen.response_mask) if self.critic is None else \
+            streamed_or_scored("critic", critic_values)
+        # with the KL off there is no reference: its log-probs are the actor's, a KL of exactly 0
+        ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
+            "reference", lambda *a: response_logprobs(self.reference, *a, temp, packed)[0])
+        if self.reward_fn is not None:
+            scores = self._replica_scores(
+                self.function_scores(keys, gen, self.prompt_rows, record=True,
+                                     samples=self.cfg.data.samples_per_prompt > 1)
+                .to(gen.response_ids.device))
+        else:
+            scores = self.normalized(streamed_or_scored(
+                "reward", lambda *a: sequence_scores(self.reward, *a, packed)))
+        gold = None
+        if self.builtin_prompts:
+            gold = torch.tensor(self._gold(gen), dtype=torch.float32,
+                                device=gen.response_ids.device)
+        return Experience(prompt_keys=keys, prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask,
+                          response_ids=gen.response_ids, response_mask=gen.response_mask,
+                          behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, old_values=old_values, scores=scores,
+                          gold=gold)
+
     def function_scores(self, keys: list[str], gen, rows: dict, samples: bool = False,
                         record: bool = False) -> torch.Tensor:
         """model.reward_function's (B,) scores of the generation's responses, decoded to text,
@@ -57,8 +139,7 @@ class Scoring:
         are the caller's filler)."""
         rows, budget = prompt_mask.shape[0], self.cfg.ppo.score_batch_tokens
         if budget is None:
-            n = self.cfg.ppo.micro_batch_size
-            return [list(range(i, min(i + n, rows))) for i in range(0, rows, n)]
+            return fixed_rows(rows, self.cfg.ppo.micro_batch_size)
         if rows == 0:
             return []
         split = partial(split_by_tokens, prompt_mask.sum(1).tolist(),
@@ -66,17 +147,18 @@ class Scoring:
         groups = split()
         return groups if count is None or count <= len(groups) else split(min(count, rows))
 
-    def _micro_batched(self, fn, args, calls: Optional[int] = None, filler=None):
+    def _micro_batched(self, fn, args, agreed: Optional[tuple[list[list[int]], int]] = None,
+                       filler=None):
         """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask)
         (``_score_groups``), each trimmed to its own longest prompt and response; (B,) or
         (B, T) results in the rows' order, padded back to the batch's response width with
-        zeros (None for no rows). ``calls``: make that many calls in all, the ones past the
-        rows on the first row of ``filler``, their results dropped (a collective forward:
-        every rank must call it alike)."""
+        zeros (None for no rows). ``agreed``: the rows' micro-batches and the calls to make in
+        all (``_agreed_calls``), the ones past the rows on the first row of ``filler``, their
+        results dropped (a collective forward: every rank must call it alike)."""
         width = args[2].shape[1]
-        if args[0].shape[0] == 0 and calls is None:
+        if args[0].shape[0] == 0 and agreed is None:
             raise ValueError("no rows to score")
-        groups = self._score_groups(args[1], args[3], calls)
+        groups, calls = agreed if agreed is not None else (self._score_groups(args[1], args[3]), 0)
         parts = []
 
         def call(prompt_ids, prompt_mask, response_ids, response_mask):
@@ -89,7 +171,7 @@ class Scoring:
             if out.dim() == 2 and out.shape[1] < width:
                 out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
             parts.append(out)
-        for _ in range(len(parts), calls or 0):
+        for _ in range(len(parts), calls):
             call(*(a[:1] for a in filler))
         if not parts:
             return None
@@ -101,27 +183,31 @@ class Scoring:
         back[torch.tensor(order, dtype=torch.long, device=scored.device)] = scored
         return back
 
-    def _equal_forward_calls(self, scored_rows: dict[str, list[int]],
-                             masks: tuple[torch.Tensor, torch.Tensor]) -> dict[str, int]:
-        """How many scoring calls each kind must make on this rank so that every data-parallel
-        rank makes the same number: under ZeRO-3 the actor's and critic's forwards (and a
-        partitioned reference's) are collectives, and a rank with fewer calls than the others
-        would wait in the next collective while they wait in the forward. The rows a kind
-        scores on a rank differ with the rollout pool (a row that finished in an earlier step,
-        one whose critic values predate the update) and, under ppo.score_batch_tokens, so
-        does the split of the same number of rows. ``scored_rows``: each kind's rows on this
-        rank (the same kinds on every rank); ``masks``: the batch's prompt and response masks.
-        {} where no forward is collective."""
+    def _agreed_calls(self, scored_rows: dict[str, list[int]],
+                      masks: tuple[torch.Tensor, torch.Tensor]) -> dict[str, tuple[list, int]]:
+        """Each kind's scoring calls on this rank, as many as on every data-parallel rank:
+        under ZeRO-3 the actor's and critic's forwards (and a partitioned reference's) are
+        collectives, and a rank with fewer calls than the others would wait in the next
+        collective while they wait in the forward. The rows a kind scores on a rank differ
+        with the rollout pool (a row that finished in an earlier step, one whose critic values
+        predate the update) and, under ppo.score_batch_tokens, so does the split of the same
+        number of rows. ``scored_rows``: each kind's rows on this rank (the same kinds on every
+        rank); ``masks``: the batch's prompt and response masks. By kind: the rows'
+        micro-batches (``_score_groups``, positions in the kind's rows; split further where
+        another rank makes more calls) and the calls to make, the most any rank makes. {} where
+        no forward is collective."""
         collective = ("actor", "critic") + (("reference",) if self.cfg.system.partition_reference
                                             else ())
         kinds = [k for k in collective if k in scored_rows]
         if not kinds or self.cfg.system.zero_stage != 3 or self.world_size < 2:
             return {}
         prompt_mask, response_mask = masks
-        counts = comm.all_reduce_ints(
-            [len(self._score_groups(prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]))
-             for k in kinds], op=dist.ReduceOp.MAX, group=self.dp_group)
-        return dict(zip(kinds, counts))
+        masks = {k: (prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]) for k in kinds}
+        groups = {k: self._score_groups(*masks[k]) for k in kinds}
+        counts = comm.all_reduce_ints([len(groups[k]) for k in kinds], op=dist.ReduceOp.MAX,
+                                      group=self.dp_group)
+        return {k: (groups[k] if count == len(groups[k]) else self._score_groups(*masks[k], count),
+                    count) for k, count in zip(kinds, counts)}
 
     def _gold(self, gen) -> list[float]:
         prompts = self.tokenizer.batch_decode(gen.prompt_ids, skip_special_tokens=True)

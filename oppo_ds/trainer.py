@@ -5,8 +5,8 @@ step keeps), so every speedup is measured against this code. The advantages and 
 update are ``ppo_update.py``'s (a mixin), checkpoints ``resume.py``'s, the held-out evaluation
 ``evaluation.py``'s, the final export ``export.py``'s, the stage placement's side
 ``stage_placement.py``'s, DAPO's dynamic sampling rounds ``filter_rounds.py``'s, the rollout
-pool's take ``pool_rollout.py``'s, the scoring of finished responses outside the stream
-``scoring.py``'s.
+pool's take ``pool_rollout.py``'s, the step's experience (the scoring of finished responses
+outside the stream) ``scoring.py``'s.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .config_checks import optimizer_updates, ptx_block_len
 from .config_types import require
 from .data import PromptStream, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
-from .experience import Experience, response_logprobs, response_values, sequence_scores
+from .experience import Experience
 from .ema import ActorEMA
 from .evaluation import Evaluating, text_records
 from .export import Exporting
@@ -75,22 +75,6 @@ def streaming_metrics(timings: list) -> dict:
             "stream/scoring_hidden_frac": share("scoring_hidden_frac"),
             "stream/scoring_overlap_frac": share("scoring_overlap_frac"),
             "stream/chunks": sum(t.chunks for t in timings)}
-
-
-def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
-                width: int, device) -> torch.Tensor:
-    """Per-row results (scalars, or (T_row,) right-padded to ``width``) as one tensor on
-    ``device``, rows listed in ``missing`` taken in order from ``scored`` (the others may
-    sit elsewhere: a resumed pool's rows come back on the CPU)."""
-    fill, missing = iter(scored.unbind(0)) if scored is not None else iter(()), set(missing)
-    rows = [next(fill) if i in missing else r for i, r in enumerate(rows)]
-    if rows[0].dim() == 0:
-        return torch.stack([r.float().to(device) for r in rows])
-    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
-    for i, r in enumerate(rows):
-        n = min(r.numel(), width)
-        out[i, :n] = r[:n].to(out.device)
-    return out
 
 
 def actor_streams(requested: bool, hybrid_engine_path: str) -> bool:
@@ -584,67 +568,6 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 scorers.append(StreamingScorer(critic, "critic"))
             return stream_generate(actor, scorers, ids, mask, self.sampling, self.sample_gen,
                                    chunk_size, placement=o.placement, targets=targets)
-
-    @torch.no_grad()
-    def make_experience(self, keys: list[str], gen, streamed: Optional[dict] = None) -> Experience:
-        """Reference log-probs, critic values, rewards and the actor's own (old) log-probs;
-        what the streaming scorers already produced (``streamed``, by kind; ``actor``: the
-        log-probs the actor's decode computed) is taken as is."""
-        streamed = streamed or {}
-        temp, packed = self.cfg.generation.temperature, self.cfg.system.packing_samples
-        args = (gen.prompt_ids, gen.prompt_mask, gen.response_ids, gen.response_mask)
-        # per row, from the rollout pool: None where nothing valid was streamed (a critic
-        # value from before the last update, or a scorer that did not see the row)
-        missing = {kind: [i for i, r in enumerate(got) if r is None]
-                   for kind, got in streamed.items() if isinstance(got, list)}
-        # and, under ppo.score_batch_tokens, the kinds that score every row: the ranks' rows
-        # are as many, but split by their lengths they can take a different number of calls
-        # (the same kinds on every rank: they follow the config)
-        every_row = list(range(gen.prompt_ids.shape[0]))
-        whole = [k for k, used in (("actor", True), ("critic", self.critic is not None),
-                                   ("reference", self.cfg.ppo.uses_reference))
-                 if used and streamed.get(k) is None] if self.cfg.ppo.score_batch_tokens else []
-        calls = self._equal_forward_calls({**{k: every_row for k in whole}, **missing},
-                                          (gen.prompt_mask, gen.response_mask))
-
-        def streamed_or_scored(kind, fn):
-            got = streamed.get(kind)
-            if got is None:
-                return self._micro_batched(fn, args, calls=calls.get(kind), filler=args)
-            if isinstance(got, torch.Tensor):
-                return got
-            rows = missing[kind]
-            scored = self._micro_batched(fn, tuple(a[rows] for a in args), calls=calls.get(kind),
-                                         filler=args) if rows or kind in calls else None
-            return _stack_rows(got, rows, scored, gen.response_ids.shape[1], gen.response_ids.device)
-
-        def actor_logprobs(*a):
-            return self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp, packed)[0])
-
-        def critic_values(*a):
-            return self.critic.forward_no_grad(lambda m: response_values(m, *a, packed))
-
-        old_logprobs = streamed_or_scored("actor", actor_logprobs)
-        old_values = torch.zeros_like(gen.response_mask) if self.critic is None else \
-            streamed_or_scored("critic", critic_values)
-        # with the KL off there is no reference: its log-probs are the actor's, a KL of exactly 0
-        ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
-            "reference", lambda *a: response_logprobs(self.reference, *a, temp, packed)[0])
-        if self.reward_fn is not None:
-            scores = self._replica_scores(
-                self.function_scores(keys, gen, self.prompt_rows, record=True,
-                                     samples=self.cfg.data.samples_per_prompt > 1)
-                .to(gen.response_ids.device))
-        else:
-            scores = self.normalized(streamed_or_scored(
-                "reward", lambda *a: sequence_scores(self.reward, *a, packed)))
-        gold = None
-        if self.builtin_prompts:
-            gold = torch.tensor(self._gold(gen), dtype=torch.float32, device=gen.response_ids.device)
-        return Experience(prompt_keys=keys, prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask,
-                          response_ids=gen.response_ids, response_mask=gen.response_mask,
-                          behaviour_logprobs=gen.logprobs, old_logprobs=old_logprobs,
-                          ref_logprobs=ref_logprobs, old_values=old_values, scores=scores, gold=gold)
 
     def step_metrics(self, exp: Experience, train_stats: dict) -> dict:
         """The step's metrics over all ranks: one gather of per-sequence values and one

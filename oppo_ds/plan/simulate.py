@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..micro_batches import split_by_tokens
+from ..micro_batches import fixed_rows, split_by_tokens
 from .costs import Device
 from .shapes import ModelShape, Shapes
 
@@ -307,8 +307,7 @@ class CostModel:
         with the other ranks, the largest, is not modelled)."""
         lay = self.lay
         if lay.micro_tokens is None:
-            return [list(range(j, min(j + lay.micro, len(lengths))))
-                    for j in range(0, len(lengths), lay.micro)]
+            return fixed_rows(len(lengths), lay.micro)
         return split_by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
                                lay.micro_tokens, packed=False, extra_per_row=lay.ptx_block)
 
