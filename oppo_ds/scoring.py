@@ -193,20 +193,21 @@ class Scoring:
         predate the update) and, under ppo.score_batch_tokens, so does the split of the same
         number of rows. ``scored_rows``: each kind's rows on this rank (the same kinds on every
         rank); ``masks``: the batch's prompt and response masks. By kind: the rows'
-        micro-batches (``_score_groups``, positions in the kind's rows; split further where
-        another rank makes more calls) and the calls to make, the most any rank makes. {} where
-        no forward is collective."""
+        micro-batches (``_score_groups``, positions in the kind's rows; under
+        ppo.score_batch_tokens split further, to one row a call at most, where another rank
+        makes more calls) and the calls to make, the most any rank makes, those past the
+        micro-batches filler. {} where no forward is collective."""
         collective = ("actor", "critic") + (("reference",) if self.cfg.system.partition_reference
                                             else ())
         kinds = [k for k in collective if k in scored_rows]
         if not kinds or self.cfg.system.zero_stage != 3 or self.world_size < 2:
             return {}
         prompt_mask, response_mask = masks
-        masks = {k: (prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]) for k in kinds}
-        groups = {k: self._score_groups(*masks[k]) for k in kinds}
+        mine = {k: (prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]) for k in kinds}
+        groups = {k: self._score_groups(*mine[k]) for k in kinds}
         counts = comm.all_reduce_ints([len(groups[k]) for k in kinds], op=dist.ReduceOp.MAX,
                                       group=self.dp_group)
-        return {k: (groups[k] if count == len(groups[k]) else self._score_groups(*masks[k], count),
+        return {k: (groups[k] if count == len(groups[k]) else self._score_groups(*mine[k], count),
                     count) for k, count in zip(kinds, counts)}
 
     def _gold(self, gen) -> list[float]:

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from oppo_ds.experience import packed_inputs
-from oppo_ds.micro_batches import first_fit_rows, forward_tokens, split_by_tokens
+from oppo_ds.micro_batches import first_fit_rows, fixed_rows, forward_tokens, split_by_tokens
+
+
+def test_fixed_rows_are_micro_batch_size_rows_in_order():
+    """ppo.micro_batch_size's rule (the update's and the scoring's without a token budget):
+    rows in order, the last micro-batch holding what is left."""
+    assert fixed_rows(5, 2) == [[0, 1], [2, 3], [4]]
+    assert fixed_rows(4, 4) == [[0, 1, 2, 3]]
+    assert fixed_rows(3, 8) == [[0, 1, 2]]
+    assert fixed_rows(0, 3) == []
 
 
 def test_a_forward_costs_its_rows_times_their_widths():
