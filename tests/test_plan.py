@@ -354,6 +354,47 @@ def test_micro_batches_by_tokens_train_in_fewer_calls():
     assert res.steps[0].phases["score"] == pytest.approx(4 * 1 * dev.prefill_call_s)
 
 
+def test_the_ranks_make_as_many_micro_batches_as_the_one_that_needs_most():
+    """The trainer's agreement in the simulation: within 128 positions, 8 rows of 11 + 5
+    tokens are one micro-batch and 8 rows of 11 + 20 two (4 x 31), and beside the longer rank
+    the shorter one makes two as well (ZeRO's gradient collectives run once per backward),
+    for the actor and the critic, in every mini-batch. Under ZeRO-3 the scoring forwards of
+    the actor and critic (collectives there) are agreed alike; the reference's and reward
+    model's (whole copies on each rank) are each rank's own, as are all of them under ZeRO-2.
+    A rank with no rows to score of a collective kind makes the others' calls on one row."""
+    dev, shape = _overhead_device(), tiny_shape("tiny-llama", 33)
+    short, long = np.full(8, 5), np.full(8, 20)
+    lay = Layout(batch=8, micro=4, mini=8, epochs=1, prompt_len=11, groups=2, gpus=2,
+                 micro_tokens=8 * 16, score_tokens=8 * 16)
+    micro_batches = {}
+    for ranks in ((short,), (short, long)):
+        costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay)
+        calls = []
+        costs._train_model = lambda kind, micros: calls.append(len(micros)) or 0.0
+        costs.train_phase(list(ranks), np.random.default_rng(0))
+        micro_batches[len(ranks)] = calls
+    assert micro_batches == {1: [1, 1], 2: [2, 2, 2, 2]}  # (actor, critic) a rank
+
+    no_rescore = np.zeros(8, dtype=bool)
+    for zero_stage, agreed in ((3, {"actor", "critic"}), (2, set())):
+        costs = CostModel(dev, Shapes(shape, shape, shape, shape), lay, zero_stage=zero_stage)
+        assert set(costs.collective_scorers()) == agreed
+        made = []
+        job = costs.prefill_job
+        costs.prefill_job = lambda kind, tokens, ctx, calls=1, **kw: (
+            made.append((kind, calls)) or job(kind, tokens, ctx, calls, **kw))
+        sim = StepSimulator(costs, LengthDist(192, values=(5,)))
+        score = sim._score([(short, no_rescore), (long, no_rescore)], Schedule("sequential"))
+        kinds = ("actor", "reference", "critic", "reward")
+        assert made[:4] == [(k, 2 if k in agreed else 1) for k in kinds]  # the short rank
+        assert made[4:] == [(k, 2) for k in kinds]
+        assert score == pytest.approx(4 * 2 * dev.prefill_call_s)  # the slower rank's
+    one_row = costs.scored_forwards("actor", short[:1])
+    assert costs.scored_forwards("actor", short[:0], calls=3, filler=5) == \
+        pytest.approx(3 * one_row)
+    assert costs.scored_forwards("actor", short[:0]) == 0.0
+
+
 def test_ppo_ptx_blocks_count_in_the_actors_update_and_its_budget():
     """PPO-ptx in the simulation: each row brings a block (31 tokens here) into the actor's
     forward/backward, a second forward in the same call. Within 248 positions the 8 rows of

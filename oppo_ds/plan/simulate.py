@@ -24,7 +24,10 @@ the steps of a run:
   * score: the actor's old log-probs (unless the actor streams: then only for rows that
     finished in an earlier step) and every scorer that did not stream, over the B taken
     rows in micro-batches padded to their longest row; train: actor and critic, forward +
-    backward per micro-batch, an optimizer step per mini-batch, ZeRO's communication.
+    backward per micro-batch, an optimizer step per mini-batch, ZeRO's communication. Each
+    group's first rank stands for the group; where the trainer's ranks agree on a number of
+    micro-batches (``ppo.micro_batch_tokens``; ZeRO-3's scoring forwards), every simulated
+    rank makes as many as the simulated rank that makes most, and a phase takes the slowest.
 
 The sequential baseline is the pool with Delta = 0 and no streaming, as in the trainer.
 Megatron (``CostModel(model_split=(tp, pp))``): a decode group is one model replica; FLOPs and
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Sequence
 
 import numpy as np
@@ -230,22 +234,47 @@ class CostModel:
                 host += calls * part / self.dev.host_link_bw
         return Job(host, flops / self.dev.prefill_flops, memory)
 
-    def scored_forwards(self, kind: str, lengths: np.ndarray) -> float:
-        """No-grad forwards over ``lengths`` rows in micro-batches trimmed to their longest."""
-        if len(lengths) == 0:
+    def scored_forwards(self, kind: str, lengths: np.ndarray, calls: Optional[int] = None,
+                        filler: int = 1) -> float:
+        """No-grad forwards over ``lengths`` rows in micro-batches trimmed to their longest
+        (``score_groups``). ``calls``: make that many in all (a collective forward, as many
+        on every rank), those past the micro-batches on one row of ``filler`` response tokens
+        (the trainer's filler: its batch's first row)."""
+        groups = self.score_groups(lengths, calls)
+        tokens = ctx = 0.0
+        for g in groups:
+            t, c, _ = _micro_tokens(lengths[g], len(g), self.lay.prompt_len)
+            tokens, ctx = tokens + t, ctx + c
+        extra = max(0, (calls or 0) - len(groups))
+        if extra:
+            t, c, _ = _micro_tokens(np.array([filler]), 1, self.lay.prompt_len)
+            tokens, ctx = tokens + extra * t, ctx + extra * c
+        if not groups and not extra:
             return 0.0
-        lay = self.lay
+        return self.prefill_job(kind, tokens, ctx, len(groups) + extra).alone
+
+    def score_groups(self, lengths: np.ndarray, count: Optional[int] = None) -> list:
+        """The scoring micro-batches of rows of response ``lengths`` (positions), as the
+        trainer's ``Scoring._score_groups`` makes them: ppo.micro_batch_size rows in order, or
+        under ppo.score_batch_tokens the split by tokens, split further to ``count`` calls
+        where another rank makes more (at most one a row)."""
+        lay, n = self.lay, len(lengths)
         if lay.score_tokens is None:
-            tokens, ctx, calls = _micro_tokens(lengths, lay.micro, lay.prompt_len)
-        else:  # each micro-batch of the split, trimmed to its longest
-            tokens = ctx = 0.0
-            groups = split_by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
-                                     lay.score_tokens, packed=False)
-            for g in groups:
-                t, c, _ = _micro_tokens(lengths[g], len(g), lay.prompt_len)
-                tokens, ctx = tokens + t, ctx + c
-            calls = len(groups)
-        return self.prefill_job(kind, tokens, ctx, calls).alone
+            return fixed_rows(n, lay.micro)
+        if n == 0:
+            return []
+        split = partial(split_by_tokens, [lay.prompt_len] * n, [int(x) for x in lengths],
+                        lay.score_tokens, False)
+        groups = split()
+        return groups if count is None or count <= len(groups) else split(min(count, n))
+
+    def collective_scorers(self) -> tuple[str, ...]:
+        """The kinds whose scoring forwards are collectives, so that every data-parallel rank
+        makes as many (the trainer's ``Scoring._agreed_calls``): under ZeRO-3 on more than one
+        rank the actor, the critic and a partitioned reference."""
+        if self.zero_stage != 3 or self.lay.gpus < 2:
+            return ()
+        return ("actor", "critic") + (("reference",) if self.partition_reference else ())
 
     # ---------------------------------------------------------------- training
 
@@ -287,29 +316,41 @@ class CostModel:
             t += 2 * self._gather_s(trainable / (self.mtp * self.mpp))
         return t
 
-    def train_phase(self, lengths: np.ndarray, rng: np.random.Generator) -> float:
-        """PPO update of actor and critic on the B rows' response ``lengths``."""
+    def train_phase(self, ranks: list[np.ndarray], rng: np.random.Generator) -> float:
+        """PPO update of actor and critic on each simulated rank's B rows' response lengths:
+        the slowest rank's seconds. Under ppo.micro_batch_tokens every rank makes as many
+        micro-batches of a mini-batch as the simulated rank that needs most (the trainer's
+        agreement; ranks past the simulated ones are not counted)."""
         lay = self.lay
-        total = 0.0
-        for _ in range(lay.epochs):
-            order = rng.permutation(len(lengths))
-            minis = [order[i:i + lay.mini] for i in range(0, len(order), lay.mini)]
-            for mini in minis:
-                micros = [lengths[mini[g]] for g in self._micro_batch_rows(lengths[mini])]
+        minis = []  # per rank, its mini-batches over the epochs
+        for lengths in ranks:
+            mine = []
+            for _ in range(lay.epochs):
+                order = rng.permutation(len(lengths))
+                mine += [lengths[order[i:i + lay.mini]] for i in range(0, len(order), lay.mini)]
+            minis.append(mine)
+        totals = [0.0] * len(ranks)
+        for j in range(len(minis[0]) if minis else 0):
+            count = max(len(self._micro_batch_rows(m[j])) for m in minis) \
+                if lay.micro_tokens is not None else None
+            for r, m in enumerate(minis):
+                micros = [m[j][g] for g in self._micro_batch_rows(m[j], count)]
                 for kind in self.trained:
-                    total += self._train_model(kind, micros) + self._optimizer_step(kind)
-        return total
+                    totals[r] += self._train_model(kind, micros) + self._optimizer_step(kind)
+        return max(totals, default=0.0)
 
-    def _micro_batch_rows(self, lengths: np.ndarray) -> list:
+    def _micro_batch_rows(self, lengths: np.ndarray, count: Optional[int] = None) -> list:
         """A mini-batch's rows (positions in ``lengths``) in the update's micro-batches:
         ``micro`` each, or within ``micro_tokens`` positions of prompts padded to
-        ``prompt_len`` and each row's PPO-ptx block (this rank's own split: the count agreed
-        with the other ranks, the largest, is not modelled)."""
+        ``prompt_len`` and each row's PPO-ptx block, ``count`` of them where another rank
+        needs more (``split_by_tokens``)."""
         lay = self.lay
         if lay.micro_tokens is None:
             return fixed_rows(len(lengths), lay.micro)
-        return split_by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
-                               lay.micro_tokens, packed=False, extra_per_row=lay.ptx_block)
+        split = partial(split_by_tokens, [lay.prompt_len] * len(lengths), [int(x) for x in lengths],
+                        lay.micro_tokens, False, extra_per_row=lay.ptx_block)
+        groups = split()
+        return groups if count is None or count <= len(groups) else split(count)
 
     def critic_to_stage_s(self) -> float:
         """The stage placement's critic weights before a rollout: gathered whole on the
@@ -548,12 +589,12 @@ class StepSimulator:
                 g.top_up(size, self.dist, rng, step, lay.per_prompt)
             n_stop = max(self.stop_token(g, need) for g in groups)  # lock-step stop over ranks
             outs = [self.rollout(g, n_stop, sched) for g in groups]
-            score = train = 0.0
+            ranks = []  # one rank's share of each group's rows, and which need rescoring
             for g in groups:
                 taken, rescore = self._advance(g, n_stop, need, sched)
-                mine = taken[:lay.batch]  # one rank's share of the group's rows
-                score = max(score, self._score(mine, rescore[:lay.batch], sched))
-                train = max(train, c.train_phase(mine, rng))
+                ranks.append((taken[:lay.batch], rescore[:lay.batch]))
+            score = self._score(ranks, sched)
+            train = c.train_phase([lengths for lengths, _ in ranks], rng)
             generate = max(o[0] for o in outs)
             phases = {"generate": generate, "score": score, "other": c.dev.step_other_s, "train": train}
             if step >= warmup:
@@ -593,14 +634,24 @@ class StepSimulator:
         g.defer += 1
         return lengths, rescore
 
-    def _score(self, lengths: np.ndarray, rescore: np.ndarray, sched: Schedule) -> float:
+    def _score(self, ranks: list[tuple[np.ndarray, np.ndarray]], sched: Schedule) -> float:
+        """The scoring phase on each simulated rank (its rows' lengths, which need rescoring):
+        the slowest rank's seconds, collective forwards made as many times on every rank as
+        on the simulated rank that makes most."""
         c = self.costs
-        # a streaming actor scored its tokens as it decoded them, except rows that finished in
-        # an earlier step (the update since then made those log-probs stale)
-        t = c.scored_forwards("actor", lengths[rescore] if sched.actor_streams else lengths)
-        for kind in c.scorers:
-            if kind not in sched.streamed:
-                t += c.scored_forwards(kind, lengths)
-            elif kind == "critic" and sched.delta:
-                t += c.scored_forwards(kind, lengths[rescore])
-        return t
+        scored = []
+        for lengths, rescore in ranks:
+            # a streaming actor scored its tokens as it decoded them, except rows that
+            # finished in an earlier step (the update since then made those log-probs stale)
+            kinds = {"actor": lengths[rescore] if sched.actor_streams else lengths}
+            for kind in c.scorers:
+                if kind not in sched.streamed:
+                    kinds[kind] = lengths
+                elif kind == "critic" and sched.delta:
+                    kinds[kind] = lengths[rescore]
+            scored.append(kinds)
+        calls = {kind: max(len(c.score_groups(k[kind])) for k in scored)
+                 for kind in c.collective_scorers() if kind in scored[0]}
+        return max(sum(c.scored_forwards(kind, rows, calls.get(kind), filler=int(lengths[0]))
+                       for kind, rows in kinds.items())
+                   for kinds, (lengths, _) in zip(scored, ranks))
