@@ -3,6 +3,7 @@ DeepSpeed engines a test (or a module's fixtures) started and left open; every o
 is asked for by name."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,8 +45,9 @@ def pytest_collection_modifyitems(config, items):
 
 class _FileSeconds:
     """Sums each test file's report durations (setup, call, teardown) and writes them at the
-    end of the session, longest first. Counts what ran: a run of some tests gives a partial
-    table."""
+    end of a session whose tests all passed, longest first, in one rename (a torn table
+    would stop every worker's collection). Counts what ran: a run of some tests gives a
+    partial table."""
 
     def __init__(self, path: str):
         self.path, self.seconds = Path(path), {}
@@ -54,9 +56,13 @@ class _FileSeconds:
         name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
         self.seconds[name] = self.seconds.get(name, 0.0) + report.duration
 
-    def pytest_sessionfinish(self, session):
+    def pytest_sessionfinish(self, session, exitstatus):
+        if exitstatus != 0:
+            return
         table = {k: round(v, 1) for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
-        self.path.write_text(json.dumps(table, indent=1) + "\n")
+        part = self.path.with_name(self.path.name + ".part")
+        part.write_text(json.dumps(table, indent=1) + "\n")
+        os.replace(part, self.path)
 
 
 def _open_engines() -> set:
