@@ -29,6 +29,10 @@ def check_across_sections(cfg) -> None:
         _check_reference_free(cfg)
     if cfg.system.deepspeed_config is not None:
         _check_deepspeed_entries(cfg)
+    for key in ("actor_lora_dim", "critic_lora_dim"):
+        require(cfg.system.backend == "deepspeed" or not getattr(cfg.model, key), f"model.{key}",
+                f"needs system.backend: deepspeed (LoRA is implemented for it only; 0 with "
+                f"megatron), got {getattr(cfg.model, key)} with system.backend: megatron")
     require(not (cfg.system.partition_reference and "reference" in cfg.oppo.stream_to
                  and cfg.oppo.streaming), "system.partition_reference",
             "a partitioned reference cannot stream (each forward is collective over the "

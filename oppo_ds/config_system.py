@@ -18,7 +18,9 @@ from .config_types import require as _require
 class SystemConfig:
     backend: Literal["deepspeed", "megatron"] = "deepspeed"
     """Training engine: DeepSpeed (ZeRO, hybrid engine) or Megatron-core (tensor and pipeline
-    parallel GPTModels; see docs/megatron.md)."""
+    parallel GPTModels; see docs/megatron.md). Under megatron, DeepSpeed's settings (zero_stage,
+    offload, hybrid_engine, partition_reference, deepspeed_config, grad_accum_dtype), LoRA and
+    fp16 are refused."""
     tensor_parallel: int = 1
     """Tensor-parallel size of the Megatron-core models (backend: megatron only)."""
     pipeline_parallel: int = 1
@@ -121,6 +123,16 @@ class SystemConfig:
         _require(self.backend == "megatron" or self.megatron_layers == "auto", "megatron_layers",
                  f"needs backend: megatron, got {self.megatron_layers} with backend: "
                  f"{self.backend}")
+        if self.backend == "megatron":  # its models are sharded by tensor x pipeline parallel
+            for key, off in (("zero_stage", 0), ("offload", False), ("hybrid_engine", False),
+                             ("partition_reference", False)):
+                value = getattr(self, key)
+                _require(value == off, key, (
+                    f"needs backend: deepspeed (megatron shards the models by tensor_parallel "
+                    f"and pipeline_parallel; leave it at {str(off).lower()}), got "
+                    f"{str(value).lower()} with backend: megatron"))
+            _require(self.dtype != "fp16", "dtype", "backend megatron supports fp32 and bf16 "
+                     "(fp16 would need loss scaling), got fp16")
         _require(not self.offload or self.zero_stage >= 1 or self.backend != "deepspeed", "offload",
                  "needs zero_stage 1, 2 or 3 (ZeRO-Offload moves the partitioned optimizer "
                  f"states), got zero_stage: {self.zero_stage}")

@@ -297,6 +297,18 @@ def test_value_outside_literal_lists_allowed(override, allowed):
      "system.grad_accum_dtype", "allowed here: auto, bf16, fp32"),
     (["system.backend=megatron", "system.grad_accum_dtype=fp32"], "system.grad_accum_dtype",
      "needs backend: deepspeed"),
+    # DeepSpeed's settings, LoRA and fp16 under megatron: refused by the engine's build (after
+    # the launch and the workload) until the 42nd session, and planned by oppo-plan
+    (["system.backend=megatron", "system.zero_stage=3"], "system.zero_stage",
+     "needs backend: deepspeed (megatron shards the models by tensor_parallel and "
+     "pipeline_parallel; leave it at 0), got 3 with backend: megatron"),
+    (["system.backend=megatron", "system.offload=true"], "system.offload", "leave it at false"),
+    (["system.backend=megatron", "system.hybrid_engine=true"], "system.hybrid_engine",
+     "leave it at false), got true"),
+    (["system.backend=megatron", "system.dtype=fp16"], "system.dtype",
+     "backend megatron supports fp32 and bf16"),
+    (["system.backend=megatron", "model.critic_lora_dim=8"], "model.critic_lora_dim",
+     "needs system.backend: deepspeed (LoRA is implemented for it only"),
     (["system.grad_accum_dtype=int8"], "system.grad_accum_dtype", "'auto', 'fp32', 'bf16'"),
     (["generation.eos_token_ids=[2, -1]"], "generation.eos_token_ids", ">= 0"),
     (["generation.eos_token_ids=eos"], "generation.eos_token_ids", "'auto' or a list of integers"),

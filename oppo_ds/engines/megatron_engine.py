@@ -248,18 +248,10 @@ class MegatronTrainEngine(TrainEngine):
 # --------------------------------------------------------------------------------------
 
 def check_megatron_config(cfg: Config) -> None:
-    """``ConfigError`` for settings this backend does not have (yet)."""
+    """``ConfigError`` for what only this machine can refuse: TransformerEngine's layers asked
+    for where they cannot run. (The settings this backend does not have are the config's own
+    rules: ``SystemConfig`` and ``config_checks``.)"""
     s = cfg.system
-    if s.zero_stage != 0 or s.offload or s.hybrid_engine or s.partition_reference:
-        raise ConfigError("system.backend", "megatron shards models by tensor_parallel and "
-                          "pipeline_parallel; zero_stage, offload, hybrid_engine and "
-                          "partition_reference are DeepSpeed settings (leave them at 0/false)")
-    if cfg.model.actor_lora_dim or cfg.model.critic_lora_dim:
-        raise ConfigError("system.backend", "LoRA is implemented for the DeepSpeed backend only "
-                          "(set model.actor_lora_dim and critic_lora_dim to 0 with megatron)")
-    if s.dtype == "fp16":
-        raise ConfigError("system.dtype", "backend megatron supports fp32 and bf16 (fp16 would "
-                          "need loss scaling)")
     if s.megatron_layers == "transformer_engine":
         from ..megatron.model import transformer_engine_usable
 
