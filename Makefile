@@ -51,15 +51,10 @@ demo: $(STAMP)
 # PYTHONDONTWRITEBYTECODE, where the environment sets it, is cleared for the suite: every
 # process the tests launch (ranks, launchers, CLIs) would compile oppo_ds from source again
 # (0.8 s of a 4.4 s import on this VM); the bytecode goes to oppo_ds/__pycache__ (git-ignored).
-# --no-loadscope-reorder: the workers take the files in tests/conftest.py's order, longest
-# first by tests/file_seconds.json (xdist's own puts the files of most tests first).
-# TEST_ARGS: more pytest arguments (`make test TEST_ARGS="--file-seconds
-# tests/file_seconds.json"` refreshes that table).
 TEST_JOBS ?= 2
-TEST_ARGS ?=
 test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -n $(TEST_JOBS) \
-		--dist loadfile --no-loadscope-reorder --durations=25 $(TEST_ARGS)
+		--dist loadfile --durations=25
 
 # Every mode and the TRL 1.12 PPO peer on the built-in workload, one after another (about
 # 5 minutes on 2 CPU cores once the workload is prepared): bench/results.json, results.md,

@@ -29,9 +29,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        # the bench plot and the TRL peer are tested too; pytest-xdist 3.8 brought
-        # --no-loadscope-reorder (the Makefile's test)
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.8", "matplotlib", "trl==1.12.0",
+        # the bench plot and the TRL peer are tested too
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "matplotlib", "trl==1.12.0",
                  "megatron-core==0.16.1", "wandb==0.31.0"],
         # the version oppo_ds/megatron/compat.py was checked against (its signature test)
         "megatron": ["megatron-core==0.16.1"],
