@@ -1,7 +1,7 @@
 """Micro-batches sized by tokens (``ppo.micro_batch_tokens``; OpenRLHF's ``--use_dynamic_batch``
 with ``--train_max_tokens_per_gpu``, verl's ``ppo_max_token_len_per_gpu``), and the no-grad
 forwards that score the experience by the same rule (``ppo.score_batch_tokens``, OpenRLHF's
-``--rollout_max_tokens_per_gpu``; ``scoring.Scoring._score_groups``).
+``--rollout_max_tokens_per_gpu``; ``scoring.Scoring._score_split``).
 
 A fixed number of sequences per forward/backward (``ppo.micro_batch_size``) has to be sized
 for the longest responses a run can give, so most micro-batches of a long-tailed length
@@ -14,7 +14,7 @@ What a micro-batch costs is what its forward computes (``forward_tokens``): its 
 their longest prompt plus their longest response (the update trims each micro-batch to its own
 widths, ``Experience.trimmed``), or, with ``system.packing_samples``, the packed rows
 ``experience.packed_inputs`` builds, each as wide as the longest sequence. The split
-(``split_by_tokens``) sorts a rank's rows longest first and fills each micro-batch while its
+(``MicroBatches.by_tokens``) sorts a rank's rows longest first and fills each micro-batch while its
 cost stays within the budget; every data-parallel rank then makes as many micro-batches as the
 rank that needs most (ZeRO's gradient collectives run once per backward: the ranks' counts must
 match), a rank with fewer splitting its largest ones in two. Under PPO-ptx each sequence brings
@@ -24,6 +24,8 @@ whole mini-batch (``algo.loss_normalizer``) and the engines divide each by their
 accumulation steps whatever their number.
 """
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 
 def fixed_rows(n: int, size: int) -> list[list[int]]:
@@ -95,43 +97,76 @@ class _Filling:
             self.room[fit] -= prompt + response
 
 
+class MicroBatches:
+    """A mini-batch's rows (indices) in micro-batches: ``groups``, the fewest its rule makes,
+    and ``at_least(count)``, the same rows in as many micro-batches as a data-parallel rank
+    that needs more (ZeRO's collectives run once per forward or backward, so the ranks'
+    counts must match). A split by tokens (``by_tokens``) is split further, its micro-batch of
+    highest cost in two (its longer and shorter halves) until there are that many, at most
+    one a row; fixed rows (``fixed``) are not, and the calls past them are the caller's (the
+    scorer's filler)."""
+
+    def __init__(self, groups: list[list[int]], cost: Optional[Callable[[list[int]], int]] = None):
+        self.groups, self._cost = groups, cost
+
+    @classmethod
+    def fixed(cls, n: int, size: int) -> "MicroBatches":
+        """``fixed_rows(n, size)`` (``ppo.micro_batch_size``)."""
+        return cls(fixed_rows(n, size))
+
+    @classmethod
+    def by_tokens(cls, prompt_lens: list[int], response_lens: list[int], budget: int,
+                  packed: bool, extra_per_row: int = 0) -> "MicroBatches":
+        """Micro-batches whose ``forward_tokens``, plus ``extra_per_row`` positions for each
+        row (a PPO-ptx block that goes with it), stay within ``budget``, longest rows first,
+        each filled while its cost stays within the budget (a row over the budget alone makes
+        a micro-batch of its own); no micro-batch for no rows."""
+        if budget < 1:
+            raise ValueError(f"MicroBatches.by_tokens: budget must be >= 1, got {budget}")
+        order = sorted(range(len(prompt_lens)),
+                       key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+        filling: list[_Filling] = []
+        for i in order:
+            p, r = prompt_lens[i], response_lens[i]
+            fit, cost_with = filling[-1].placed(p, r) if filling else (None, budget + 1)
+            if cost_with <= budget:
+                filling[-1].add(i, p, r, fit)
+            else:
+                filling.append(_Filling(i, p, r, packed, extra_per_row))
+
+        def cost(rows: list[int]) -> int:
+            return forward_tokens([prompt_lens[i] for i in rows], [response_lens[i] for i in rows],
+                                  packed) + extra_per_row * len(rows)
+        return cls([f.rows for f in filling], cost)
+
+    def at_least(self, count: Optional[int]) -> list[list[int]]:
+        """The rows in ``count`` micro-batches where that is more than ``groups`` (at most one
+        a row), else ``groups``; fixed rows are always ``groups``."""
+        rows = sum(len(g) for g in self.groups)
+        if self._cost is None or count is None or count <= len(self.groups):
+            return self.groups
+        groups = list(self.groups)
+        while len(groups) < min(count, rows):
+            g = max((g for g in range(len(groups)) if len(groups[g]) > 1),
+                    key=lambda g: self._cost(groups[g]))
+            split = groups.pop(g)
+            groups[g:g] = [split[:len(split) // 2], split[len(split) // 2:]]
+        return groups
+
+
 def split_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: int,
                     packed: bool, count: int | None = None,
                     extra_per_row: int = 0) -> list[list[int]]:
-    """The rows (indices) of a mini-batch in micro-batches whose ``forward_tokens``, plus
-    ``extra_per_row`` positions for each row (a PPO-ptx block that goes with it), stay within
-    ``budget``, longest rows first: the fewest this greedy rule makes, or exactly ``count`` (at
-    least that many, at most the rows), the micro-batch of highest cost split in two (its longer
-    and shorter halves) until there are that many. A row over the budget alone makes a
-    micro-batch of its own."""
+    """The rows (indices) of a mini-batch in micro-batches within ``budget`` token positions
+    (``MicroBatches.by_tokens``): the fewest, or exactly ``count`` (at least the fewest, at
+    most the rows; ``MicroBatches.at_least``)."""
     n = len(prompt_lens)
     if n == 0:
         raise ValueError("split_by_tokens: no rows")
-    if budget < 1:
-        raise ValueError(f"split_by_tokens: budget must be >= 1, got {budget}")
-    order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
-
-    def cost(rows: list[int]) -> int:
-        return forward_tokens([prompt_lens[i] for i in rows], [response_lens[i] for i in rows],
-                              packed) + extra_per_row * len(rows)
-
-    filling: list[_Filling] = []
-    for i in order:
-        p, r = prompt_lens[i], response_lens[i]
-        fit, cost_with = filling[-1].placed(p, r) if filling else (None, budget + 1)
-        if cost_with <= budget:
-            filling[-1].add(i, p, r, fit)
-        else:
-            filling.append(_Filling(i, p, r, packed, extra_per_row))
-    groups = [f.rows for f in filling]
+    split = MicroBatches.by_tokens(prompt_lens, response_lens, budget, packed, extra_per_row)
     if count is None:
-        return groups
-    if not len(groups) <= count <= n:
+        return split.groups
+    if not len(split.groups) <= count <= n:
         raise ValueError(f"split_by_tokens: count must be between the fewest micro-batches "
-                         f"({len(groups)}) and the rows ({n}), got {count}")
-    while len(groups) < count:
-        g = max((g for g in range(len(groups)) if len(groups[g]) > 1),
-                key=lambda g: cost(groups[g]))
-        rows = groups.pop(g)
-        groups[g:g] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
-    return groups
+                         f"({len(split.groups)}) and the rows ({n}), got {count}")
+    return split.at_least(count)

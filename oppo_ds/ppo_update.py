@@ -18,7 +18,7 @@ from .algo import (adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, en
                    truncated_is_weights, truncated_rows)
 from .config_checks import ptx_block_len
 from .experience import Experience, response_logprobs, response_values
-from .micro_batches import split_by_tokens
+from .micro_batches import MicroBatches
 from .ptx import lm_loss
 
 
@@ -178,22 +178,19 @@ class PPOUpdate:
                           mini: torch.Tensor) -> tuple[list[torch.Tensor], int | None]:
         """The rows of mini-batch ``mini`` (indices into ``exp``) in micro-batches, and how many
         this rank's own split needed (None without a budget): ppo.micro_batch_size each, or
-        under ppo.micro_batch_tokens sized by tokens (``micro_batches.split_by_tokens``), as
+        under ppo.micro_batch_tokens sized by tokens (``micro_batches.MicroBatches``), as
         many on this rank as on the data-parallel rank that needs most (ZeRO's collectives run
         once per backward)."""
         p = self.cfg.ppo
         if p.micro_batch_tokens is None:
             return list(mini.split(p.micro_batch_size)), None
-        split = partial(split_by_tokens, exp.prompt_mask[mini].sum(1).tolist(),
-                        exp.response_mask[mini].sum(1).tolist(), p.micro_batch_tokens,
-                        self.cfg.system.packing_samples,
-                        extra_per_row=ptx_block_len(self.cfg) if self.ptx_stream is not None else 0)
-        groups = split()
-        count = comm.all_reduce_ints([len(groups)], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
-        fewest = len(groups)
-        if count > fewest:  # another rank needs more: split to as many
-            groups = split(count)
-        return [mini[torch.tensor(g, dtype=torch.long)] for g in groups], fewest
+        split = MicroBatches.by_tokens(
+            exp.prompt_mask[mini].sum(1).tolist(), exp.response_mask[mini].sum(1).tolist(),
+            p.micro_batch_tokens, self.cfg.system.packing_samples,
+            extra_per_row=ptx_block_len(self.cfg) if self.ptx_stream is not None else 0)
+        fewest = len(split.groups)
+        count = comm.all_reduce_ints([fewest], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
+        return [mini[torch.tensor(g, dtype=torch.long)] for g in split.at_least(count)], fewest
 
     def _pooled(self, sums: dict, weights: dict, maxima: dict) -> dict[str, float]:
         """The update's statistics over every rank's tokens: each weighted mean is the sum over

@@ -5,7 +5,6 @@ normalization, scorer calls over trimmed micro-batches (as many on every rank wh
 forward is collective), and the built-in task's gold score. A mixin of ``PPOTrainer``."""
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional
 
 import torch
@@ -15,7 +14,7 @@ from . import comm
 from . import workload as wl
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
-from .micro_batches import fixed_rows, split_by_tokens
+from .micro_batches import MicroBatches
 
 
 def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
@@ -130,27 +129,21 @@ class Scoring:
         mean, std = self.reward_norm
         return (scores - mean) / std
 
-    def _score_groups(self, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
-                      count: Optional[int] = None) -> list[list[int]]:
+    def _score_split(self, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> MicroBatches:
         """The rows of one scoring call each: ppo.micro_batch_size rows in order, or under
         ppo.score_batch_tokens the fewest micro-batches within that many positions, padding
-        included (``micro_batches.split_by_tokens``, longest rows first). ``count``: with the
-        budget, split further to that many calls (at most one a row; the calls past the rows
-        are the caller's filler)."""
+        included (``micro_batches.MicroBatches.by_tokens``, longest rows first), split further
+        where the ranks agree on more calls (``_agreed_calls``)."""
         rows, budget = prompt_mask.shape[0], self.cfg.ppo.score_batch_tokens
         if budget is None:
-            return fixed_rows(rows, self.cfg.ppo.micro_batch_size)
-        if rows == 0:
-            return []
-        split = partial(split_by_tokens, prompt_mask.sum(1).tolist(),
-                        response_mask.sum(1).tolist(), budget, self.cfg.system.packing_samples)
-        groups = split()
-        return groups if count is None or count <= len(groups) else split(min(count, rows))
+            return MicroBatches.fixed(rows, self.cfg.ppo.micro_batch_size)
+        return MicroBatches.by_tokens(prompt_mask.sum(1).tolist(), response_mask.sum(1).tolist(),
+                                      budget, self.cfg.system.packing_samples)
 
     def _micro_batched(self, fn, args, agreed: Optional[tuple[list[list[int]], int]] = None,
                        filler=None):
         """fn over micro-batches of (prompt_ids, prompt_mask, response_ids, response_mask)
-        (``_score_groups``), each trimmed to its own longest prompt and response; (B,) or
+        (``_score_split``), each trimmed to its own longest prompt and response; (B,) or
         (B, T) results in the rows' order, padded back to the batch's response width with
         zeros (None for no rows). ``agreed``: the rows' micro-batches and the calls to make in
         all (``_agreed_calls``), the ones past the rows on the first row of ``filler``, their
@@ -158,7 +151,8 @@ class Scoring:
         width = args[2].shape[1]
         if args[0].shape[0] == 0 and agreed is None:
             raise ValueError("no rows to score")
-        groups, calls = agreed if agreed is not None else (self._score_groups(args[1], args[3]), 0)
+        groups, calls = agreed if agreed is not None \
+            else (self._score_split(args[1], args[3]).groups, 0)
         parts = []
 
         def call(prompt_ids, prompt_mask, response_ids, response_mask):
@@ -193,7 +187,7 @@ class Scoring:
         predate the update) and, under ppo.score_batch_tokens, so does the split of the same
         number of rows. ``scored_rows``: each kind's rows on this rank (the same kinds on every
         rank); ``masks``: the batch's prompt and response masks. By kind: the rows'
-        micro-batches (``_score_groups``, positions in the kind's rows; under
+        micro-batches (``_score_split``, positions in the kind's rows; under
         ppo.score_batch_tokens split further, to one row a call at most, where another rank
         makes more calls) and the calls to make, the most any rank makes, those past the
         micro-batches filler. {} where no forward is collective."""
@@ -204,11 +198,10 @@ class Scoring:
             return {}
         prompt_mask, response_mask = masks
         mine = {k: (prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]) for k in kinds}
-        groups = {k: self._score_groups(*mine[k]) for k in kinds}
-        counts = comm.all_reduce_ints([len(groups[k]) for k in kinds], op=dist.ReduceOp.MAX,
+        splits = {k: self._score_split(*mine[k]) for k in kinds}
+        counts = comm.all_reduce_ints([len(splits[k].groups) for k in kinds], op=dist.ReduceOp.MAX,
                                       group=self.dp_group)
-        return {k: (groups[k] if count == len(groups[k]) else self._score_groups(*mine[k], count),
-                    count) for k, count in zip(kinds, counts)}
+        return {k: (splits[k].at_least(count), count) for k, count in zip(kinds, counts)}
 
     def _gold(self, gen) -> list[float]:
         prompts = self.tokenizer.batch_decode(gen.prompt_ids, skip_special_tokens=True)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from oppo_ds.experience import packed_inputs
-from oppo_ds.micro_batches import first_fit_rows, fixed_rows, forward_tokens, split_by_tokens
+from oppo_ds.micro_batches import (MicroBatches, first_fit_rows, fixed_rows, forward_tokens,
+                                   split_by_tokens)
 
 
 def test_fixed_rows_are_micro_batch_size_rows_in_order():
@@ -105,6 +106,23 @@ def test_the_running_cost_is_the_forward_of_the_rows_so_far(packed):
             assert len(g) == 1 or cost(g) <= budget
             if after is not None:
                 assert cost(g + after[:1]) > budget
+
+
+def test_the_ranks_agreement_splits_only_where_another_rank_needs_more():
+    """``MicroBatches.at_least``, the rule every caller uses to match the rank that needs
+    most: a split by tokens is split further to the count, never past one row a call (the
+    caller's filler makes the rest) and never below its fewest; fixed rows stay as they are;
+    the kept split is not changed by asking."""
+    prompts, responses = [4, 4, 2, 2], [10, 2, 2, 1]
+    split = MicroBatches.by_tokens(prompts, responses, 20, packed=False)
+    assert split.groups == split_by_tokens(prompts, responses, 20, packed=False) == [[0], [1, 2, 3]]
+    assert split.at_least(None) == split.at_least(1) == split.at_least(2) == [[0], [1, 2, 3]]
+    assert split.at_least(3) == split_by_tokens(prompts, responses, 20, False, count=3)
+    assert split.at_least(9) == [[0], [1], [2], [3]]  # one a row at most
+    assert split.groups == [[0], [1, 2, 3]]
+    fixed = MicroBatches.fixed(5, 2)
+    assert fixed.groups == fixed.at_least(7) == fixed_rows(5, 2)
+    assert MicroBatches.by_tokens([], [], 20, packed=True).at_least(3) == []
 
 
 def test_impossible_splits_are_refused():

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Optional, Sequence
 
 import numpy as np
 
-from ..micro_batches import fixed_rows, split_by_tokens
+from ..micro_batches import MicroBatches
 from .costs import Device
 from .shapes import ModelShape, Shapes
 
@@ -235,12 +234,13 @@ class CostModel:
         return Job(host, flops / self.dev.prefill_flops, memory)
 
     def scored_forwards(self, kind: str, lengths: np.ndarray, calls: Optional[int] = None,
-                        filler: int = 1) -> float:
-        """No-grad forwards over ``lengths`` rows in micro-batches trimmed to their longest
-        (``score_groups``). ``calls``: make that many in all (a collective forward, as many
-        on every rank), those past the micro-batches on one row of ``filler`` response tokens
-        (the trainer's filler: its batch's first row)."""
-        groups = self.score_groups(lengths, calls)
+                        filler: int = 1, split: Optional[MicroBatches] = None) -> float:
+        """No-grad forwards over ``lengths`` rows in micro-batches (``split``, by default
+        ``score_split``'s), each trimmed to its longest. ``calls``: make that many in all (a
+        collective forward, as many on every rank), the micro-batches split further to as
+        many (``MicroBatches.at_least``) and those past them on one row of ``filler`` response
+        tokens (the trainer's filler: its batch's first row)."""
+        groups = (split if split is not None else self.score_split(lengths)).at_least(calls)
         tokens = ctx = 0.0
         for g in groups:
             t, c, _ = _micro_tokens(lengths[g], len(g), self.lay.prompt_len)
@@ -253,20 +253,15 @@ class CostModel:
             return 0.0
         return self.prefill_job(kind, tokens, ctx, len(groups) + extra).alone
 
-    def score_groups(self, lengths: np.ndarray, count: Optional[int] = None) -> list:
+    def score_split(self, lengths: np.ndarray) -> MicroBatches:
         """The scoring micro-batches of rows of response ``lengths`` (positions), as the
-        trainer's ``Scoring._score_groups`` makes them: ppo.micro_batch_size rows in order, or
-        under ppo.score_batch_tokens the split by tokens, split further to ``count`` calls
-        where another rank makes more (at most one a row)."""
+        trainer's ``Scoring._score_split`` makes them: ppo.micro_batch_size rows in order, or
+        under ppo.score_batch_tokens the split by tokens."""
         lay, n = self.lay, len(lengths)
         if lay.score_tokens is None:
-            return fixed_rows(n, lay.micro)
-        if n == 0:
-            return []
-        split = partial(split_by_tokens, [lay.prompt_len] * n, [int(x) for x in lengths],
-                        lay.score_tokens, False)
-        groups = split()
-        return groups if count is None or count <= len(groups) else split(min(count, n))
+            return MicroBatches.fixed(n, lay.micro)
+        return MicroBatches.by_tokens([lay.prompt_len] * n, [int(x) for x in lengths],
+                                      lay.score_tokens, False)
 
     def collective_scorers(self) -> tuple[str, ...]:
         """The kinds whose scoring forwards are collectives, so that every data-parallel rank
@@ -331,26 +326,23 @@ class CostModel:
             minis.append(mine)
         totals = [0.0] * len(ranks)
         for j in range(len(minis[0]) if minis else 0):
-            count = max(len(self._micro_batch_rows(m[j])) for m in minis) \
-                if lay.micro_tokens is not None else None
-            for r, m in enumerate(minis):
-                micros = [m[j][g] for g in self._micro_batch_rows(m[j], count)]
+            splits = [self._micro_batch_split(m[j]) for m in minis]
+            count = max(len(s.groups) for s in splits)
+            for r, (m, split) in enumerate(zip(minis, splits)):
+                micros = [m[j][g] for g in split.at_least(count)]
                 for kind in self.trained:
                     totals[r] += self._train_model(kind, micros) + self._optimizer_step(kind)
         return max(totals, default=0.0)
 
-    def _micro_batch_rows(self, lengths: np.ndarray, count: Optional[int] = None) -> list:
+    def _micro_batch_split(self, lengths: np.ndarray) -> MicroBatches:
         """A mini-batch's rows (positions in ``lengths``) in the update's micro-batches:
         ``micro`` each, or within ``micro_tokens`` positions of prompts padded to
-        ``prompt_len`` and each row's PPO-ptx block, ``count`` of them where another rank
-        needs more (``split_by_tokens``)."""
+        ``prompt_len`` and each row's PPO-ptx block (``MicroBatches.by_tokens``)."""
         lay = self.lay
         if lay.micro_tokens is None:
-            return fixed_rows(len(lengths), lay.micro)
-        split = partial(split_by_tokens, [lay.prompt_len] * len(lengths), [int(x) for x in lengths],
-                        lay.micro_tokens, False, extra_per_row=lay.ptx_block)
-        groups = split()
-        return groups if count is None or count <= len(groups) else split(count)
+            return MicroBatches.fixed(len(lengths), lay.micro)
+        return MicroBatches.by_tokens([lay.prompt_len] * len(lengths), [int(x) for x in lengths],
+                                      lay.micro_tokens, False, extra_per_row=lay.ptx_block)
 
     def critic_to_stage_s(self) -> float:
         """The stage placement's critic weights before a rollout: gathered whole on the
@@ -650,8 +642,11 @@ class StepSimulator:
                 elif kind == "critic" and sched.delta:
                     kinds[kind] = lengths[rescore]
             scored.append(kinds)
-        calls = {kind: max(len(c.score_groups(k[kind])) for k in scored)
+        splits = [{kind: c.score_split(rows) for kind, rows in kinds.items()} for kinds in scored]
+        calls = {kind: max(len(s[kind].groups) for s in splits)
                  for kind in c.collective_scorers() if kind in scored[0]}
-        return max(sum(c.scored_forwards(kind, rows, calls.get(kind), filler=int(lengths[0]))
+        # the trainer's filler: its batch's first row
+        return max(sum(c.scored_forwards(kind, rows, calls.get(kind), filler=int(lengths[0]),
+                                         split=split[kind])
                        for kind, rows in kinds.items())
-                   for kinds, (lengths, _) in zip(scored, ranks))
+                   for kinds, split, (lengths, _) in zip(scored, splits, ranks))
