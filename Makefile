@@ -47,13 +47,16 @@ demo: $(STAMP)
 # fixtures, such as the Slurm test's controller, exist once), each at one OpenMP thread.
 # Measured on 2 cores: 2 workers at one thread ran the suite in 31.5 min against 52.8 min for
 # one process; 2 workers at 2 threads each were 3.2x slower than one process (idle threads
-# spinning on busy cores). `make test TEST_JOBS=1` runs it in one worker.
+# spinning on busy cores). `make test TEST_JOBS=1` runs it in one worker. TEST_THREADS sets each
+# worker's OpenMP threads (OMP_NUM_THREADS; 1 by default whatever the environment says: with
+# more cores than workers, cores / TEST_JOBS).
 # PYTHONDONTWRITEBYTECODE, where the environment sets it, is cleared for the suite: every
 # process the tests launch (ranks, launchers, CLIs) would compile oppo_ds from source again
 # (0.8 s of a 4.4 s import on this VM); the bytecode goes to oppo_ds/__pycache__ (git-ignored).
 TEST_JOBS ?= 2
+TEST_THREADS ?= 1
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -n $(TEST_JOBS) \
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest tests -q -n $(TEST_JOBS) \
 		--dist loadfile --durations=25
 
 # Every mode and the TRL 1.12 PPO peer on the built-in workload, one after another (about
