@@ -141,7 +141,8 @@ class MicroBatches:
 
     def at_least(self, count: Optional[int]) -> list[list[int]]:
         """The rows in ``count`` micro-batches where that is more than ``groups`` (at most one
-        a row), else ``groups``; fixed rows are always ``groups``."""
+        a row), else ``groups``; fixed rows are always ``groups``. The lists are ``groups``'s
+        own where not split: read them, do not change them."""
         rows = sum(len(g) for g in self.groups)
         if self._cost is None or count is None or count <= len(self.groups):
             return self.groups

@@ -190,7 +190,13 @@ class PPOUpdate:
             extra_per_row=ptx_block_len(self.cfg) if self.ptx_stream is not None else 0)
         fewest = len(split.groups)
         count = comm.all_reduce_ints([fewest], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
-        return [mini[torch.tensor(g, dtype=torch.long)] for g in split.at_least(count)], fewest
+        groups = split.at_least(count)
+        # every rank's mini-batch has as many rows, so none runs out of rows to split: a rank
+        # with fewer backwards than the others would leave them waiting in ZeRO's collectives
+        if len(groups) != count:
+            raise RuntimeError(f"ppo.micro_batch_tokens: {len(mini)} rows cannot make the {count} "
+                               f"micro-batches another data-parallel rank needs")
+        return [mini[torch.tensor(g, dtype=torch.long)] for g in groups], fewest
 
     def _pooled(self, sums: dict, weights: dict, maxima: dict) -> dict[str, float]:
         """The update's statistics over every rank's tokens: each weighted mean is the sum over

@@ -132,8 +132,8 @@ class Scoring:
     def _score_split(self, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> MicroBatches:
         """The rows of one scoring call each: ppo.micro_batch_size rows in order, or under
         ppo.score_batch_tokens the fewest micro-batches within that many positions, padding
-        included (``micro_batches.MicroBatches.by_tokens``, longest rows first), split further
-        where the ranks agree on more calls (``_agreed_calls``)."""
+        included (``micro_batches.MicroBatches.by_tokens``, longest rows first), which
+        ``_agreed_calls`` splits further where another rank makes more calls."""
         rows, budget = prompt_mask.shape[0], self.cfg.ppo.score_batch_tokens
         if budget is None:
             return MicroBatches.fixed(rows, self.cfg.ppo.micro_batch_size)
