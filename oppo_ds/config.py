@@ -28,6 +28,11 @@ from .config_types import require as _require
 
 logger = logging.getLogger(__name__)
 
+# the models that score sequences chunk by chunk (``rollout.scorer.StreamingScorer``), and the
+# frozen ones among them, which never train: their caches of a row outlive an update
+SCORER_KINDS = ("reward", "reference", "critic")
+FROZEN_KINDS = ("reward", "reference")
+
 
 @dataclass
 class ModelConfig:
@@ -608,6 +613,41 @@ class Config:
         if not o.streaming:
             return []
         return ["reward"] * self.model.uses_reward_model + [k for k in o.stream_to if k != "actor"]
+
+    @property
+    def scorer_rank_models(self) -> frozenset[str]:
+        """The models the stage placement's scorer rank holds whole: the streamed scorers (the
+        reward model, and the reference when it streams, off the actor ranks; a copy of the
+        critic when it streams, which trains on the actor ranks and sends its weights there
+        after each update). None under the other placements."""
+        return frozenset(self.streamed_scorers if self.oppo.placement == "stage" else ())
+
+    def actor_rank_models(self, evaluating: bool = False) -> frozenset[str]:
+        """The models every actor rank builds (the engine builders and both memory plans go
+        by this): the actor; the critic where one is trained (``ppo.advantage_estimator``
+        gae); the reference where the KL is on and the reward model where no
+        ``model.reward_function`` scores, each unless the scorer rank holds it
+        (``scorer_rank_models``). ``evaluating`` (``oppo-train --evaluate``): the actor and
+        the reward model only."""
+        p, on_stage = self.ppo, self.scorer_rank_models
+        models = {"actor"}
+        if p.uses_critic and not evaluating:
+            models.add("critic")
+        if p.uses_reference and not evaluating and "reference" not in on_stage:
+            models.add("reference")
+        if self.model.uses_reward_model and "reward" not in on_stage:
+            models.add("reward")
+        return frozenset(models)
+
+    @property
+    def carried_scorers(self) -> list[str]:
+        """The streamed scorers whose caches of the deferred rows the actor ranks keep from one
+        step to the next (the rollout pool's): the frozen ones (``FROZEN_KINDS``; the critic
+        trains, so its cache is rebuilt), except under the stage placement, whose scorer rank
+        keeps its own."""
+        if self.oppo.placement == "stage":
+            return []
+        return [k for k in self.streamed_scorers if k in FROZEN_KINDS]
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> None:

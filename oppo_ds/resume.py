@@ -22,7 +22,6 @@ from .config import ConfigError
 from .config_checks import BF16_OPTIMIZER_STATES, optimizer_states_kind
 from .data import StreamMismatch
 from .ema import ActorEMA
-from .rollout.scorer import FROZEN_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +211,7 @@ class Resumable:
             # the frozen scorers' caches of the deferred rows, where this run keeps them: under
             # the stage the scorer rank holds its own and, like any scorer without a row's
             # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
-            carried = set(self.cfg.streamed_scorers) & set(FROZEN_KINDS) if self.stage is None else set()
+            carried = set(self.cfg.carried_scorers)
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import ConfigError
+from .config import FROZEN_KINDS, ConfigError
 from .models import build_causal_lm, build_device, build_value_model
 from .preemption import StopOnSignal, signal_name
-from .rollout.scorer import FROZEN_KINDS, StreamingScorer
+from .rollout.scorer import StreamingScorer
 from .rollout.stage import Op, ScorerStage, StageWeights, serve_round
 from .rollout.stage_stream import Replica, stage_score_ended
 from .rollout.stage_layout import StageAborted, StageLayout, link_failure

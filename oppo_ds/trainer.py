@@ -215,12 +215,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                            gradient_accumulation_steps=p.mini_batch_size // p.micro_batch_size,
                            zero_stage=s.zero_stage, offload=s.offload, dtype=s.dtype,
                            grad_clip=p.grad_clip, seed=cfg.seed)
-        # stage: the reward model, and the reference model when it streams, are on the scorer rank
-        on_stage = {"reward", *cfg.oppo.stream_to} if self.stage is not None else set()
         # an evaluation answers with the actor and scores with the reward model: no critic,
         # reference or average of the actor's weights is built for it (nor memory spent)
-        models = build_models(cfg, src, common, engine_args, on_stage=on_stage,
-                              evaluating=self.evaluating_only)
+        models = build_models(cfg, src, common, engine_args, evaluating=self.evaluating_only)
         self.actor, self.critic = models.actor, models.critic
         self.reference, self.reward = models.reference, models.reward
         self.device = self.actor.device

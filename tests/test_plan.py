@@ -867,6 +867,43 @@ def test_megatron_stage_placement_plans_the_scorer_rank():
         plan(cfg, 4, 8, h100, steps=2)
 
 
+def test_megatron_plan_holds_only_the_models_the_actor_ranks_build():
+    """The Megatron plan counts on each GPU the models its engines build
+    (``Config.actor_rank_models``, as the DeepSpeed plan and both engine builders go by): no
+    reward-model shard beside model.reward_function (it counted one), and a model no actor
+    rank builds is not held to the model split (a reward model tp 8 cannot split was refused
+    though none is built). Under the stage placement with overcommitment the frozen scorers'
+    caches of the deferred rows are the scorer rank's, not the actor GPUs' (they were counted
+    on both)."""
+    from oppo_ds.plan.megatron import plan_memory_megatron
+
+    h100 = get_device("H100-80GB")
+    cfg = _megatron_cfg(8, 4)
+    rule = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, reward_function="oppo_ds.workload:gold_reward"))
+    shapes = resolve_shapes(cfg)
+    assert cfg.actor_rank_models() == {"actor", "critic", "reference", "reward"}
+    assert rule.actor_rank_models() == {"actor", "critic", "reference"}
+    assert cfg.actor_rank_models(evaluating=True) == {"actor", "reward"}  # oppo-train --evaluate
+    held = plan_memory_megatron(cfg, shapes, 4, 8, h100).items
+    free = plan_memory_megatron(rule, shapes, 4, 8, h100).items
+    assert held["reward"] > 0 and free["reward"] == 0.0
+    assert free["actor_params"] == held["actor_params"] and free["reference"] == held["reference"]
+    odd = dataclasses.replace(shapes, reward=tiny_shape("tiny-llama", 33))  # 4 heads, tp 8
+    with pytest.raises(ConfigError, match="tensor_parallel: 8 does not divide the reward's"):
+        plan_memory_megatron(cfg, odd, 4, 8, h100)
+    assert plan_memory_megatron(rule, odd, 4, 8, h100).items["reward"] == 0.0
+
+    stage = _megatron_cfg(8, 4, placement="stage", stream_to=["reference"])
+    inline = _megatron_cfg(8, 4, placement="inline", stream_to=["reference"])
+    assert stage.oppo.overcommits and inline.oppo.overcommits
+    assert stage.carried_scorers == [] and inline.carried_scorers == ["reward", "reference"]
+    assert stage.scorer_rank_models == {"reward", "reference"}
+    assert stage.actor_rank_models() == {"actor", "critic"}
+    assert plan_memory_megatron(stage, shapes, 1, 33, h100).items["carried_scorer_kv"] == 0.0
+    assert plan_memory_megatron(inline, shapes, 1, 32, h100).items["carried_scorer_kv"] > 0
+
+
 def test_deepspeed_stage_placement_plans_the_scorer_rank():
     """ZeRO-3 with the stage placement (8B, one node of 8): the actor ranks are 7 GPUs, over
     which ZeRO-3 partitions, and hold neither the reward nor the streamed reference; the

@@ -28,26 +28,26 @@ class Models:
 
 
 def build_models(cfg: Config, sources, common: dict, engine_args: dict, *,
-                 on_stage: frozenset | set = frozenset(), evaluating: bool = False) -> Models:
-    """Actor and critic as training engines (no critic for a critic-free
-    ``ppo.advantage_estimator``), reference and reward as frozen scorers.
+                 evaluating: bool = False) -> Models:
+    """Actor and critic as training engines, reference and reward as frozen scorers: those
+    of ``cfg.actor_rank_models`` (no critic for a critic-free ``ppo.advantage_estimator``, no
+    reference with the KL off, no reward model beside ``model.reward_function``, none of the
+    models the stage placement's scorer rank holds), None for the others.
 
     Args:
         sources: ``sources.Sources`` (resolved model directories or tiny architectures).
         common: keyword arguments of ``models.build_causal_lm`` / ``build_value_model``.
         engine_args: the optimizer / schedule / batch arguments shared by actor and critic.
-        on_stage: frozen models held by the scorer rank instead (``oppo.placement: stage``).
         evaluating: for ``oppo-train --evaluate``, which answers with the actor and scores
             with the reward model: no critic and no reference are built, and the actor's
             engine holds its weights alone (no optimizer: ``weights_only``).
     """
     if cfg.system.backend == "deepspeed":
-        return _deepspeed_models(cfg, sources, common, engine_args, on_stage, evaluating)
+        return _deepspeed_models(cfg, sources, common, engine_args, evaluating)
     if cfg.system.backend == "megatron":
         from .megatron_engine import build_megatron_models
 
-        return build_megatron_models(cfg, sources, common, engine_args, on_stage=on_stage,
-                                     evaluating=evaluating)
+        return build_megatron_models(cfg, sources, common, engine_args, evaluating=evaluating)
     raise ValueError(f"unknown system.backend {cfg.system.backend!r}")
 
 
@@ -75,13 +75,14 @@ def prepare_trained(model: torch.nn.Module, cfg: Config, kind: str) -> torch.nn.
     return model
 
 
-def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stage,
+def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict,
                       evaluating: bool) -> Models:
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
     from .ds_config import engine_entries
 
     p, s = cfg.ppo, cfg.system
+    held = cfg.actor_rank_models(evaluating)
     if s.dtype == "fp16" and not torch.cuda.is_available():
         # DeepSpeed refuses it in its own sanity check, after the models are loaded
         raise ConfigError("system.dtype", "fp16 needs a GPU: on a CPU DeepSpeed trains in fp32 or "
@@ -100,7 +101,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
                                  inference_tp_size=s.inference_tp_size, weights_only=evaluating,
                                  **engine_args)
     critic = None
-    if p.uses_critic and not evaluating:
+    if "critic" in held:
         critic_model = prepare_trained(
             disable_dropout(build_value_model(src.critic, device=on, **common)), cfg,
             "critic")
@@ -112,7 +113,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
                     "each); system.zero_stage: 1 gets its flat BF16 optimizer, a few ops an "
                     "update, for fp32 gradients (docs/config.md, system.grad_accum_dtype)")
     device = actor.device
-    if "reference" in on_stage or not p.uses_reference or evaluating:
+    if "reference" not in held:
         reference = None  # on the scorer rank, or the KL is off, or an evaluation
     elif s.partition_reference:  # ZeRO-3 shards over the actor's data-parallel ranks
         reference = prepare_partitioned(build_causal_lm(src.reference, **common), s.dtype,
@@ -122,7 +123,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict, on_stag
         reference = prepare_frozen(build_causal_lm(src.reference, device=on, **common), s.dtype,
                                    device)
     # none on the scorer rank's side of a stage, or in place of a reward function
-    reward = None if "reward" in on_stage or not src.reward_model else \
+    reward = None if "reward" not in held else \
         prepare_frozen(build_value_model(src.reward, require_head=True, device=on, **common),
                        s.dtype, device)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)

@@ -30,9 +30,9 @@ Design (docs/megatron.md has the long version):
 * **Checkpoints**: one file per (tensor, pipeline) rank, written by data-parallel rank 0:
   weights, optimizer, LR scheduler, client state; the HF ``config.json`` beside them, so that
   ``python -m oppo_ds.megatron.export`` can turn a tag into HF weights.
-* **Stage placement** (``on_stage``): the world is the actor ranks alone (the scorer process
-  joins none, ``oppo_ds/stage_placement.py``), so the groups span it as without a stage; the
-  scorer process holds the models in ``on_stage``, which are None here.
+* **Stage placement**: the world is the actor ranks alone (the scorer process joins none,
+  ``oppo_ds/stage_placement.py``), so the groups span it as without a stage; the scorer
+  process holds the models of ``Config.scorer_rank_models``, which are None here.
 
 Everything megatron-specific lives here and in ``oppo_ds/megatron/``.
 """
@@ -262,12 +262,12 @@ def check_megatron_config(cfg: Config) -> None:
 
 
 def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict, *,
-                          on_stage=frozenset(), evaluating: bool = False):
+                          evaluating: bool = False):
     """Actor and critic as ``MegatronTrainEngine``s, reference and reward as frozen
     ``MegatronModel``s, all with ``system.tensor_parallel`` x ``system.pipeline_parallel``;
-    None for the models in ``on_stage`` (the stage placement's scorer rank holds those), and
-    for the critic and reference when ``evaluating`` (``oppo-train --evaluate``), whose actor
-    is built for its weights alone (no master copy, no optimizer).
+    those of ``cfg.actor_rank_models``, None for the others (the critic and reference when
+    ``evaluating``, ``oppo-train --evaluate``, whose actor is built for its weights alone: no
+    master copy, no optimizer; the models the stage placement's scorer rank holds).
 
     A safetensors checkpoint directory is read without building the HF model: every rank
     reads only its own blocks of the tensors of its pipeline stage (``megatron.loading``).
@@ -325,11 +325,10 @@ def build_megatron_models(cfg: Config, sources, common: dict, engine_args: dict,
         return MegatronTrainEngine(model, groups, lr=lr, weights_only=weights_only, **train)
 
     actor = trained(sources.actor, "lm", p.actor_lr, weights_only=evaluating)
-    critic = trained(sources.critic, "value", p.critic_lr) \
-        if p.uses_critic and not evaluating else None
-    reference = None if "reference" in on_stage or not p.uses_reference or evaluating else \
-        _frozen(load(sources.reference, "lm"))
-    reward = None if "reward" in on_stage or not cfg.model.uses_reward_model else \
+    held = cfg.actor_rank_models(evaluating)
+    critic = trained(sources.critic, "value", p.critic_lr) if "critic" in held else None
+    reference = _frozen(load(sources.reference, "lm")) if "reference" in held else None
+    reward = None if "reward" not in held else \
         _frozen(load(sources.reward, "value", require_head=True))
     if first_rank:
         logger.info("Megatron-core backend: tensor_parallel=%d pipeline_parallel=%d "

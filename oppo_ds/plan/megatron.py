@@ -25,9 +25,8 @@ from __future__ import annotations
 from ..config import Config, ConfigError
 from ..rollout.static_length import widest_context
 from .costs import GIB, Device
-from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, on_scorer_rank,
-                     scorer_rank_memory, score_micro_tokens, streamed_scorers,
-                     train_micro_tokens)
+from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, scorer_rank_memory,
+                     score_micro_tokens, train_micro_tokens)
 from .shapes import ModelShape, Shapes
 
 
@@ -91,17 +90,19 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     s, gen = cfg.system, cfg.generation
     tp, pp = model_split(cfg)
     replicas = actor_gpus(cfg, nodes * gpus_per_node) // (tp * pp)
+    held = cfg.actor_rank_models()  # split over tp x pp; the scorer rank's are whole copies
     for what in ("actor", "critic", "reference", "reward"):
-        check_shape(getattr(shapes, what), tp, pp, what)
+        if what in held:
+            check_shape(getattr(shapes, what), tp, pp, what)
     w = dtype_bytes(s.dtype)
     delta, rows = cfg.oppo.largest_delta, cfg.widest_rollout
     seq = gen.max_prompt_len + gen.max_new_tokens
-    on_stage = on_scorer_rank(cfg)
+    on_stage = cfg.scorer_rank_models
     plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
     items = plan.items
 
     for name, value_head in (("actor", False), ("critic", True)):
-        if name == "critic" and not cfg.ppo.uses_critic:  # a critic-free estimator
+        if name not in held:  # a critic-free estimator
             items.update(critic_params=0.0, critic_grads=0.0, critic_optimizer=0.0)
             continue
         shard = largest_shard(getattr(shapes, name), tp, pp, lm_head=not value_head,
@@ -111,16 +112,16 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         items[f"{name}_params"], items[f"{name}_grads"] = st.params, st.grads
         items[f"{name}_optimizer"] = st.optimizer
     for name, value_head in (("reference", False), ("reward", True)):
-        unused = name == "reference" and not cfg.ppo.uses_reference  # the KL off
-        items[name] = 0.0 if name in on_stage or unused else w * largest_shard(
-            getattr(shapes, name), tp, pp, lm_head=not value_head, value_head=value_head)
+        # none with the KL off, beside model.reward_function, or on the scorer rank
+        items[name] = w * largest_shard(getattr(shapes, name), tp, pp, lm_head=not value_head,
+                                        value_head=value_head) if name in held else 0.0
 
     def kv(shape: ModelShape, n_rows: int, positions: int = seq) -> float:
         """The stage's layers, heads split over tp."""
         return n_rows * positions * shape.kv_bytes_per_token(w) / (tp * pp)
 
     scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    streamed = streamed_scorers(cfg)
+    streamed = cfg.streamed_scorers
     # a rollout of the pool packs its deferred rows' partial responses after their prompts;
     # a streaming scorer's rows are as wide (the partial responses padded to the longest,
     # then every chunk on top)
@@ -129,7 +130,8 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     items["actor_kv"] = kv(shapes.actor, rows, rollout_seq)
     items["scorer_kv"] = sum(kv(scorer_shape[k], rows, rollout_seq)
                              for k in streamed if k not in on_stage)
-    carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
+    # frozen scorers of the pool keep their deferred rows' caches through the update
+    carried = cfg.carried_scorers if cfg.oppo.overcommits else []
     items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta, rollout_seq) for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
 

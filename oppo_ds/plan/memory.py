@@ -130,20 +130,6 @@ class MemoryPlan:
                 "cpu_per_node_gib": gib(self.cpu_per_node)}
 
 
-def streamed_scorers(cfg: Config) -> list[str]:
-    """Scorers that prefill each chunk during decoding (none in the sequential baseline)."""
-    return cfg.streamed_scorers
-
-
-def on_scorer_rank(cfg: Config) -> set[str]:
-    """The models the stage placement's scorer rank holds whole: the reward model and the
-    reference when it streams (off the actor ranks), and a copy of the critic when it streams
-    (it trains on the actor ranks and its weights go to the copy after each update)."""
-    if cfg.oppo.placement != "stage" or not cfg.oppo.streaming:
-        return set()
-    return set(cfg.streamed_scorers)
-
-
 def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,
                        rows: int, seq: int) -> None:
     """The stage placement's scorer rank as a phase of its own (``scorer_rank``): its whole
@@ -154,7 +140,7 @@ def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: i
              "reference": w * shapes.reference.params(),
              "critic": w * shapes.critic.params(value_head=True)}
     shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    kinds = on_scorer_rank(cfg)
+    kinds = cfg.scorer_rank_models
     plan.items["scorer_rank_models"] = sum(whole[k] for k in kinds)
     plan.items["scorer_rank_kv"] = sum(senders * rows * seq * shape[k].kv_bytes_per_token(w)
                                        for k in kinds)
@@ -165,7 +151,7 @@ def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: i
 def actor_rank_gpus(cfg: Config, gpus: int) -> int:
     """The GPUs of the actor ranks (ZeRO's data-parallel world): all, less the stage
     placement's scorer rank."""
-    if not on_scorer_rank(cfg):
+    if not cfg.scorer_rank_models:
         return gpus
     if gpus < 2:
         raise ConfigError("oppo.placement", f"stage needs a GPU for the scorer rank besides the "
@@ -225,7 +211,8 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                 headroom: float = 0.1) -> MemoryPlan:
     s, gen = cfg.system, cfg.generation
     gpus = actor_rank_gpus(cfg, nodes * gpus_per_node)  # ZeRO partitions over these
-    on_stage = on_scorer_rank(cfg)
+    on_stage = cfg.scorer_rank_models
+    held = cfg.actor_rank_models()
     w = dtype_bytes(s.dtype)
     delta, rows = cfg.oppo.largest_delta, cfg.widest_rollout
     seq = gen.max_prompt_len + gen.max_new_tokens
@@ -234,7 +221,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
 
     actor = _trained(shapes.actor, False, cfg.model.actor_lora_dim, cfg, gpus, gpus_per_node)
     critic = _trained(shapes.critic, True, cfg.model.critic_lora_dim, cfg, gpus, gpus_per_node) \
-        if cfg.ppo.uses_critic else ModelStates()  # a critic-free estimator trains none
+        if "critic" in held else ModelStates()  # a critic-free estimator trains none
     for name, st in (("actor", actor), ("critic", critic)):
         items[f"{name}_params"] = st.params
         items[f"{name}_grads"] = st.grads
@@ -243,7 +230,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     plan.cpu_per_node = actor.cpu_per_node + critic.cpu_per_node
 
     ref = shapes.reference
-    if "reference" in on_stage or not cfg.ppo.uses_reference:  # on the stage, or the KL is off
+    if "reference" not in held:  # on the stage, or the KL is off
         items["reference"] = items["reference_gathered"] = 0.0
     elif s.partition_reference:
         part = w * ref.params() / gpus
@@ -253,11 +240,10 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     else:
         items["reference"] = w * ref.params()
         items["reference_gathered"] = 0.0
-    items["reward"] = 0.0 if "reward" in on_stage or not cfg.model.uses_reward_model \
-        else w * shapes.reward.params(value_head=True)
+    items["reward"] = w * shapes.reward.params(value_head=True) if "reward" in held else 0.0
 
     # under the stage placement nothing streams on the actor ranks (the critic trains there)
-    streamed = [] if on_stage else streamed_scorers(cfg)
+    streamed = [] if on_stage else cfg.streamed_scorers
     # ZeRO-3: the rollout runs on models gathered whole on every rank, the actor and the
     # critic when it streams here (DeepSpeedTrainEngine._gathered_for_generation: with or
     # without the hybrid engine), so that the ranks' forwards need no collective
@@ -281,7 +267,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["scorer_kv"] = sum(rows * rollout_seq * scorer_shape[k].kv_bytes_per_token(w)
                              for k in streamed)
     # frozen scorers of the pool keep their deferred rows' caches through the update
-    carried = [k for k in streamed if k in ("reward", "reference")] if cfg.oppo.overcommits else []
+    carried = cfg.carried_scorers if cfg.oppo.overcommits else []
     items["carried_scorer_kv"] = sum(delta * rollout_seq * scorer_shape[k].kv_bytes_per_token(w)
                                      for k in carried)
     items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2

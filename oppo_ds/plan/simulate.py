@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..config import FROZEN_KINDS
 from ..micro_batches import MicroBatches
 from .costs import Device
 from .shapes import ModelShape, Shapes
@@ -521,7 +522,7 @@ class StepSimulator:
         if sched.streamed:
             widths = ctx0.astype(float)
             again = (float(widths.sum()), float((widths * (widths + 1) / 2).sum()))
-            frozen = [k for k in sched.streamed if k != "critic"]
+            frozen = [k for k in sched.streamed if k in FROZEN_KINDS]
             # the frozen scorers (on the scorer rank too) hold the deferred rows: new rows only
             new = int((~g.streamed_by_frozen[running]).sum())
             t += submit(frozen, lay.prompt_len * new, lay.prompt_len * (lay.prompt_len + 1) / 2 * new)

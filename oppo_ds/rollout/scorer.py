@@ -42,12 +42,10 @@ from typing import Optional, Sequence
 import torch
 
 from ..algo import logprobs_from_logits
+from ..config import SCORER_KINDS
 from ..kv_cache import cache_kwargs, output_cache
 from .generate import position_ids_from_mask
 
-SCORER_KINDS = ("reward", "reference", "critic")
-# the scorers whose models never train: their prefix state outlives an update
-FROZEN_KINDS = ("reward", "reference")
 
 
 class StreamingScorer:

@@ -130,7 +130,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .scorer import FROZEN_KINDS, SCORER_KINDS, StreamingScorer
+from ..config import FROZEN_KINDS, SCORER_KINDS
+from .scorer import StreamingScorer
 from .stage_layout import Link
 from .stage_wire import (_DTYPES, HEADER_LEN, WEIGHTS_BUCKET, Op, StageWeights, _bucket_sizes,
                          _buckets, _decode_events, _encode_events, _header, _layout_hash, _wait,

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .scorer import SCORER_KINDS
+from ..config import SCORER_KINDS
 from .streaming import TimelineEvent
 
 HEADER_LEN = 8
