@@ -187,7 +187,9 @@ class PPOUpdate:
         split = MicroBatches.by_tokens(
             exp.prompt_mask[mini].sum(1).tolist(), exp.response_mask[mini].sum(1).tolist(),
             p.micro_batch_tokens, self.cfg.system.packing_samples,
-            extra_per_row=ptx_block_len(self.cfg) if self.ptx_stream is not None else 0)
+            # PPO-ptx: each row's block goes with it into the actor's backward, when it trains
+            extra_per_row=ptx_block_len(self.cfg)
+            if self.ptx_stream is not None and self.actor_trains else 0)
         fewest = len(split.groups)
         count = comm.all_reduce_ints([fewest], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
         groups = split.at_least(count)

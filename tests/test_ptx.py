@@ -96,6 +96,21 @@ def test_the_micro_batch_split_changes_nothing(cache_dir, ptx_file, tmp_path):
     assert 0 < a[1]["loss/ptx"] < 5  # a per-token mean NLL over a 33-token vocabulary
 
 
+def test_a_frozen_actor_takes_no_block_into_the_split(cache_dir, ptx_file, tmp_path):
+    """Under ppo.freeze_actor_steps the actor neither trains nor takes pretraining blocks, so
+    ppo.micro_batch_tokens splits by the critic's rows alone: the counts of the run without
+    PPO-ptx, and the same critic (each row counted its 16-token block as well, making more
+    micro-batches than the critic needed)."""
+    frozen = ("steps=2", "ppo.micro_batch_tokens=100", "ppo.freeze_actor_steps=2")
+    run(cache_dir, tmp_path / "ptx", *frozen, *PTX, f"data.ptx={ptx_file}")
+    run(cache_dir, tmp_path / "plain", *frozen, PTX[0])
+    a, b = _metrics(tmp_path / "ptx"), _metrics(tmp_path / "plain")
+    for step in (1, 2):
+        assert a[step]["train/micro_batches"] == b[step]["train/micro_batches"], step
+        assert a[step]["loss/value"] == pytest.approx(b[step]["loss/value"], abs=1e-6), step
+    assert max(a[s]["train/micro_batches"] for s in (1, 2)) > 1
+
+
 def _text_loss(trainer) -> float:
     """The actor's mean NLL per token over every pretraining block."""
     ids = torch.tensor([b.input_ids for b in trainer.ptx_blocks])
