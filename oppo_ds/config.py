@@ -614,22 +614,27 @@ class Config:
             return []
         return ["reward"] * self.model.uses_reward_model + [k for k in o.stream_to if k != "actor"]
 
-    @property
-    def scorer_rank_models(self) -> frozenset[str]:
-        """The models the stage placement's scorer rank holds whole: the streamed scorers (the
-        reward model, and the reference when it streams, off the actor ranks; a copy of the
-        critic when it streams, which trains on the actor ranks and sends its weights there
-        after each update). None under the other placements."""
-        return frozenset(self.streamed_scorers if self.oppo.placement == "stage" else ())
+    def scorer_rank_models(self, evaluating: bool = False) -> list[str]:
+        """The models the stage placement's scorer rank holds whole, in the streamed scorers'
+        order: every streamed scorer (the reward model, and the reference when it streams,
+        off the actor ranks; a copy of the critic when it streams, which trains on the actor
+        ranks and sends its weights there after each update). ``evaluating`` (``oppo-train
+        --evaluate``): the reward model alone where it is one of them (an evaluation's
+        figures are its scores: a reference or critic copy there would be built, and the
+        critic's weights sent, for nothing). None under the other placements."""
+        if self.oppo.placement != "stage":
+            return []
+        kinds = self.streamed_scorers
+        return ["reward"] if evaluating and "reward" in kinds else kinds
 
     def actor_rank_models(self, evaluating: bool = False) -> frozenset[str]:
         """The models every actor rank builds (the engine builders and both memory plans go
         by this): the actor; the critic where one is trained (``ppo.advantage_estimator``
         gae); the reference where the KL is on and the reward model where no
         ``model.reward_function`` scores, each unless the scorer rank holds it
-        (``scorer_rank_models``). ``evaluating`` (``oppo-train --evaluate``): the actor and
-        the reward model only."""
-        p, on_stage = self.ppo, self.scorer_rank_models
+        (``scorer_rank_models``). ``evaluating`` (``oppo-train --evaluate``): no critic or
+        reference (the actor answers, the reward model or function scores)."""
+        p, on_stage = self.ppo, self.scorer_rank_models(evaluating)
         models = {"actor"}
         if p.uses_critic and not evaluating:
             models.add("critic")

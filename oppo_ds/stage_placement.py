@@ -100,13 +100,11 @@ class StagePlacement:
 
     @property
     def stage_kinds(self) -> list[str]:
-        """The scorers the stage holds: every streamed one, but under ``oppo-train --evaluate``
-        the reward model alone where the stage holds one (an evaluation's figures are its
-        scores: a reference or critic copy there would be built, and the critic's weights
-        sent, for nothing; with a reward function the actor ranks score the answers and the
-        stage serves no evaluation rollout, its models built as for training)."""
-        kinds = self.cfg.streamed_scorers
-        return ["reward"] if self.evaluating_only and "reward" in kinds else kinds
+        """The scorers the stage holds (``Config.scorer_rank_models``): every streamed one, but
+        under ``oppo-train --evaluate`` the reward model alone where the stage holds one (with
+        a reward function the actor ranks score the answers and the stage serves no
+        evaluation rollout, its models built as for training)."""
+        return self.cfg.scorer_rank_models(self.evaluating_only)
 
     def _send_critic_to_stage(self) -> None:
         """Before a rollout: the critic's weights to the stage's copy, if it trained since

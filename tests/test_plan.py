@@ -898,9 +898,11 @@ def test_megatron_plan_holds_only_the_models_the_actor_ranks_build():
     inline = _megatron_cfg(8, 4, placement="inline", stream_to=["reference"])
     assert stage.oppo.overcommits and inline.oppo.overcommits
     assert stage.carried_scorers == [] and inline.carried_scorers == ["reward", "reference"]
-    assert stage.scorer_rank_models == {"reward", "reference"}
+    assert stage.scorer_rank_models() == ["reward", "reference"]
+    assert stage.scorer_rank_models(evaluating=True) == ["reward"]
     assert stage.actor_rank_models() == {"actor", "critic"}
-    assert plan_memory_megatron(stage, shapes, 1, 33, h100).items["carried_scorer_kv"] == 0.0
+    on_stage = plan_memory_megatron(stage, shapes, 1, 33, h100).items
+    assert on_stage["carried_scorer_kv"] == 0.0 and on_stage["scorer_rank_kv"] > 0
     assert plan_memory_megatron(inline, shapes, 1, 32, h100).items["carried_scorer_kv"] > 0
 
 

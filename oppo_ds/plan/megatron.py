@@ -23,10 +23,9 @@ phases (the fullest GPU of the job decides the verdict).
 from __future__ import annotations
 
 from ..config import Config, ConfigError
-from ..rollout.static_length import widest_context
 from .costs import GIB, Device
-from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, scorer_rank_memory,
-                     score_micro_tokens, train_micro_tokens)
+from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, rollout_caches,
+                     scorer_rank_memory, score_micro_tokens, train_micro_tokens)
 from .shapes import ModelShape, Shapes
 
 
@@ -95,9 +94,9 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         if what in held:
             check_shape(getattr(shapes, what), tp, pp, what)
     w = dtype_bytes(s.dtype)
-    delta, rows = cfg.oppo.largest_delta, cfg.widest_rollout
+    rows = cfg.widest_rollout
     seq = gen.max_prompt_len + gen.max_new_tokens
-    on_stage = cfg.scorer_rank_models
+    on_stage = cfg.scorer_rank_models()
     plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
     items = plan.items
 
@@ -116,24 +115,8 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         items[name] = w * largest_shard(getattr(shapes, name), tp, pp, lm_head=not value_head,
                                         value_head=value_head) if name in held else 0.0
 
-    def kv(shape: ModelShape, n_rows: int, positions: int = seq) -> float:
-        """The stage's layers, heads split over tp."""
-        return n_rows * positions * shape.kv_bytes_per_token(w) / (tp * pp)
-
-    scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    streamed = cfg.streamed_scorers
-    # a rollout of the pool packs its deferred rows' partial responses after their prompts;
-    # a streaming scorer's rows are as wide (the partial responses padded to the longest,
-    # then every chunk on top)
-    rollout_seq = widest_context(gen.max_prompt_len, gen.max_new_tokens,
-                                 cfg.oppo.overcommits) + gen.max_new_tokens
-    items["actor_kv"] = kv(shapes.actor, rows, rollout_seq)
-    items["scorer_kv"] = sum(kv(scorer_shape[k], rows, rollout_seq)
-                             for k in streamed if k not in on_stage)
-    # frozen scorers of the pool keep their deferred rows' caches through the update
-    carried = cfg.carried_scorers if cfg.oppo.overcommits else []
-    items["carried_scorer_kv"] = sum(kv(scorer_shape[k], delta, rollout_seq) for k in carried)
-    items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2  # gathered over tp: full width
+    # the stage's layers, heads split over tp
+    items.update(rollout_caches(cfg, shapes, split=tp * pp))
 
     def activations(shape: ModelShape, logits: bool, tokens: int) -> float:
         layer = _activation_bytes_per_token(shape, w, tp) * tokens
@@ -162,5 +145,5 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
         "train": resident + items["activations_train"] + items["carried_scorer_kv"],
     }
     if on_stage:  # whole HF copies on the last GPU, one set of caches per replica's sender
-        scorer_rank_memory(plan, cfg, shapes, replicas, rows, rollout_seq)
+        scorer_rank_memory(plan, cfg, shapes, replicas)
     return plan

@@ -12,7 +12,10 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
     optimizer states exist only for the LoRA matrices (and the critic's value head).
   * frozen models: weights only; the reward model is a full copy on every GPU, the reference
     too unless `system.partition_reference` (ZeRO-3 partitioned, gathered one module at a
-    time; with `offload_reference` the partition sits in CPU memory).
+    time; with `offload_reference` the partition sits in CPU memory). Only the models an
+    actor rank builds count (`Config.actor_rank_models`): no reference with the KL off, no
+    reward model beside `model.reward_function`, and under the stage placement neither
+    model that streams (the scorer rank's own entry holds them whole).
   * caches: the actor's KV cache for the widest rollout's rows (B + Delta, or a later round
     of `ppo.filter_groups` with `filter_groups_oversample` when wider: `Config.widest_rollout`)
     at prompt + response length, and the streaming scorers' caches for the same rows; the
@@ -130,18 +133,56 @@ class MemoryPlan:
                 "cpu_per_node_gib": gib(self.cpu_per_node)}
 
 
-def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int,
-                       rows: int, seq: int) -> None:
+def rollout_width(cfg: Config) -> int:
+    """Positions of the rollout's widest row: a rollout of the pool packs its deferred rows'
+    partial responses after their prompts, and a streaming scorer's rows are as wide as the
+    actor's (deferred rows' partial responses padded to the longest, then every chunk on top,
+    compacted at the next rollout only)."""
+    gen = cfg.generation
+    return widest_context(gen.max_prompt_len, gen.max_new_tokens,
+                          cfg.oppo.overcommits) + gen.max_new_tokens
+
+
+def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, float]:
+    """The rollout's caches on one actor GPU, each model's layers and heads split ``split``
+    ways (Megatron's tensor x pipeline ranks; 1 for whole models, the hybrid engine's
+    inference TP included: its group decodes tp x the rows with 1/tp of the heads each):
+    the actor's KV cache for the widest rollout (``Config.widest_rollout`` rows of
+    ``rollout_width``; with ``generation.static_cache`` its static length), the streamed
+    scorers' caches for the same rows (none here under the stage placement: the scorer rank
+    holds them), the frozen scorers' caches of the deferred rows, which the pool keeps
+    through the update (``Config.carried_scorers``), and the decode's fp32 logits (gathered
+    over tp: full width)."""
+    gen, w = cfg.generation, dtype_bytes(cfg.system.dtype)
+    rows, width = cfg.widest_rollout, rollout_width(cfg)
+    actor_width = cache_length(
+        widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits),
+        gen.max_new_tokens, gen.sync_every) if gen.static_cache else width
+    shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
+    here = [] if cfg.scorer_rank_models() else cfg.streamed_scorers
+    carried = cfg.carried_scorers if cfg.oppo.overcommits else []
+
+    def kv(model: ModelShape, n_rows: int, positions: int) -> float:
+        return n_rows * positions * model.kv_bytes_per_token(w) / split
+
+    return {"actor_kv": kv(shapes.actor, rows, actor_width),
+            "scorer_kv": sum(kv(shape[k], rows, width) for k in here),
+            "carried_scorer_kv": sum(kv(shape[k], cfg.oppo.largest_delta, width) for k in carried),
+            "decode_logits": 4 * rows * shapes.actor.vocab * 2}
+
+
+def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int) -> None:
     """The stage placement's scorer rank as a phase of its own (``scorer_rank``): its whole
     models and, since it serves every sender's rollout at once with scorers of its own, one
-    set of KV caches of ``rows`` rows per sender."""
+    set of KV caches of the widest rollout's rows per sender (``rollout_caches``'s)."""
     w = dtype_bytes(cfg.system.dtype)
     whole = {"reward": w * shapes.reward.params(value_head=True),
              "reference": w * shapes.reference.params(),
              "critic": w * shapes.critic.params(value_head=True)}
     shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    kinds = cfg.scorer_rank_models
+    kinds = cfg.scorer_rank_models()
     plan.items["scorer_rank_models"] = sum(whole[k] for k in kinds)
+    rows, seq = cfg.widest_rollout, rollout_width(cfg)
     plan.items["scorer_rank_kv"] = sum(senders * rows * seq * shape[k].kv_bytes_per_token(w)
                                        for k in kinds)
     plan.phases["scorer_rank"] = (plan.items["scorer_rank_models"] + plan.items["scorer_rank_kv"]
@@ -151,7 +192,7 @@ def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: i
 def actor_rank_gpus(cfg: Config, gpus: int) -> int:
     """The GPUs of the actor ranks (ZeRO's data-parallel world): all, less the stage
     placement's scorer rank."""
-    if not cfg.scorer_rank_models:
+    if not cfg.scorer_rank_models():
         return gpus
     if gpus < 2:
         raise ConfigError("oppo.placement", f"stage needs a GPU for the scorer rank besides the "
@@ -211,10 +252,10 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                 headroom: float = 0.1) -> MemoryPlan:
     s, gen = cfg.system, cfg.generation
     gpus = actor_rank_gpus(cfg, nodes * gpus_per_node)  # ZeRO partitions over these
-    on_stage = cfg.scorer_rank_models
+    on_stage = cfg.scorer_rank_models()
     held = cfg.actor_rank_models()
     w = dtype_bytes(s.dtype)
-    delta, rows = cfg.oppo.largest_delta, cfg.widest_rollout
+    rows = cfg.widest_rollout
     seq = gen.max_prompt_len + gen.max_new_tokens
     plan = MemoryPlan(capacity=device.mem_gib * GIB, headroom=headroom)
     items = plan.items
@@ -254,23 +295,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     # at one GPU they run on the weights as they are)
     items["hybrid_engine_copy"] = (w * shapes.actor.params() / s.inference_tp_size
                                    if s.hybrid_engine and s.inference_tp_size > 1 else 0.0)
-    # under inference TP the group decodes tp x rows with 1/tp of the heads each: same bytes
-    # a rollout of the pool packs its deferred rows' partial responses after their prompts
-    widest = widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits)
-    # a streaming scorer's rows are as wide as the actor's: deferred rows' partial responses
-    # padded to the longest, then every chunk on top (compacted at the next rollout only)
-    rollout_seq = widest + gen.max_new_tokens
-    actor_seq = cache_length(widest, gen.max_new_tokens, gen.sync_every) if gen.static_cache \
-        else rollout_seq
-    items["actor_kv"] = rows * actor_seq * shapes.actor.kv_bytes_per_token(w)
-    scorer_shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    items["scorer_kv"] = sum(rows * rollout_seq * scorer_shape[k].kv_bytes_per_token(w)
-                             for k in streamed)
-    # frozen scorers of the pool keep their deferred rows' caches through the update
-    carried = cfg.carried_scorers if cfg.oppo.overcommits else []
-    items["carried_scorer_kv"] = sum(delta * rollout_seq * scorer_shape[k].kv_bytes_per_token(w)
-                                     for k in carried)
-    items["decode_logits"] = 4 * rows * shapes.actor.vocab * 2
+    items.update(rollout_caches(cfg, shapes))
     # a CUDA graph reads its buffers where they are: the static cache and its logits outlive
     # the rollout, through scoring and training
     items["kept_decode_graph"] = (items["actor_kv"] + w * rows * shapes.actor.vocab
@@ -300,5 +325,5 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
                  + items["zero3_gathered"] + items["kept_decode_graph"],
     }
     if on_stage:
-        scorer_rank_memory(plan, cfg, shapes, gpus, rows, rollout_seq)
+        scorer_rank_memory(plan, cfg, shapes, gpus)
     return plan

@@ -78,7 +78,7 @@ def cost_model(cfg: Config, shapes: Shapes, device: Device, lay: Layout) -> Cost
     split, whole = (1, 1), frozenset()
     if s.backend == "megatron":
         split = megatron.model_split(cfg)
-        whole = cfg.scorer_rank_models  # HF copies on the stage placement's scorer rank
+        whole = frozenset(cfg.scorer_rank_models())  # HF copies on the scorer rank (stage)
     return CostModel(device, shapes, lay, dtype_bytes=dtype_bytes(s.dtype), zero_stage=s.zero_stage,
                      model_split=split, whole_scorers=whole,
                      offload=s.offload, checkpointing=s.gradient_checkpointing,

@@ -47,7 +47,6 @@ from ..kv_cache import cache_kwargs, output_cache
 from .generate import position_ids_from_mask
 
 
-
 class StreamingScorer:
     """A downstream model that scores sequences chunk by chunk from its own KV cache.
 
