@@ -28,6 +28,16 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 
+def collective_scorers(zero_stage: int, world: int, partition_reference: bool) -> tuple[str, ...]:
+    """The models whose scoring forwards are collectives, so that every data-parallel rank
+    must make as many (``MicroBatches.at_least``, the calls past its rows on filler): under
+    ZeRO-3 on more than one rank the actor, the critic and a partitioned reference (each
+    forward gathers the partitioned weights)."""
+    if zero_stage != 3 or world < 2:
+        return ()
+    return ("actor", "critic") + (("reference",) if partition_reference else ())
+
+
 def fixed_rows(n: int, size: int) -> list[list[int]]:
     """Rows ``0..n-1`` in micro-batches of ``size`` in order (``ppo.micro_batch_size``'s rule),
     the last one shorter where ``size`` does not divide ``n``."""

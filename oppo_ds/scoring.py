@@ -14,7 +14,7 @@ from . import comm
 from . import workload as wl
 from .experience import (Experience, response_logprobs, response_values, sequence_scores,
                          used_widths)
-from .micro_batches import MicroBatches
+from .micro_batches import MicroBatches, collective_scorers
 
 
 def _stack_rows(rows: list, missing: list[int], scored: Optional[torch.Tensor],
@@ -191,10 +191,10 @@ class Scoring:
         ppo.score_batch_tokens split further, to one row a call at most, where another rank
         makes more calls) and the calls to make, the most any rank makes, those past the
         micro-batches filler. {} where no forward is collective."""
-        collective = ("actor", "critic") + (("reference",) if self.cfg.system.partition_reference
-                                            else ())
-        kinds = [k for k in collective if k in scored_rows]
-        if not kinds or self.cfg.system.zero_stage != 3 or self.world_size < 2:
+        s = self.cfg.system
+        kinds = [k for k in collective_scorers(s.zero_stage, self.world_size, s.partition_reference)
+                 if k in scored_rows]
+        if not kinds:
             return {}
         prompt_mask, response_mask = masks
         mine = {k: (prompt_mask[scored_rows[k]], response_mask[scored_rows[k]]) for k in kinds}

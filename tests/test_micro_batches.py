@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from oppo_ds.experience import packed_inputs
-from oppo_ds.micro_batches import (MicroBatches, first_fit_rows, fixed_rows, forward_tokens,
-                                   split_by_tokens)
+from oppo_ds.micro_batches import (MicroBatches, collective_scorers, first_fit_rows, fixed_rows,
+                                   forward_tokens, split_by_tokens)
 
 
 def test_fixed_rows_are_micro_batch_size_rows_in_order():
@@ -123,6 +123,16 @@ def test_the_ranks_agreement_splits_only_where_another_rank_needs_more():
     fixed = MicroBatches.fixed(5, 2)
     assert fixed.groups == fixed.at_least(7) == fixed_rows(5, 2)
     assert MicroBatches.by_tokens([], [], 20, packed=True).at_least(3) == []
+
+
+def test_the_ranks_agree_on_the_scoring_calls_of_zero3s_partitioned_models_only():
+    """The trainer's and the planner's rule: a forward that gathers partitioned weights is a
+    collective (ZeRO-3 on more than one rank): the actor's, the critic's, and a reference's
+    when it is partitioned; a whole copy's (the reward model) never is."""
+    assert collective_scorers(3, 2, partition_reference=False) == ("actor", "critic")
+    assert collective_scorers(3, 8, partition_reference=True) == ("actor", "critic", "reference")
+    assert collective_scorers(3, 1, partition_reference=True) == ()
+    assert collective_scorers(2, 8, partition_reference=False) == ()
 
 
 def test_impossible_splits_are_refused():

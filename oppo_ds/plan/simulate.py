@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..config import FROZEN_KINDS
-from ..micro_batches import MicroBatches
+from ..micro_batches import MicroBatches, collective_scorers
 from .costs import Device
 from .shapes import ModelShape, Shapes
 
@@ -268,9 +268,7 @@ class CostModel:
         """The kinds whose scoring forwards are collectives, so that every data-parallel rank
         makes as many (the trainer's ``Scoring._agreed_calls``): under ZeRO-3 on more than one
         rank the actor, the critic and a partitioned reference."""
-        if self.zero_stage != 3 or self.lay.gpus < 2:
-            return ()
-        return ("actor", "critic") + (("reference",) if self.partition_reference else ())
+        return collective_scorers(self.zero_stage, self.lay.gpus, self.partition_reference)
 
     # ---------------------------------------------------------------- training
 
