@@ -645,7 +645,7 @@ class Config:
         return frozenset(models)
 
     @property
-    def carried_scorers(self) -> list[str]:
+    def carried_scorer_kinds(self) -> list[str]:
         """The streamed scorers whose caches of the deferred rows the actor ranks keep from one
         step to the next (the rollout pool's): the frozen ones (``FROZEN_KINDS``; the critic
         trains, so its cache is rebuilt), except under the stage placement, whose scorer rank

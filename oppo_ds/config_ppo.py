@@ -34,9 +34,10 @@ class PPOConfig:
     fewest micro-batches within the budget; every rank makes as many as the rank that needs
     most. Like ppo.micro_batch_size it does not change the update (1e-5 in fp32, summation
     order); train/micro_batches logs the count. Under PPO-ptx each sequence also counts the
-    pretraining block that goes with it into the backward (data.ptx_block_len). At least one
-    sequence of the longest, generation.max_prompt_len + max_new_tokens (+ a block under
-    PPO-ptx). null = off: ppo.micro_batch_size sequences each."""
+    pretraining block that goes with it into the backward (data.ptx_block_len), while the
+    actor trains (not in ppo.freeze_actor_steps). At least one sequence of the longest,
+    generation.max_prompt_len + max_new_tokens (+ a block under PPO-ptx). null = off:
+    ppo.micro_batch_size sequences each."""
     score_batch_tokens: Optional[int] = None
     """The no-grad forwards that score the experience after the rollout (the actor's old
     log-probs, the critic's values, the reference's log-probs, the reward model's scores, and

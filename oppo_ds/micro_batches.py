@@ -87,7 +87,7 @@ class _Filling:
 
     def placed(self, prompt: int, response: int) -> tuple[int | None, int]:
         """The packed row one more sequence would go into (None: a new one, or not packed) and
-        the micro-batch's cost (``split_by_tokens``'s) with it."""
+        the micro-batch's cost (``MicroBatches.by_tokens``'s) with it."""
         n = len(self.rows) + 1
         if not self.packed:
             width = max(self.prompt, prompt) + max(self.response, response)

@@ -119,7 +119,7 @@ class PoolRollout:
                 return stage_stream_continue(actor, self.remote, inputs, uids, self.sampling,
                                              self.sample_gen, chunk, stop=stop,
                                              replica=self.replica)
-        frozen = self.cfg.carried_scorers
+        frozen = self.cfg.carried_scorer_kinds
         with self._decoding_contexts() as (actor, critic):
             uids, scorers, setup = pool_stream_setup(
                 running, inputs, self._carried_scorer, frozen, device=self.device,

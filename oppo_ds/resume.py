@@ -211,7 +211,7 @@ class Resumable:
             # the frozen scorers' caches of the deferred rows, where this run keeps them: under
             # the stage the scorer rank holds its own and, like any scorer without a row's
             # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
-            carried = set(self.cfg.carried_scorers)
+            carried = set(self.cfg.carried_scorer_kinds)
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)

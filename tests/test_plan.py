@@ -897,7 +897,8 @@ def test_megatron_plan_holds_only_the_models_the_actor_ranks_build():
     stage = _megatron_cfg(8, 4, placement="stage", stream_to=["reference"])
     inline = _megatron_cfg(8, 4, placement="inline", stream_to=["reference"])
     assert stage.oppo.overcommits and inline.oppo.overcommits
-    assert stage.carried_scorers == [] and inline.carried_scorers == ["reward", "reference"]
+    assert stage.carried_scorer_kinds == []
+    assert inline.carried_scorer_kinds == ["reward", "reference"]
     assert stage.scorer_rank_models() == ["reward", "reference"]
     assert stage.scorer_rank_models(evaluating=True) == ["reward"]
     assert stage.actor_rank_models() == {"actor", "critic"}

@@ -101,7 +101,7 @@ def test_a_frozen_actor_takes_no_block_into_the_split(cache_dir, ptx_file, tmp_p
     ppo.micro_batch_tokens splits by the critic's rows alone: the counts of the run without
     PPO-ptx, and the same critic (each row counted its 16-token block as well, making more
     micro-batches than the critic needed)."""
-    frozen = ("steps=2", "ppo.micro_batch_tokens=100", "ppo.freeze_actor_steps=2")
+    frozen = ("steps=3", "ppo.micro_batch_tokens=100", "ppo.freeze_actor_steps=2")
     run(cache_dir, tmp_path / "ptx", *frozen, *PTX, f"data.ptx={ptx_file}")
     run(cache_dir, tmp_path / "plain", *frozen, PTX[0])
     a, b = _metrics(tmp_path / "ptx"), _metrics(tmp_path / "plain")
@@ -109,6 +109,8 @@ def test_a_frozen_actor_takes_no_block_into_the_split(cache_dir, ptx_file, tmp_p
         assert a[step]["train/micro_batches"] == b[step]["train/micro_batches"], step
         assert a[step]["loss/value"] == pytest.approx(b[step]["loss/value"], abs=1e-6), step
     assert max(a[s]["train/micro_batches"] for s in (1, 2)) > 1
+    # step 3: the actor trains, its blocks count, and the same rows need more micro-batches
+    assert a[3]["train/micro_batches"] > b[3]["train/micro_batches"]
 
 
 def _text_loss(trainer) -> float:

@@ -151,7 +151,7 @@ def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, flo
     ``rollout_width``; with ``generation.static_cache`` its static length), the streamed
     scorers' caches for the same rows (none here under the stage placement: the scorer rank
     holds them), the frozen scorers' caches of the deferred rows, which the pool keeps
-    through the update (``Config.carried_scorers``), and the decode's fp32 logits (gathered
+    through the update (``Config.carried_scorer_kinds``), and the decode's fp32 logits (gathered
     over tp: full width)."""
     gen, w = cfg.generation, dtype_bytes(cfg.system.dtype)
     rows, width = cfg.widest_rollout, rollout_width(cfg)
@@ -160,7 +160,7 @@ def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, flo
         gen.max_new_tokens, gen.sync_every) if gen.static_cache else width
     shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     here = [] if cfg.scorer_rank_models() else cfg.streamed_scorers
-    carried = cfg.carried_scorers if cfg.oppo.overcommits else []
+    carried = cfg.carried_scorer_kinds if cfg.oppo.overcommits else []
 
     def kv(model: ModelShape, n_rows: int, positions: int) -> float:
         return n_rows * positions * model.kv_bytes_per_token(w) / split
