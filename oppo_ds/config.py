@@ -614,6 +614,12 @@ class Config:
             return []
         return ["reward"] * self.model.uses_reward_model + [k for k in o.stream_to if k != "actor"]
 
+    @property
+    def actor_rank_streamed(self) -> list[str]:
+        """The streamed scorers that prefill the chunks on the actor ranks: all of them, but
+        none under the stage placement (its scorer rank's copies do)."""
+        return [] if self.oppo.placement == "stage" else self.streamed_scorers
+
     def scorer_rank_models(self, evaluating: bool = False) -> list[str]:
         """The models the stage placement's scorer rank holds whole, in the streamed scorers'
         order: every streamed scorer (the reward model, and the reference when it streams,

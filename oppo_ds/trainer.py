@@ -489,8 +489,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
     def _decoding_contexts(self):
         """(actor, critic or None) in the contexts a rollout decodes in on this rank: the
         actor's generation context, and the critic's when it streams here (not on the stage)."""
-        o = self.cfg.oppo
-        critic = o.streaming and "critic" in o.stream_to and self.stage is None
+        critic = "critic" in self.cfg.actor_rank_streamed
         with self.actor.generation_context() as actor, \
                 (self.critic.generation_context() if critic else nullcontext()) as critic_model:
             yield actor, critic_model
@@ -556,10 +555,10 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 return stage_stream_generate(actor, self.remote, ids, mask, self.sampling,
                                              self.sample_gen, chunk_size, targets=targets,
                                              replica=self.replica)
-        temp = self.cfg.generation.temperature
+        temp, here = self.cfg.generation.temperature, self.cfg.actor_rank_streamed
         with self._decoding_contexts() as (actor, critic):
-            scorers = [StreamingScorer(self.reward, "reward")] if self.reward_fn is None else []
-            if "reference" in o.stream_to:
+            scorers = [StreamingScorer(self.reward, "reward")] if "reward" in here else []
+            if "reference" in here:
                 scorers.append(StreamingScorer(self.reference, "reference", temperature=temp))
             if critic is not None:
                 scorers.append(StreamingScorer(critic, "critic"))

@@ -159,7 +159,7 @@ def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, flo
         widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits),
         gen.max_new_tokens, gen.sync_every) if gen.static_cache else width
     shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
-    here = [] if cfg.scorer_rank_models() else cfg.streamed_scorers
+    here = cfg.actor_rank_streamed
     carried = cfg.carried_scorer_kinds if cfg.oppo.overcommits else []
 
     def kv(model: ModelShape, n_rows: int, positions: int) -> float:
@@ -284,7 +284,7 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["reward"] = w * shapes.reward.params(value_head=True) if "reward" in held else 0.0
 
     # under the stage placement nothing streams on the actor ranks (the critic trains there)
-    streamed = [] if on_stage else cfg.streamed_scorers
+    streamed = cfg.actor_rank_streamed
     # ZeRO-3: the rollout runs on models gathered whole on every rank, the actor and the
     # critic when it streams here (DeepSpeedTrainEngine._gathered_for_generation: with or
     # without the hybrid engine), so that the ranks' forwards need no collective
