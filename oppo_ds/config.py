@@ -656,9 +656,7 @@ class Config:
         step to the next (the rollout pool's): the frozen ones (``FROZEN_KINDS``; the critic
         trains, so its cache is rebuilt), except under the stage placement, whose scorer rank
         keeps its own."""
-        if self.oppo.placement == "stage":
-            return []
-        return [k for k in self.streamed_scorers if k in FROZEN_KINDS]
+        return [k for k in self.actor_rank_streamed if k in FROZEN_KINDS]
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> None:

@@ -153,9 +153,9 @@ class MicroBatches:
         """The rows in ``count`` micro-batches where that is more than ``groups`` (at most one
         a row), else ``groups``; fixed rows are always ``groups``. The lists are ``groups``'s
         own where not split: read them, do not change them."""
-        rows = sum(len(g) for g in self.groups)
         if self._cost is None or count is None or count <= len(self.groups):
             return self.groups
+        rows = sum(len(g) for g in self.groups)
         groups = list(self.groups)
         while len(groups) < min(count, rows):
             g = max((g for g in range(len(groups)) if len(groups[g]) > 1),

@@ -105,7 +105,7 @@ class PPOUpdate:
         ptx_losses: list[tuple[float, int]] = []
         counts: list[int] = []
         needed: list[int] = []  # under ppo.micro_batch_tokens: this rank's own splits
-        actor_trains = self.actor_trains
+        actor_trains, takes_ptx = self.actor_trains, self.takes_ptx
         trained = [(n, e) for n, e in self.trained_engines.items() if n != "actor" or actor_trains]
         for _ in range(p.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.shuffle_gen)
@@ -131,7 +131,7 @@ class PPOUpdate:
                                      max_len=self.cfg.generation.max_new_tokens)
                 loss_fn = partial(self._actor_loss, normalizer=actor_norm)
                 actor_batches = micro
-                if self.ptx_stream is not None and actor_trains:
+                if takes_ptx:
                     # full blocks: every rank predicts the same number of tokens
                     ptx = [self._ptx_batch(len(m)) for m in micro]
                     ptx_tokens = p.mini_batch_size * (ptx[0].shape[1] - 1) * self.world_size
@@ -187,9 +187,8 @@ class PPOUpdate:
         split = MicroBatches.by_tokens(
             exp.prompt_mask[mini].sum(1).tolist(), exp.response_mask[mini].sum(1).tolist(),
             p.micro_batch_tokens, self.cfg.system.packing_samples,
-            # PPO-ptx: each row's block goes with it into the actor's backward, when it trains
-            extra_per_row=ptx_block_len(self.cfg)
-            if self.ptx_stream is not None and self.actor_trains else 0)
+            # PPO-ptx: each row's block goes with it into the actor's backward
+            extra_per_row=ptx_block_len(self.cfg) if self.takes_ptx else 0)
         fewest = len(split.groups)
         count = comm.all_reduce_ints([fewest], op=dist.ReduceOp.MAX, group=self.dp_group)[0]
         groups = split.at_least(count)
@@ -278,6 +277,12 @@ class PPOUpdate:
     def actor_trains(self) -> bool:
         """Whether this step's update trains the actor (not in ppo.freeze_actor_steps)."""
         return self.step_count >= self.cfg.ppo.freeze_actor_steps
+
+    @property
+    def takes_ptx(self) -> bool:
+        """Whether this step's update gives the actor a pretraining block a row (PPO-ptx while
+        the actor trains): its backward and the micro-batches' token budget both count it."""
+        return self.ptx_stream is not None and self.actor_trains
 
     @property
     def policy_version(self) -> int:

@@ -158,7 +158,6 @@ def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, flo
     actor_width = cache_length(
         widest_context(gen.max_prompt_len, gen.max_new_tokens, cfg.oppo.overcommits),
         gen.max_new_tokens, gen.sync_every) if gen.static_cache else width
-    shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     here = cfg.actor_rank_streamed
     carried = cfg.carried_scorer_kinds if cfg.oppo.overcommits else []
 
@@ -166,8 +165,9 @@ def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, flo
         return n_rows * positions * model.kv_bytes_per_token(w) / split
 
     return {"actor_kv": kv(shapes.actor, rows, actor_width),
-            "scorer_kv": sum(kv(shape[k], rows, width) for k in here),
-            "carried_scorer_kv": sum(kv(shape[k], cfg.oppo.largest_delta, width) for k in carried),
+            "scorer_kv": sum(kv(getattr(shapes, k), rows, width) for k in here),
+            "carried_scorer_kv": sum(kv(getattr(shapes, k), cfg.oppo.largest_delta, width)
+                                     for k in carried),
             "decode_logits": 4 * rows * shapes.actor.vocab * 2}
 
 
@@ -179,12 +179,11 @@ def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: i
     whole = {"reward": w * shapes.reward.params(value_head=True),
              "reference": w * shapes.reference.params(),
              "critic": w * shapes.critic.params(value_head=True)}
-    shape = {"reward": shapes.reward, "reference": shapes.reference, "critic": shapes.critic}
     kinds = cfg.scorer_rank_models()
     plan.items["scorer_rank_models"] = sum(whole[k] for k in kinds)
     rows, seq = cfg.widest_rollout, rollout_width(cfg)
-    plan.items["scorer_rank_kv"] = sum(senders * rows * seq * shape[k].kv_bytes_per_token(w)
-                                       for k in kinds)
+    plan.items["scorer_rank_kv"] = sum(
+        senders * rows * seq * getattr(shapes, k).kv_bytes_per_token(w) for k in kinds)
     plan.phases["scorer_rank"] = (plan.items["scorer_rank_models"] + plan.items["scorer_rank_kv"]
                                   + FRAMEWORK_GIB * GIB)
 
