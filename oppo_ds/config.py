@@ -651,12 +651,19 @@ class Config:
         return frozenset(models)
 
     @property
+    def streamed_frozen_scorers(self) -> list[str]:
+        """The streamed scorers that do not train (``FROZEN_KINDS``: the reward model and the
+        reference, not the critic): a deferred row's caches of theirs stay valid from one step
+        to the next, and a finished row's scores of theirs are final."""
+        return [k for k in self.streamed_scorers if k in FROZEN_KINDS]
+
+    @property
     def carried_scorer_kinds(self) -> list[str]:
         """The streamed scorers whose caches of the deferred rows the actor ranks keep from one
-        step to the next (the rollout pool's): the frozen ones (``FROZEN_KINDS``; the critic
-        trains, so its cache is rebuilt), except under the stage placement, whose scorer rank
-        keeps its own."""
-        return [k for k in self.actor_rank_streamed if k in FROZEN_KINDS]
+        step to the next (the rollout pool's): the frozen ones (``streamed_frozen_scorers``;
+        the critic trains, so its cache is rebuilt), except under the stage placement, whose
+        scorer rank keeps its own."""
+        return [] if self.oppo.placement == "stage" else self.streamed_frozen_scorers
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> None:

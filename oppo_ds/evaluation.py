@@ -140,7 +140,7 @@ class Evaluating:
         data_rank = self.actor.rank
         mine = self.eval_prompts[data_rank::self.world_size]
         batch = self.cfg.ppo.batch_size
-        on_stage = self.stage is not None and self.reward_fn is None
+        on_stage = "reward" in self.stage_kinds  # the scorer rank's reward model scores them
         if on_stage:  # the critic's copy there up to date before any rollout it serves
             self._send_critic_to_stage()
         params = self._eval_sampling()
@@ -153,7 +153,7 @@ class Evaluating:
             for i in range(0, len(mine), batch):
                 prompts = mine[i:i + batch]
                 ids, mask = left_pad([p.input_ids for p in prompts], self.tokenizer.pad_token_id)
-                if self.stage is not None and self.reward_fn is None:
+                if on_stage:
                     gen, scores = self._stage_scores(model, ids.to(self.device),
                                                      mask.to(self.device), params, rng)
                 else:

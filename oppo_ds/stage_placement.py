@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import FROZEN_KINDS, ConfigError
+from .config import ConfigError
 from .models import build_causal_lm, build_device, build_value_model
 from .preemption import StopOnSignal, signal_name
 from .rollout.scorer import StreamingScorer
@@ -96,7 +96,7 @@ class StagePlacement:
         """Whether the critic streams on the scorer rank: a copy there (an HF model, either
         backend) takes the actor ranks' weights before every rollout that follows an update
         (``_send_critic_to_stage``)."""
-        return self.cfg.oppo.placement == "stage" and "critic" in self.stage_kinds
+        return "critic" in self.stage_kinds  # none but under the stage placement
 
     @property
     def stage_kinds(self) -> list[str]:
@@ -145,7 +145,7 @@ class StagePlacement:
         placement's whole-sequence scoring gives them. Collective over the actor ranks: when
         any of them has such rows, every streaming rank sends one rollout (an empty one if
         it has none), as the scorer rank serves one rollout of each a round."""
-        kinds = [k for k in FROZEN_KINDS if k in self.cfg.streamed_scorers]
+        kinds = self.cfg.streamed_frozen_scorers
         rows = [e for e in self.pool.waiting() if any(k not in e.results for k in kinds)]
         if not kinds or not comm.all_reduce_ints([len(rows)], group=self.actor_group)[0]:
             return
@@ -195,7 +195,7 @@ class StagePlacement:
         # HF models on this rank (either backend): one whole copy of each frozen scorer
         dtype, temp = s.dtype, self.cfg.generation.temperature
         self.reward = None  # with model.reward_function the actor ranks score finished text
-        if self.cfg.model.uses_reward_model:
+        if "reward" in self.stage_kinds:
             self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common),
                                          dtype)
         self.reference = None

@@ -899,6 +899,7 @@ def test_megatron_plan_holds_only_the_models_the_actor_ranks_build():
     assert stage.oppo.overcommits and inline.oppo.overcommits
     assert stage.carried_scorer_kinds == []
     assert inline.carried_scorer_kinds == ["reward", "reference"]
+    assert stage.streamed_frozen_scorers == inline.streamed_frozen_scorers == ["reward", "reference"]
     assert stage.scorer_rank_models() == ["reward", "reference"]
     assert stage.scorer_rank_models(evaluating=True) == ["reward"]
     assert stage.actor_rank_models() == {"actor", "critic"}

@@ -85,6 +85,12 @@ class Schedule:
     delta: int = 0
     actor_streams: bool = False  # old log-probs from the actor's decode, not a forward after it
 
+    @property
+    def critic_on_stage(self) -> bool:
+        """The critic streams on the stage placement's scorer rank, a copy there that takes
+        the trained weights before each rollout (``critic_to_stage_s``)."""
+        return self.placement == "stage" and "critic" in self.streamed
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -490,11 +496,11 @@ class StepSimulator:
             return 0.0, 0.0, 0.0, 0.0
         # one padded prefill of prompt + partial response for every running row
         width = lay.prompt_len + int(g.done[running].max())
-        critic_here = "critic" in sched.streamed and sched.placement != "stage"
+        critic_here = "critic" in sched.streamed and not sched.critic_on_stage
         t = c.rollout_fixed(critic_here) + c.prefill_job(
             "actor", len(rem) * width / lay.tp, len(rem) * width * (width + 1) / 2 / lay.tp,
             gathered=True).alone
-        if sched.placement == "stage" and "critic" in sched.streamed:
+        if sched.critic_on_stage:
             t += c.critic_to_stage_s()  # the updated critic to the scorer rank's copy
         jobs: list[tuple[float, Job]] = []  # (ready time, job) on the scorer lane
         inline_busy = 0.0
