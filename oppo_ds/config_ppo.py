@@ -125,24 +125,25 @@ class PPOConfig:
     trains on them. response/truncated_frac logs their share. A mini-batch left with no
     response still takes its optimizer step, with a zero gradient."""
     filter_groups: bool = False
-    """DAPO's dynamic sampling (verl's algorithm.filter_groups, OpenRLHF's --dynamic_filtering):
-    a prompt whose responses all got the same score (a 0/1 checker's all right or all wrong)
-    gives each of them a group advantage of 0 and the actor nothing to learn; it is dropped,
-    and more prompts are generated and scored in its place until the batch holds only prompts
-    whose scores differ, or ppo.filter_groups_max_rounds rounds have run (then dropped prompts
-    fill the rest, logged as filter/fallback_groups). The scores compared are the reward
-    model's or model.reward_function's, before reward_clip and the penalties. Every rank runs
-    as many rounds as the rank that needs most; prompts a rank generated beyond its need are
-    not trained on (filter/surplus_groups); filter/dropped_groups, filter/rounds and
-    filter/prompts_drawn (all ranks) log the rest; the streaming metrics and the chunk-size
-    controller see the first round only. With oppo.overcommit a later round is one more take
-    from the rollout pool, whose deferred responses are part-decoded already: the pool is
-    topped up to the prompts missing + Delta and decoded until that many finish; a rank's
-    surplus goes back to the pool (taken first next step) and the pool's ledger counts the
-    dropped prompts. ppo.filter_groups_reward_range chooses OpenRLHF's rule (the mean score
-    inside a range) instead. Needs a group baseline (advantage_estimator rloo,
-    reinforce_baseline or group_norm). A model replica's ranks (system.backend: megatron)
-    drop the same prompts and count them once."""
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups, OpenRLHF's
+    --dynamic_filtering): a prompt whose responses all got the same score (a 0/1 checker's
+    all right or all wrong) gives each of them a group advantage of 0 and the actor nothing
+    to learn; it is dropped, and more prompts are generated and scored in its place until
+    the batch holds only prompts whose scores differ, or ppo.filter_groups_max_rounds rounds
+    have run (then dropped prompts fill the rest, logged as filter/fallback_groups). The
+    scores compared are the reward model's or model.reward_function's, before reward_clip
+    and the penalties. Every rank runs as many rounds as the rank that needs most; prompts a
+    rank generated beyond its need are not trained on (filter/surplus_groups);
+    filter/dropped_groups, filter/rounds and filter/prompts_drawn (all ranks) log the rest;
+    the streaming metrics add up every round's rollouts, the chunk-size controller sees the
+    first round's only. With oppo.overcommit a later round is one more take from the rollout
+    pool, whose deferred responses are part-decoded already: the pool is topped up to the
+    prompts missing + Delta and decoded until that many finish; a rank's surplus goes back
+    to the pool (taken first next step) and the pool's ledger counts the dropped prompts.
+    ppo.filter_groups_reward_range chooses OpenRLHF's rule (the mean score inside a range)
+    instead. Needs a group baseline (advantage_estimator rloo, reinforce_baseline or
+    group_norm). A model replica's ranks (system.backend: megatron) drop the same prompts
+    and count them once."""
     filter_groups_max_rounds: int = 4
     """Generation rounds per step at most under ppo.filter_groups, the first included (verl's
     max_num_gen_batches)."""

@@ -589,7 +589,6 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                 torch.tensor(lengths), self.sampling.max_new_tokens, self.cfg.ppo.overlong_buffer_len,
                 self.cfg.ppo.overlong_penalty_factor).mean().item()
         if self.critic is not None:
-            metrics["value/mean"] = masked_mean(exp.old_values, exp.response_mask).item()
             metrics["lr/critic"] = self.critic.lr()
         if exp.gold is not None:
             metrics["gold/mean"] = sum(r[3] for r in rows) / len(rows)
@@ -603,6 +602,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             if self.cfg.ppo.uses_reference else {}
         scalars.update({names.get(k, f"train/{k}"): torch.tensor(v, dtype=torch.float64)
                         for k, v in train_stats.items()})
+        if self.critic is not None:  # every rank's, like kl/mean
+            value = masked_mean(exp.old_values, exp.response_mask)
+            scalars["value/mean"] = value.detach().double().cpu()
         # and each reward function's (sum, count) of the scores it gave this step, in the same
         # all-reduce (several functions only)
         several = self.reward_fn is not None and len(self.reward_fn.terms) > 1
