@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .algo import logprobs_from_logits
+from .algo import logprobs_from_logits, policy_logits
 from .micro_batches import first_fit_rows
 from .rollout.generate import position_ids_from_mask
 
@@ -234,8 +234,7 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     ``packed``: from one forward of the rows packed (``packed_inputs``)."""
     logits = _outputs_at(model, "logits", prompt_ids, prompt_mask, response_ids, response_mask,
                          response_slice(prompt_ids.shape[1], response_ids.shape[1]), packed)
-    if temperature > 0:
-        logits = logits / temperature
+    logits = policy_logits(logits, temperature)
     return logprobs_from_logits(logits, response_ids), logits
 
 

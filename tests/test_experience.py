@@ -52,3 +52,40 @@ def test_trimmed_scores_equal_padded_scores(arch):
                                      trimmed.response_ids, trimmed.response_mask, 1.0)
     real = trimmed.response_mask.bool()
     torch.testing.assert_close(short[real], padded[:, :2][real], atol=1e-5, rtol=0)
+
+
+def test_policy_log_probs_upcast_before_the_temperature_in_every_path():
+    """The decode's log-probs (old, when the actor streams), the update's and the reference's
+    are log-softmax of fp32(logits) / T, from one rule (``algo.policy_logits``): the same bf16
+    logits give the same log-probs bit for bit in every path. Dividing in bf16 first rounds the
+    quotient again; on these logits that moves a log-prob by more than 1e-3, which the last
+    assertion shows (so the rule is not a no-op this test could not tell from the old one)."""
+    from oppo_ds.algo import logprobs_from_logits, policy_logits
+    from oppo_ds.rollout.generate import SamplingParams, sample_tokens
+    from oppo_ds.rollout.scorer import StreamingScorer
+
+    temperature = 0.7
+    model = random_lm("tiny-llama", VOCAB, seed=0).to(torch.bfloat16)
+    prompt_ids, prompt_mask = left_padded_prompts([4, 2, 3], VOCAB, PAD)
+    response_ids = torch.randint(3, VOCAB, (3, 4), generator=torch.Generator().manual_seed(1))
+    response_mask = torch.ones(3, 4)
+    with torch.no_grad():
+        logprobs, scaled = response_logprobs(model, prompt_ids, prompt_mask, response_ids,
+                                             response_mask, temperature)
+    assert scaled.dtype == torch.float32
+    # the logits the update read, unscaled again, are the model's bf16 ones (fp32 holds a
+    # bf16 number and its quotient with room to spare: the round trip is exact)
+    raw = (scaled * temperature).to(torch.bfloat16)
+    assert torch.equal(logprobs, logprobs_from_logits(policy_logits(raw, temperature), response_ids))
+    # the decode's draw from those logits reports the same log-probs
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=(), pad_token_id=PAD,
+                            temperature=temperature)
+    flat = raw.reshape(-1, VOCAB)
+    tokens, drawn = sample_tokens(flat, params, None, uniforms=torch.rand(flat.shape[0]))
+    assert torch.equal(drawn, logprobs_from_logits(policy_logits(flat, temperature)[:, None],
+                                                   tokens[:, None])[:, 0])
+    # the reference scorer's per-token rule is the same
+    scorer = StreamingScorer(model, "reference", temperature=temperature)
+    assert torch.equal(scorer._per_token(raw, response_ids), logprobs)
+    rounded = logprobs_from_logits((raw / temperature).float(), response_ids)
+    assert (rounded - logprobs).abs().max() > 1e-3

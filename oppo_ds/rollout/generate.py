@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..algo import policy_logits
 from ..finite import FP16_RANGE, LARGE_UPDATE, NonFiniteError
 from ..kv_cache import cache_kwargs, output_cache
 from .static_decode import StaticDecode
@@ -286,15 +287,14 @@ def logits_kept(model, keep: int) -> dict:
 
 
 def _policy_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The policy's logits in fp32: temperature-scaled, the raw ones when greedy (before
-    top-k / top-p, which shape only what is sampled)."""
-    logits = logits.float()
-    return logits if params.greedy else logits / params.temperature
+    """The policy's logits (``algo.policy_logits``; before top-k / top-p, which shape only
+    what is sampled)."""
+    return policy_logits(logits, params.temperature)
 
 
-def _token_logprobs(policy_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def _token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Log-probs of ``tokens`` (...,) under ``_policy_logits`` (..., V)."""
-    return policy_logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+    return scaled.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def _prefix_logprobs(logits: torch.Tensor, prefix: torch.Tensor, lengths: torch.Tensor,

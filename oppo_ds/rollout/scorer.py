@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algo import logprobs_from_logits
+from ..algo import logprobs_from_logits, policy_logits
 from ..config import SCORER_KINDS
 from ..kv_cache import cache_kwargs, output_cache
 from .generate import position_ids_from_mask
@@ -230,9 +230,8 @@ class StreamingScorer:
     def _per_token(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Scores (A, w) of tokens (A, w) from the outputs just before them (A, w[, V])."""
         if self.kind == "reference":
-            # same ops, same order as experience.response_logprobs
-            logits = prev / self.temperature if self.temperature > 0 else prev
-            return logprobs_from_logits(logits, tokens)
+            # as experience.response_logprobs
+            return logprobs_from_logits(policy_logits(prev, self.temperature), tokens)
         return prev.float()
 
     @torch.no_grad()
