@@ -3,7 +3,9 @@ bar, summary.json, and a Weights & Biases run when ``logging.wandb_project`` nam
 
 Only rank 0 writes. ``metrics.jsonl`` holds one line per step and is the run's history: a
 resumed run truncates it (and ``samples.jsonl``) to the checkpoint's step and appends, so
-summary.json always describes the whole run as if it had never stopped.
+summary.json always describes the whole run as if it had never stopped. The truncation
+rewrites through a temporary file and a rename, and drops a last line a crash left half
+written (``read_history``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+
+from .datafiles import DataError
+from .durable import write_durably
 
 logger = logging.getLogger(__name__)
 
@@ -322,10 +327,35 @@ def _indent(text: str, width: int = 4) -> str:
 
 
 def read_history(path: str) -> list[dict]:
+    """The rows of a JSONL history (metrics.jsonl, ...). An unreadable last line, what a
+    kill, a full disk or a lost node leaves of a row being appended, is dropped with a
+    warning; one before it is corruption: a ``DataError`` naming the file and line."""
+    return [row for _, row in _history_lines(path)]
+
+
+def _history_lines(path: str) -> list[tuple[bytes, dict]]:
+    """``(line, row)`` of each row of ``path``, as ``read_history`` reads them."""
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:  # bytes: a torn line may end inside a character
+        numbered = [(i, line) for i, line in enumerate(f.read().split(b"\n"), 1)
+                    if line.strip()]
+    out = []
+    for i, line in numbered:
+        try:
+            row = json.loads(line)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            row = None
+        if isinstance(row, dict):
+            out.append((line, row))
+        elif i == numbered[-1][0]:
+            logger.warning("%s:%d: dropped an unreadable last line (%d bytes), what a crash "
+                           "left of a row being written", path, i, len(line))
+        else:
+            raise DataError(f"{path}:{i}: not a JSON row, and not the last line (a torn "
+                            f"write is only ever the last): the file is corrupt; repair or "
+                            f"remove that line, or start afresh with checkpoint.resume=never")
+    return out
 
 
 def _drop_traces_after(trace_dir: str, last_step: int) -> None:
@@ -340,10 +370,12 @@ def _drop_traces_after(trace_dir: str, last_step: int) -> None:
 
 
 def _truncate_history(path: str, last_step: int) -> None:
-    rows = [r for r in read_history(path) if r["step"] <= last_step]
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    """Keep the rows of ``path`` up to ``last_step`` (none at a fresh start: ``last_step``
+    below 1, where nothing of the old file is read), rewritten whole in one rename: a crash
+    during the rewrite leaves the old file, not a part of it."""
+    lines = [line for line, row in _history_lines(path) if row["step"] <= last_step] \
+        if last_step >= 1 else []
+    write_durably(path, lambda f: f.writelines(line + b"\n" for line in lines))
 
 
 def _mean(xs):

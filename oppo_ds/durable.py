@@ -1,0 +1,41 @@
+"""Files written whole or not at all, and on disk once written: what a crash mid-run (a kill,
+a lost node, a power cut) must not tear or lose, as the checkpoint's ``latest`` and trainer
+states and the run's history rewritten at a resume."""
+from __future__ import annotations
+
+import errno
+import os
+from typing import BinaryIO, Callable
+
+
+def write_durably(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` fills a temporary file beside ``path`` (binary), which is flushed,
+    fsynced and renamed over ``path``; then the folder is fsynced, so that the rename too
+    survives a crash. A reader sees the old file or the new one, never a part; an error in
+    ``write`` leaves the old one and no temporary file."""
+    folder = os.path.dirname(path) or "."
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a kill (KeyboardInterrupt) too: no stray temporary file
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_dir(folder)
+
+
+def fsync_dir(folder: str) -> None:
+    """Flush ``folder``'s entries (a file renamed or created in it) to disk. A filesystem that
+    cannot sync a folder (EINVAL, ENOTSUP) orders its metadata itself: nothing to do there."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)

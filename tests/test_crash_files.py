@@ -1,0 +1,133 @@
+"""Tier 0: what a crash mid-run leaves on disk, and that a restart reads it: a torn last line
+of the run's JSONL history, its rewrite at a resume killed half-way. Real files in tmp_path;
+a kill is an exception raised at a chosen point by an audit hook (``sys.audit`` events of
+``os.replace``), as a process stopped there stops writing."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from oppo_ds.datafiles import DataError
+from oppo_ds.durable import write_durably
+from oppo_ds.telemetry import Telemetry, read_history
+
+_KILL = {"event": None, "after": 0, "seen": [], "hooked": False}  # set by _killed_at
+
+
+class Killed(BaseException):
+    """A kill: not an ``Exception``, so that nothing on the way catches it."""
+
+
+def _audit(event, args):
+    if event == _KILL["event"]:
+        _KILL["seen"].append(args[0])
+        if len(_KILL["seen"]) > _KILL["after"]:
+            raise Killed(f"killed at {event} {args[0]}")
+
+
+@contextlib.contextmanager
+def _killed_at(event: str, after: int = 0):
+    """Within: the ``after``+1-th ``event`` (``os.rename``: an ``os.replace``; ``shutil.rmtree``)
+    raises ``Killed`` before it acts. Yields the paths the events named."""
+    if not _KILL["hooked"]:  # for the process's life (hooks cannot be removed): idle unarmed
+        sys.addaudithook(_audit)
+        _KILL["hooked"] = True
+    _KILL.update(event=event, after=after, seen=[])
+    try:
+        with pytest.raises(Killed):
+            yield _KILL["seen"]
+    finally:
+        _KILL["event"] = None
+
+
+def _telemetry(out, start_step: int) -> Telemetry:
+    return Telemetry(str(out), enabled=True, tensorboard=False, progress=False, total_steps=9,
+                     start_step=start_step, log_every=0)
+
+
+def _rows(*steps) -> bytes:
+    return b"".join(json.dumps({"step": s, "reward/mean": s / 10}).encode() + b"\n"
+                    for s in steps)
+
+
+# -- the run's JSONL history --------------------------------------------------------------
+
+def test_a_torn_last_line_is_dropped_at_a_resume_with_a_warning(tmp_path, caplog):
+    """Killed while appending: metrics.jsonl ends in half a row, samples.jsonl inside a
+    character of one, eval.jsonl in a row that has all but its newline (whole: kept). The
+    resume at step 2 keeps rows 1-2 (and eval's 0-2), names each torn line in a warning, and
+    the next rows append on lines of their own."""
+    (tmp_path / "metrics.jsonl").write_bytes(_rows(1, 2, 3) + b'{"step": 4, "reward/me')
+    sample = json.dumps({"step": 3, "response": "é"}, ensure_ascii=False).encode()
+    (tmp_path / "samples.jsonl").write_bytes(
+        b'{"step": 2, "response": "\xc3\xa9"}\n' + sample[:sample.index(b"\xc3") + 1])
+    (tmp_path / "eval.jsonl").write_bytes(_rows(0, 2)[:-1])
+    with caplog.at_level("WARNING", logger="oppo_ds.telemetry"):
+        telemetry = _telemetry(tmp_path, start_step=2)
+    for name, line in (("metrics.jsonl", 4), ("samples.jsonl", 2)):
+        assert f"{tmp_path / name}:{line}: dropped an unreadable last line" in caplog.text
+    assert "eval.jsonl" not in caplog.text
+    assert [r["step"] for r in read_history(str(tmp_path / "metrics.jsonl"))] == [1, 2]
+    # kept rows are kept as written (a non-ASCII response is not re-escaped)
+    assert (tmp_path / "samples.jsonl").read_bytes() == b'{"step": 2, "response": "\xc3\xa9"}\n'
+    assert [r["step"] for r in read_history(str(tmp_path / "eval.jsonl"))] == [0, 2]
+    telemetry.log_step(3, {"reward/mean": 0.3})
+    telemetry.log_eval(3, {"eval/prompts": 1, "eval/time_s": 0.0}, [])
+    assert [r["step"] for r in read_history(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
+    assert [r["step"] for r in read_history(str(tmp_path / "eval.jsonl"))] == [0, 2, 3]
+    assert telemetry.close()["steps"] == 3
+
+
+def test_an_unreadable_line_before_the_last_is_an_error_naming_it(tmp_path):
+    """A bad line with rows after it is no torn append but corruption: the resume stops,
+    naming the file and line, and leaves the file as it was; a fresh start reads nothing of
+    the old history and starts it anew."""
+    path = tmp_path / "metrics.jsonl"
+    corrupt = _rows(1) + b'{"step": 2, "rew\n' + _rows(3)
+    path.write_bytes(corrupt)
+    where = re.escape(str(path))
+    with pytest.raises(DataError, match=rf"^{where}:2: not a JSON row, and not the last line"):
+        _telemetry(tmp_path, start_step=3)
+    assert path.read_bytes() == corrupt
+    _telemetry(tmp_path, start_step=0)
+    assert path.read_bytes() == b""
+
+
+def test_a_kill_while_the_history_is_rewritten_leaves_the_old_file(tmp_path):
+    """The truncation at a resume writes a temporary file beside the history and renames it
+    over: killed just before the rename, the history is as it was (every row, the torn line
+    too, which the next start drops) and no temporary file is left; done, the file is a new
+    one (another inode), not the old one rewritten in place."""
+    path = tmp_path / "metrics.jsonl"
+    before = _rows(1, 2, 3) + b'{"st'
+    path.write_bytes(before)
+    inode = os.stat(path).st_ino
+    with _killed_at("os.rename") as renamed:
+        _telemetry(tmp_path, start_step=2)
+    assert renamed == [str(tmp_path / ".metrics.jsonl.tmp")]
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["metrics.jsonl"]
+    _telemetry(tmp_path, start_step=2)
+    assert path.read_bytes() == _rows(1, 2) and os.stat(path).st_ino != inode
+
+
+def test_write_durably_is_whole_or_not_at_all(tmp_path):
+    """Killed while writing, or before the rename: the old file stays, no temporary one."""
+    path = tmp_path / "latest"
+    write_durably(str(path), lambda f: f.write(b"step2"))
+    assert path.read_bytes() == b"step2"
+
+    def torn(f):
+        f.write(b"ste")
+        raise Killed("killed mid-write")
+    with pytest.raises(Killed):
+        write_durably(str(path), torn)
+    with _killed_at("os.rename"):
+        write_durably(str(path), lambda f: f.write(b"step4"))
+    assert path.read_bytes() == b"step2" and os.listdir(tmp_path) == ["latest"]
+    write_durably(str(path), lambda f: f.write(b"step4"))
+    assert path.read_bytes() == b"step4" and os.listdir(tmp_path) == ["latest"]
