@@ -2,8 +2,9 @@
 the trainer's own state per rank (step, data cursor, RNG states).
 
 Layout under ``root``: ``<engine>/<tag>/`` (the engine's own format), ``trainer/<tag>/rank<r>.pt``
-and ``latest``. ``latest`` is written last, by an atomic rename, after every rank finished:
-a run killed mid-save still resumes from the previous complete checkpoint.
+and ``latest``. ``latest`` is written last, after every rank finished, and it and the trainer
+states durably (``write_durably``: fsynced, then renamed into place): a run killed mid-save,
+or a node lost, still resumes from the previous complete checkpoint.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .durable import fsync_dir, write_durably
 from .engines.base import CheckpointMismatch
 
 _TAG = re.compile(r"^step(\d+)$")
@@ -69,6 +71,21 @@ class CheckpointManager:
         with open(path) as f:
             return f.read().strip() or None
 
+    def auto_tag(self) -> Optional[str]:
+        """The tag ``checkpoint.resume: auto`` resumes: the one ``latest`` names; None where
+        there is no checkpoint. ``ConfigError`` where complete tags are there but ``latest``
+        is missing or empty (lost in a crash, removed by hand): a fresh start would truncate
+        the run's history and prune its checkpoints."""
+        latest = self.latest()
+        tags = self.tags()
+        if latest is not None or not tags:
+            return latest
+        raise ConfigError("checkpoint.resume", (
+            f"auto, but {self.root} holds checkpoints ({', '.join(tags)}) and no `latest` "
+            f"naming one (missing or empty): resume the newest with "
+            f"checkpoint.resume={tags[-1]}, or start afresh with checkpoint.resume=never "
+            f"(which moves them aside)"))
+
     def save(self, tag: str, state: dict, engines: dict) -> None:
         # a tag written before (a resume from an older tag re-saving a later one, a finished
         # run's final save again) is cleared first, and `latest` moved off it, so that a crash
@@ -84,9 +101,8 @@ class CheckpointManager:
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         folder = os.path.join(self.root, "trainer", tag)
         os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".rank{self.rank}.pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, os.path.join(folder, f"rank{self.rank}.pt"))
+        write_durably(os.path.join(folder, f"rank{self.rank}.pt"),
+                      lambda f: torch.save(state, f))
         _barrier()
         if self.rank == 0:
             self._write_latest(tag)
@@ -160,15 +176,13 @@ class CheckpointManager:
                 self._write_latest(earlier[-1])
             else:
                 os.remove(os.path.join(self.root, "latest"))
+                fsync_dir(self.root)
         for name in engine_names + ["trainer", "hf"]:
             shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)
 
     def _write_latest(self, tag: str) -> None:
-        """``latest`` names ``tag``, replaced in one rename (never half written)."""
-        tmp = os.path.join(self.root, ".latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(tag)
-        os.replace(tmp, os.path.join(self.root, "latest"))
+        """``latest`` names ``tag``, replaced in one rename (never half written), on disk."""
+        write_durably(os.path.join(self.root, "latest"), lambda f: f.write(tag.encode()))
 
     def tags(self) -> list[str]:
         return checkpoint_tags(self.root)

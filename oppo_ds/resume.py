@@ -87,7 +87,7 @@ class Resumable:
             if self.is_main and not self.evaluating_only:
                 self._set_earlier_checkpoints_aside()
             return
-        tag = self.ckpt.latest() if resume == "auto" else resume
+        tag = self.ckpt.auto_tag() if resume == "auto" else resume
         if tag is None:
             return
         self.resumed_from = tag

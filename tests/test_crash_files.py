@@ -1,7 +1,9 @@
 """Tier 0: what a crash mid-run leaves on disk, and that a restart reads it: a torn last line
-of the run's JSONL history, its rewrite at a resume killed half-way. Real files in tmp_path;
-a kill is an exception raised at a chosen point by an audit hook (``sys.audit`` events of
-``os.replace``), as a process stopped there stops writing."""
+of the run's JSONL history, a rewrite or a save killed half-way, a `latest` lost beside
+complete tags. Real files in tmp_path; a kill is an exception raised at a chosen point by
+an audit hook (``sys.audit`` events of ``os.replace``), as a process stopped there stops
+writing. Last, one tiny run (Tier 2) with a torn metrics.jsonl that resumes and continues
+exactly."""
 from __future__ import annotations
 
 import contextlib
@@ -12,9 +14,12 @@ import sys
 
 import pytest
 
+from oppo_ds.checkpoint import CheckpointManager, check_tag, checkpoint_tags
+from oppo_ds.config import ConfigError, load_config
 from oppo_ds.datafiles import DataError
 from oppo_ds.durable import write_durably
 from oppo_ds.telemetry import Telemetry, read_history
+from test_trainer import DETERMINISTIC, SMALL, _metrics_by_step, run  # the tiny in-process runs
 
 _KILL = {"event": None, "after": 0, "seen": [], "hooked": False}  # set by _killed_at
 
@@ -131,3 +136,96 @@ def test_write_durably_is_whole_or_not_at_all(tmp_path):
     assert path.read_bytes() == b"step2" and os.listdir(tmp_path) == ["latest"]
     write_durably(str(path), lambda f: f.write(b"step4"))
     assert path.read_bytes() == b"step4" and os.listdir(tmp_path) == ["latest"]
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+class _Files:
+    """An engine whose save writes a file into its folder of the tag, as DeepSpeed's does."""
+
+    def save(self, folder, tag):
+        os.makedirs(os.path.join(folder, tag), exist_ok=True)
+        with open(os.path.join(folder, tag, "model_states.pt"), "wb") as f:
+            f.write(b"weights")
+
+
+def _save(root, tag: str, keep_last: int = 9, engines=("actor", "critic")):
+    """A checkpoint as a run saves it (the manager's own save, which then prunes)."""
+    CheckpointManager(str(root), rank=0, world_size=1, keep_last=keep_last).save(
+        tag, {"step": int(tag[4:])}, engines={name: _Files() for name in engines})
+
+
+def test_a_save_writes_latest_and_the_trainer_state_through_a_rename(tmp_path):
+    """Killed at the rename of its trainer state, a save leaves `latest` on the previous
+    tag, and neither a half file nor a temporary one in the tag's folder; killed at the
+    rename of `latest`, the new tag's files are whole and `latest` still names the old."""
+    engines = {"actor": _Files()}
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=9)
+    manager.save("step2", {"step": 2}, engines)
+    with _killed_at("os.rename") as renamed:
+        manager.save("step4", {"step": 4}, engines)
+    assert renamed == [str(tmp_path / "trainer" / "step4" / ".rank0.pt.tmp")]
+    assert manager.latest() == "step2" and os.listdir(tmp_path / "trainer" / "step4") == []
+    with _killed_at("os.rename", after=1) as renamed:
+        manager.save("step4", {"step": 4}, engines)
+    assert renamed[-1] == str(tmp_path / ".latest.tmp") and manager.latest() == "step2"
+    assert not (tmp_path / ".latest.tmp").exists()
+    assert manager.load("step4", {})["step"] == 4  # whole: an explicit resume takes it
+
+
+@pytest.mark.parametrize("latest", [None, b"", b"\n"], ids=["missing", "empty", "blank"])
+def test_auto_refuses_complete_tags_without_latest(tmp_path, latest):
+    """`latest` lost beside complete tags: `checkpoint.resume: auto` stops, naming the folder,
+    the newest tag and both ways on, rather than start from step 0 (which truncated the
+    history and pruned the tags); with nothing there it starts afresh as before."""
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=9)
+    assert manager.auto_tag() is None
+    for tag in ("step2", "step4"):
+        _save(tmp_path, tag)
+    assert manager.auto_tag() == "step4"
+    os.remove(tmp_path / "latest")
+    if latest is not None:
+        (tmp_path / "latest").write_bytes(latest)
+    with pytest.raises(ConfigError, match=(
+            rf"^checkpoint\.resume: auto, but {re.escape(str(tmp_path))} holds checkpoints "
+            rf"\(step2, step4\) and no `latest` naming one \(missing or empty\): resume the "
+            rf"newest with checkpoint\.resume=step4, or start afresh with "
+            rf"checkpoint\.resume=never")):
+        manager.auto_tag()
+    check_tag(str(tmp_path), "step4")  # the way out named: a whole tag
+
+
+# -- a whole run ---------------------------------------------------------------------------
+
+def test_a_run_whose_history_ends_in_half_a_line_resumes_and_continues(cache_dir, tmp_path):
+    """Tier 2 (tiny models): a run killed in step 4 after its step-2 checkpoint, with half
+    of a row at the end of metrics.jsonl, as a kill mid-append leaves it. Its `latest` lost
+    too, `auto` stops before touching the history; the tag the message names resumes, drops
+    the torn line, and gives the uninterrupted run's metrics for steps 3 and 4 (1e-6, as
+    test_crash_then_resume_continues_exactly)."""
+    from oppo_ds.trainer import PPOTrainer
+
+    over = ("steps=4", "checkpoint.every=2", "checkpoint.export_hf=false")
+    run(cache_dir, tmp_path / "full", *over)
+    cut = tmp_path / "cut"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cache_dir, cut, *over, crash_after=3)
+    metrics = cut / "metrics.jsonl"
+    with open(metrics, "ab") as f:
+        f.write(b'{"step": 4, "reward/mean": 0.1')
+    torn = metrics.read_bytes()
+    os.remove(cut / "checkpoints" / "latest")
+    cfg = load_config(None, [*SMALL, f"workload.cache_dir={cache_dir}",
+                             f"logging.output_dir={cut}", *over])
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume=step2, or start afresh"):
+        PPOTrainer(cfg)
+    assert metrics.read_bytes() == torn and checkpoint_tags(str(cut / "checkpoints")) == [
+        "step2"]
+    run(cache_dir, cut, *over, "checkpoint.resume=step2")
+    a, b = _metrics_by_step(tmp_path / "full" / "metrics.jsonl"), _metrics_by_step(metrics)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert b[step]["response/lengths"] == a[step]["response/lengths"]
+        for key in DETERMINISTIC:
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-6), (step, key)
+    assert (cut / "checkpoints" / "latest").read_text() == "step4"

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
+from ..durable import write_durably
 from .base import (CheckpointMismatch, LossFn, ModelCallable, TrainEngine, check_schedule,
                    eval_mode, lr_multiplier, reapply_hyperparameters)
 
@@ -191,8 +192,7 @@ class MegatronTrainEngine(TrainEngine):
                  "scheduler": self.scheduler.state_dict(), "client_state": client_state or {},
                  "master": None if self._master is None else [m.detach() for m in self._master],
                  "parallel": (self.groups.tp, self.groups.pp)}
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_durably(path, lambda f: torch.save(state, f))  # whole and on disk, or the old
         config = getattr(self.module, "config", None)
         if self.groups.tp_rank == 0 and self.groups.pp_rank == 0 and config is not None:
             # what `python -m oppo_ds.megatron.export` needs to write HF weights from the shards
