@@ -4,7 +4,9 @@ the trainer's own state per rank (step, data cursor, RNG states).
 Layout under ``root``: ``<engine>/<tag>/`` (the engine's own format), ``trainer/<tag>/rank<r>.pt``
 and ``latest``. ``latest`` is written last, after every rank finished, and it and the trainer
 states durably (``write_durably``: fsynced, then renamed into place): a run killed mid-save,
-or a node lost, still resumes from the previous complete checkpoint.
+or a node lost, still resumes from the previous complete checkpoint. A tag is complete when
+its trainer state and every engine's folder are there; pruning removes the trainer state
+first, so that a crash mid-prune leaves no tag that looks whole.
 """
 from __future__ import annotations
 
@@ -36,16 +38,61 @@ def checkpoint_root(cfg) -> str:
     return os.path.join(cfg.logging.output_dir, "checkpoints")
 
 
+def _listed(folder: str) -> list[str]:
+    return os.listdir(folder) if os.path.isdir(folder) else []
+
+
+def _step(tag: str) -> int:
+    return int(_TAG.match(tag).group(1))
+
+
+ENGINES = ("actor", "critic")  # the models a checkpoint holds (PPOUpdate.trained_engines)
+
+
+def _engine_folders(root: str) -> list[str]:
+    """The engines' folders under ``root``: the critic's only where the run has one (a
+    critic-free ``ppo.advantage_estimator`` has none)."""
+    return [name for name in ENGINES if os.path.isdir(os.path.join(root, name))]
+
+
+def _missing_engines(root: str, tag: str) -> list[str]:
+    """The engines of ``root`` with nothing of ``tag``: a crash while it was saved, cleared
+    or pruned (before 2026-11-29 pruning removed the engines' folders first)."""
+    return [name for name in _engine_folders(root) if not _listed(os.path.join(root, name, tag))]
+
+
+def _saved_ranks(folder: str) -> list[int]:
+    """The ranks whose trainer state is in ``folder`` (``trainer/<tag>``), in order."""
+    return sorted(int(m.group(1)) for m in map(_RANK_FILE.match, _listed(folder)) if m)
+
+
+def _whole(root: str, tag: str) -> bool:
+    """Whether ``tag`` is a complete checkpoint: the trainer states of ranks 0 to n-1 and
+    something of it in every engine's folder."""
+    ranks = _saved_ranks(os.path.join(root, "trainer", tag))
+    return bool(ranks) and ranks == list(range(len(ranks))) and not _missing_engines(root, tag)
+
+
 def checkpoint_tags(root: str) -> list[str]:
-    """The tags of the checkpoints under ``root``, in step order."""
-    folder = os.path.join(root, "trainer")
-    found = [t for t in os.listdir(folder) if _TAG.match(t)] if os.path.isdir(folder) else []
-    return sorted(found, key=lambda t: int(_TAG.match(t).group(1)))
+    """The tags of the complete checkpoints under ``root`` (``_whole``), in step order."""
+    found = [t for t in _listed(os.path.join(root, "trainer")) if _TAG.match(t)]
+    return sorted((t for t in found if _whole(root, t)), key=_step)
 
 
 def check_tag(root: str, tag: str) -> None:
-    """``ConfigError`` (key ``checkpoint.resume``) when ``root`` holds no checkpoint ``tag``:
-    cheap, so that a run naming a tag is checked before any engine is built."""
+    """``ConfigError`` (key ``checkpoint.resume``) when ``root`` holds no checkpoint ``tag``,
+    or one without an engine's files: cheap, so that a run naming a tag is checked before any
+    engine is built."""
+    _check_trainer_state(root, tag)
+    missing = _missing_engines(root, tag)
+    if missing:
+        held = ", ".join(checkpoint_tags(root)) or "none"
+        raise ConfigError("checkpoint.resume", (
+            f"checkpoint {tag} is incomplete: nothing of the {' and '.join(missing)} under "
+            f"{root} (a crash while it was saved or removed); the complete ones: {held}"))
+
+
+def _check_trainer_state(root: str, tag: str) -> None:
     if not os.path.isdir(os.path.join(root, "trainer", tag)):
         held = ", ".join(checkpoint_tags(root)) or "none"
         raise ConfigError("checkpoint.resume", f"no checkpoint {tag} in {root} (it holds: {held})")
@@ -120,10 +167,9 @@ class CheckpointManager:
         shard and random state are its own, and a rank without its file (or a file without
         its rank) would lose or invent them. Not for an evaluation, which takes the weights
         and the step alone (a rank beyond the checkpoint's reads rank 0's state)."""
-        check_tag(self.root, tag)
+        _check_trainer_state(self.root, tag)  # the engines passed: checked by name below
         folder = os.path.join(self.root, "trainer", tag)
-        files = os.listdir(folder)
-        saved = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, files) if m)
+        saved = _saved_ranks(folder)
         if saved != list(range(len(saved))) or not saved:
             raise ConfigError("checkpoint.resume", (
                 f"checkpoint {tag} is incomplete: {folder} holds the trainer state of ranks "
@@ -177,7 +223,18 @@ class CheckpointManager:
             else:
                 os.remove(os.path.join(self.root, "latest"))
                 fsync_dir(self.root)
-        for name in engine_names + ["trainer", "hf"]:
+        self._remove(tag, engine_names)
+
+    def _remove(self, tag: str, engine_names: list[str]) -> None:
+        """Remove ``tag``'s folders, its trainer state first (on disk before the rest goes):
+        a crash in between leaves engine files that no tag names, not a tag without them."""
+        trainer = os.path.join(self.root, "trainer")
+        if os.path.isdir(os.path.join(trainer, tag)):
+            shutil.rmtree(os.path.join(trainer, tag), ignore_errors=True)
+            if os.path.exists(os.path.join(trainer, tag)):  # not removable: the tag stays whole
+                return
+            fsync_dir(trainer)
+        for name in engine_names + ["hf"]:  # hf: checkpoint.save_hf's exports
             shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)
 
     def _write_latest(self, tag: str) -> None:
@@ -211,11 +268,15 @@ class CheckpointManager:
     def _prune(self, engine_names: list[str]) -> None:
         """Remove all but the newest ``keep_last`` tags up to ``latest``. Tags of later steps are
         a branch left by resuming an older tag: left alone while the run is short of them (its
-        save of the same step replaces one; one it passes without saving counts again)."""
+        save of the same step replaces one; one it passes without saving counts again). What a
+        crash mid-save or mid-prune left of tags before ``latest`` goes too."""
         keep = self.latest()
         tags = self.tags()
+        left = set()
         if keep in tags:  # latest is then the last of them: keep_last >= 1 never removes it
             tags = tags[:tags.index(keep) + 1]
-        for tag in tags[:-self.keep_last]:
-            for name in engine_names + ["trainer", "hf"]:  # hf: checkpoint.save_hf's exports
-                shutil.rmtree(os.path.join(self.root, name, tag), ignore_errors=True)
+            left = {t for name in engine_names + ["trainer", "hf"]
+                    for t in _listed(os.path.join(self.root, name))
+                    if _TAG.match(t) and _step(t) < _step(keep) and t not in tags}
+        for tag in tags[:-self.keep_last] + sorted(left, key=_step):
+            self._remove(tag, engine_names)

@@ -1,15 +1,16 @@
 """Tier 0: what a crash mid-run leaves on disk, and that a restart reads it: a torn last line
 of the run's JSONL history, a rewrite or a save killed half-way, a `latest` lost beside
-complete tags. Real files in tmp_path; a kill is an exception raised at a chosen point by
-an audit hook (``sys.audit`` events of ``os.replace``), as a process stopped there stops
-writing. Last, one tiny run (Tier 2) with a torn metrics.jsonl that resumes and continues
-exactly."""
+complete tags, a prune killed half-way. Real files in tmp_path; a kill is an exception
+raised at a chosen point by an audit hook (``sys.audit`` events of ``os.replace`` and
+``shutil.rmtree``), as a process stopped there stops writing. Last, one tiny run (Tier 2)
+with a torn metrics.jsonl that resumes and continues exactly."""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -166,6 +167,7 @@ def test_a_save_writes_latest_and_the_trainer_state_through_a_rename(tmp_path):
         manager.save("step4", {"step": 4}, engines)
     assert renamed == [str(tmp_path / "trainer" / "step4" / ".rank0.pt.tmp")]
     assert manager.latest() == "step2" and os.listdir(tmp_path / "trainer" / "step4") == []
+    assert manager.tags() == ["step2"]
     with _killed_at("os.rename", after=1) as renamed:
         manager.save("step4", {"step": 4}, engines)
     assert renamed[-1] == str(tmp_path / ".latest.tmp") and manager.latest() == "step2"
@@ -193,6 +195,44 @@ def test_auto_refuses_complete_tags_without_latest(tmp_path, latest):
             rf"checkpoint\.resume=never")):
         manager.auto_tag()
     check_tag(str(tmp_path), "step4")  # the way out named: a whole tag
+
+
+def test_a_trainer_state_without_its_engines_is_no_checkpoint(tmp_path):
+    """What a prune killed between the engines and the trainer state left before
+    2026-11-29 (the engines first): step 2's trainer state, no actor. It is not offered as a
+    tag, `auto` without `latest` names step 4, a run naming it stops before any engine is
+    built, and the next save removes what is left of it."""
+    for tag in ("step2", "step4"):
+        _save(tmp_path, tag)
+    shutil.rmtree(tmp_path / "actor" / "step2")
+    assert checkpoint_tags(str(tmp_path)) == ["step4"]
+    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: checkpoint step2 is incomplete: "
+                                          r"nothing of the actor under .*; the complete ones: "
+                                          r"step4$"):
+        check_tag(str(tmp_path), "step2")
+    os.remove(tmp_path / "latest")
+    with pytest.raises(ConfigError, match="checkpoint.resume=step4"):
+        CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=9).auto_tag()
+    _save(tmp_path, "step6")
+    assert checkpoint_tags(str(tmp_path)) == ["step4", "step6"]
+    for name in ("trainer", "actor", "critic"):
+        assert sorted(os.listdir(tmp_path / name)) == ["step4", "step6"]
+
+
+def test_a_prune_removes_the_trainer_state_first(tmp_path):
+    """keep_last 1: the save of step 4 prunes step 2. Killed after its first removal, the
+    trainer state is gone and the engines' files are left, named by no tag: `latest` and
+    the tags are step 4 alone; the next save removes the rest."""
+    _save(tmp_path, "step2", keep_last=1)
+    with _killed_at("shutil.rmtree", after=1) as removed:
+        _save(tmp_path, "step4", keep_last=1)
+    assert removed[0] == str(tmp_path / "trainer" / "step2")
+    assert (tmp_path / "actor" / "step2").exists() and not (tmp_path / "trainer" / "step2").exists()
+    assert checkpoint_tags(str(tmp_path)) == ["step4"]
+    assert CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=1).latest() == "step4"
+    _save(tmp_path, "step6", keep_last=1)
+    for name in ("trainer", "actor", "critic"):
+        assert os.listdir(tmp_path / name) == ["step6"]
 
 
 # -- a whole run ---------------------------------------------------------------------------
