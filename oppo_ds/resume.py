@@ -211,12 +211,49 @@ class Resumable:
             # the frozen scorers' caches of the deferred rows, where this run keeps them: under
             # the stage the scorer rank holds its own and, like any scorer without a row's
             # cache (streaming just turned on, a scorer newly streamed), prefills it afresh
-            carried = set(self.cfg.carried_scorer_kinds)
+            stale = self._stale_scorer_work(state, tag)
+            carried = set(self.cfg.carried_scorer_kinds) - stale
             for kind, scorer_state in state.get("scorers", {}).items():
                 if kind in carried:
                     self._carried_scorer(kind).load_state_dict(scorer_state)
             if self.stage is not None:  # finished rows no scorer there saw: scored there now
                 self._score_ended_rows_on_stage()
+
+    def _scorer_inputs(self) -> dict:
+        """What a frozen scorer's work on a row depends on besides its tokens, by kind: the
+        model (a folder by its real path), and for the reference the temperature its
+        log-probs are taken at. Saved with the rollout pool (``scorer_inputs``)."""
+        m = self.cfg.model
+
+        def source(path):
+            return os.path.realpath(path) if os.path.exists(path) else path
+        return {"reward": [source(m.reward)],
+                "reference": [source(m.reference or m.actor), self.cfg.generation.temperature]}
+
+    def _stale_scorer_work(self, state: dict, tag: str) -> set:
+        """The frozen scorers whose work in the resumed pool this run cannot use, its
+        ``_scorer_inputs`` changed (``generation.temperature`` and ``model.reward`` /
+        ``model.reference`` may change at a resume): their caches of the running rows are not
+        loaded (prefilled afresh, as by a scorer newly streamed) and their results of the
+        finished rows are dropped (scored whole, at take or on the scorer rank). Checkpoints
+        before 2026-11-29 saved no inputs: their temperature is the objective's."""
+        saved = state.get("scorer_inputs")
+        if saved is None:
+            temperature = (state.get("objective") or {}).get("generation.temperature")
+            saved = {} if temperature is None else \
+                {"reference": [self._scorer_inputs()["reference"][0], temperature]}
+        now = self._scorer_inputs()
+        stale = {k for k in saved if k in now and list(saved[k]) != now[k]}
+        touched = 0
+        for entry in self.pool.entries:
+            touched += any(entry.results.pop(k, None) is not None for k in sorted(stale))
+        def shown(inputs):
+            return " at temperature ".join(map(str, inputs))
+        for kind in sorted(stale):
+            logger.info("checkpoint %s's deferred rows were scored by the %s %s, this run's is %s:"
+                        " %d finished row(s) scored anew, the running ones prefilled afresh", tag,
+                        kind, shown(saved[kind]), shown(now[kind]), touched)
+        return stale
 
     def _check_deferral_bound(self, state: dict, tag: str) -> None:
         """Refuse a resume whose deferred rows this run could not train within
@@ -338,6 +375,7 @@ class Resumable:
                  "delta_ctl": self.delta_ctl.state_dict() if self.delta_ctl is not None else None,
                  "kl_coef": self.kl_coef if self.cfg.ppo.kl_target is not None else None,
                  "scorers": {k: s.state_dict() for k, s in self.carried_scorers.items()},
+                 "scorer_inputs": self._scorer_inputs(),
                  "settings": self._checkpoint_settings(),
                  "objective": objective_settings(self.cfg.to_dict())}
         tag = f"step{self.step_count}"

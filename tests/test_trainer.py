@@ -1173,6 +1173,41 @@ def test_streaming_switched_on_and_off_across_resumes_keeps_every_deferred_row(c
     assert_trained_once(out / "checkpoints" / "trainer" / "step5" / "rank0.pt", 8, 5)
 
 
+def test_resume_at_another_temperature_takes_the_pools_reference_work_anew(cache_dir, tmp_path):
+    """generation.temperature may change at a resume, but the reference's work on the deferred
+    rows (its carried cache's per-token log-probs, a finished row's results) was done at the
+    old one. It is dropped and done anew: the resumed run equals one whose checkpoint never
+    held that work (the path of a reference newly streamed), to 1e-6. Before, the carried
+    cache refused to load (a ValueError), and the finished rows kept the old log-probs."""
+    import shutil
+
+    common = ("checkpoint.every=1", "checkpoint.export_hf=false", "oppo.overcommit=4",
+              "oppo.chunk_size=4", "oppo.streaming=true", "oppo.stream_to=[actor,reference]")
+    run(cache_dir, tmp_path / "a", "steps=3", *common)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    state_file = tmp_path / "b" / "checkpoints" / "trainer" / "step3" / "rank0.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["scorers"]["reference"]["rows"]  # running rows the reference has prefilled
+    assert state["scorer_inputs"]["reference"][1] == 1.0
+    finished = [e for e in state["pool"]["entries"] if "reference" in e["results"]]
+    assert finished  # and finished rows with their log-probs, waiting to be taken
+    for e in finished:
+        del e["results"]["reference"]
+    del state["scorers"]["reference"], state["scorer_inputs"]
+    state["objective"]["generation.temperature"] = 0.7  # as if written at this run's
+    torch.save(state, state_file)
+
+    hotter = ("steps=4", *common, "generation.temperature=0.7")
+    a, _ = run(cache_dir, tmp_path / "a", *hotter)
+    b, _ = run(cache_dir, tmp_path / "b", *hotter)
+    ra = _metrics_by_step(tmp_path / "a" / "metrics.jsonl")[4]
+    rb = _metrics_by_step(tmp_path / "b" / "metrics.jsonl")[4]
+    assert ra["response/lengths"] == rb["response/lengths"]
+    for key in DETERMINISTIC + ("kl/mean",):
+        assert ra[key] == pytest.approx(rb[key], abs=1e-6), key
+    assert [e.uid for e in a.pool.entries] == [e.uid for e in b.pool.entries]
+
+
 def test_overcommit_resume_continues_exactly(cache_dir, tmp_path):
     """A run with deferred sequences in its pool, killed after its step-3 checkpoint and
     resumed, continues exactly (1e-6, as the sequential resume test): the pool, the ledger and
