@@ -31,6 +31,7 @@ from .experience import sequence_scores
 from .rollout.generate import Generation, generate
 from .rollout.stage_stream import stage_stream_generate
 from .sources import encode_rows, prompts_label
+from .telemetry import read_history
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,20 @@ class Evaluating:
             return e.at_start
         periodic = bool(e.every) and step % e.every == 0
         return periodic if not after_last else not periodic
+
+    def _final_eval_due(self, start: int) -> bool:
+        """Whether to evaluate after the last step, this run having started at step
+        ``start``: once, where ``_eval_due(after_last=True)``. A run started again at its last
+        step evaluates there only if ``eval.jsonl`` holds no evaluation of it: its first try
+        stopped on a signal during that step (checkpointed, not evaluated), or was killed
+        while it evaluated. Collective over the actor ranks (rank 0 reads the file)."""
+        if not self._eval_due(after_last=True):
+            return False
+        if self.step_count > start:
+            return True
+        done = self.is_main and any(row.get("step") == self.step_count
+                                    for row in read_history(self.telemetry.eval_path))
+        return not comm.all_reduce_ints([int(done)], group=self.actor_group)[0]
 
     @torch.no_grad()
     def evaluate(self) -> tuple[dict, list[dict]]:

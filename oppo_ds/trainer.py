@@ -698,8 +698,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
                         with open(stopped, "w") as f:
                             f.write(f"SIG{self.preempted} step{self.step_count}\n")
                 else:
-                    # (not when a finished run is started again: it evaluated then)
-                    if self.step_count > start and self._eval_due(after_last=True):
+                    if self._final_eval_due(start):
                         self._evaluate_and_log()
                     # not when a finished run is started again either: re-saving the tag it
                     # loaded clears it first, and a kill then would leave no checkpoint

@@ -182,6 +182,30 @@ def test_a_resumed_run_evaluates_as_an_uninterrupted_one(cache_dir, tmp_path):
     assert [r["step"] for r in read_history(str(tmp_path / "cut" / "eval.jsonl"))] == [0, 1]
 
 
+def test_a_run_started_again_at_its_last_step_makes_the_final_evaluation_it_lost(cache_dir,
+                                                                                  tmp_path):
+    """The evaluation after the last step (3, between every 2nd) comes after that step's
+    checkpoint: a kill while it ran, or a signal during the step (which checkpoints and
+    stops), left none. The same command started again evaluates then, with the figures the
+    first try would have given (1e-6), and a third start evaluates nothing more."""
+    last = ("steps=3", "checkpoint.every=3", *EVAL)
+    out = tmp_path / "last"
+    run(cache_dir, out, *last)
+    first = read_history(str(out / "eval.jsonl"))
+    assert [r["step"] for r in first] == [0, 2, 3]
+    for name in ("eval.jsonl", "eval_samples.jsonl"):  # as the kill left them
+        rows = [r for r in read_history(str(out / name)) if r["step"] < 3]
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run(cache_dir, out, *last)
+    again = read_history(str(out / "eval.jsonl"))
+    assert [r["step"] for r in again] == [0, 2, 3]
+    for key in ("eval/reward_mean", "eval/gold_mean", "eval/response_len_mean"):
+        assert again[-1][key] == pytest.approx(first[-1][key], abs=1e-6), key
+    assert [a["step"] for a in read_history(str(out / "eval_samples.jsonl"))].count(3) == 6
+    run(cache_dir, out, *last)
+    assert [r["step"] for r in read_history(str(out / "eval.jsonl"))] == [0, 2, 3]
+
+
 def _files(root):
     """Every file under ``root`` with its bytes."""
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
