@@ -130,6 +130,23 @@ def _path_problem(source: str) -> Optional[str]:
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 CUT_SHORT = "a weights file cut short or not in safetensors format; copy the checkpoint again"
+# how a git-lfs pointer file starts: what a clone without `git lfs pull` holds for a large file
+LFS_POINTER = b"version https://git-lfs"
+
+
+def lfs_pointer(path: str) -> bool:
+    """Whether the file ``path`` is a git-lfs pointer (the file itself never fetched)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(LFS_POINTER)) == LFS_POINTER
+    except OSError:  # unreadable: said by whoever reads it
+        return False
+
+
+def _lfs_problem(path: str) -> str:
+    folder = os.path.dirname(path)
+    return (f"{path} is a git-lfs pointer, not the file itself: run `git lfs pull` in the "
+            f"repository of {folder}, or copy the checkpoint again")
 
 
 def _unreadable(file: str, err: Exception) -> str:
@@ -160,6 +177,8 @@ def _weights_read(source: str) -> WeightsRead:
             weight_map = dict(json.load(f)["weight_map"])
         shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        if lfs_pointer(path):
+            return WeightsRead([], None, _lfs_problem(path))
         return WeightsRead([], None, f"{path} cannot be read as a weights index (a weight_map "
                                      f"of files): {err!r}")
     missing = [name for name in shards if not os.path.isfile(os.path.join(source, name))]
@@ -176,9 +195,10 @@ def _weights_problem(source: str) -> Optional[str]:
     before any model is built (a 70B checkpoint's shards take minutes to load): a shard its
     index lists is missing, or a safetensors file's header does not parse or does not cover
     the file (a copy cut short; ``safe_open`` maps the file and reads the header alone).
-    Of a pickled ``.bin`` file only the zip directory at its end is read. None for an
-    architecture built from config, and for a directory with no weights file (transformers
-    says what it lacks)."""
+    Of a pickled ``.bin`` file only the zip directory at its end is read. A directory with
+    no weights file (only config and tokenizer; shards without their index) is a problem
+    too: transformers would say so only when the engines are built. None for an
+    architecture built from config."""
     from safetensors import SafetensorError, safe_open
 
     if source in FROM_CONFIG_ARCHS:
@@ -186,11 +206,15 @@ def _weights_problem(source: str) -> Optional[str]:
     names, _, problem = _weights_read(source)
     if problem:
         return problem
+    if not names and "transformers_weights" not in (checkpoint_config(source) or {}):
+        return _no_weights(source)
     if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):
         names.append(VALUE_HEAD_FILE)
     for name in names:
         path = os.path.join(source, name)
         if name.endswith(".safetensors"):
+            if lfs_pointer(path):  # safetensors says only "header too large"
+                return _lfs_problem(path)
             try:
                 with safe_open(path, "pt"):
                     pass
@@ -201,6 +225,23 @@ def _weights_problem(source: str) -> Optional[str]:
             if problem:
                 return f"{path} cannot be read: {problem}: {CUT_SHORT}"
     return None
+
+
+_SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
+
+
+def _no_weights(source: str) -> str:
+    """What to say of checkpoint directory ``source`` holding none of ``WEIGHT_FILES``
+    (transformers would fail only when the engines are built: "Error no file named ...")."""
+    text = (f"{source} holds no weights transformers can load (looked for "
+            f"{', '.join(WEIGHT_FILES)})")
+    shards = sorted(name for name in os.listdir(source) if _SHARD.match(name))
+    if shards:
+        index = "model.safetensors.index.json" if shards[0].endswith(".safetensors") else \
+            "pytorch_model.bin.index.json"
+        return (f"{text}: it holds shards ({', '.join(shards[:3])}) but not {index}, the index "
+                "that lists them: a checkpoint copied in part; copy the checkpoint again")
+    return f"{text}: a config and tokenizer alone are no checkpoint; copy its weights too"
 
 
 def _pickled_problem(path: str) -> Optional[str]:

@@ -158,6 +158,35 @@ def test_a_sharded_checkpoint_missing_a_shard_is_a_source_problem(tmp_path):
     assert "cannot be read as a weights index" in source_problem(str(tmp_path))
 
 
+def test_a_checkpoint_without_weights_transformers_reads_is_a_source_problem(tmp_path):
+    """A folder with only config.json and the tokenizer, or a shard without its index, passed
+    every check, and the engine build then raised transformers' "OSError: Error no file named
+    model.safetensors, or pytorch_model.bin, found in directory"; a git-lfs pointer in place
+    of model.safetensors gave safetensors' "header too large". Each is named, before any
+    model is built."""
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(
+        str(tmp_path), max_shard_size="20KB")
+    workload.build_tokenizer().save_pretrained(str(tmp_path))
+    looked = ("model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+              "pytorch_model.bin.index.json")
+    os.remove(tmp_path / "model.safetensors.index.json")
+    shards = sorted(p.name for p in tmp_path.glob("model-*-of-*.safetensors"))
+    assert source_problem(str(tmp_path)) == (
+        f"{tmp_path} holds no weights transformers can load (looked for {looked}): it holds "
+        f"shards ({', '.join(shards[:3])}) but not model.safetensors.index.json, the index "
+        "that lists them: a checkpoint copied in part; copy the checkpoint again")
+    for shard in tmp_path.glob("model-*.safetensors"):
+        os.remove(shard)
+    assert source_problem(str(tmp_path)) == (
+        f"{tmp_path} holds no weights transformers can load (looked for {looked}): a config "
+        "and tokenizer alone are no checkpoint; copy its weights too")
+    (tmp_path / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n")
+    assert source_problem(str(tmp_path)) == (
+        f"{tmp_path / 'model.safetensors'} is a git-lfs pointer, not the file itself: run "
+        f"`git lfs pull` in the repository of {tmp_path}, or copy the checkpoint again")
+
+
 def test_only_the_weights_transformers_reads_are_checked(tmp_path):
     """A repo downloaded without its .bin shards keeps pytorch_model.bin.index.json, which
     transformers ignores when safetensors weights are there: no problem. Nor is a stale
@@ -590,6 +619,7 @@ def _config_dir(root, name, **config):
     path = root / name
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
+    save_file({}, str(path / "model.safetensors"))  # weights: a checkpoint needs a file of them
     return str(path)
 
 

@@ -21,6 +21,9 @@ def dirs(tmp_path_factory):
     reward = build_value_model("tiny-llama", vocab_size=len(tok), seed=0)
     reward.save_pretrained(str(root / "reward"))
     build_causal_lm("tiny-llama", vocab_size=len(tok), seed=1).save_pretrained(root / "no-tokenizer")
+    (root / "weightless").mkdir()  # a checkpoint whose weights were never copied
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (root / "weightless" / name).write_bytes((root / "actor" / name).read_bytes())
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "want a b c ->"}) + "\n")
     return root
 
@@ -45,8 +48,13 @@ def dirs(tmp_path_factory):
      "model.actor: '{root}/no-tokenizer' holds no tokenizer (looked for tokenizer.json, "
      "tokenizer.model, vocab.json, tokenizer_config.json); set model.tokenizer to a tokenizer "
      "directory"),
+    ("model.critic={root}/weightless",
+     "model.critic: {root}/weightless holds no weights transformers can load (looked for "
+     "model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+     "pytorch_model.bin.index.json): a config and tokenizer alone are no checkpoint; copy its "
+     "weights too"),
 ], ids=["missing-actor", "critic-is-a-file", "reward-without-head", "tokenizer-dir-without-one",
-        "actor-without-tokenizer"])
+        "actor-without-tokenizer", "critic-without-weights"])
 def test_a_bad_source_is_an_error_naming_the_key(dirs, tmp_path, monkeypatch, override, expected):
     """Before: a missing actor directory fell back to the built-in tokenizer and failed on the
     prompts ("a list of chat messages but no chat template" or "encodes to no tokens"), a
