@@ -674,6 +674,36 @@ def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=No
                                           require_head=require_head)
 
 
+class TokenizerFileError(ValueError):
+    """A file of a saved tokenizer is not what it should be (cut short, a git-lfs pointer)."""
+
+
+# the files a tokenizer is read from; the .json ones must parse
+_TOKENIZER_READS = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _tokenizer_file_problem(path: str) -> Optional[str]:
+    """Why a file of the tokenizer in directory ``path`` cannot be read (a git-lfs pointer, a
+    JSON file that does not parse: a copy cut short), or None; looked at once a load failed."""
+    for name in _TOKENIZER_READS:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        if lfs_pointer(file):
+            return (f"{file} is a git-lfs pointer (a small text file starting \"version "
+                    "https://git-lfs\"), not the file itself: run `git lfs pull` in the "
+                    "repository it came from, or copy the tokenizer again")
+        if name.endswith(".json"):
+            try:
+                with open(file, encoding="utf-8") as f:
+                    json.load(f)
+            except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+                return (f"{file} cannot be read as JSON ({err}): a copy cut short; copy the "
+                        "tokenizer again")
+    return None
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     """A tokenizer from a local directory; pad token falls back to EOS (decoder-only models
     often ship without one), else to id 0, and padding is on the left, as decoding needs.
@@ -689,16 +719,23 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
         raise FileNotFoundError(f"tokenizer path {path!r} is not a local directory")
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path!r} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
-    declared = None
-    config_file = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(config_file):
-        with open(config_file) as f:
-            declared = json.load(f).get("tokenizer_class")
-    if declared in GENERIC_TOKENIZER_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    else:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                            local_files_only=True)
+    try:
+        declared = None
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                declared = json.load(f).get("tokenizer_class")
+        if declared in GENERIC_TOKENIZER_CLASSES and \
+                os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                local_files_only=True)
+    except Exception as err:  # the loaders' own errors name no file ("Expecting value: ...")
+        problem = _tokenizer_file_problem(path)
+        if problem is None:
+            raise
+        raise TokenizerFileError(problem) from err
     if tok.pad_token_id is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     elif tok.pad_token_id is None:  # padding is masked everywhere: any token will do

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from . import workload as wl
 from .config import Config, ConfigError
 from .shared_dirs import SHARE_IT
-from .models import (FROM_CONFIG_ARCHS, NO_HEAD, checkpoint_config, has_value_head,
-                     load_tokenizer, position_limit, response_end_ids, source_problem,
-                     tokenizer_mismatch)
+from .models import (FROM_CONFIG_ARCHS, NO_HEAD, TokenizerFileError, checkpoint_config,
+                     has_value_head, load_tokenizer, position_limit, response_end_ids,
+                     source_problem, tokenizer_mismatch)
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def run_tokenizer(cfg: Config, src: Sources):
         key = "model.tokenizer" if cfg.model.tokenizer else "model.actor"
         try:
             return load_tokenizer(src.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-        except FileNotFoundError as err:
+        except (FileNotFoundError, TokenizerFileError) as err:
             hint = "" if cfg.model.tokenizer else "; set model.tokenizer to a tokenizer directory"
             raise ConfigError(key, f"{err}{hint}") from None
     if src.oracle:

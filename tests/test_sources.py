@@ -28,6 +28,15 @@ def dirs(tmp_path_factory):
     return root
 
 
+LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:0123abcd\nsize 7031\n"
+
+
+def _base(root, out) -> list[str]:
+    return [f"model.actor={root}/actor", f"model.reward={root}/reward",
+            f"data.prompts={root}/prompts.jsonl", "steps=1", "ppo.batch_size=4",
+            "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", f"logging.output_dir={out}/run"]
+
+
 @pytest.mark.parametrize("override, expected", [
     ("model.actor={root}/missing",
      "model.actor: model path '{root}/missing' is not a local directory; oppo-ds never downloads "
@@ -60,9 +69,7 @@ def test_a_bad_source_is_an_error_naming_the_key(dirs, tmp_path, monkeypatch, ov
     prompts ("a list of chat messages but no chat template" or "encodes to no tokens"), a
     tokenizer directory without a tokenizer gave "encodes to no tokens", a reward model without
     a head a ValueError traceback from deep in the model build."""
-    base = [f"model.actor={dirs}/actor", f"model.reward={dirs}/reward",
-            f"data.prompts={dirs}/prompts.jsonl", "steps=1", "ppo.batch_size=4",
-            "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", f"logging.output_dir={tmp_path}/run"]
+    base = _base(dirs, tmp_path)
     from oppo_ds.engines import factory
     from oppo_ds.trainer import PPOTrainer
 
@@ -103,3 +110,38 @@ def test_no_end_token_anywhere_runs_every_response_to_the_limit(dirs, tmp_path, 
     assert "padding with id 0" in caplog.text and "no end-of-sequence token" in caplog.text
     (row,) = read_history(str(tmp_path / "run" / "metrics.jsonl"))
     assert row["response/lengths"] == [5, 5, 5, 5]
+
+
+def test_a_broken_tokenizer_file_is_an_error_naming_the_key_and_the_file(dirs, tmp_path,
+                                                                          monkeypatch):
+    """A tokenizer.json cut short, or a git-lfs pointer never pulled in place of
+    tokenizer_config.json, was a raw "json.decoder.JSONDecodeError: Expecting value: line 1
+    column 1" (or the tokenizers library's error), naming no file: now the key that supplied
+    the tokenizer (the actor's folder, or model.tokenizer) and the file."""
+    from oppo_ds.engines import factory
+    from oppo_ds.trainer import PPOTrainer
+
+    monkeypatch.setattr(factory, "build_models",
+                        lambda *a, **k: pytest.fail("models were built before the check"))
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for file in (dirs / "actor").iterdir():
+        data = file.read_bytes()
+        (cut / file.name).write_bytes(data[:len(data) // 2] if file.name == "tokenizer.json"
+                                      else data)
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(load_config(None, [*_base(dirs, tmp_path), f"model.actor={cut}"]))
+    assert str(err.value).startswith(f"model.actor: {cut}/tokenizer.json cannot be read as "
+                                     "JSON (")
+    assert str(err.value).endswith("): a copy cut short; copy the tokenizer again; set "
+                                   "model.tokenizer to a tokenizer directory")
+    lfs = tmp_path / "lfs"
+    lfs.mkdir()
+    (lfs / "tokenizer.json").write_bytes((dirs / "actor" / "tokenizer.json").read_bytes())
+    (lfs / "tokenizer_config.json").write_text(LFS)
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(load_config(None, [*_base(dirs, tmp_path), f"model.tokenizer={lfs}"]))
+    assert str(err.value) == (
+        f'model.tokenizer: {lfs}/tokenizer_config.json is a git-lfs pointer (a small text file '
+        'starting "version https://git-lfs"), not the file itself: run `git lfs pull` in the '
+        "repository it came from, or copy the tokenizer again")
