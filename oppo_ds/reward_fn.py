@@ -77,17 +77,35 @@ def load_reward_function(spec: str) -> Callable:
                                        f"{err}") from err
             module._oppo_loaded_from = stamp
     else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as err:
-            raise ConfigError(KEY, f"{spec!r}: cannot import {where} ({err}); a file is named "
-                                   f"by a path ending in .py") from None
+        module = _imported(spec, where)
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(KEY, f"{spec!r}: {where} has no {name!r}")
     if not callable(fn):
         raise ConfigError(KEY, f"{spec!r}: {name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _imported(spec: str, where: str):
+    """Module ``where`` of ``spec``, imported; ``ConfigError`` that tells a name not found (a
+    spelling, or a file meant) from a module found whose own import fails (a dependency not
+    installed, a syntax error: where, file and line)."""
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if missing and missing != where and not where.startswith(missing + "."):
+            raise ConfigError(KEY, (
+                f"{spec!r}: {where} was found, but its import of {missing} failed ({err}): a "
+                f"dependency of it is not installed in this environment")) from None
+        raise ConfigError(KEY, f"{spec!r}: cannot import {where} ({err}); a file is named "
+                               f"by a path ending in .py") from None
+    except SyntaxError as err:  # IndentationError too; of the module or of one it imports
+        raise ConfigError(KEY, f"{spec!r}: importing {where} failed: {err.filename}:"
+                               f"{err.lineno}: {type(err).__name__}: {err.msg}") from None
+    except Exception as err:  # its own code raised as it ran
+        raise ConfigError(KEY, f"{spec!r}: importing {where} failed: {type(err).__name__}: "
+                               f"{err}") from err
 
 
 class RewardFunctionError(RuntimeError):

@@ -47,6 +47,35 @@ def test_a_file_that_fails_to_load_names_the_file_and_the_error(tmp_path):
         load_reward_function(f"{path}:f")
 
 
+def test_a_module_that_fails_to_import_is_told_from_a_name_not_found(tmp_path, monkeypatch):
+    """The module form let a SyntaxError through as a traceback, and said of a module that
+    imports a package not installed "cannot import myrew (No module named 'xyz'); a file is
+    named by a path ending in .py", blaming the spelling: now the file and line of the
+    syntax error, and the dependency that is missing."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "oppo_test_rew_syntax.py").write_text("def f(prompts, completions):\n"
+                                                      "    return [1.0 for c in completions\n")
+    (tmp_path / "oppo_test_rew_dep.py").write_text("import oppo_no_such_dependency\n")
+    (tmp_path / "oppo_test_rew_raises.py").write_text("raise RuntimeError('no API key')\n")
+    with pytest.raises(ConfigError) as err:
+        load_reward_function("oppo_test_rew_syntax:f")
+    assert str(err.value) == (
+        f"model.reward_function: 'oppo_test_rew_syntax:f': importing oppo_test_rew_syntax "
+        f"failed: {tmp_path / 'oppo_test_rew_syntax.py'}:2: SyntaxError: '[' was never closed")
+    with pytest.raises(ConfigError) as err:
+        load_reward_function("oppo_test_rew_dep:f")
+    assert str(err.value) == (
+        "model.reward_function: 'oppo_test_rew_dep:f': oppo_test_rew_dep was found, but its "
+        "import of oppo_no_such_dependency failed (No module named 'oppo_no_such_dependency'): "
+        "a dependency of it is not installed in this environment")
+    with pytest.raises(ConfigError, match=r"'oppo_test_rew_raises:f': importing "
+                                          r"oppo_test_rew_raises failed: RuntimeError: no API key"):
+        load_reward_function("oppo_test_rew_raises:f")
+    with pytest.raises(ConfigError, match=r"cannot import oppo_test_rew_nope \(No module named "
+                                          r"'oppo_test_rew_nope'\); a file is named by a path"):
+        load_reward_function("oppo_test_rew_nope:f")
+
+
 def test_the_rows_fields_arrive_as_columns():
     """Every other field of the prompt rows is a keyword holding one value per response, None
     where a row lacks the field (TRL passes a data set's columns so); the scores come back as
