@@ -61,6 +61,13 @@ def _missing_engines(root: str, tag: str) -> list[str]:
     return [name for name in _engine_folders(root) if not _listed(os.path.join(root, name, tag))]
 
 
+def _saved_files(folder: str) -> list[str]:
+    """The files torch saved under an engine's ``folder`` of a tag (DeepSpeed's, Megatron's
+    ``.pt``), in order."""
+    return sorted(os.path.join(top, name) for top, _, names in os.walk(folder)
+                  for name in names if name.endswith(".pt"))
+
+
 def _saved_ranks(folder: str) -> list[int]:
     """The ranks whose trainer state is in ``folder`` (``trainer/<tag>``), in order."""
     return sorted(int(m.group(1)) for m in map(_RANK_FILE.match, _listed(folder)) if m)
@@ -184,8 +191,12 @@ class CheckpointManager:
         # on the CPU: a GPU tensor in the state (a pool row's streamed scores) would otherwise
         # come back on the saving rank's GPU, which a resume on another layout may not have
         mine = self.rank if self.rank < len(saved) else 0
-        state = torch.load(os.path.join(folder, f"rank{mine}.pt"), weights_only=False,
-                           map_location="cpu")
+        try:
+            state = torch.load(os.path.join(folder, f"rank{mine}.pt"), weights_only=False,
+                               map_location="cpu")
+        except Exception as err:
+            self._refuse_broken(tag, [os.path.join(folder, f"rank{mine}.pt")], err)
+            raise
         if check is not None:  # before the engines: it may refuse what they would choke on
             check(state)
         empty = [name for name in engines
@@ -202,11 +213,39 @@ class CheckpointManager:
                 raise ConfigError("checkpoint.resume", (
                     f"checkpoint {tag}: the {name}'s files could not be read: {err}; "
                     f"{self._another_tag()}")) from err
+            except Exception as err:  # torch's "failed reading zip archive" names no file
+                self._refuse_broken(tag, _saved_files(os.path.join(self.root, name, tag)), err)
+                raise
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         return state
+
+    def _refuse_broken(self, tag: str, files: list[str], err: Exception) -> None:
+        """``ConfigError`` naming the first of ``files`` (of ``tag``) that is no whole file
+        torch saved (cut short by a copy or a disk, empty, a git-lfs pointer), with the
+        earlier complete tags to resume instead; nothing where each looks whole (``err``,
+        a load's failure, is then some other one's, and keeps its traceback)."""
+        from .models import torch_file_problem
+
+        for file in files:
+            problem = torch_file_problem(file)
+            if problem is None:
+                continue
+            earlier = [t for t in self.tags()
+                       if t != tag and (not _TAG.match(tag) or _step(t) < _step(tag))]
+            if self.evaluating:
+                way = "evaluate another tag (checkpoint.resume=TAG)"
+            elif earlier:
+                way = (f"resume an earlier complete tag, checkpoint.resume={earlier[-1]} (the "
+                       f"complete ones: {', '.join(earlier)}), or start afresh with "
+                       "checkpoint.resume=never")
+            else:
+                way = "start afresh with checkpoint.resume=never (no earlier complete tag)"
+            raise ConfigError("checkpoint.resume", (
+                f"checkpoint {tag}: {file} cannot be read ({problem}: cut short or "
+                f"never fetched); {way}")) from err
 
     def _written(self, tag: str, engines: dict) -> bool:
         return any(os.path.exists(os.path.join(self.root, name, tag))

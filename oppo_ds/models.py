@@ -221,7 +221,7 @@ def _weights_problem(source: str) -> Optional[str]:
             except (SafetensorError, OSError) as err:
                 return _unreadable(path, err)
         else:
-            problem = _pickled_problem(path)
+            problem = torch_file_problem(path)
             if problem:
                 return f"{path} cannot be read: {problem}: {CUT_SHORT}"
     return None
@@ -244,8 +244,8 @@ def _no_weights(source: str) -> str:
     return f"{text}: a config and tokenizer alone are no checkpoint; copy its weights too"
 
 
-def _pickled_problem(path: str) -> Optional[str]:
-    """Why pickled weights ``path`` cannot be torch's (torch's own errors name no file), or
+def torch_file_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot be a file torch saved (torch's own errors name no file), or
     None: a file in torch's zip format (every save since torch 1.6) whose directory, at its
     end, is gone (a copy cut short); or one that is neither that nor the older format, a
     pickle (an empty file, a git-lfs pointer never pulled). Reads the file's first bytes and

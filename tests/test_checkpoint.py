@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from oppo_ds.checkpoint import CheckpointManager
 from oppo_ds.config import ConfigError
@@ -20,7 +21,7 @@ def _write(root, tag, ranks, engines=("actor",)):
             tag, {"step": 1}, engines={})
     for name in engines:
         (root / name / tag).mkdir(parents=True, exist_ok=True)
-        (root / name / tag / "model_states.pt").write_bytes(b"")
+        torch.save({}, root / name / tag / "model_states.pt")
 
 
 class _Engine:
@@ -76,6 +77,45 @@ def test_an_engine_that_cannot_read_its_files_names_the_key(tmp_path):
     with pytest.raises(ValueError, match="^a bug$") as caught:
         manager.load("step1", {"actor": Unreadable(ValueError("a bug"))})
     assert not isinstance(caught.value, ConfigError)
+
+
+def test_a_file_cut_short_names_the_file_and_the_tags_to_resume_instead(tmp_path):
+    """A trainer state cut short (a copy of the run's folder interrupted) was a raw
+    "RuntimeError: PytorchStreamReader failed reading zip archive", naming no file; so was an
+    engine's file (DeepSpeed's, Megatron's, read by torch.load inside the engine). Each is
+    now named with the tag, and the earlier complete tags to resume instead."""
+    for tag in ("step1", "step2", "step3"):
+        _write(tmp_path, tag, [0])
+    state = tmp_path / "trainer" / "step3" / "rank0.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    manager = CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=5)
+    engine = _Engine()
+    with pytest.raises(ConfigError) as err:
+        manager.load("step3", {"actor": engine})
+    assert str(err.value) == (
+        f"checkpoint.resume: checkpoint step3: {state} cannot be read (its zip directory, at "
+        "the end of the file, is missing or broken: cut short or never fetched); resume an "
+        "earlier complete tag, checkpoint.resume=step2 (the complete ones: step1, step2), or "
+        "start afresh with checkpoint.resume=never")
+    assert not engine.loaded
+
+    class TorchLoading(_Engine):  # reads its files as DeepSpeed's load_checkpoint does
+        def load(self, path, tag, weights_only=False):
+            torch.load(os.path.join(path, tag, "model_states.pt"), weights_only=False)
+    model = tmp_path / "actor" / "step1" / "model_states.pt"
+    model.write_bytes(model.read_bytes()[:100])
+    with pytest.raises(ConfigError) as err:
+        manager.load("step1", {"actor": TorchLoading()})
+    assert str(err.value) == (
+        f"checkpoint.resume: checkpoint step1: {model} cannot be read (its zip directory, at "
+        "the end of the file, is missing or broken: cut short or never fetched); start afresh "
+        "with checkpoint.resume=never (no earlier complete tag)")
+    assert isinstance(err.value.__cause__, RuntimeError)  # torch's own, kept as the cause
+    model.write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ConfigError, match=r"cannot be read \(the file is a git-lfs pointer: "
+                                          r"cut short or never fetched\); evaluate another"):
+        CheckpointManager(str(tmp_path), rank=0, world_size=1, keep_last=5,
+                          evaluating=True).load("step1", {"actor": TorchLoading()})
 
 
 def test_an_incomplete_or_missing_tag_is_refused(tmp_path):
