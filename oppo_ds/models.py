@@ -674,7 +674,12 @@ def build_value_model(source: str, *, vocab_size: Optional[int] = None, dtype=No
                                           require_head=require_head)
 
 
-class TokenizerFileError(ValueError):
+class CheckpointFileError(ValueError):
+    """A file of a checkpoint directory is not what it should be (cut short, a git-lfs
+    pointer); the message names it."""
+
+
+class TokenizerFileError(CheckpointFileError):
     """A file of a saved tokenizer is not what it should be (cut short, a git-lfs pointer)."""
 
 
@@ -749,15 +754,21 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
 def checkpoint_eos_ids(path: str) -> list[int]:
     """The token ids at which Hugging Face's ``generate`` stops for the checkpoint at ``path``:
     ``eos_token_id`` of its ``generation_config.json`` (one id or a list), else of its
-    ``config.json``; [] for a source that is not a directory or names none. Chat models list
+    ``config.json``; [] for a source that is not a directory or names none
+    (``CheckpointFileError`` for a file there that does not parse). Chat models list
     their end-of-turn token there beside the tokenizer's EOS (Llama-3-Instruct: 128001 and
     128009 ``<|eot_id|>``; Qwen2.5-Instruct: ``<|im_end|>`` and ``<|endoftext|>``)."""
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             continue
-        with open(file) as f:
-            ids = json.load(f).get("eos_token_id")
+        try:
+            with open(file) as f:
+                ids = json.load(f).get("eos_token_id")
+        except (ValueError, AttributeError) as err:  # transformers skips it; the ids are ours
+            raise CheckpointFileError(_lfs_problem(file) if lfs_pointer(file) else (
+                f"{file} cannot be read as a JSON object ({err}): a copy cut short; copy the "
+                "checkpoint again")) from err
         if ids is None:
             continue
         ids = [ids] if isinstance(ids, int) else ids

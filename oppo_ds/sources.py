@@ -16,9 +16,9 @@ import torch.distributed as dist
 from . import workload as wl
 from .config import Config, ConfigError
 from .shared_dirs import SHARE_IT
-from .models import (FROM_CONFIG_ARCHS, NO_HEAD, TokenizerFileError, checkpoint_config,
-                     has_value_head, load_tokenizer, position_limit, response_end_ids,
-                     source_problem, tokenizer_mismatch)
+from .models import (FROM_CONFIG_ARCHS, NO_HEAD, CheckpointFileError, TokenizerFileError,
+                     checkpoint_config, has_value_head, load_tokenizer, position_limit,
+                     response_end_ids, source_problem, tokenizer_mismatch)
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,11 @@ def end_ids(cfg: Config, src: Sources, tokenizer, *, log: bool) -> tuple[int, ..
     if src.oracle:
         return ()
     wanted = cfg.generation.eos_token_ids
-    ids = response_end_ids(wanted, src.actor, tokenizer)
+    try:
+        ids = response_end_ids(wanted, src.actor, tokenizer)
+    except CheckpointFileError as err:  # only `auto` reads the actor's files
+        raise ConfigError("model.actor", f"{err} (read for generation.eos_token_ids: auto)"
+                          ) from None
     if wanted == "auto":
         origin = "the actor's generation config and the tokenizer's EOS"
     else:

@@ -145,3 +145,24 @@ def test_a_broken_tokenizer_file_is_an_error_naming_the_key_and_the_file(dirs, t
         f'model.tokenizer: {lfs}/tokenizer_config.json is a git-lfs pointer (a small text file '
         'starting "version https://git-lfs"), not the file itself: run `git lfs pull` in the '
         "repository it came from, or copy the tokenizer again")
+
+
+def test_a_generation_config_left_a_git_lfs_pointer_names_the_actor(dirs, tmp_path, monkeypatch):
+    """transformers skips a generation_config.json it cannot parse; the end-of-response ids
+    (generation.eos_token_ids: auto) are read from it here, where it was a raw JSONDecodeError."""
+    from oppo_ds.engines import factory
+    from oppo_ds.trainer import PPOTrainer
+
+    monkeypatch.setattr(factory, "build_models",
+                        lambda *a, **k: pytest.fail("models were built before the check"))
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    for file in (dirs / "actor").iterdir():
+        (actor / file.name).write_bytes(file.read_bytes())
+    (actor / "generation_config.json").write_text(LFS)
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(load_config(None, [*_base(dirs, tmp_path), f"model.actor={actor}"]))
+    assert str(err.value) == (
+        f"model.actor: {actor}/generation_config.json is a git-lfs pointer, not the file itself: "
+        f"run `git lfs pull` in the repository of {actor}, or copy the checkpoint again (read "
+        "for generation.eos_token_ids: auto)")
