@@ -496,8 +496,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     def _streamed_kinds(self) -> list[str]:
         """What streams: the scorers (``Config.streamed_scorers``) and the actor's own
-        log-probs when it streams them."""
-        return self.cfg.streamed_scorers + ["actor"] * self.cfg.oppo.streams_actor
+        log-probs when it streams them (``actor_streams``: not where the hybrid engine's
+        kernels decode)."""
+        return self.cfg.streamed_scorers + ["actor"] * self.actor_streams
 
     def generate(self, prompt_id_lists, targets: Optional[torch.Tensor] = None):
         ids, mask = left_pad(prompt_id_lists, self.tokenizer.pad_token_id)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..config import FROZEN_KINDS
 from .generate import DecodeState, Generation, target_lengths
 
 
@@ -194,11 +195,11 @@ class RolloutPool:
 
     def end_step(self) -> None:
         """Every entry still in the pool was deferred once more; the results of the models
-        that train (critic, actor) are stale after the step's update."""
+        that train (all but ``FROZEN_KINDS``: the critic, the actor) are stale after the
+        step's update."""
         for e in self.entries:
             e.deferrals += 1
-            e.results.pop("critic", None)
-            e.results.pop("actor", None)
+            e.results = {kind: r for kind, r in e.results.items() if kind in FROZEN_KINDS}
 
     def put_back(self, entries: Sequence[PoolEntry]) -> None:
         """Return taken ``entries`` (finished, not trained after all: a rank's surplus under
