@@ -731,6 +731,20 @@ class _ConfigLoader(yaml.SafeLoader):
             self._check_unique(value_node, key, seen)
 
 
+def _yaml_error(path: str, err: yaml.YAMLError) -> str:
+    """PyYAML's error as one line, ``file:line:column: problem``: its own message starts with
+    the context ("while scanning for the next token") and puts the position lines below."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or getattr(err, "context", None)
+    if mark is None or problem is None:
+        return f"{path} is not valid YAML: {str(err).splitlines()[0]}"
+    text = f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and problem != context and start is not None and start is not mark:
+        text += f" ({context} started at {start.line + 1}:{start.column + 1})"
+    return text
+
+
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     data: dict = {}
     if path is not None:
@@ -750,7 +764,7 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
                                           f"0x{err.object[err.start]:02x} at offset {err.start}); "
                                           "save it as UTF-8") from None
         except yaml.YAMLError as err:
-            raise ConfigError("--config", f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+            raise ConfigError("--config", _yaml_error(path, err)) from None
         if data is None:  # empty, or only comments
             logger.warning("--config %s sets no key (empty or only comments): every key has its "
                            "default", path)

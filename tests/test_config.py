@@ -665,10 +665,19 @@ def test_directory_instead_of_file(tmp_path):
     assert err.value.key == "--config"
 
 
-def test_invalid_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="not valid YAML") as err:
-        load_config(_write(tmp_path, "ppo: [unclosed\n"))
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("text, where", [
+    ("# run\nppo:\n  kl_coef 0.1\n  clip_eps: 0.2\n", "4:11: mapping values are not allowed here"),
+    ("ppo:\n\tkl_coef: 0.1\n", "2:1: found character '\\t' that cannot start any token"),
+    ("ppo: [unclosed\n", "2:1: expected ',' or ']', but got '<stream end>' (while parsing a "
+                         "flow sequence started at 1:6)"),
+])
+def test_invalid_yaml_names_file_line_and_column(tmp_path, text, where):
+    """PyYAML's first line was all the message kept: the problem without its place, or only
+    the context ("while scanning for the next token") for a tab."""
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"--config: {path}:{where}"
 
 
 def test_config_error_is_value_error():
