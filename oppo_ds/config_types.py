@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import difflib
+import logging
 import math
 import re
 import typing
 from typing import Any, Literal, Union
 
+logger = logging.getLogger("oppo_ds.config")
 
 class ConfigError(ValueError):
     """A bad key or value; ``str()`` is the one-line message shown to the user."""
@@ -138,7 +140,13 @@ def _numbers_read(value: Any) -> Any:
 
 def build_dataclass(cls, data: dict, prefix: str):
     """An instance of dataclass ``cls`` from ``data`` (nested mappings for nested dataclasses),
-    every value converted to its field's annotation; ``prefix``: the dotted key of ``data``."""
+    every value converted to its field's annotation; ``prefix``: the dotted key of ``data``.
+    A section given null (`model:` with every key under it commented out) is an empty one, as
+    an empty file is: a warning, not an error."""
+    if data is None and prefix:
+        logger.warning("%s: the section is empty (null, or only comments): every key in it has "
+                       "its default", prefix)
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(prefix, f"expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)

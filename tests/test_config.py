@@ -606,6 +606,19 @@ def test_empty_yaml_gives_defaults_and_says_so(tmp_path, caplog, text):
     assert not caplog.records
 
 
+def test_a_section_of_only_comments_is_empty_and_says_so(tmp_path, caplog):
+    """`model:` with its keys commented out is null to YAML: it stopped the run with
+    "model: expected a mapping, got None", though an empty file only warns."""
+    path = _write(tmp_path, "model:\n  # actor: x\nppo:\n  kl_coef: 0.1\n")
+    with caplog.at_level("WARNING", logger="oppo_ds.config"):
+        cfg = load_config(path)
+    assert cfg.model == ModelConfig() and cfg.ppo.kl_coef == 0.1
+    assert [r.getMessage() for r in caplog.records] == [
+        "model: the section is empty (null, or only comments): every key in it has its default"]
+    with pytest.raises(ConfigError, match="^model: expected a mapping, got 3"):
+        load_config(None, ["model=3"])
+
+
 @pytest.mark.parametrize("text, key, lines", [
     ("steps: 4\nsteps: 5\n", "steps", "lines 1 and 2"),
     ("ppo:\n  kl_coef: 0.1\nseed: 1\nppo:\n  batch_size: 8\n", "ppo", "lines 1 and 4"),
