@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from .config_checks import check_across_sections
+from .config_paths import local_paths
 from .config_ppo import PPOConfig
 from .config_system import SystemConfig
 from .config_types import ConfigError, build_dataclass
@@ -587,6 +588,7 @@ class Config:
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1")
+        local_paths(self)  # `~` expanded, empty paths refused: oppo_ds/config_paths.py
         check_across_sections(self)  # the rules between sections: oppo_ds/config_checks.py
 
     def to_dict(self) -> dict:

@@ -770,6 +770,38 @@ def test_cli_output_dir_that_cannot_be_one(tmp_path, capsys):
     assert capsys.readouterr().err == f"oppo-train: error: logging.output_dir: {afile / 'run'}: Not a directory\n"
 
 
+def test_cli_expands_home_in_every_path_key(tmp_path, monkeypatch, capsys):
+    """`model.actor: ~/ckpt` was taken literally ("is not a local directory"): every path
+    key now reads `~` as a shell would, once, when the config is built."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = {"model.actor": "~/actor", "model.reference": "~/ref", "model.reward": "~/rm",
+            "model.critic": "~/critic", "model.tokenizer": "~/tok", "data.prompts": "~/p.jsonl",
+            "eval.prompts": "[~/e.jsonl, e2.jsonl]", "data.ptx": "~/ptx.txt",
+            "logging.output_dir": "~/run", "workload.cache_dir": "~/cache"}
+    overrides = [f"{k}={v}" for k, v in keys.items()] + ["ppo.ptx_coef=0.1"]
+    assert train_main(["--print-config", *overrides]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    for key, value in keys.items():
+        section, name = key.split(".")
+        want = value.replace("~", str(tmp_path))
+        assert printed[section][name] == (yaml.safe_load(want) if "[" in want else want), key
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("model.tokenizer=", "null for the default"),
+    ("model.reference=''", "null for the default"),
+    ("model.actor=", "leave the key out for its default, 'builtin'"),
+    ("workload.cache_dir=''", "leave the key out for its default, '.cache/oppo-builtin'"),
+])
+def test_cli_empty_path_is_refused_naming_the_key(override, hint, capsys):
+    """An unset shell variable (`model.tokenizer=$TOK`) gave an empty string, silently taken
+    as null; workload.cache_dir='' failed later with "[Errno 2] No such file or directory: ''"."""
+    assert train_main(["--print-config", override]) == 2
+    key = override.split("=")[0]
+    assert capsys.readouterr().err == (f"oppo-train: error: {key}: an empty path (an unset shell "
+                                       f"variable?): give a path, or {hint}\n")
+
+
 def test_cli_main_returns_2(capsys):
     assert train_main(["--config", "/nonexistent.yaml"]) == 2
     err = capsys.readouterr().err
