@@ -35,6 +35,12 @@ SCORER_KINDS = ("reward", "reference", "critic")
 FROZEN_KINDS = ("reward", "reference")
 
 
+def _require_seed(seed: int, key: str) -> None:
+    """numpy's (and DeepSpeed-Chat's) seeds are 32-bit: numpy refused another only when the
+    run started ("Seed must be between 0 and 2**32 - 1")."""
+    _require(0 <= seed < 2**32, key, f"must be in [0, 2**32 - 1] (a 32-bit seed), got {seed}")
+
+
 @dataclass
 class ModelConfig:
     actor: str = "builtin"
@@ -369,6 +375,8 @@ class DataConfig:
         _require(isinstance(self.prompts, str) or "builtin" not in sources, "prompts",
                  "builtin is the built-in workload's prompts alone; it cannot be listed with files")
         _require(all(s.strip() for s in sources), "prompts", f"an empty path in {self.prompts!r}")
+        if self.phase_split_seed is not None:
+            _require_seed(self.phase_split_seed, "phase_split_seed")
         _require(self.max_samples >= 0, "max_samples", f"must be >= 0 (0 = all), got {self.max_samples}")
         _require(not self.max_samples or self.prompts != "builtin", "max_samples",
                  "the built-in workload's prompts number workload.num_prompts: set that instead")
@@ -588,6 +596,7 @@ class Config:
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1")
+        _require_seed(self.seed, "seed")
         local_paths(self)  # `~` expanded, empty paths refused: oppo_ds/config_paths.py
         check_across_sections(self)  # the rules between sections: oppo_ds/config_checks.py
 

@@ -115,6 +115,8 @@ def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
     (["--lr_scheduler_type", "polynomial"], "--lr_scheduler_type"),
     (["--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "3"],
      "--per_device_training_batch_size"),
+    (["--seed", "-1"], "--seed"),  # numpy's "Seed must be between 0 and 2**32 - 1" at start
+    (["--seed", str(2**32)], "--seed"),
 ])
 def test_conflicts_and_refused_flags_are_errors_naming_the_flag(argv, flag, capsys):
     assert main(argv + ["--print-config"]) == 2

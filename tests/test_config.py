@@ -400,6 +400,12 @@ def test_value_outside_literal_lists_allowed(override, allowed):
     (["workload.median_len=0"], "workload.median_len", "must be >= 1, got 0"),
     (["workload.tail_sigma=-0.5"], "workload.tail_sigma", "must be >= 0, got -0.5"),
     (["logging.output_dir="], "logging.output_dir", "must not be empty"),
+    # numpy refused them only when the run started: "Seed must be between 0 and 2**32 - 1"
+    (["seed=-1"], "seed", "must be in [0, 2**32 - 1] (a 32-bit seed), got -1"),
+    (["seed=4294967296"], "seed", "got 4294967296"),
+    (["data.phase_split_seed=4294967296"], "data.phase_split_seed",
+     "must be in [0, 2**32 - 1] (a 32-bit seed), got 4294967296"),
+    (["data.phase_split_seed=-3"], "data.phase_split_seed", "got -3"),
     (["logging.output_dir=' '"], "logging.output_dir", "must not be empty"),
     # was a ValueError traceback from the engines' schedule, naming neither key nor steps
     (["steps=2", "ppo.batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
@@ -542,6 +548,11 @@ def test_non_finite_float_rejected(override, expected):
 def test_non_finite_float_rejected_in_a_file(tmp_path):
     with pytest.raises(ConfigError, match=r"^ppo\.dual_clip: got inf, expected a number or null"):
         load_config(_write(tmp_path, "ppo:\n  dual_clip: .inf\n"))
+
+
+def test_seeds_at_the_ends_of_numpys_range_are_taken():
+    cfg = load_config(None, ["seed=4294967295", "data.phase_split_seed=0"])
+    assert (cfg.seed, cfg.data.phase_split_seed) == (2**32 - 1, 0)
 
 
 def test_delta_in_rows_is_free_without_a_group_baseline():
