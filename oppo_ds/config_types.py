@@ -138,6 +138,18 @@ def _numbers_read(value: Any) -> Any:
     return value
 
 
+def _unknown_key_hint(cls, hints: dict, key: str, names: list[str], prefix: str) -> str:
+    """What an unknown ``key`` of ``cls`` may have meant: the sections of ``cls`` that hold a
+    key of that name (`kl_coef` at the top: ppo.kl_coef), else a close name of ``cls``."""
+    homes = [f"{prefix + '.' if prefix else ''}{f.name}.{key}" for f in dataclasses.fields(cls)
+             if dataclasses.is_dataclass(hints[f.name])
+             and key in {g.name for g in dataclasses.fields(hints[f.name])}]
+    if homes:
+        return f"; did you mean {' or '.join(homes)}?"
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def build_dataclass(cls, data: dict, prefix: str):
     """An instance of dataclass ``cls`` from ``data`` (nested mappings for nested dataclasses),
     every value converted to its field's annotation; ``prefix``: the dotted key of ``data``.
@@ -155,8 +167,7 @@ def build_dataclass(cls, data: dict, prefix: str):
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = _unknown_key_hint(cls, hints, str(key), names, prefix)
             raise ConfigError(path, f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
                                     f"{', '.join(names)}{hint}")
         tp = hints[key]

@@ -191,6 +191,19 @@ def test_unknown_key_suggests_close_match():
     assert "batch_size" in msg  # lists the allowed keys of the section
 
 
+@pytest.mark.parametrize("text, hint", [
+    ("kl_coef: 0.1\n", "did you mean ppo.kl_coef?"),
+    ("prompts: p.jsonl\n", "did you mean data.prompts or eval.prompts?"),
+])
+def test_top_level_key_of_a_section_names_the_section(tmp_path, text, hint):
+    """`kl_coef: 0.1` at the top of a file listed the top-level keys only."""
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, text))
+    key = text.split(":")[0]
+    assert str(err.value).startswith(f"{key}: unknown key; allowed keys: steps, seed, model,")
+    assert str(err.value).endswith(f"; {hint}")
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = _write(tmp_path, "generation:\n  max_new_token: 10\n")
     with pytest.raises(ConfigError, match=r"generation\.max_new_token.*did you mean 'max_new_tokens'"):
