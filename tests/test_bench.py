@@ -554,6 +554,25 @@ def test_a_variant_runs_beside_the_plain_mode_against_the_same_baseline(cache_di
     assert "unused" not in md.read_text()
 
 
+def test_json_path_is_checked_before_any_mode_runs(tmp_path, capsys):
+    """--json naming a directory failed with IsADirectoryError only after every mode ran,
+    their results lost; a folder still missing is made, as before."""
+    (tmp_path / "afile").write_text("")
+    for target, words in ((tmp_path, f"{tmp_path} is a directory: name the file to write in it"),
+                          (tmp_path / "afile" / "b.json", f"cannot write {tmp_path}/afile/b.json: "
+                                                          f"its folder {tmp_path}/afile is not a "
+                                                          "directory")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_cli.main(["--modes", "sequential", "--steps", "2", "--json", str(target)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"oppo-bench: error: argument --json: {words}")
+    assert sorted(os.listdir(tmp_path)) == ["afile"]  # no run started
+    args = bench_cli.build_parser().parse_args(["--modes", "sequential", "--steps", "2",
+                                                "--json", str(tmp_path / "new" / "b.json")])
+    assert args.json_path == str(tmp_path / "new" / "b.json")
+
+
 def test_repeat_must_be_positive(tmp_path, capsys):
     code = bench_cli.main(["--modes", "sequential", "--steps", "2", "--repeat", "0",
                            "--json", str(tmp_path / "b.json")])

@@ -966,6 +966,25 @@ def test_cli_writes_json_and_names_bad_input(tmp_path, capsys):
                           "model.actor=/x/a", "model.reward=llama3-8b"]) == 1
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--json", "{tmp}/nodir/plan.json"], "argument --json: cannot write {tmp}/nodir/plan.json: "
+                                          "its folder {tmp}/nodir does not exist"),
+    (["--json", "{tmp}"], "argument --json: {tmp} is a directory: name the file to write in it"),
+    (["--seed", "-1"], "argument --seed: must be in [0, 2**32 - 1] (a 32-bit seed), got -1"),
+])
+def test_cli_bad_output_path_or_seed_stops_before_planning(tmp_path, capsys, argv, words):
+    """--json to a missing folder or a directory raised FileNotFoundError / IsADirectoryError
+    after the plan was computed; --seed -1 said "expected non-negative integer", no flag."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main(["--gpu", "cpu", "--steps", "2", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert last == "oppo-plan: error: " + words.format(tmp=tmp_path)
+    assert captured.out == ""  # no plan printed
+
+
 def test_memory_fits_tracks_capacity():
     cfg = _cfg("system.zero_stage=3")
     shapes = resolve_shapes(cfg)

@@ -27,6 +27,7 @@ import time
 
 from .. import bench
 from ..config import ConfigError, load_config
+from .argtypes import output_file_in_new_folders, seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,14 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "generation.cuda_graph=true; repeatable. Speedups stay against "
                              "plain sequential")
     parser.add_argument("--steps", type=int, required=True, help="PPO steps per mode")
-    parser.add_argument("--json", required=True, dest="json_path", metavar="OUT.json", help="where to write the results")
-    parser.add_argument("--plot", metavar="OUT.png",
+    parser.add_argument("--json", required=True, dest="json_path", metavar="OUT.json",
+                        type=output_file_in_new_folders, help="where to write the results")
+    parser.add_argument("--plot", metavar="OUT.png", type=output_file_in_new_folders,
                         help="write PNGs: OUT.png (reward and gold against samples and time, step "
                              "time by phase) and OUT-timeline.png (one traced step per mode)")
     parser.add_argument("--peers", metavar="PEERS",
                         help=f"other systems to run on the same workload; available: {', '.join(bench.PEERS)}")
-    parser.add_argument("--table", metavar="OUT.md", help="also write the results as a markdown table")
-    parser.add_argument("--seed", type=int, default=0, help="seed shared by every mode (default 0)")
+    parser.add_argument("--table", metavar="OUT.md", type=output_file_in_new_folders,
+                        help="also write the results as a markdown table")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="seed shared by every mode (default 0)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="first steps left out of the timing (default 2)")
     parser.add_argument("--workdir", metavar="DIR", help="keeps each mode's run directory (default <json>.runs/)")

@@ -29,6 +29,7 @@ import sys
 from typing import Optional
 
 from ..telemetry import deferral_summary
+from .argtypes import output_file_in_new_folders
 
 METRICS = (("reward/mean", "reward"), ("gold/mean", "gold score"))
 
@@ -145,8 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("seed_dirs", nargs="+", metavar="RUNS_DIR", help="oppo-bench run directories, one per seed")
     parser.add_argument("--baseline", default="sequential", help="the mode whose seeds make the band")
     parser.add_argument("--window", type=int, default=20, help="moving-average window in steps (default 20)")
-    parser.add_argument("--json", dest="json_path", help="write the report here")
-    parser.add_argument("--plot", help="write the PNG here")
+    parser.add_argument("--json", dest="json_path", type=output_file_in_new_folders,
+                        help="write the report here")
+    parser.add_argument("--plot", type=output_file_in_new_folders, help="write the PNG here")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")

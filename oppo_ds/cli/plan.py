@@ -15,6 +15,7 @@ import json
 import sys
 
 from ..config import ConfigError, load_config
+from .argtypes import output_file, seed
 from ..plan.costs import DEVICES, get_device
 from ..plan.simulate import MODES
 
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
     p.add_argument("--gpu", metavar="NAME", help=f"device; one of {', '.join(DEVICES)}")
-    p.add_argument("--json", dest="json_path", metavar="OUT", help="also write the plan as JSON")
+    p.add_argument("--json", dest="json_path", metavar="OUT", type=output_file,
+                   help="also write the plan as JSON")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="share of device memory kept free for fragmentation and spikes (default 0.1)")
     p.add_argument("--shape", action="append", default=[], metavar="MODEL=NAME",
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "log-normal (workload.median_len, workload.tail_sigma)")
     p.add_argument("--modes", default=",".join(MODES), help=f"modes to simulate (default {','.join(MODES)})")
     p.add_argument("--steps", type=int, default=30, help="simulated PPO steps per mode (default 30)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the simulated lengths (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the simulated lengths (default 0)")
     p.add_argument("--calibrate", metavar="RESULTS.json",
                    help="fit the cpu device to an oppo-bench result's sequential run and compare the "
                         "predicted speedups of the other modes with the measured ones")
