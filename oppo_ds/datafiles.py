@@ -167,7 +167,8 @@ def read_prompt_rows(
     without a prompt dropped after the cuts), or None to read it as above.
 
     Raises:
-        DataError: naming the file and line (or row) of the first bad row, or the missing path.
+        DataError: naming the file and line (or row) of the first bad row, the missing path,
+        or a path that holds no row.
     """
     paths = [os.fspath(path)] if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
     if not paths:
@@ -179,6 +180,10 @@ def read_prompt_rows(
     for source in paths:
         fmt = source_format(source) if source_format is not None else None
         read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split)
+        if not read:  # else a later, wrong cause: "no usable prompt (all over max_prompt_len)"
+            what = ("its data files are empty, or hold" if os.path.isdir(source)
+                    else "the file is empty, or holds")
+            raise DataError(f"{source}: no prompt rows ({what} only blank lines or a header)")
         # the cuts pick positions in what the cut before kept, in its (permuted) order, as
         # DeepSpeed-Chat's Subset of a Subset does
         kept = list(range(len(read)))

@@ -268,6 +268,15 @@ def test_num_train_epochs_counts_the_prompts_left_after_the_overlong_ones(tmp_pa
     assert not (tmp_path / "w").exists()
 
 
+def test_an_empty_data_path_file_is_named_not_counted_as_one_step(tmp_path, capsys):
+    """--num_train_epochs over an empty prompt file counted 0 prompts and ran `steps: 1`."""
+    empty = tmp_path / "p.jsonl"
+    empty.write_text("")
+    assert main(["--data_path", str(empty), "--num_train_epochs", "1", "--print-config"]) == 2
+    assert capsys.readouterr().err == (f"oppo-train: error: {empty}: no prompt rows (the file "
+                                       "is empty, or holds only blank lines or a header)\n")
+
+
 def test_the_split_is_deepspeed_chats_own(tmp_path):
     """phase_part against DeepSpeed-Chat's get_raw_dataset_split_index itself, from a
     DeepSpeedExamples tree at 3d83278 named by OPPO_DSCHAT_ROOT."""

@@ -255,6 +255,30 @@ def test_path_errors(tmp_path):
         read_prompt_rows(str(empty))
 
 
+@pytest.mark.parametrize("name, text", [("e.jsonl", ""), ("e.jsonl", "\n\n"),
+                                        ("e.csv", "prompt\n"), ("e.json", "[]")])
+def test_a_source_without_rows_names_it(tmp_path, name, text):
+    """An empty eval.prompts file stopped the run with "no usable prompt (all over
+    generation.max_prompt_len ..., data.overlong: skip)", which was not why."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(str(path))
+    assert str(err.value) == (f"{path}: no prompt rows (the file is empty, or holds only "
+                              "blank lines or a header)")
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a"}\n')
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}: no prompt rows"):
+        read_prompt_rows([str(good), str(path)])  # one empty source among others too
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("")
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(str(folder))
+    assert str(err.value) == (f"{folder}: no prompt rows (its data files are empty, or hold "
+                              "only blank lines or a header)")
+
+
 def write_csv(path, records, delimiter=","):
     import csv
 
