@@ -1,7 +1,8 @@
 """The config keys that name files or folders, and the rules they share: a leading `~` is the
 home folder, as a shell would have read it (`model.actor: ~/ckpt`), and an empty string, which
 an unset shell variable leaves (`model.tokenizer=$TOK`), is refused rather than taken as the
-default. ``local_paths`` applies both once, when a ``Config`` is built."""
+default. ``local_paths`` applies both once, when a ``Config`` is built. And
+``check_export_targets``: no model source inside the final export's folders."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,3 +44,35 @@ def local_paths(cfg) -> None:
                                        f"{_default_hint(section, name)}")
             expanded = [os.path.expanduser(p) for p in paths]
             setattr(section, name, expanded[0] if isinstance(value, str) else expanded)
+
+
+EXPORT_FOLDERS = ("actor", "critic", "actor_ema")  # the final export's (oppo_ds.export)
+MODEL_SOURCE_KEYS = ("actor", "reference", "reward", "critic", "tokenizer")
+
+
+def _within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_export_targets(cfg) -> None:
+    """``ConfigError`` where the final Hugging Face export (``checkpoint.export_hf``) would
+    delete a model source: each of output_dir/actor, /critic and /actor_ema is removed and
+    written again (or removed where the run has no such model), so a source folder equal to
+    one of them or inside one is lost at the end of the run. Only folders that exist count
+    (a model name such as `builtin` or `tiny-llama` is none). oppo-train checks it before it
+    trains, not ``--evaluate``, which exports nothing (it may evaluate such an export)."""
+    if not cfg.checkpoint.export_hf:
+        return
+    out = os.path.realpath(cfg.logging.output_dir)
+    for key in MODEL_SOURCE_KEYS:
+        source = getattr(cfg.model, key)
+        if source is None or not os.path.isdir(source):
+            continue
+        real = os.path.realpath(source)
+        for name in EXPORT_FOLDERS:
+            target = os.path.join(out, name)
+            if _within(real, target):
+                raise ConfigError("logging.output_dir", (
+                    f"the final export (checkpoint.export_hf) replaces {target}, which holds "
+                    f"model.{key} ({source}): the run would delete its own source; choose "
+                    f"another logging.output_dir, or set checkpoint.export_hf: false"))

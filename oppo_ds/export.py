@@ -14,11 +14,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .config_paths import EXPORT_FOLDERS
 from .lora import has_lora, merged_state_dict
 
 logger = logging.getLogger("oppo_ds.trainer")
 
-EXPORTS = {"actor", "critic", "actor_ema"}  # the folders of a run's final export
+EXPORTS = set(EXPORT_FOLDERS)  # the folders of a run's final export
 
 
 def write_end_ids(path: str, ids: tuple[int, ...]) -> None:

@@ -20,6 +20,7 @@ from oppo_ds.config import (
     load_config,
 )
 from oppo_ds.config_docs import config_markdown, iter_keys
+from oppo_ds.config_paths import check_export_targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
@@ -824,6 +825,42 @@ def test_cli_empty_path_is_refused_naming_the_key(override, hint, capsys):
     key = override.split("=")[0]
     assert capsys.readouterr().err == (f"oppo-train: error: {key}: an empty path (an unset shell "
                                        f"variable?): give a path, or {hint}\n")
+
+
+@pytest.mark.parametrize("key, source", [
+    ("actor", "actor"), ("critic", "critic"), ("reference", "actor_ema"),
+    ("tokenizer", "actor/tok"), ("reward", "critic"),
+])
+def test_cli_refuses_an_export_that_would_replace_a_model_source(tmp_path, capsys, key, source):
+    """logging.output_dir=/x with model.actor=/x/actor: the final export deleted the source
+    checkpoint and wrote the trained actor in its place."""
+    (tmp_path / source).mkdir(parents=True)
+    folder = source.split("/")[0]
+    argv = [f"logging.output_dir={tmp_path}", f"model.{key}={tmp_path / source}"]
+    assert train_main(argv) == 2  # before anything is built
+    assert capsys.readouterr().err == (
+        f"oppo-train: error: logging.output_dir: the final export (checkpoint.export_hf) replaces "
+        f"{tmp_path / folder}, which holds model.{key} ({tmp_path / source}): the run would "
+        f"delete its own source; choose another logging.output_dir, or set "
+        f"checkpoint.export_hf: false\n")
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+    # oppo-train --evaluate exports nothing: it may evaluate a run's exported actor there
+    check_export_targets(load_config(None, [*argv, "checkpoint.export_hf=false"]))
+
+
+def test_a_model_source_beside_the_export_folders_is_fine(tmp_path):
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "sft").mkdir()
+    # the run directory inside the source, or the source beside the export folders: no loss
+    check_export_targets(load_config(None, [f"logging.output_dir={tmp_path / 'actor'}",
+                                            f"model.actor={tmp_path / 'actor'}"]))
+    check_export_targets(load_config(None, [f"logging.output_dir={tmp_path}",
+                                            f"model.actor={tmp_path / 'sft'}"]))
+    # a link to the export folder is the export folder
+    os.symlink(tmp_path / "actor", tmp_path / "link")
+    with pytest.raises(ConfigError, match="holds model.actor"):
+        check_export_targets(load_config(None, [f"logging.output_dir={tmp_path}",
+                                                f"model.actor={tmp_path / 'link'}"]))
 
 
 def test_cli_main_returns_2(capsys):
