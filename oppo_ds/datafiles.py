@@ -122,6 +122,7 @@ def read_prompt_rows(
     path: str | os.PathLike | Sequence[str | os.PathLike], prompt_key: str = "prompt",
     split: str = "train", phase_split: Optional[Sequence[float]] = None, phase_seed: int = 0,
     source_format: Optional[Callable[[str], Optional[SourceFormat]]] = None,
+    key_name: str = "data.prompt_key",
 ) -> list[PromptRow]:
     """Read prompts from ``path``, or from several paths one after another (their rows
     concatenated in the order given).
@@ -166,6 +167,9 @@ def read_prompt_rows(
     other fields (its split read instead of ``split``, its cut before ``phase_split``, rows
     without a prompt dropped after the cuts), or None to read it as above.
 
+    ``key_name``: the config key that set ``prompt_key``, named where a file lacks the field
+    (``data.ptx_key`` for the pretraining text).
+
     Raises:
         DataError: naming the file and line (or row) of the first bad row, the missing path,
         or a path that holds no row.
@@ -179,7 +183,7 @@ def read_prompt_rows(
     rows = []
     for source in paths:
         fmt = source_format(source) if source_format is not None else None
-        read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split)
+        read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split, key_name)
         if not read:  # else a later, wrong cause: "no usable prompt (all over max_prompt_len)"
             what = ("its data files are empty, or hold" if os.path.isdir(source)
                     else "the file is empty, or holds")
@@ -234,7 +238,8 @@ def phase_part(n: int, weights: Sequence[float], seed: int, part: int = 2) -> li
     return [int(i) for i in order[bounds[part]:bounds[part + 1]]]
 
 
-def _read_source(path: str, prompt_key: "str | SourceFormat", split: str) -> list[PromptRow]:
+def _read_source(path: str, prompt_key: "str | SourceFormat", split: str,
+                 key_name: str) -> list[PromptRow]:
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file or directory")
     if os.path.isdir(path):
@@ -243,9 +248,9 @@ def _read_source(path: str, prompt_key: "str | SourceFormat", split: str) -> lis
         else:
             rows = []
             for file in _list_data_files(path, split):
-                rows.extend(_read_file(file, prompt_key))
+                rows.extend(_read_file(file, prompt_key, key_name))
     else:
-        rows = _read_file(path, prompt_key)
+        rows = _read_file(path, prompt_key, key_name)
     return rows
 
 
@@ -319,14 +324,14 @@ def _split_of(relative: str) -> Optional[str]:
     return None
 
 
-def _read_file(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
+def _read_file(path: str, prompt_key: "str | SourceFormat", key_name: str) -> list[PromptRow]:
     kind = _uncompressed_name(path)
     if kind.endswith(".jsonl"):
         return _read_jsonl(path, prompt_key)
     if kind.endswith(".json"):
         return _read_json(path, prompt_key)
     if kind.endswith((".csv", ".tsv")):
-        return _read_csv(path, prompt_key, "\t" if kind.endswith(".tsv") else ",")
+        return _read_csv(path, prompt_key, "\t" if kind.endswith(".tsv") else ",", key_name)
     if path.endswith(".parquet"):
         return _read_parquet(path, prompt_key)
     raise DataError(f"{path}: unsupported file type; expected {_KINDS_TEXT}, or a datasets "
@@ -445,7 +450,8 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
     return rows
 
 
-def _read_csv(path: str, prompt_key: "str | SourceFormat", delimiter: str) -> list[PromptRow]:
+def _read_csv(path: str, prompt_key: "str | SourceFormat", delimiter: str,
+              key_name: str) -> list[PromptRow]:
     """Comma- (or tab-) separated values under a header row that names the fields.
 
     Every cell is text, as written (no guessing of numbers or dates); an empty cell other than
@@ -484,7 +490,7 @@ def _read_csv(path: str, prompt_key: "str | SourceFormat", delimiter: str) -> li
                 raise DataError(f"{path}:{line}: the header names {twice[0]!r} twice")
             if isinstance(prompt_key, str) and prompt_key not in cells:
                 raise DataError(f"{path}:{line}: the header has no {prompt_key!r} column "
-                                f"(data.prompt_key); its columns are {cells}")
+                                f"({key_name}); its columns are {cells}")
             header, header_line = cells, line
             continue
         if len(cells) != len(header):

@@ -338,6 +338,17 @@ def test_csv_errors_name_the_line(tmp_path, text, error):
         read_prompt_rows(str(path))
 
 
+def test_ptx_csv_without_its_column_names_data_ptx_key(tmp_path):
+    """The pretraining text is read by data.ptx_key: its missing column named
+    data.prompt_key, a key that plays no part in it."""
+    path = tmp_path / "ptx.csv"
+    path.write_text("body\nsome text\n")
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(str(path), prompt_key="text", key_name="data.ptx_key")
+    assert str(err.value) == (f"{path}:1: the header has no 'text' column (data.ptx_key); its "
+                              "columns are ['body']")
+
+
 def test_csv_that_is_not_utf8_names_the_line(tmp_path):
     path = tmp_path / "latin.csv"
     path.write_bytes("prompt\nok\ncaf\u00e9\n".encode("latin-1"))
