@@ -117,6 +117,8 @@ def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
      "--per_device_training_batch_size"),
     (["--seed", "-1"], "--seed"),  # numpy's "Seed must be between 0 and 2**32 - 1" at start
     (["--seed", str(2**32)], "--seed"),
+    (["--num_train_epochs", "0"], "--num_train_epochs"),  # was `steps: 1`, silently
+    (["--num_train_epochs", "-2"], "--num_train_epochs"),
 ])
 def test_conflicts_and_refused_flags_are_errors_naming_the_flag(argv, flag, capsys):
     assert main(argv + ["--print-config"]) == 2

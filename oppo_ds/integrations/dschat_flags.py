@@ -230,6 +230,10 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
             raise ConfigError(f"--{name}", f"not supported by oppo-train: {flag.note}")
         if flag.kind == IGNORED and value not in (False, None):
             warnings.append(f"--{name} has no effect in oppo-train: {flag.note}")
+    epochs = flags.get("num_train_epochs")
+    if epochs is not None and epochs < 1:  # else `steps: 1` whatever it was
+        raise ConfigError("--num_train_epochs", f"must be >= 1 (passes over the prompts), got "
+                                                f"{epochs}")
     if flags.get("seed") is not None and not 0 <= flags["seed"] < 2**32:  # numpy's range
         raise ConfigError("--seed", f"must be in [0, 2**32 - 1] (a 32-bit seed), got "
                                     f"{flags['seed']}")
