@@ -538,14 +538,16 @@ class CheckpointConfig:
     every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: str = "auto"
-    """`auto` = continue from the latest checkpoint in output_dir when there is one,
-    `never` = start fresh (an earlier run's checkpoints there are moved whole to
-    `checkpoints.earlier-<time>/`, so that a later `auto` never resumes that run), or the tag
-    of one checkpoint under output_dir/checkpoints
-    (`step300`). A run resumes only with the number of ranks, seed, prompts, `data.shuffle`
-    and the actor's and critic's settings (model sources, architecture, LoRA, backend and
-    parallel sizes, ZeRO stage, dtype) it was written with; placement, streaming and chunk
-    size may change (docs/architecture.md, Checkpoints)."""
+    """`auto` = continue from the latest checkpoint in output_dir when there is one (the tag
+    its `latest` file names; where complete checkpoints are there but `latest` is missing or
+    empty, lost in a crash or removed by hand, the run stops naming the tags, rather than
+    start afresh over them: set the tag to resume, or `never`), `never` = start fresh (an
+    earlier run's checkpoints there are moved whole to `checkpoints.earlier-<time>/`, so
+    that a later `auto` never resumes that run), or the tag of one checkpoint under
+    output_dir/checkpoints (`step300`). A run resumes only with the number of ranks, seed,
+    prompts, `data.shuffle` and the actor's and critic's settings (model sources,
+    architecture, LoRA, backend and parallel sizes, ZeRO stage, dtype) it was written with;
+    placement, streaming and chunk size may change (docs/architecture.md, Checkpoints)."""
     keep_last: int = 2
     """Checkpoints to keep, the newest up to the run's latest (older ones are removed; tags
     of later steps, a branch left by resuming an older tag, stay until the run saves that
