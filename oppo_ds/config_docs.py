@@ -14,6 +14,7 @@ import textwrap
 import typing
 
 from .config import Config
+from .config_paths import PATH_KEYS
 from .config_types import describe_type
 
 
@@ -59,7 +60,11 @@ def config_markdown() -> str:
              "a test fails when this page and the dataclasses disagree.", "",
              "Set keys in a YAML file (`oppo-train --config FILE`) or on the command line",
              "(`oppo-train ppo.kl_coef=0.05`). An unknown key or a bad value stops with exit",
-             "code 2 and a message naming the key and what it allows.", ""]
+             "code 2 and a message naming the key and what it allows.", "",
+             "A key naming a file or folder (" + ", ".join(
+                 f"`{section}.{name}`" for section, names in PATH_KEYS.items() for name in names)
+             + ") reads a leading `~` as the home folder; an empty path is refused (null asks "
+               "for an optional key's default).", ""]
     section = None
     for key, tp, default, doc in iter_keys():
         head = key.split(".")[0] if "." in key else None
