@@ -59,8 +59,9 @@ def check_export_targets(cfg) -> None:
     delete a model source: each of output_dir/actor, /critic and /actor_ema is removed and
     written again (or removed where the run has no such model), so a source folder equal to
     one of them or inside one is lost at the end of the run. Only folders that exist count
-    (a model name such as `builtin` or `tiny-llama` is none). oppo-train checks it before it
-    trains, not ``--evaluate``, which exports nothing (it may evaluate such an export)."""
+    (a model name such as `builtin` or `tiny-llama` is none). ``PPOTrainer`` checks it before
+    it builds anything, not for ``--evaluate``, which exports nothing (it may evaluate such an
+    export)."""
     if not cfg.checkpoint.export_hf:
         return
     out = os.path.realpath(cfg.logging.output_dir)

@@ -25,6 +25,7 @@ from .algo import masked_mean, overlong_penalty
 from .checkpoint import CheckpointManager, check_tag, checkpoint_root
 from .config import Config, ConfigError, save_config
 from .config_checks import optimizer_updates, ptx_block_len
+from .config_paths import check_export_targets
 from .config_types import require
 from .data import PromptStream, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
@@ -96,6 +97,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         logs and configuration in ``logging.output_dir`` are neither opened nor rewritten."""
         self.cfg = cfg
         self.evaluating_only = evaluate_only
+        if not evaluate_only:  # before anything is built (an evaluation exports nothing)
+            check_export_targets(cfg)
         self.preempted: Optional[str] = None  # the signal that stopped training early
         self.kl_coef = cfg.ppo.kl_coef  # adapted after every step with ppo.kl_target
         if cfg.system.torch_threads:
@@ -370,7 +373,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     def _load_ptx(self):
         d = self.cfg.data
-        rows = read_prompt_rows(d.ptx, prompt_key=d.ptx_key, split=d.split)
+        rows = read_prompt_rows(d.ptx, prompt_key=d.ptx_key, split=d.split,
+                                key_name="data.ptx_key")
         blocks = ptx_blocks(rows, self.tokenizer, ptx_block_len(self.cfg), prompts_label(d.ptx))
         if len(blocks) < self.world_size:
             raise DataError(f"{prompts_label(d.ptx)}: {len(blocks)} pretraining blocks for "
