@@ -846,6 +846,11 @@ def test_cli_refuses_an_export_that_would_replace_a_model_source(tmp_path, capsy
     assert not os.path.exists(tmp_path / "metrics.jsonl")
     # oppo-train --evaluate exports nothing: it may evaluate a run's exported actor there
     check_export_targets(load_config(None, [*argv, "checkpoint.export_hf=false"]))
+    # a run built in Python is refused as well, before anything is built
+    from oppo_ds.trainer import PPOTrainer
+
+    with pytest.raises(ConfigError, match=f"holds model.{key}"):
+        PPOTrainer(load_config(None, argv))
 
 
 def test_a_model_source_beside_the_export_folders_is_fine(tmp_path):

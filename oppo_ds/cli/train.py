@@ -17,6 +17,7 @@ import traceback
 import warnings
 
 from ..config import ConfigError, load_config
+from ..config_paths import check_export_targets
 from ..datafiles import DataError
 from ..integrations import dschat_flags as dschat
 
@@ -158,6 +159,8 @@ def _main(argv: list[str] | None) -> int:
                               "file or directory, or builtin (the built-in task's held-out set)")
         if not args.print_config:
             check_output_dir(cfg.logging.output_dir)
+        if not args.print_config and not args.evaluate:  # before anything is set up (the
+            check_export_targets(cfg)  # trainer checks again, for a run built in Python)
     except (ConfigError, DataError) as err:
         print(f"oppo-train: error: {err}", file=sys.stderr)
         return 2
