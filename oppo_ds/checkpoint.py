@@ -15,13 +15,13 @@ import random
 import re
 import shutil
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .config import ConfigError
-from .durable import fsync_dir, write_durably
+from .durable import fsync_dir, fsync_tree, write_durably
 from .engines.base import CheckpointMismatch
 
 _TAG = re.compile(r"^step(\d+)$")
@@ -75,7 +75,9 @@ def _saved_ranks(folder: str) -> list[int]:
 
 def _whole(root: str, tag: str) -> bool:
     """Whether ``tag`` is a complete checkpoint: the trainer states of ranks 0 to n-1 and
-    something of it in every engine's folder."""
+    something of it in every engine's folder. Rank 0 writes its state after every rank's
+    files are written (``CheckpointManager.save``; since 2026-11-29): a save cut short on
+    some ranks has none, whatever the others wrote."""
     ranks = _saved_ranks(os.path.join(root, "trainer", tag))
     return bool(ranks) and ranks == list(range(len(ranks))) and not _missing_engines(root, tag)
 
@@ -86,12 +88,13 @@ def checkpoint_tags(root: str) -> list[str]:
     return sorted((t for t in found if _whole(root, t)), key=_step)
 
 
-def check_tag(root: str, tag: str) -> None:
+def check_tag(root: str, tag: str, engines: Optional[Sequence[str]] = None) -> None:
     """``ConfigError`` (key ``checkpoint.resume``) when ``root`` holds no checkpoint ``tag``,
-    or one without an engine's files: cheap, so that a run naming a tag is checked before any
-    engine is built."""
+    or one without the files of an engine the run loads (``engines``; None: all of them; an
+    evaluation loads the actor alone): cheap, so that a run naming a tag is checked before
+    any engine is built."""
     _check_trainer_state(root, tag)
-    missing = _missing_engines(root, tag)
+    missing = [name for name in _missing_engines(root, tag) if engines is None or name in engines]
     if missing:
         held = ", ".join(checkpoint_tags(root)) or "none"
         raise ConfigError("checkpoint.resume", (
@@ -150,15 +153,23 @@ class CheckpointManager:
         _barrier()
         for name, engine in engines.items():
             engine.save(os.path.join(self.root, name), tag)
+            # on disk before `latest` names them (DeepSpeed syncs nothing): each rank its own
+            # (on a shared filesystem everyone's: syncing clean files costs little)
+            fsync_tree(os.path.join(self.root, name, tag))
         state = dict(state, python_rng=random.getstate(), torch_rng=torch.get_rng_state())
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         folder = os.path.join(self.root, "trainer", tag)
         os.makedirs(folder, exist_ok=True)
-        write_durably(os.path.join(folder, f"rank{self.rank}.pt"),
-                      lambda f: torch.save(state, f))
+
+        def write_state():
+            write_durably(os.path.join(folder, f"rank{self.rank}.pt"),
+                          lambda f: torch.save(state, f))
+        if self.rank != 0:
+            write_state()
         _barrier()
-        if self.rank == 0:
+        if self.rank == 0:  # last, once every rank's files are there: rank 0's state marks
+            write_state()   # a whole tag (``_whole``), a save cut short has none
             self._write_latest(tag)
             self._prune(list(engines))
         _barrier()

@@ -225,7 +225,7 @@ class Telemetry:
     def log_step(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        with open(self.metrics_path, "a") as f:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
@@ -250,7 +250,7 @@ class Telemetry:
         samples.jsonl, put them in TensorBoard's text tab, and print them when ``show``."""
         if not self.enabled or not samples:
             return
-        with open(self.samples_path, "a") as f:
+        with open(self.samples_path, "a", encoding="utf-8") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
         if self.writer is not None:
@@ -267,9 +267,9 @@ class Telemetry:
         TensorBoard (``eval/...``), every response to eval_samples.jsonl, a line printed."""
         if not self.enabled:
             return
-        with open(self.eval_path, "a") as f:
+        with open(self.eval_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        with open(self.eval_samples_path, "a") as f:
+        with open(self.eval_samples_path, "a", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
         if self.writer is not None:
@@ -300,7 +300,7 @@ class Telemetry:
         if evaluations:
             summary["eval"] = eval_summary(evaluations)
         summary.update(summary_extra or {})
-        with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
+        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
         if self.wandb is not None:  # called in a finally: a run ended by an exception failed
             self.wandb.finish(summary, failed=sys.exc_info()[0] is not None)

@@ -202,7 +202,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         eos = end_ids(cfg, src, self.tokenizer, log=self.is_main)
         self.reward_norm = reward_normalization(cfg, src)
         if cfg.checkpoint.resume not in ("auto", "never") and not scorer_rank:  # a tag
-            check_tag(checkpoint_root(cfg), cfg.checkpoint.resume)  # before any engine is built
+            # before any engine is built; an evaluation loads the actor alone
+            check_tag(checkpoint_root(cfg), cfg.checkpoint.resume,
+                      ("actor",) if self.evaluating_only else None)
         return src, eos
 
     def _build_engines(self, src, common: dict) -> None:

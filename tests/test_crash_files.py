@@ -235,6 +235,87 @@ def test_a_prune_removes_the_trainer_state_first(tmp_path):
         assert os.listdir(tmp_path / name) == ["step6"]
 
 
+def test_rank_0_writes_its_state_once_every_rank_has_saved(tmp_path, monkeypatch):
+    """A save whose other ranks never reach the barrier after their files (killed there):
+    rank 0 has saved its engines but not its trainer state, which it writes only after that
+    barrier, so the tag is no checkpoint. Before, rank 0's state was written beside the
+    others', and rank 0's alone made a rank-0-to-n-1 run that looked whole."""
+    import oppo_ds.checkpoint as checkpoint
+
+    _save(tmp_path, "step2")
+    calls = []
+
+    def barrier():  # the third of a save's: after its engines and (on other ranks) states
+        calls.append(1)
+        if len(calls) == 3:
+            raise Killed("the other ranks never arrived")
+    monkeypatch.setattr(checkpoint, "_barrier", barrier)
+    with pytest.raises(Killed):
+        CheckpointManager(str(tmp_path), rank=0, world_size=2, keep_last=9).save(
+            "step4", {"step": 4}, engines={"actor": _Files()})
+    assert (tmp_path / "actor" / "step4").exists()
+    assert not (tmp_path / "trainer" / "step4" / "rank0.pt").exists()
+    assert checkpoint_tags(str(tmp_path)) == ["step2"]
+
+
+def test_a_save_syncs_the_engines_files_before_latest_names_them(tmp_path, monkeypatch):
+    """DeepSpeed writes its files without syncing them: a power cut after `latest` named the
+    tag (and a keep_last of 1 pruned the one before) could leave it empty. The save syncs
+    every file of the tag's engine folders, then the trainer state, then `latest`."""
+    import oppo_ds.durable as durable
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append(os.path.relpath(path, tmp_path) if os.path.isfile(path) else None)
+        return real(fd)
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    _save(tmp_path, "step2", engines=("actor", "critic"))
+    files = [f for f in synced if f is not None]
+    engine_files = sorted(os.path.relpath(os.path.join(top, name), tmp_path)
+                          for name_ in ("actor", "critic")
+                          for top, _, names in os.walk(tmp_path / name_ / "step2")
+                          for name in names)
+    assert engine_files and sorted(f for f in files if f in engine_files) == engine_files
+    last = max(files.index(f) for f in engine_files)
+    assert last < files.index(".latest.tmp")
+
+
+def test_an_evaluation_of_a_tag_needs_the_actors_files_alone(tmp_path):
+    """A checkpoint copied for evaluation without the critic's folder: a resume refuses it
+    (the critic would not load), `oppo-train --evaluate` (the actor alone) takes it."""
+    _save(tmp_path, "step2", engines=("actor", "critic"))
+    _save(tmp_path, "step4", engines=("actor", "critic"))
+    shutil.rmtree(tmp_path / "critic" / "step4")
+    with pytest.raises(ConfigError, match="nothing of the critic"):
+        check_tag(str(tmp_path), "step4")
+    check_tag(str(tmp_path), "step4", ("actor",))
+    shutil.rmtree(tmp_path / "actor" / "step4")
+    with pytest.raises(ConfigError, match="nothing of the actor"):
+        check_tag(str(tmp_path), "step4", ("actor",))
+
+
+def test_the_history_is_utf8_whatever_the_locale(tmp_path):
+    """Under an ASCII locale (LC_ALL=C, no UTF-8 coercion) the history's files are still
+    written in UTF-8, as the resume reads them: before, a non-ASCII prompt stopped the step
+    that logged it (UnicodeEncodeError), and another locale's bytes stopped every resume."""
+    import subprocess
+
+    code = ("import sys; from oppo_ds.telemetry import Telemetry\n"
+            "t = Telemetry(sys.argv[1], enabled=True, tensorboard=False, progress=False, "
+            "total_steps=2, start_step=0, log_every=0)\n"
+            "t.log_samples(1, [{'prompt': 'caf\\u00e9', 'response': '\\u00fc'}], False)\n"
+            "t.log_eval(1, {'eval/reward_mean': 1.0}, [{'prompt': '\\u00e9', 'response': 'x'}])\n")
+    env = dict(os.environ, LC_ALL="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0")
+    subprocess.run([sys.executable, "-X", "utf8=0", "-c", code, str(tmp_path)], check=True,
+                   env=env, capture_output=True)
+    assert "caf\u00e9".encode() in (tmp_path / "samples.jsonl").read_bytes()
+    assert read_history(str(tmp_path / "eval_samples.jsonl"))[0]["prompt"] == "\u00e9"
+    _telemetry(tmp_path, start_step=1)  # and a resume reads them back
+
+
 # -- a whole run ---------------------------------------------------------------------------
 
 def test_a_run_whose_history_ends_in_half_a_line_resumes_and_continues(cache_dir, tmp_path):
