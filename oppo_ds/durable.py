@@ -44,10 +44,16 @@ def fsync_dir(folder: str) -> None:
 def fsync_tree(folder: str) -> None:
     """Flush every file under ``folder``, and its folders' entries, to disk: what another
     writer (DeepSpeed's checkpoint, which syncs nothing) left in the page cache. Before a
-    ``latest`` names it: a power cut then keeps the files that ``latest`` promises."""
+    ``latest`` names it: a power cut then keeps the files that ``latest`` promises. On a
+    shared folder another rank may still be writing there (Megatron's shards of another
+    pipeline stage, through a temporary file it renames): a file gone by the time it is
+    opened is skipped, that rank syncs its own."""
     for top, _, names in os.walk(folder):
         for name in names:
-            fd = os.open(os.path.join(top, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(top, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.fsync(fd)
             finally:

@@ -283,6 +283,23 @@ def test_a_save_syncs_the_engines_files_before_latest_names_them(tmp_path, monke
     assert last < files.index(".latest.tmp")
 
 
+def test_syncing_a_folder_skips_a_file_another_rank_renamed_meanwhile(tmp_path, monkeypatch):
+    """On a shared folder another pipeline stage may still write its Megatron shard through a
+    temporary file it renames: listed, then gone before it is opened. The sync skips it
+    (that rank syncs its own) and syncs the rest. Seen in CI: a FileNotFoundError stopped
+    the save of a pipeline-parallel run."""
+    import oppo_ds.durable as durable
+
+    (tmp_path / "mp_rank_00_000.pt").write_bytes(b"shard")
+    real = os.walk
+
+    def walk(folder):
+        for top, dirs, names in real(folder):
+            yield top, dirs, names + [".mp_rank_00_001.pt.tmp"]  # renamed since listed
+    monkeypatch.setattr(durable.os, "walk", walk)
+    durable.fsync_tree(str(tmp_path))
+
+
 def test_an_evaluation_of_a_tag_needs_the_actors_files_alone(tmp_path):
     """A checkpoint copied for evaluation without the critic's folder: a resume refuses it
     (the critic would not load), `oppo-train --evaluate` (the actor alone) takes it."""
