@@ -247,7 +247,7 @@ class CheckpointManager:
             earlier = [t for t in self.tags()
                        if t != tag and (not _TAG.match(tag) or _step(t) < _step(tag))]
             if self.evaluating:
-                way = "evaluate another tag (checkpoint.resume=TAG)"
+                way = self._another_tag()
             elif earlier:
                 way = (f"resume an earlier complete tag, checkpoint.resume={earlier[-1]} (the "
                        f"complete ones: {', '.join(earlier)}), or start afresh with "

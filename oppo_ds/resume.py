@@ -50,6 +50,12 @@ def _compared(key: str, value):
     return [value] if key == "model.reward_function" and isinstance(value, str) else value
 
 
+def _source(path: str) -> str:
+    """A model source as a resume compares it: a folder by its real path (./ckpt, /abs/ckpt
+    and a link to it are one), a name (`builtin`, `tiny-llama`) as it is."""
+    return os.path.realpath(path) if os.path.exists(path) else path
+
+
 def objective_settings(values: dict) -> dict:
     """``{"ppo.kl_coef": 0.05, ...}``: the objective's settings in ``values`` (``Config.to_dict()``)."""
     out = {f"ppo.{k}": v for k, v in values["ppo"].items()}
@@ -224,11 +230,8 @@ class Resumable:
         model (a folder by its real path), and for the reference the temperature its
         log-probs are taken at. Saved with the rollout pool (``scorer_inputs``)."""
         m = self.cfg.model
-
-        def source(path):
-            return os.path.realpath(path) if os.path.exists(path) else path
-        return {"reward": [source(m.reward)],
-                "reference": [source(m.reference or m.actor), self.cfg.generation.temperature]}
+        return {"reward": [_source(m.reward)],
+                "reference": [_source(m.reference or m.actor), self.cfg.generation.temperature]}
 
     def _stale_scorer_work(self, state: dict, tag: str) -> set:
         """The frozen scorers whose work in the resumed pool this run cannot use, its
@@ -321,9 +324,9 @@ class Resumable:
         if self.critic is not None and settings["model.critic"] is None:
             # the critic starts from the reward model: its source is the critic's too
             settings["model.reward"] = values["model"]["reward"]
-        for key in ("model.actor", "model.critic", "model.reward"):  # ./ckpt, /abs/ckpt: one
-            if isinstance(settings.get(key), str) and os.path.exists(settings[key]):
-                settings[key] = os.path.realpath(settings[key])
+        for key in ("model.actor", "model.critic", "model.reward"):
+            if isinstance(settings.get(key), str):
+                settings[key] = _source(settings[key])
         s = self.cfg.system  # whether DeepSpeed's BF16 optimizer wrote the optimizer's files
         settings["system.grad_accum_dtype"] = optimizer_states_kind(
             s.grad_accum_dtype, dtype=s.dtype, zero_stage=s.zero_stage, offload=s.offload) \
