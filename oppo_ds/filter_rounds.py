@@ -147,8 +147,8 @@ class FilterRounds:
         ``ppo.filter_groups_oversample``, so a rank needing fewer keeps the difference."""
         pool = self.pool
 
-        def due(entries) -> int:  # rows that will have been deferred max_defer_steps times
-            return sum(1 for e in entries if e.deferrals + 1 >= pool.max_defer_steps)
+        def due(entries) -> int:  # rows forced next step: this one defers them once more
+            return sum(1 for e in entries if e.deadline(pool.max_defer_steps) <= 2)
 
         held, back = due(pool.entries), []
         for entries in groups:

@@ -527,3 +527,7 @@ def test_overdue_names_the_first_steps_whose_forced_rows_outnumber_their_batches
     assert pool(2, 2, [2, 2, 2, 1]).overdue() == (1, 3)  # 3 forced next step, a batch of 2
     assert pool(2, 3, [1] * 5).overdue() is None  # 3 steps of 2 hold them
     assert pool(2, 1, []).overdue() is None
+    # the one deadline rule: forced means due in the step under way
+    entries = pool(2, 2, [0, 1, 2, 5]).entries
+    assert [e.deadline(2) for e in entries] == [3, 2, 1, 1]
+    assert [e.forced(2) for e in entries] == [False, False, True, True]

@@ -58,8 +58,14 @@ class PoolEntry:
     target: Optional[int] = None  # length oracle: the response ends after this many tokens
     group: Optional[int] = None   # the responses to one draw of a prompt share it (group_size > 1)
 
+    def deadline(self, max_defer_steps: int) -> int:
+        """The step, counting the one under way (or, between steps, the next) as 1, in which
+        this entry is forced: deferred ``max_defer_steps`` times, it is trained first there
+        and the step does not stop before it ends."""
+        return max(1, max_defer_steps - self.deferrals + 1)
+
     def forced(self, max_defer_steps: int) -> bool:
-        return self.deferrals >= max_defer_steps
+        return self.deadline(max_defer_steps) == 1
 
 
 class PromptLedger:
@@ -260,11 +266,10 @@ class RolloutPool:
     def overdue(self) -> Optional[tuple[int, int]]:
         """None when every entry the pool holds can be trained within ``max_defer_steps``;
         else ``(k, n)``: ``n`` entries must be trained within the next ``k`` steps (1: the
-        next), more than ``k`` batches hold. An entry deferred ``d`` times is forced in step
-        ``max(1, max_defer_steps - d + 1)`` and trained first there (``take``). A run keeps
-        this by construction (Delta <= B, ``FilterRounds._carry_surplus``); a resume with a
-        smaller batch or bound may not."""
-        deadlines = [max(1, self.max_defer_steps - e.deferrals + 1) for e in self.entries]
+        next), more than ``k`` batches hold. An entry is trained first in the step it is
+        forced (``PoolEntry.deadline``, ``take``). A run keeps this by construction (Delta <=
+        B, ``FilterRounds._carry_surplus``); a resume with a smaller batch or bound may not."""
+        deadlines = [e.deadline(self.max_defer_steps) for e in self.entries]
         for k in sorted(set(deadlines)):
             n = sum(d <= k for d in deadlines)
             if n > k * self.batch_size:
