@@ -138,23 +138,37 @@ def _numbers_read(value: Any) -> Any:
     return value
 
 
-def _unknown_key_hint(cls, hints: dict, key: str, names: list[str], prefix: str) -> str:
-    """What an unknown ``key`` of ``cls`` may have meant: the sections of ``cls`` that hold a
-    key of that name (`kl_coef` at the top: ppo.kl_coef), else a close name of ``cls``."""
-    homes = [f"{prefix + '.' if prefix else ''}{f.name}.{key}" for f in dataclasses.fields(cls)
-             if dataclasses.is_dataclass(hints[f.name])
-             and key in {g.name for g in dataclasses.fields(hints[f.name])}]
+def _key_homes(cls, key: str, prefix: str = "") -> list[str]:
+    """Every dotted key named ``key`` in the tree of dataclass ``cls``, in field order."""
+    hints = typing.get_type_hints(cls)
+    homes = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            homes += _key_homes(hints[f.name], key, path)
+        elif f.name == key:
+            homes.append(path)
+    return homes
+
+
+def _unknown_key_hint(root, key: str, names: list[str]) -> str:
+    """What an unknown ``key`` may have meant: the sections anywhere under dataclass ``root``
+    that hold a key of that name (`kl_coef` at the top or `ppo.max_new_tokens`:
+    generation.max_new_tokens), else a close name among the section's ``names``."""
+    homes = _key_homes(root, key)
     if homes:
         return f"; did you mean {' or '.join(homes)}?"
     close = difflib.get_close_matches(key, names, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def build_dataclass(cls, data: dict, prefix: str):
+def build_dataclass(cls, data: dict, prefix: str, root=None):
     """An instance of dataclass ``cls`` from ``data`` (nested mappings for nested dataclasses),
     every value converted to its field's annotation; ``prefix``: the dotted key of ``data``.
     A section given null (`model:` with every key under it commented out) is an empty one, as
-    an empty file is: a warning, not an error."""
+    an empty file is: a warning, not an error. ``root``: the top dataclass (default ``cls``),
+    where an unknown key's hint looks for a key of its name."""
+    root = cls if root is None else root
     if data is None and prefix:
         logger.warning("%s: the section is empty (null, or only comments): every key in it has "
                        "its default", prefix)
@@ -167,11 +181,12 @@ def build_dataclass(cls, data: dict, prefix: str):
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            hint = _unknown_key_hint(cls, hints, str(key), names, prefix)
+            hint = _unknown_key_hint(root, str(key), names)
             raise ConfigError(path, f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
                                     f"{', '.join(names)}{hint}")
         tp = hints[key]
-        kwargs[key] = build_dataclass(tp, value, path) if dataclasses.is_dataclass(tp) else _convert(path, value, tp)
+        kwargs[key] = (build_dataclass(tp, value, path, root) if dataclasses.is_dataclass(tp)
+                       else _convert(path, value, tp))
     try:
         return cls(**kwargs)
     except ConfigError as err:

@@ -205,6 +205,21 @@ def test_top_level_key_of_a_section_names_the_section(tmp_path, text, hint):
     assert str(err.value).endswith(f"; {hint}")
 
 
+@pytest.mark.parametrize("override, hint", [
+    ("ppo.max_new_tokens=64", "did you mean generation.max_new_tokens?"),
+    ("generation.kl_coef=0.1", "did you mean ppo.kl_coef?"),
+    ("model.prompts=p.jsonl", "did you mean data.prompts or eval.prompts?"),
+])
+def test_key_in_another_section_names_its_section(override, hint):
+    """`ppo.max_new_tokens` named only a close key of ppo, or nothing, not the section where
+    the key lives."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    key, section = override.split("=")[0], override.split(".")[0]
+    assert str(err.value).startswith(f"{key}: unknown key; allowed keys in {section}: ")
+    assert str(err.value).endswith(f"; {hint}")
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = _write(tmp_path, "generation:\n  max_new_token: 10\n")
     with pytest.raises(ConfigError, match=r"generation\.max_new_token.*did you mean 'max_new_tokens'"):
