@@ -156,6 +156,7 @@ class CheckpointManager:
             # on disk before `latest` names them (DeepSpeed syncs nothing): each rank its own
             # (on a shared filesystem everyone's: syncing clean files costs little)
             fsync_tree(os.path.join(self.root, name, tag))
+            fsync_dir(os.path.join(self.root, name))  # the tag's entry in it
         state = dict(state, python_rng=random.getstate(), torch_rng=torch.get_rng_state())
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -165,6 +166,7 @@ class CheckpointManager:
         def write_state():
             write_durably(os.path.join(folder, f"rank{self.rank}.pt"),
                           lambda f: torch.save(state, f))
+            fsync_dir(os.path.dirname(folder))  # trainer/: the tag's entry in it
         if self.rank != 0:
             write_state()
         _barrier()

@@ -15,6 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .config_paths import EXPORT_FOLDERS
+from .durable import fsync_dir, fsync_tree
 from .lora import has_lora, merged_state_dict
 
 logger = logging.getLogger("oppo_ds.trainer")
@@ -99,6 +100,9 @@ class Exporting:
                     write_end_ids(path, self.sampling.eos_token_ids)
                 if self.is_main and name == "critic":
                     write_pad_id(path, self.tokenizer.pad_token_id)
+            if collective or self.is_main:  # on disk before it replaces an earlier export
+                fsync_tree(path)
             if self.is_main and path != final:
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(path, final)
+                fsync_dir(out_dir)

@@ -21,6 +21,7 @@ from typing import Optional
 from .config import ConfigError
 from .config_checks import BF16_OPTIMIZER_STATES, optimizer_states_kind
 from .data import StreamMismatch
+from .durable import fsync_dir
 from .ema import ActorEMA
 
 logger = logging.getLogger(__name__)
@@ -400,3 +401,4 @@ class Resumable:
         if self.is_main:
             shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step written again
             os.replace(tmp, final)
+            fsync_dir(root)

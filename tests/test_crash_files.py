@@ -261,19 +261,22 @@ def test_rank_0_writes_its_state_once_every_rank_has_saved(tmp_path, monkeypatch
 def test_a_save_syncs_the_engines_files_before_latest_names_them(tmp_path, monkeypatch):
     """DeepSpeed writes its files without syncing them: a power cut after `latest` named the
     tag (and a keep_last of 1 pruned the one before) could leave it empty. The save syncs
-    every file of the tag's engine folders, then the trainer state, then `latest`."""
+    every file of the tag's engine folders, then the trainer state, then `latest`; and the
+    folders holding the tag's entries (actor/, critic/, trainer/), or the tag itself may be
+    gone after a power cut that kept `latest`."""
     import oppo_ds.durable as durable
 
-    synced = []
+    synced, folders = [], []
     real = os.fsync
 
     def fsync(fd):
         path = os.readlink(f"/proc/self/fd/{fd}")
-        synced.append(os.path.relpath(path, tmp_path) if os.path.isfile(path) else None)
+        (synced if os.path.isfile(path) else folders).append(os.path.relpath(path, tmp_path))
         return real(fd)
     monkeypatch.setattr(durable.os, "fsync", fsync)
     _save(tmp_path, "step2", engines=("actor", "critic"))
-    files = [f for f in synced if f is not None]
+    files = synced
+    assert {"actor", "critic", "trainer", "."} <= set(folders)
     engine_files = sorted(os.path.relpath(os.path.join(top, name), tmp_path)
                           for name_ in ("actor", "critic")
                           for top, _, names in os.walk(tmp_path / name_ / "step2")
