@@ -65,10 +65,20 @@ def test_two_ranks_train_and_resume(tmp_path, zero_stage):
     assert "Traceback" not in proc.stderr
     assert (ckpt / "latest").read_text().strip() == "step2"
 
-    # resume with two ranks: continues at step 3, history stays one line per step
+    # resume with two ranks: continues at step 3, history stays one line per step, and step 3
+    # is the one an uninterrupted run makes (both ranks' pools, streams and RNG states
+    # restored; the metrics are averaged over the ranks)
     launch(out, cache, "steps=3", f"system.zero_stage={zero_stage}")
-    assert [r["step"] for r in read_history(str(out / "metrics.jsonl"))] == [1, 2, 3]
+    resumed = read_history(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert (ckpt / "latest").read_text().strip() == "step3"
+    whole = tmp_path / "whole"
+    launch(whole, cache, "steps=3", f"system.zero_stage={zero_stage}")
+    a, b = read_history(str(whole / "metrics.jsonl"))[2], resumed[2]
+    assert b["response/lengths"] == a["response/lengths"]
+    for key in ("reward/mean", "gold/mean", "kl/mean", "loss/policy", "loss/value",
+                "response/len_mean", "policy/clip_frac", "value/mean"):
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
 
 
 @pytest.mark.parametrize("streaming,sync_every", [(False, 1), (True, 1), (True, 3)],
