@@ -56,3 +56,28 @@ def test_report_and_plot(tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="no 'intra' runs"):
         convergence.main([str(tmp_path / "seed0.runs"), "--baseline", "intra"])
+
+
+def test_runs_that_would_pair_other_seeds_or_steps_are_refused(tmp_path):
+    """The report pairs each seed's run with the baseline run of the same seed, step by step:
+    a mode missing from one directory paired every later seed with another seed's baseline,
+    and a run cut short (a failed mode keeps its directory) compared its last steps with the
+    baseline's last, other steps. Both are refused, naming the directory. The rounds after the
+    first of `oppo-bench --repeat` repeat the same run: not read as modes."""
+    for seed in (0, 1):
+        _write(tmp_path, seed, "sequential", [1.0] * 6)
+    _write(tmp_path, 1, "oppo", [1.0] * 6)
+    _write(tmp_path, 1, "oppo.round2", [1.0] * 6)
+    dirs = [str(tmp_path / "seed0.runs"), str(tmp_path / "seed1.runs")]
+    with pytest.raises(SystemExit, match=r"seed0\.runs holds no run of oppo \(in .*seed1\.runs\)"):
+        convergence.read_runs(dirs)
+    _write(tmp_path, 0, "oppo", [1.0] * 4)
+    with pytest.raises(SystemExit, match=r"seed0\.runs/oppo has steps 1\.\.4 \(4 rows\), .*"
+                                         r"seed0\.runs/sequential steps 1\.\.6 \(6 rows\): "
+                                         r"a run cut short"):
+        convergence.read_runs(dirs)
+    (tmp_path / "seed0.runs" / "oppo" / "metrics.jsonl").unlink()
+    (tmp_path / "seed0.runs" / "oppo").rmdir()
+    _write(tmp_path, 0, "oppo", [1.0] * 6)
+    runs = convergence.read_runs(dirs)
+    assert sorted(runs) == ["oppo", "sequential"] and all(len(v) == 2 for v in runs.values())

@@ -8,7 +8,8 @@
         --baseline sequential --json bench/convergence.json --plot docs/img/convergence.png
 
 Each argument is an oppo-bench run directory (one seed) holding one sub-directory per mode
-with its ``metrics.jsonl``. Per mode and metric, each seed's curve is smoothed by a trailing
+with its ``metrics.jsonl``; every directory must hold the same modes, each with the same steps
+(``read_runs``). Per mode and metric, each seed's curve is smoothed by a trailing
 moving average of ``--window`` steps (steps carry the same number of samples in every mode, so
 step i is the same number of samples seen). The baseline's band is the minimum to maximum over
 its seeds at each step; the report gives, per other mode and seed, the share of steps whose
@@ -24,28 +25,56 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from typing import Optional
 
-from ..telemetry import deferral_summary
+from ..telemetry import deferral_summary, read_history
 from .argtypes import output_file_in_new_folders
 
 METRICS = (("reward/mean", "reward"), ("gold/mean", "gold score"))
 
 
 def read_runs(seed_dirs: list[str]) -> dict[str, list[list[dict]]]:
-    """{mode: [rows of seed 0, rows of seed 1, ...]} from oppo-bench run directories."""
-    runs: dict[str, list[list[dict]]] = {}
+    """{mode: [rows of seed 0, rows of seed 1, ...]} from oppo-bench run directories. Every
+    directory must hold the same modes with the same steps: a seed's run is compared with the
+    baseline run of that seed step by step, and a mode missing from one directory, or a run
+    cut short (a mode that failed keeps its directory), would pair others' steps or seeds.
+    The rounds after the first of ``oppo-bench --repeat`` (``<mode>.roundK``) repeat the same
+    run for its timing: not read."""
+    found: list[dict[str, list[dict]]] = []
     for seed_dir in seed_dirs:
         if not os.path.isdir(seed_dir):
             raise SystemExit(f"convergence: error: {seed_dir} is not a directory")
+        modes = {}
         for mode in sorted(os.listdir(seed_dir)):
             path = os.path.join(seed_dir, mode, "metrics.jsonl")
-            if os.path.isfile(path):
-                with open(path) as f:
-                    runs.setdefault(mode, []).append([json.loads(line) for line in f if line.strip()])
-    return runs
+            if os.path.isfile(path) and not _REPEAT.fullmatch(mode):
+                modes[mode] = read_history(path)
+        found.append(modes)
+    for seed_dir, modes in zip(seed_dirs, found):
+        for other_dir, other in zip(seed_dirs, found):
+            if set(other) - set(modes):
+                raise SystemExit(f"convergence: error: {seed_dir} holds no run of "
+                                 f"{', '.join(sorted(set(other) - set(modes)))} (in {other_dir}): "
+                                 "every directory must hold the same modes")
+        steps = {mode: [r.get("step") for r in rows] for mode, rows in modes.items()}
+        longest = max(steps, key=lambda m: len(steps[m]), default=None)
+        for mode, these in steps.items():
+            if these != steps[longest]:
+                raise SystemExit(f"convergence: error: {os.path.join(seed_dir, mode)} has "
+                                 f"{_span(these)}, {os.path.join(seed_dir, longest)} "
+                                 f"{_span(steps[longest])}: a run cut short (a mode that "
+                                 "failed?); run it again or leave that directory out")
+    return {mode: [modes[mode] for modes in found] for mode in (found[0] if found else {})}
+
+
+_REPEAT = re.compile(r".+\.round\d+")
+
+
+def _span(steps: list) -> str:
+    return f"steps {steps[0]}..{steps[-1]} ({len(steps)} rows)" if steps else "no steps"
 
 
 def smooth(values: list[float], window: int) -> list[float]:
