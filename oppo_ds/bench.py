@@ -195,7 +195,8 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
     reports it (0.0 for a mode that does not stream: nothing is hidden), and then also
     scoring_overlap_frac's (the part of scoring that ran concurrently with the actor's decode;
     a run logged before the key existed has None). decode_s: the median of the generate
-    phase less the scoring tail (``stream/scoring_tail_s``), the actor's own decode.
+    phase less the scoring the actor waited for (``stream/scoring_tail_s`` after its last
+    token; under ``inline`` also ``stream/scoring_between_chunks_s``), the actor's own decode.
     """
     if not steps:
         raise ValueError("no steps to summarise")
@@ -235,6 +236,7 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
     # last token (where a placement's contention with the decode shows: on the fifth GPU run
     # the colocated decode with a CUDA graph was 5-7% slower than the sequential one)
     decode = [r["time/phase/generate"] - r.get("stream/scoring_tail_s", 0.0)
+              - r.get("stream/scoring_between_chunks_s", 0.0)
               for r in timed if "time/phase/generate" in r]
     out["decode_s"] = statistics.median(decode) if decode else None
     phases = list(dict.fromkeys(k for r in timed for k in r if k.startswith("time/phase/")))  # step order

@@ -61,18 +61,22 @@ from .telemetry import PhaseTimer, Telemetry, check_wandb_installed, profiled
 
 logger = logging.getLogger(__name__)
 
-def streaming_metrics(timings: list) -> dict:
+def streaming_metrics(timings: list, inline: bool = False) -> dict:
     """Per-step telemetry of the streaming scorers over the step's rollouts (more than one
     with ``ppo.filter_groups``' later rounds): busy time, the shares of it done before the
     actor's last token and while the actor was busy, and the scoring tails left after the
-    actor's last token, summed."""
+    actor's last token, summed. ``inline``: the scorers ran between the actor's chunks, so
+    their work before its last token is time the actor waited (``oppo-bench`` takes it out
+    of the actor's decode time, as the tail)."""
     busy = sum(t.scoring_busy_s for t in timings)
+    between = sum(t.scoring_busy_s * t.scoring_hidden_frac for t in timings) if inline else 0.0
 
     def share(name: str) -> float:  # weighted by each rollout's busy time
         return sum(getattr(t, name) * t.scoring_busy_s for t in timings) / busy if busy else 0.0
 
     return {"stream/scorer_busy_s": busy,
             "stream/scoring_tail_s": sum(t.scoring_tail_s for t in timings),
+            "stream/scoring_between_chunks_s": between,
             "stream/scoring_hidden_frac": share("scoring_hidden_frac"),
             "stream/scoring_overlap_frac": share("scoring_overlap_frac"),
             "stream/chunks": sum(t.chunks for t in timings)}
@@ -429,7 +433,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             timings += later
         if timings:  # with the later filter rounds' rollouts (the first may have decoded nothing)
             extra["oppo/chunk_size"] = chunk
-            extra.update(streaming_metrics(timings))
+            extra.update(streaming_metrics(timings, self.cfg.oppo.placement == "inline"))
         with timer.phase("advantages"):
             self.compute_advantages(exp)
             check_experience(exp, self.sources.models, self.cfg.system.dtype, group=self.dp_group)
@@ -447,11 +451,11 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
             decision = self.delta_ctl.observe(self.agreed_mean(metrics["reward/mean"]))
             if decision and self.is_main:
                 logger.info("step %d: %s", self.step_count, decision)
+        metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
+        metrics["time/step_s"] = time.perf_counter() - start  # writing the trace is not the step's
         every = self.cfg.logging.trace_every
         if every and self.step_count % every == 0 and self.is_main:
             self._write_trace(timer, timings)
-        metrics.update({f"time/phase/{k}": v for k, v in timer.times.items()})
-        metrics["time/step_s"] = time.perf_counter() - start
         period = self.cfg.logging.sample_period
         self.step_samples = (self.sample_records(exp) if period and self.step_count % period == 0
                              and self.telemetry.enabled else [])

@@ -66,6 +66,9 @@ def test_summarize_mode_by_hand():
     # streamed: the wait for the scorers after the last token is not the actor's decode
     tails = [dict(r, **{"stream/scoring_tail_s": t}) for r, t in zip(steps, (5, 5, 0.5, 0.25, 1.5))]
     assert bench.summarize_mode(tails, warmup=2)["decode_s"] == 0.5     # median of .5, 2.75, .5
+    # inline: the scoring between chunks, which the actor waited for, is not its decode either
+    between = [dict(r, **{"stream/scoring_between_chunks_s": 0.25}) for r in tails]
+    assert bench.summarize_mode(between, warmup=2)["decode_s"] == 0.25  # .5, 2.75, .5 less .25
     assert bench.summarize_mode([step(1.0)])["decode_s"] is None       # no generate phase
 
 

@@ -823,6 +823,11 @@ def test_streaming_gives_the_sequential_run(cache_dir, tmp_path, placement, extr
         assert 0.0 <= b[step]["stream/scoring_hidden_frac"] <= 1.0
         assert b[step]["stream/scorer_busy_s"] > 0
         assert "stream/scoring_hidden_frac" not in a[step]
+        # inline: the scoring before the last token ran between chunks while the actor waited
+        between = b[step]["stream/scoring_between_chunks_s"]
+        assert between == (pytest.approx(b[step]["stream/scorer_busy_s"]
+                                         * b[step]["stream/scoring_hidden_frac"])
+                           if placement == "inline" else 0.0)
 
 
 def test_streaming_only_the_reward_model(cache_dir, tmp_path):
