@@ -240,7 +240,7 @@ class CheckpointManager:
         torch saved (cut short by a copy or a disk, empty, a git-lfs pointer), with the
         earlier complete tags to resume instead; nothing where each looks whole (``err``,
         a load's failure, is then some other one's, and keeps its traceback)."""
-        from .models import torch_file_problem
+        from .checkpoint_files import torch_file_problem
 
         for file in files:
             problem = torch_file_problem(file)

@@ -22,11 +22,13 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from .checkpoint_files import (CUT_SHORT, VALUE_HEAD_FILE, architecture_problem,
+                               checkpoint_config, lfs_pointer, lfs_problem, unreadable,
+                               weights_problem, weights_read)
 from .kv_cache import cache_kwargs, output_cache
 
 logger = logging.getLogger(__name__)
 
-VALUE_HEAD_FILE = "value_head.safetensors"
 # files of which a saved Hugging Face tokenizer has at least one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # tokenizer_config.json classes that mean "tokenizer.json is the whole pipeline"
@@ -96,26 +98,17 @@ def _torch_dtype(dtype: str | torch.dtype | None):
     return table[dtype]
 
 
-def checkpoint_config(path: str) -> Optional[dict]:
-    """The ``config.json`` of the checkpoint directory ``path``, or None where it has none."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        return json.load(f)
-
-
 def source_problem(source: str, *, trust_remote_code: bool = False) -> Optional[str]:
     """Why ``source`` is not a model source (a local checkpoint directory whose config.json
     names a causal language model transformers has, or an architecture built from config), or
     None."""
-    return _path_problem(source) or _architecture_problem(source, trust_remote_code) or \
-        _weights_problem(source)
+    if source in FROM_CONFIG_ARCHS:
+        return None
+    return _path_problem(source) or architecture_problem(source, trust_remote_code) or \
+        weights_problem(source)
 
 
 def _path_problem(source: str) -> Optional[str]:
-    if source in FROM_CONFIG_ARCHS:
-        return None
     if not os.path.isdir(source):
         return (f"model path {source!r} is not a local directory; oppo-ds never downloads "
                 "weights: point the config at a local Hugging Face checkpoint or use one of "
@@ -125,191 +118,15 @@ def _path_problem(source: str) -> Optional[str]:
     return None
 
 
-# the weights of a checkpoint directory in the order transformers looks for them: it reads the
-# first that is there and ignores the rest (a repo can ship both indexes with one kind of shards)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-CUT_SHORT = "a weights file cut short or not in safetensors format; copy the checkpoint again"
-# how a git-lfs pointer file starts: what a clone without `git lfs pull` holds for a large file
-LFS_POINTER = b"version https://git-lfs"
-
-
-def lfs_pointer(path: str) -> bool:
-    """Whether the file ``path`` is a git-lfs pointer (the file itself never fetched)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(LFS_POINTER)) == LFS_POINTER
-    except OSError:  # unreadable: said by whoever reads it
-        return False
-
-
-def _lfs_problem(path: str) -> str:
-    folder = os.path.dirname(path)
-    return (f"{path} is a git-lfs pointer, not the file itself: run `git lfs pull` in the "
-            f"repository of {folder}, or copy the checkpoint again")
-
-
-def _unreadable(file: str, err: Exception) -> str:
-    """What to say of a safetensors ``file`` that safetensors cannot open (its own message
-    names no file)."""
-    return f"{file} cannot be read ({err}): {CUT_SHORT}"
-
-
-class WeightsRead(NamedTuple):
-    """The weight files transformers reads from a checkpoint directory: the first of
-    ``WEIGHT_FILES`` there, or the shards its index names (none when there is neither); the
-    index's map of tensor names to files (None without an index); and why the index cannot
-    be used (it does not parse, or names shards the directory does not hold), or None."""
-    files: list[str]
-    weight_map: Optional[dict]
-    problem: Optional[str]
-
-
-def _weights_read(source: str) -> WeightsRead:
-    """:class:`WeightsRead` of checkpoint directory ``source``."""
-    first = next((name for name in WEIGHT_FILES if os.path.isfile(os.path.join(source, name))),
-                 None)
-    if first is None or not first.endswith(".index.json"):
-        return WeightsRead([first] if first else [], None, None)
-    path = os.path.join(source, first)
-    try:
-        with open(path) as f:
-            weight_map = dict(json.load(f)["weight_map"])
-        shards = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        if lfs_pointer(path):
-            return WeightsRead([], None, _lfs_problem(path))
-        return WeightsRead([], None, f"{path} cannot be read as a weights index (a weight_map "
-                                     f"of files): {err!r}")
-    missing = [name for name in shards if not os.path.isfile(os.path.join(source, name))]
-    if missing:
-        return WeightsRead([], None, f"{path} lists {len(missing)} weight file(s) the directory "
-                                     f"does not hold ({', '.join(missing[:3])}): a checkpoint "
-                                     "copied in part")
-    return WeightsRead(shards, weight_map, None)
-
-
-def _weights_problem(source: str) -> Optional[str]:
-    """Why the weights transformers would read from checkpoint directory ``source``
-    (``_weights_read``, and a value head file) cannot be loaded, as far as is cheap to see
-    before any model is built (a 70B checkpoint's shards take minutes to load): a shard its
-    index lists is missing, or a safetensors file's header does not parse or does not cover
-    the file (a copy cut short; ``safe_open`` maps the file and reads the header alone).
-    Of a pickled ``.bin`` file only the zip directory at its end is read. A directory with
-    no weights file (only config and tokenizer; shards without their index) is a problem
-    too: transformers would say so only when the engines are built. None for an
-    architecture built from config."""
-    from safetensors import SafetensorError, safe_open
-
-    if source in FROM_CONFIG_ARCHS:
-        return None
-    names, _, problem = _weights_read(source)
-    if problem:
-        return problem
-    if not names and "transformers_weights" not in (checkpoint_config(source) or {}):
-        return _no_weights(source)
-    if os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):
-        names.append(VALUE_HEAD_FILE)
-    for name in names:
-        path = os.path.join(source, name)
-        if name.endswith(".safetensors"):
-            if lfs_pointer(path):  # safetensors says only "header too large"
-                return _lfs_problem(path)
-            try:
-                with safe_open(path, "pt"):
-                    pass
-            except (SafetensorError, OSError) as err:
-                return _unreadable(path, err)
-        else:
-            problem = torch_file_problem(path)
-            if problem:
-                return f"{path} cannot be read: {problem}: {CUT_SHORT}"
-    return None
-
-
-_SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
-
-
-def _no_weights(source: str) -> str:
-    """What to say of checkpoint directory ``source`` holding none of ``WEIGHT_FILES``
-    (transformers would fail only when the engines are built: "Error no file named ...")."""
-    text = (f"{source} holds no weights transformers can load (looked for "
-            f"{', '.join(WEIGHT_FILES)})")
-    shards = sorted(name for name in os.listdir(source) if _SHARD.match(name))
-    if shards:
-        index = "model.safetensors.index.json" if shards[0].endswith(".safetensors") else \
-            "pytorch_model.bin.index.json"
-        return (f"{text}: it holds shards ({', '.join(shards[:3])}) but not {index}, the index "
-                "that lists them: a checkpoint copied in part; copy the checkpoint again")
-    return f"{text}: a config and tokenizer alone are no checkpoint; copy its weights too"
-
-
-def torch_file_problem(path: str) -> Optional[str]:
-    """Why ``path`` cannot be a file torch saved (torch's own errors name no file), or
-    None: a file in torch's zip format (every save since torch 1.6) whose directory, at its
-    end, is gone (a copy cut short); or one that is neither that nor the older format, a
-    pickle (an empty file, a git-lfs pointer never pulled). Reads the file's first bytes and
-    its end only."""
-    import zipfile
-
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head[:1] == b"\x80":  # torch's format before 1.6: a pickle, checked as it loads
-        return None
-    if head != b"PK\x03\x04":
-        what = "empty" if not head else "a git-lfs pointer" if head == b"vers" else \
-            "not torch's weights format"
-        return f"the file is {what}"
-    try:
-        with zipfile.ZipFile(path):
-            return None
-    except (zipfile.BadZipFile, OSError):
-        return "its zip directory, at the end of the file, is missing or broken"
-
-
-def _architecture_problem(source: str, trust_remote_code: bool) -> Optional[str]:
-    """Why the checkpoint directory ``source`` cannot be built as a causal LM (the actor, the
-    reference) or the body of one (the critic, the reward model): its config.json is not a
-    JSON object, or its `model_type` is not one transformers knows (a typo, a newer release)
-    or not a causal LM's (T5, BART, BERT-style encoders: AutoModelForCausalLM has no class for
-    it). None for an architecture built from config, a config.json without a model_type
-    (transformers then goes by the directory's name), and a checkpoint that ships its own
-    code (`auto_map`) under ``trust_remote_code``."""
-    if source in FROM_CONFIG_ARCHS:
-        return None
-    from transformers import __version__
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    file = os.path.join(source, "config.json")
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        return f"{file} cannot be read as JSON: {err}"
-    if not isinstance(config, dict):
-        return f"{file} holds no JSON object: not a Hugging Face model config"
-    model_type = config.get("model_type")
-    if model_type is None or (trust_remote_code and "auto_map" in config):
-        return None
-    supported = ("supported: a model type that transformers' AutoModelForCausalLM loads (e.g. "
-                 "llama, qwen2, mistral, gemma, gpt2, opt)")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
-        own_code = ("; it ships code of its own (auto_map): set model.trust_remote_code: true to "
-                    "run it" if "auto_map" in config else "")
-        return (f"{source}: config.json has model_type {model_type!r}, which transformers "
-                f"{__version__} does not know; {supported}{own_code}")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return (f"{source}: config.json has model_type {model_type!r}, not a causal language "
-                f"model (every model of a run decodes or scores left to right); {supported}")
-    return None
-
-
-def _check_local_dir(path: str, trust_remote_code: bool = False) -> None:
+def check_local_dir(path: str, trust_remote_code: bool = False) -> None:
+    """``source_problem`` as an exception: FileNotFoundError for a path that is no
+    checkpoint directory, ValueError for one whose config or weights cannot be loaded."""
+    if path in FROM_CONFIG_ARCHS:
+        return
     problem = _path_problem(path)
     if problem:
         raise FileNotFoundError(problem)
-    problem = _architecture_problem(path, trust_remote_code) or _weights_problem(path)
+    problem = architecture_problem(path, trust_remote_code) or weights_problem(path)
     if problem:
         raise ValueError(problem)
 
@@ -358,7 +175,7 @@ def build_causal_lm(source: str, *, vocab_size: Optional[int] = None, dtype=None
     if source in FROM_CONFIG_ARCHS:
         return _build_tiny(AutoModelForCausalLM.from_config, source, vocab_size, dtype, seed,
                            device)
-    _check_local_dir(source, trust_remote_code)
+    check_local_dir(source, trust_remote_code)
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
     return _load_checked(AutoModelForCausalLM, source, config=config,
@@ -407,7 +224,7 @@ def _load_checked(auto_cls, path: str, *, unused_ok: tuple[str, ...] = (), **kwa
     prefix of ``unused_ok`` (the LM head or the scalar head of a checkpoint loaded as a body
     only, whose head we read ourselves): transformers' own report of them is a table per load
     that calls every such key "not ok if you expect identical arch". Weights files cut short
-    are refused before (``_check_local_dir``), with their names."""
+    are refused before (``check_local_dir``), with their names."""
     hf_logger = logging.getLogger("transformers.modeling_utils")
     level, report = hf_logger.level, _HeldReport()
     hf_logger.setLevel(logging.WARNING)  # its report, held back (errors still pass)
@@ -523,7 +340,7 @@ class ValueHeadModel(nn.Module):
         carries no scalar head (a reward model without one would score noise)."""
         from transformers import AutoModel
 
-        _check_local_dir(path, trust_remote_code)
+        check_local_dir(path, trust_remote_code)
         # the body only: a causal LM's head and any scalar head are not its weights
         heads = ("lm_head.", *(k.rsplit(".", 1)[0] + "." for k in HEAD_KEYS))
         body = _load_checked(AutoModel, path, dtype=_torch_dtype(dtype) or torch.float32,
@@ -560,14 +377,14 @@ def has_value_head(path: str) -> bool:
 
 def _find_head_weight(path: str) -> Optional[torch.Tensor]:
     """The scalar head's weight in checkpoint ``path``: its own file's, else the first of
-    ``HEAD_KEYS`` in the weight files transformers reads for the body (``_weights_read``:
+    ``HEAD_KEYS`` in the weight files transformers reads for the body (``weights_read``:
     safetensors or pickled ``.bin``), then in the other safetensors files there by name (a
     head saved in a file of its own); None without one. So a shard an earlier save left
     beside a whole ``model.safetensors``, which sorts first, is read only when the body's
     files hold no head. Of a sharded checkpoint only the shard its index names for a head
     is opened."""
     own = os.path.join(path, VALUE_HEAD_FILE)
-    files, weight_map, _ = _weights_read(path)
+    files, weight_map, _ = weights_read(path)
     # an index says which shard holds a head, if any does (a .bin shard is unpickled to look)
     body = files if weight_map is None else \
         sorted({weight_map[key] for key in HEAD_KEYS if key in weight_map})
@@ -609,7 +426,7 @@ def _read_first_key(file: str, keys: tuple[str, ...]) -> Optional[torch.Tensor]:
                 _check_no_bias(file, found, f.get_tensor(bias) if bias in names else None)
                 return f.get_tensor(found)
         except SafetensorError as err:
-            raise ValueError(_unreadable(file, err)) from err
+            raise ValueError(unreadable(file, err)) from err
     state = _load_pickled(file)
     found = next((key for key in keys if key in state), None)
     if found is None:
@@ -766,7 +583,7 @@ def checkpoint_eos_ids(path: str) -> list[int]:
             with open(file) as f:
                 ids = json.load(f).get("eos_token_id")
         except (ValueError, AttributeError) as err:  # transformers skips it; the ids are ours
-            raise CheckpointFileError(_lfs_problem(file) if lfs_pointer(file) else (
+            raise CheckpointFileError(lfs_problem(file) if lfs_pointer(file) else (
                 f"{file} cannot be read as a JSON object ({err}): a copy cut short; copy the "
                 "checkpoint again")) from err
         if ids is None:

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from . import workload as wl
 from .config import Config, ConfigError
 from .shared_dirs import SHARE_IT
+from .checkpoint_files import checkpoint_config
 from .models import (FROM_CONFIG_ARCHS, NO_HEAD, CheckpointFileError, TokenizerFileError,
-                     checkpoint_config, has_value_head, load_tokenizer, position_limit,
-                     response_end_ids, source_problem, tokenizer_mismatch)
+                     has_value_head, load_tokenizer, position_limit, response_end_ids,
+                     source_problem, tokenizer_mismatch)
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from ..models import VALUE_HEAD_FILE, _check_local_dir, read_value_head
+from ..checkpoint_files import VALUE_HEAD_FILE
+from ..models import check_local_dir, read_value_head
 from .convert import CheckpointError, hf_prefix
 
 
@@ -140,7 +141,7 @@ def open_checkpoint(path: str, kind: str, *, require_head: bool = False,
 
     if kind not in ("lm", "value"):
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
-    _check_local_dir(path)
+    check_local_dir(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
     reader = SafetensorsReader(path)
