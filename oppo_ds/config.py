@@ -317,7 +317,10 @@ class DataConfig:
     assistant message are continued, as TRL does: the response carries on its text)."""
     split: str = "train"
     """Split to read from a saved DatasetDict, or from a directory whose files or folders are
-    named by split (train-*, validation/valid/val/dev, test/eval)."""
+    named by split (the word anywhere in a name: train-*, gsm8k_train.jsonl, data/train/;
+    validation/valid/val/dev, test/eval), a name given exactly first (train_sft). A split in
+    several configuration folders (gsm8k's main/, socratic/) is an error: point prompts at
+    one."""
     chat_template: Literal["auto", "on", "off"] = "auto"
     """Apply the tokenizer's chat template: auto = when it has one."""
     input_template: Optional[str] = None

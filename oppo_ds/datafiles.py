@@ -53,7 +53,12 @@ _DOC_FILES = re.compile(r"(?i)^(readme|license|licence|notice|citation)([-_.].*)
 SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation",
                "valid": "validation", "val": "validation", "dev": "validation", "test": "test",
                "testing": "test", "eval": "test", "evaluation": "test"}
-_SPLIT_NAME = re.compile(r"^([A-Za-z]+)(?:[-_.].*)?$")
+# a split word anywhere in a file's or folder's name, as a word of its own (digits and any
+# other non-letter delimit it: ``gsm8k_train.jsonl``, ``train-00000-of-00001.parquet``), with
+# the qualifiers a hub data set puts after it (``train_sft``, ``test_prefs``): the split's name
+_SPLIT_IN_NAME = re.compile(
+    r"(?<![A-Za-z])(?:" + "|".join(sorted(SPLIT_WORDS, key=len, reverse=True)) + r")"
+    r"(?:_[A-Za-z]+)*(?![A-Za-z0-9])", re.IGNORECASE)
 
 
 class DataError(ValueError):
@@ -142,8 +147,13 @@ def read_prompt_rows(
     - a directory of such files, in folders or not, e.g. a Hugging Face hub snapshot
       (``README.md``, ``data/train-00000-of-00001.parquet``, ``data/test-...``). Where files
       or folders are named by split (``train``, ``validation``/``valid``/``val``/``dev``,
-      ``test``/``eval`` at the start of the name), ``split`` picks them and the others are
-      named in a log line; otherwise every file is read. Files are read in sorted order;
+      ``test``/``eval``, as a word anywhere in the name: ``gsm8k_train.jsonl``,
+      ``data/train/0.parquet``, with qualifiers: ``train_sft``), ``split`` picks them: those
+      named for it exactly, else for its kind (``eval`` reads ``test``); the others are named
+      in a log line. Several split names of the kind (``train_sft``, ``train_gen``), or the
+      split in several folders, each a configuration (gsm8k's ``main/``, ``socratic/``), are
+      an error saying how to pick one. Where no name holds a split every file is read, said
+      in a log line. Files are read in sorted order;
       hidden files and names starting with ``_`` (``_SUCCESS``) are skipped, and so are a
       card, a licence and metadata (``README*``, ``LICENSE*``, ``*.md``,
       ``dataset_infos.json``); any other file is an error.
@@ -300,28 +310,68 @@ def _list_data_files(path: str, split: str) -> list[str]:
         raise DataError(f"{path}: holds {os.path.relpath(_uncompressed_name(twice[0]), path)} "
                         f"and its compressed copy {os.path.relpath(twice[0], path)}; both would "
                         f"be read, every prompt twice: keep one")
-    splits = {f: _split_of(os.path.relpath(f, path)) for f in files}
-    if not any(splits.values()):
-        return sorted(files)
-    want = SPLIT_WORDS.get(split.lower(), split.lower())
-    chosen = [f for f in files if splits[f] == want]
+    return _files_of_split(path, sorted(files), split)
+
+
+def _files_of_split(path: str, files: list[str], split: str) -> list[str]:
+    """Of ``files`` (under ``path``), those of ``split``, by the split names their files' or
+    folders' names hold (``_SPLIT_IN_NAME``): the files named for ``split`` itself
+    (``train_sft``), else those named for a split of its kind (``split=eval`` reads
+    ``test.jsonl``); every file where no name holds a split. A DataError where none is of
+    ``split``, where several split names of its kind are (``train_sft``, ``train_gen``) or
+    where it lies in several folders, each a configuration of the data set (gsm8k's
+    ``main/train-*`` and ``socratic/train-*``: the same questions twice)."""
+    named = {f: _split_name(os.path.relpath(f, path)) for f in files}
+    if not any(named.values()):
+        logger.info("%s: no file or folder is named for a split (%s), so data.split %r picks "
+                    "nothing: all %d files are read", path, "/".join(SPLIT_WORDS), split,
+                    len(files))
+        return files
+    want = split.lower()
+    chosen = [f for f in files if named[f] == want]
     if not chosen:
-        found = sorted({s for s in splits.values() if s})
+        kind = SPLIT_WORDS.get(want, want)
+        chosen = [f for f in files if named[f] and SPLIT_WORDS[_split_word(named[f])] == kind]
+        several = sorted({named[f] for f in chosen})
+        if len(several) > 1:
+            raise DataError(f"{path}: files named for several {kind} splits, {several}; set "
+                            f"data.split to the one to read (e.g. data.split: {several[0]})")
+    if not chosen:
         raise DataError(f"{path}: no files of split {split!r} (data.split); its files are named "
-                        f"for the splits {found}")
+                        f"for the splits {sorted({n for n in named.values() if n})}")
+    configs = sorted({_config_of(os.path.relpath(f, path)) for f in chosen})
+    if len(configs) > 1:
+        raise DataError(
+            f"{path}: split {split!r} is in several folders, each a configuration of the data "
+            f"set (read together, a data set's configurations often hold the same prompts "
+            f"twice): {configs}; point data.prompts at the one to read "
+            f"({os.path.join(path, configs[-1])}), or list the ones to read together")
     skipped = [os.path.relpath(f, path) for f in files if f not in chosen]
     logger.info("%s: split %r: %s; not read: %s", path, split,
-                ", ".join(os.path.relpath(f, path) for f in sorted(chosen)), ", ".join(skipped) or "none")
-    return sorted(chosen)
+                ", ".join(os.path.relpath(f, path) for f in chosen), ", ".join(skipped) or "none")
+    return chosen
 
 
-def _split_of(relative: str) -> Optional[str]:
-    """The split a data file belongs to by its folders' or its own name, else None."""
+def _split_name(relative: str) -> Optional[str]:
+    """The split a data file belongs to by its folders' or its own name (the first that names
+    one, from the top), lower-case (``train``, ``train_sft``); else None."""
     for part in relative.split(os.sep):
-        match = _SPLIT_NAME.match(part)
-        if match and match.group(1).lower() in SPLIT_WORDS:
-            return SPLIT_WORDS[match.group(1).lower()]
+        match = _SPLIT_IN_NAME.search(part)
+        if match:
+            return match.group(0).lower()
     return None
+
+
+def _split_word(name: str) -> str:
+    """The split word a split name starts with (``train_sft`` -> ``train``)."""
+    return name.split("_", 1)[0]
+
+
+def _config_of(relative: str) -> str:
+    """The folders of a data file that do not name its split (``main`` of
+    ``main/train-0.parquet``, ``""`` of ``train/0.jsonl``): its configuration."""
+    folders = relative.split(os.sep)[:-1]
+    return os.path.join("", *(d for d in folders if not _SPLIT_IN_NAME.search(d)))
 
 
 def _read_file(path: str, prompt_key: "str | SourceFormat", key_name: str) -> list[PromptRow]:

@@ -406,6 +406,62 @@ def test_a_hub_snapshot_reads_the_split_its_files_are_named_for(tmp_path, caplog
     assert [r.text_or_messages for r in read_prompt_rows(str(flat))] == ["t"]
 
 
+def test_a_split_is_a_word_anywhere_in_a_name(tmp_path, caplog):
+    """The split word was only seen at the start of a name: gsm8k_train.jsonl beside
+    gsm8k_test.jsonl read both, test set included, silently; gsm8k's main/ and socratic/
+    configurations read every question twice; ultrachat's train_sft and train_gen were both
+    train, and data.split: train_sft found nothing."""
+    flat = tmp_path / "gsm8k_flat"
+    flat.mkdir()
+    write_jsonl(flat / "gsm8k_train.jsonl", [{"prompt": "t"}])
+    write_jsonl(flat / "gsm8k_test.jsonl", [{"prompt": "x"}])
+    assert [r.text_or_messages for r in read_prompt_rows(str(flat))] == ["t"]
+    assert [r.text_or_messages for r in read_prompt_rows(str(flat), split="test")] == ["x"]
+    nested = tmp_path / "nested"
+    for split in ("train", "test"):
+        (nested / "data" / split).mkdir(parents=True)
+        write_parquet(nested / "data" / split / "0.parquet", [{"prompt": split}])
+    assert [r.text_or_messages for r in read_prompt_rows(str(nested))] == ["train"]
+
+    gsm8k = tmp_path / "gsm8k"
+    for config in ("main", "socratic"):
+        (gsm8k / config).mkdir(parents=True)
+        for split in ("train", "test"):
+            write_parquet(gsm8k / config / f"{split}-00000-of-00001.parquet",
+                          [{"prompt": f"{config} {split}"}])
+    with pytest.raises(DataError, match=r"split 'train' is in several folders, each a "
+                                        r"configuration .*\['main', 'socratic'\]; point "
+                                        r"data.prompts at the one to read \("
+                                        + re.escape(str(gsm8k))):
+        read_prompt_rows(str(gsm8k))
+    assert [r.text_or_messages for r in read_prompt_rows(str(gsm8k / "main"))] == ["main train"]
+
+    ultra = tmp_path / "ultrachat_200k"
+    (ultra / "data").mkdir(parents=True)
+    for split in ("train_sft", "train_gen", "test_sft", "test_gen"):
+        write_parquet(ultra / "data" / f"{split}-00000-of-00001-0a1b.parquet", [{"prompt": split}])
+    assert [r.text_or_messages for r in read_prompt_rows(str(ultra), split="train_sft")] \
+        == ["train_sft"]
+    assert [r.text_or_messages for r in read_prompt_rows(str(ultra), split="TEST_GEN")] \
+        == ["test_gen"]
+    with pytest.raises(DataError, match=r"files named for several train splits, \['train_gen', "
+                                        r"'train_sft'\]; set data.split to the one to read"):
+        read_prompt_rows(str(ultra))
+    # an exact name wins over its qualified kin; shards that only add digits are one split
+    (ultra / "data" / "train-00000-of-00001.parquet").write_bytes(
+        (ultra / "data" / "train_gen-00000-of-00001-0a1b.parquet").read_bytes())
+    assert len(read_prompt_rows(str(ultra))) == 1
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_jsonl(plain / "part_1.jsonl", [{"prompt": "a"}])
+    write_jsonl(plain / "part_2.jsonl", [{"prompt": "b"}])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="oppo_ds.datafiles"):
+        assert len(read_prompt_rows(str(plain))) == 2
+    assert f"{plain}: no file or folder is named for a split" in caplog.text
+    assert "all 2 files are read" in caplog.text
+
+
 def test_missing_split(tmp_path):
     import datasets
 
@@ -469,7 +525,9 @@ def test_a_file_beside_its_compressed_copy_is_refused(tmp_path):
 def test_files_sharing_a_name_in_different_folders_get_distinct_ids(tmp_path):
     """hh-rlhf's layout: helpful-base/train.jsonl.gz, harmless-base/train.jsonl.gz, ...: the
     default ids (``train.jsonl.gz:1`` twice) were a duplicate-id error. Files whose names
-    collide take the path from their common folder; the others keep their basename."""
+    collide take the path from their common folder; the others keep their basename. The
+    folders are configurations of the data set: the whole snapshot is an error that says to
+    list them."""
     import gzip
 
     snap = tmp_path / "hh-rlhf"
@@ -478,8 +536,13 @@ def test_files_sharing_a_name_in_different_folders_get_distinct_ids(tmp_path):
         for split in ("train", "test"):
             text = "".join(json.dumps({"prompt": f"{folder} {split} {i}"}) + "\n" for i in range(2))
             (snap / folder / f"{split}.jsonl.gz").write_bytes(gzip.compress(text.encode()))
-    write_jsonl(snap / "train-extra.jsonl", [{"prompt": "extra"}])
-    rows = read_prompt_rows(str(snap))
+    extra = write_jsonl(tmp_path / "train-extra.jsonl", [{"prompt": "extra"}])
+    with pytest.raises(DataError, match=r"split 'train' is in several folders, each a "
+                                        r"configuration of the data set .*\['harmless-base', "
+                                        r"'helpful-base'\]; point data.prompts at the one"):
+        read_prompt_rows(str(snap))
+    sources = [str(snap / "harmless-base"), str(snap / "helpful-base"), extra]
+    rows = read_prompt_rows(sources)
     assert [(r.id, r.text_or_messages) for r in rows] == [
         ("harmless-base/train.jsonl.gz:1", "harmless-base train 0"),
         ("harmless-base/train.jsonl.gz:2", "harmless-base train 1"),
@@ -487,9 +550,10 @@ def test_files_sharing_a_name_in_different_folders_get_distinct_ids(tmp_path):
         ("helpful-base/train.jsonl.gz:2", "helpful-base train 1"),
         ("train-extra.jsonl:1", "extra")]
     # explicit ids that collide are still an error, naming both rows
-    write_jsonl(snap / "train-ids.jsonl", [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}])
-    with pytest.raises(DataError, match="duplicate id 'x'"):
-        read_prompt_rows(str(snap))
+    ids = write_jsonl(tmp_path / "train-ids.jsonl", [{"id": "x", "prompt": "a"},
+                                                     {"id": "x", "prompt": "b"}])
+    with pytest.raises(DataError, match=rf"{re.escape(ids)}:2: duplicate id"):
+        read_prompt_rows(sources + [ids])
 
 
 def test_several_sources_read_one_after_another(tmp_path):
