@@ -352,9 +352,10 @@ class DataConfig:
     """Seed of phase_split's permutation (DeepSpeed-Chat's --seed); null: `seed`."""
     ptx: Optional[Union[str, list[str]]] = None
     """Pretraining text for PPO-ptx (with ppo.ptx_coef > 0): files or directories as
-    `prompts` takes them (the `split` split), whose `ptx_key` field is a string; the texts are
-    tokenized, concatenated and cut into blocks of ptx_block_len tokens (the remainder
-    dropped), as DeepSpeed-Chat groups its unsupervised data; every rank tokenizes it all at
+    `prompts` takes them (the `split` split), whose `ptx_key` field is a string (rows where it
+    is empty or whitespace only skipped, counted in a log line); the texts are tokenized,
+    concatenated and cut into blocks of ptx_block_len tokens (the remainder dropped), as
+    DeepSpeed-Chat groups its unsupervised data; every rank tokenizes it all at
     start, so give it what the run will use (steps x batch_size x ppo_epochs blocks per rank
     are drawn). Null: none."""
     ptx_key: str = "text"

@@ -127,7 +127,7 @@ def read_prompt_rows(
     path: str | os.PathLike | Sequence[str | os.PathLike], prompt_key: str = "prompt",
     split: str = "train", phase_split: Optional[Sequence[float]] = None, phase_seed: int = 0,
     source_format: Optional[Callable[[str], Optional[SourceFormat]]] = None,
-    key_name: str = "data.prompt_key",
+    key_name: str = "data.prompt_key", skip_blank: bool = False,
 ) -> list[PromptRow]:
     """Read prompts from ``path``, or from several paths one after another (their rows
     concatenated in the order given).
@@ -180,6 +180,10 @@ def read_prompt_rows(
     ``key_name``: the config key that set ``prompt_key``, named where a file lacks the field
     (``data.ptx_key`` for the pretraining text).
 
+    ``skip_blank``: a row whose text is empty or whitespace only is skipped, after the cuts,
+    and such rows are counted in one log line, where it would be an error (pretraining text:
+    wikitext's empty rows, which DeepSpeed-Chat tokenises without complaint).
+
     Raises:
         DataError: naming the file and line (or row) of the first bad row, the missing path,
         or a path that holds no row.
@@ -191,9 +195,11 @@ def read_prompt_rows(
     if twice:
         raise DataError(f"{twice[0]}: named twice among the prompt sources {paths}")
     rows = []
+    blank = 0  # rows skipped for their empty text (skip_blank)
     for source in paths:
         fmt = source_format(source) if source_format is not None else None
-        read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split, key_name)
+        read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split, key_name,
+                            skip_blank)
         if not read:  # else a later, wrong cause: "no usable prompt (all over max_prompt_len)"
             what = ("its data files are empty, or hold" if os.path.isdir(source)
                     else "the file is empty, or holds")
@@ -216,7 +222,14 @@ def read_prompt_rows(
                         len(with_prompt), f" ({len(read) - len(with_prompt)} rows without one "
                         "dropped)" if len(with_prompt) < len(read) else "")
             read = with_prompt
+        elif skip_blank:
+            with_text = [r for r in read if r.text_or_messages is not None]
+            blank += len(read) - len(with_text)
+            read = with_text
         rows.extend(read)
+    if blank:
+        logger.info("%s: %d rows skipped, their %r (%s) empty or whitespace only",
+                    " + ".join(paths), blank, prompt_key, key_name)
     _name_default_ids(rows)
     _check_unique_ids(rows)
     return rows
@@ -248,19 +261,19 @@ def phase_part(n: int, weights: Sequence[float], seed: int, part: int = 2) -> li
     return [int(i) for i in order[bounds[part]:bounds[part + 1]]]
 
 
-def _read_source(path: str, prompt_key: "str | SourceFormat", split: str,
-                 key_name: str) -> list[PromptRow]:
+def _read_source(path: str, prompt_key: "str | SourceFormat", split: str, key_name: str,
+                 skip_blank: bool) -> list[PromptRow]:
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file or directory")
     if os.path.isdir(path):
         if _is_hf_datasets_dir(path):
-            rows = _read_hf_dir(path, prompt_key, split)
+            rows = _read_hf_dir(path, prompt_key, split, skip_blank)
         else:
             rows = []
             for file in _list_data_files(path, split):
-                rows.extend(_read_file(file, prompt_key, key_name))
+                rows.extend(_read_file(file, prompt_key, key_name, skip_blank))
     else:
-        rows = _read_file(path, prompt_key, key_name)
+        rows = _read_file(path, prompt_key, key_name, skip_blank)
     return rows
 
 
@@ -374,16 +387,18 @@ def _config_of(relative: str) -> str:
     return os.path.join("", *(d for d in folders if not _SPLIT_IN_NAME.search(d)))
 
 
-def _read_file(path: str, prompt_key: "str | SourceFormat", key_name: str) -> list[PromptRow]:
+def _read_file(path: str, prompt_key: "str | SourceFormat", key_name: str,
+               skip_blank: bool = False) -> list[PromptRow]:
     kind = _uncompressed_name(path)
     if kind.endswith(".jsonl"):
-        return _read_jsonl(path, prompt_key)
+        return _read_jsonl(path, prompt_key, skip_blank)
     if kind.endswith(".json"):
-        return _read_json(path, prompt_key)
+        return _read_json(path, prompt_key, skip_blank)
     if kind.endswith((".csv", ".tsv")):
-        return _read_csv(path, prompt_key, "\t" if kind.endswith(".tsv") else ",", key_name)
+        return _read_csv(path, prompt_key, "\t" if kind.endswith(".tsv") else ",", key_name,
+                         skip_blank)
     if path.endswith(".parquet"):
-        return _read_parquet(path, prompt_key)
+        return _read_parquet(path, prompt_key, skip_blank)
     raise DataError(f"{path}: unsupported file type; expected {_KINDS_TEXT}, or a datasets "
                     "save_to_disk directory")
 
@@ -446,7 +461,8 @@ def _check_unique_keys(record, repeated: dict[int, str], where: str) -> None:
                         f"the last one silently); keep the one you mean")
 
 
-def _read_jsonl(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
+def _read_jsonl(path: str, prompt_key: "str | SourceFormat",
+                skip_blank: bool = False) -> list[PromptRow]:
     rows: list[PromptRow] = []
     blank_line = None  # first blank line not yet followed by a record
     for line_no, raw in _lines(path):
@@ -471,17 +487,18 @@ def _read_jsonl(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {_type_name(record)}")
         _check_unique_keys(record, repeated, where)
-        rows.append(_make_row(record, prompt_key, path, line_no, "line"))
+        rows.append(_make_row(record, prompt_key, path, line_no, "line", skip_blank))
     return rows
 
 
-def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
+def _read_json(path: str, prompt_key: "str | SourceFormat",
+               skip_blank: bool = False) -> list[PromptRow]:
     """A JSON array of objects (rows from 0), or JSON lines under a .json name."""
     try:
         with _open_bytes(path) as f:
             data = f.read(4096)
             if not data.decode("utf-8-sig", errors="replace").lstrip().startswith("["):
-                return _read_jsonl(path, prompt_key)
+                return _read_jsonl(path, prompt_key, skip_blank)
             data += f.read()
     except _DECOMPRESS_ERRORS as e:
         raise DataError(f"{path}: cannot decompress: {type(e).__name__}: {e}") from None
@@ -496,12 +513,12 @@ def _read_json(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
         if not isinstance(record, dict):
             raise DataError(f"{path}: row {i}: expected a JSON object, got {_type_name(record)}")
         _check_unique_keys(record, repeated, f"{path}: row {i}")
-        rows.append(_make_row(record, prompt_key, path, i, "row"))
+        rows.append(_make_row(record, prompt_key, path, i, "row", skip_blank))
     return rows
 
 
 def _read_csv(path: str, prompt_key: "str | SourceFormat", delimiter: str,
-              key_name: str) -> list[PromptRow]:
+              key_name: str, skip_blank: bool = False) -> list[PromptRow]:
     """Comma- (or tab-) separated values under a header row that names the fields.
 
     Every cell is text, as written (no guessing of numbers or dates); an empty cell other than
@@ -547,20 +564,22 @@ def _read_csv(path: str, prompt_key: "str | SourceFormat", delimiter: str,
             raise DataError(f"{path}:{line}: {len(cells)} fields, the header (line "
                             f"{header_line}) has {len(header)}: {header}")
         record = {k: v if v != "" or k == prompt_key else None for k, v in zip(header, cells)}
-        rows.append(_make_row(record, prompt_key, path, line, "line"))
+        rows.append(_make_row(record, prompt_key, path, line, "line", skip_blank))
 
 
-def _read_parquet(path: str, prompt_key: "str | SourceFormat") -> list[PromptRow]:
+def _read_parquet(path: str, prompt_key: "str | SourceFormat",
+                  skip_blank: bool = False) -> list[PromptRow]:
     import pyarrow.parquet as pq  # deferred: only parquet users pay for the import
 
     try:
         records = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises several unrelated types for unreadable files
         raise DataError(f"{path}: cannot read parquet file: {e}") from None
-    return [_make_row(r, prompt_key, path, i, "row") for i, r in enumerate(records)]
+    return [_make_row(r, prompt_key, path, i, "row", skip_blank) for i, r in enumerate(records)]
 
 
-def _read_hf_dir(path: str, prompt_key: "str | SourceFormat", split: str) -> list[PromptRow]:
+def _read_hf_dir(path: str, prompt_key: "str | SourceFormat", split: str,
+                 skip_blank: bool = False) -> list[PromptRow]:
     import datasets  # deferred: slow import, and only needed for this format
 
     loaded = datasets.load_from_disk(path)
@@ -568,12 +587,16 @@ def _read_hf_dir(path: str, prompt_key: "str | SourceFormat", split: str) -> lis
         if split not in loaded:
             raise DataError(f"{path}: no split {split!r}; the dataset has {sorted(loaded)}")
         loaded = loaded[split]
-    return [_make_row(r, prompt_key, path, i, "row") for i, r in enumerate(loaded.to_list())]
+    return [_make_row(r, prompt_key, path, i, "row", skip_blank)
+            for i, r in enumerate(loaded.to_list())]
 
 
 def _make_row(
-    record: Mapping[str, Any], prompt_key: "str | SourceFormat", source: str, line: int, unit: str
+    record: Mapping[str, Any], prompt_key: "str | SourceFormat", source: str, line: int, unit: str,
+    skip_blank: bool = False,
 ) -> PromptRow:
+    """The row of ``record``; with ``skip_blank``, a row whose text is blank has None for it
+    (dropped after the cuts, as a built row without a prompt is)."""
     where = location(source, line, unit)
     if isinstance(prompt_key, SourceFormat):
         return _built_row(record, prompt_key, source, line, unit)
@@ -582,6 +605,9 @@ def _make_row(
     value = record[prompt_key]
     if isinstance(value, str):
         if not value.strip():
+            if skip_blank:
+                return PromptRow(None, source, line, f"{_label(source)}:{line}", unit,
+                                 default_id=True)
             raise DataError(f"{where}: {prompt_key!r} is empty or whitespace only")
     elif isinstance(value, list):
         value = _check_messages(value, where, prompt_key)

@@ -379,8 +379,9 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     def _load_ptx(self):
         d = self.cfg.data
+        # wikitext's empty rows are skipped (DeepSpeed-Chat tokenises them without complaint)
         rows = read_prompt_rows(d.ptx, prompt_key=d.ptx_key, split=d.split,
-                                key_name="data.ptx_key")
+                                key_name="data.ptx_key", skip_blank=True)
         blocks = ptx_blocks(rows, self.tokenizer, ptx_block_len(self.cfg), prompts_label(d.ptx))
         if len(blocks) < self.world_size:
             raise DataError(f"{prompts_label(d.ptx)}: {len(blocks)} pretraining blocks for "

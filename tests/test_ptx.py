@@ -37,6 +37,33 @@ def test_blocks_are_the_concatenated_texts_cut_evenly():
         ptx_blocks(chat, tok, 4, "c.jsonl")
 
 
+def test_blank_pretraining_rows_are_skipped_and_counted(tmp_path, caplog):
+    """wikitext's row 0 is "": a blank pretraining text stopped the run ("'text' is empty or
+    whitespace only"), where DeepSpeed-Chat tokenises it without complaint. The trainer's
+    reading of data.ptx skips such rows and counts them in one log line; a blank prompt is
+    still an error."""
+    from types import SimpleNamespace
+
+    from oppo_ds.trainer import PPOTrainer
+
+    path = tmp_path / "wikitext.jsonl"
+    texts = ["", TEXTS[0], " \n", TEXTS[1], "\t", TEXTS[2]]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = load_config(None, [f"data.ptx={path}", "ppo.ptx_coef=1", "data.ptx_block_len=16"])
+    tok = wl.build_tokenizer()
+    trainer = SimpleNamespace(cfg=cfg, tokenizer=tok, world_size=1, is_main=True)
+    with caplog.at_level("INFO", logger="oppo_ds.datafiles"):
+        blocks = PPOTrainer._load_ptx(trainer)
+    assert [b.input_ids for b in blocks] == \
+        [b.input_ids for b in ptx_blocks(_rows(TEXTS), tok, 16, str(path))]
+    assert f"{path}: 3 rows skipped, their 'text' (data.ptx_key) empty or whitespace only" \
+        in caplog.text
+    from oppo_ds.datafiles import read_prompt_rows
+
+    with pytest.raises(DataError, match=rf"{path}:1: 'text' is empty or whitespace only"):
+        read_prompt_rows(str(path), prompt_key="text")
+
+
 def test_lm_loss_is_hugging_faces_own():
     from oppo_ds.models import build_causal_lm
 
