@@ -311,7 +311,9 @@ class DataConfig:
     header row naming the columns; every cell read as text), any of them compressed (.gz,
     .bz2, .xz), .parquet, a datasets save_to_disk directory, a directory of such files (a hub
     snapshot: data/train-*.parquet), or `builtin` (the built-in long-tail workload's
-    prompts). A list of them: their prompts together, each once per epoch."""
+    prompts). A list of them: their prompts together, each once per epoch, the ids written
+    in their rows put under each source's name (a.jsonl/0), so that sources may number their
+    rows alike."""
     prompt_key: str = "prompt"
     """Field holding the prompt (a string or a list of chat messages; messages ending with an
     assistant message are continued, as TRL does: the response carries on its text)."""

@@ -82,7 +82,8 @@ class PromptRow:
     """1-based line for jsonl and csv (where the record starts); 0-based row index for parquet,
     a JSON array and HF datasets (see ``unit``)."""
     id: str
-    """The row's ``"id"`` field when present, else ``"<basename>:<line>"``; unique per read."""
+    """The row's ``"id"`` field when present (under its source's name, ``a.jsonl/0``, where
+    several sources are read), else ``"<basename>:<line>"``; unique per read."""
     unit: str = "line"
     """``"line"`` (jsonl, csv) or ``"row"`` (parquet, HF datasets): how ``line`` is reported."""
     default_id: bool = False
@@ -166,8 +167,11 @@ def read_prompt_rows(
     The row id is the row's ``"id"`` field (a string or an integer) when present and not null,
     else ``"<basename>:<line>"``; where two files read share a basename
     (``en/train.jsonl``, ``de/train.jsonl``), their rows' ids name the path from the folder
-    the two have in common instead (``en/train.jsonl:3``). Ids must be unique across
-    everything read.
+    the two have in common instead (``en/train.jsonl:3``). Of several sources, the ids
+    written in the rows are put under their source's name, its basename (or its path below
+    the common folder, as above): ``a.jsonl/0``, so that sources numbering their rows alike
+    can be read together; one source's stay as written. Ids must be unique across
+    everything read: a written id twice in one source is an error naming both rows.
 
     ``phase_split`` (three weights, as DeepSpeed-Chat's ``--data_split``): of each path's rows,
     only the PPO part (:func:`phase_part`, seeded by ``phase_seed``) is returned, in file
@@ -196,6 +200,7 @@ def read_prompt_rows(
         raise DataError(f"{twice[0]}: named twice among the prompt sources {paths}")
     rows = []
     blank = 0  # rows skipped for their empty text (skip_blank)
+    by_source: list[tuple[str, list[PromptRow]]] = []  # of several sources
     for source in paths:
         fmt = source_format(source) if source_format is not None else None
         read = _read_source(source, fmt or prompt_key, fmt.split if fmt else split, key_name,
@@ -226,7 +231,10 @@ def read_prompt_rows(
             with_text = [r for r in read if r.text_or_messages is not None]
             blank += len(read) - len(with_text)
             read = with_text
+        if len(paths) > 1:
+            by_source.append((source, read))
         rows.extend(read)
+    _qualify_written_ids(by_source)
     if blank:
         logger.info("%s: %d rows skipped, their %r (%s) empty or whitespace only",
                     " + ".join(paths), blank, prompt_key, key_name)
@@ -280,19 +288,38 @@ def _read_source(path: str, prompt_key: "str | SourceFormat", split: str, key_na
 def _name_default_ids(rows: list[PromptRow]) -> None:
     """Rows of files sharing a basename take ids naming the path below the files' common
     folder (``"<basename>:<line>"`` would give two rows one id)."""
-    by_name: dict[str, set[str]] = {}
-    for row in rows:
-        if row.default_id:
-            by_name.setdefault(_label(row.source), set()).add(os.path.normpath(row.source))
-    rename = {}
-    for sources in by_name.values():
-        if len(sources) > 1:
-            common = os.path.commonpath([os.path.abspath(s) for s in sources])
-            rename.update({s: os.path.relpath(os.path.abspath(s), common) for s in sources})
+    names = _short_names({os.path.normpath(r.source) for r in rows if r.default_id})
     for row in rows:
         source = os.path.normpath(row.source)
-        if row.default_id and source in rename:
-            row.id = f"{rename[source]}:{row.line}"
+        if row.default_id and names[source] != _label(source):
+            row.id = f"{names[source]}:{row.line}"
+
+
+def _qualify_written_ids(by_source: list[tuple[str, list[PromptRow]]]) -> None:
+    """The ids written in the rows of several sources, each put under its source's name
+    (``a.jsonl/0``): two sources numbering their rows from 0 are no duplicates. One source's
+    ids stay as written (``by_source`` is then empty), so its checkpoints keep them."""
+    names = _short_names({os.path.normpath(source) for source, _ in by_source})
+    for source, rows in by_source:
+        for row in rows:
+            if not row.default_id:
+                row.id = f"{names[os.path.normpath(source)]}/{row.id}"
+
+
+def _short_names(paths: set[str]) -> dict[str, str]:
+    """Each of ``paths`` by its basename, or, where several share it, by its path below their
+    common folder (``en/train.jsonl``, ``de/train.jsonl``)."""
+    by_name: dict[str, set[str]] = {}
+    for path in paths:
+        by_name.setdefault(_label(path), set()).add(path)
+    names = {}
+    for name, group in by_name.items():
+        if len(group) == 1:
+            names.update(dict.fromkeys(group, name))
+        else:
+            common = os.path.commonpath([os.path.abspath(p) for p in group])
+            names.update({p: os.path.relpath(os.path.abspath(p), common) for p in group})
+    return names
 
 
 def _is_hf_datasets_dir(path: str) -> bool:

@@ -565,16 +565,35 @@ def test_several_sources_read_one_after_another(tmp_path):
     rows = read_prompt_rows([second, first, third])
     assert [(r.id, r.text_or_messages, r.source) for r in rows] == [
         ("b/train.jsonl:1", "b1", second), ("a/train.jsonl:1", "a1", first),
-        ("a/train.jsonl:2", "a2", first), ("c", "c1", third)]
+        ("a/train.jsonl:2", "a2", first), ("c.parquet/c", "c1", third)]
     assert as_tuples(read_prompt_rows([third])) == [("c1", "c")]
     with pytest.raises(DataError, match=rf"^{re.escape(first)}: named twice"):
         read_prompt_rows([first, third, first])
     with pytest.raises(DataError, match="no prompt source given"):
         read_prompt_rows([])
-    clash = write_jsonl(tmp_path / "d.jsonl", [{"id": "c", "prompt": "d1"}])
-    with pytest.raises(DataError, match=rf"{re.escape(clash)}:1: duplicate id 'c' \(first at "
-                                        rf"{re.escape(third)}: row 0\)"):
-        read_prompt_rows([third, clash])
+
+
+def test_written_ids_of_several_sources_are_put_under_their_source(tmp_path):
+    """Two sources that each number their rows with an integer id (the documented way to read
+    several together) failed: ``src_b.jsonl:1: duplicate id '0'``. Each source's written ids
+    now carry its name; one source's stay bare (its checkpoints keep their ids); a duplicate
+    within one file is still an error naming both lines."""
+    src_a = write_jsonl(tmp_path / "src_a.jsonl", [{"id": i, "prompt": f"a{i}"} for i in range(2)])
+    src_b = write_jsonl(tmp_path / "src_b.jsonl", [{"id": i, "prompt": f"b{i}"} for i in range(2)])
+    (tmp_path / "en").mkdir()
+    (tmp_path / "de").mkdir()
+    en = write_jsonl(tmp_path / "en" / "train.jsonl", [{"id": "q", "prompt": "en"}])
+    de = write_jsonl(tmp_path / "de" / "train.jsonl", [{"id": "q", "prompt": "de"}])
+    assert [r.id for r in read_prompt_rows([src_a, src_b, en, de])] == [
+        "src_a.jsonl/0", "src_a.jsonl/1", "src_b.jsonl/0", "src_b.jsonl/1",
+        "en/train.jsonl/q", "de/train.jsonl/q"]
+    assert [r.id for r in read_prompt_rows(src_a)] == ["0", "1"]
+    assert [r.id for r in read_prompt_rows([src_a])] == ["0", "1"]
+    clash = write_jsonl(tmp_path / "clash.jsonl", [{"id": 7, "prompt": "x"},
+                                                   {"id": 7, "prompt": "y"}])
+    with pytest.raises(DataError, match=rf"^{re.escape(clash)}:2: duplicate id 'clash.jsonl/7' "
+                                        rf"\(first at {re.escape(clash)}:1\)"):
+        read_prompt_rows([src_a, clash])
 
 
 def test_phase_part_cuts_as_deepspeed_chat_does():
