@@ -324,7 +324,10 @@ class DataConfig:
     several configuration folders (gsm8k's main/, socratic/) is an error: point prompts at
     one."""
     chat_template: Literal["auto", "on", "off"] = "auto"
-    """Apply the tokenizer's chat template: auto = when it has one."""
+    """Apply the tokenizer's chat template: auto = when it has one, except under
+    deepspeed_chat_formats (its prompts carry their own format: set on to apply it all the
+    same). A string prompt already rendered by a template (starting with the BOS text, or
+    holding the template's special tokens) is an error while one is applied."""
     input_template: Optional[str] = None
     """Without a chat template in use, text put around every string prompt before tokenising,
     the prompt going where it holds `{}` (OpenRLHF's --input_template, e.g.

@@ -116,7 +116,9 @@ def encode_prompts(
             ``input_template`` (not one ``{}``, or given while a chat template is in use), or
             ``chat_template="on"`` with a tokenizer that has no template.
         DataError: a row that cannot be encoded, encodes to nothing, or is too long under
-            ``overlong="error"``.
+            ``overlong="error"``; with a chat template in use, a string prompt rendered by
+            one already (it starts with the BOS text, or holds a special token the template
+            writes out: the template would go round it a second time).
     """
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong={overlong!r}; allowed values: {', '.join(OVERLONG_POLICIES)}")
@@ -138,9 +140,10 @@ def encode_prompts(
             raise ValueError("input_template is for tokenizers without a chat template, but the "
                              "tokenizer's is in use (chat_template='off' uses the input template)")
 
+    marks = _rendered_marks(tokenizer) if use_template else None
     out = EncodedPrompts(prompts=[])
     for row in rows:
-        ids = _encode_row(row, tokenizer, use_template, input_template)
+        ids = _encode_row(row, tokenizer, use_template, input_template, marks)
         if len(ids) > max_prompt_len:
             if overlong == "error":
                 raise DataError(
@@ -163,10 +166,39 @@ def _continues(prompt: str | list[dict[str, Any]]) -> bool:
     return not isinstance(prompt, str) and prompt[-1]["role"] == "assistant"
 
 
+def _rendered_marks(tokenizer: Any) -> tuple[Optional[str], list[str]]:
+    """What a string prompt already rendered by the tokenizer's chat template holds: (its BOS
+    text, at the start; the special tokens the template writes out, ``<|im_start|>``)."""
+    template = str(tokenizer.chat_template)
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    special.update(t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}
+                                       ).values() if getattr(t, "special", False))
+    return getattr(tokenizer, "bos_token", None), sorted(t for t in special if t and t in template)
+
+
+def _refuse_rendered(row: PromptRow, prompt: str, marks: tuple[Optional[str], list[str]]):
+    """A DataError for a string prompt that already carries a chat template (its text starts
+    with the BOS text, or holds a special token the template writes): the template in use
+    would wrap it in a second one, a second BOS in front."""
+    bos, tokens = marks
+    found = f"starts with the BOS text {bos!r}" if bos and prompt.startswith(bos) else next(
+        (f"holds {t!r}, a special token of the chat template" for t in tokens if t in prompt),
+        None)
+    if found:
+        raise DataError(
+            f"{row.where}: prompt {row.id!r} {found}: it looks rendered by a chat template "
+            "already, and the tokenizer's would wrap it in a second one; set "
+            "data.chat_template: off to tokenize such prompts as they are, or give them as "
+            "plain text or chat messages")
+
+
 def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool,
-                input_template: Optional[str] = None) -> list[int]:
+                input_template: Optional[str] = None,
+                marks: Optional[tuple[Optional[str], list[str]]] = None) -> list[int]:
     prompt = row.text_or_messages
     if use_template:
+        if isinstance(prompt, str):
+            _refuse_rendered(row, prompt, marks or _rendered_marks(tokenizer))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         continues = _continues(prompt)
         try:

@@ -153,7 +153,7 @@ def encode_rows(cfg: Config, rows, tokenizer, label: str, *, log: bool):
 
     d, g = cfg.data, cfg.generation
     encoded = encode_prompts(rows, tokenizer, g.max_prompt_len, overlong=d.overlong,
-                             chat_template=d.chat_template, input_template=d.input_template)
+                             chat_template=chat_template_mode(cfg), input_template=d.input_template)
     if log and (encoded.n_truncated or encoded.n_skipped):
         logger.warning("%s: %d prompts truncated, %d skipped (over %d tokens)", label,
                        encoded.n_truncated, encoded.n_skipped, g.max_prompt_len)
@@ -161,6 +161,16 @@ def encode_rows(cfg: Config, rows, tokenizer, label: str, *, log: bool):
         logger.info("%s: %d prompts end with an assistant message; their responses continue it "
                     "(no end of turn after it, as TRL does)", label, encoded.n_continued)
     return encoded
+
+
+def chat_template_mode(cfg: Config) -> str:
+    """``data.chat_template`` as the prompts are encoded: ``auto`` is ``off`` under
+    ``data.deepspeed_chat_formats`` (set in YAML or by oppo-train's --data_path alike), whose
+    prompts carry their own format (" Human: ... Assistant:") and which DeepSpeed-Chat
+    tokenizes as they are: a chat template would wrap them in a second one. ``on`` applies
+    the template all the same."""
+    d = cfg.data
+    return "off" if d.chat_template == "auto" and d.deepspeed_chat_formats else d.chat_template
 
 
 def prompts_label(prompts: str | list[str]) -> str:
@@ -243,11 +253,12 @@ def check_prompt_format(cfg: Config, src: Sources, tokenizer) -> None:
     d = cfg.data
     has_template = bool(getattr(tokenizer, "chat_template", None))
     where = src.tokenizer or "the built-in workload's tokenizer"
-    if d.chat_template == "on" and not has_template:
+    mode = chat_template_mode(cfg)
+    if mode == "on" and not has_template:
         raise ConfigError("data.chat_template", (
             f"on, but {where} has no chat template; set data.chat_template: auto (prompts as "
             "they are), or model.tokenizer to a tokenizer directory that has one"))
-    if d.input_template is not None and has_template and d.chat_template != "off":
+    if d.input_template is not None and has_template and mode != "off":
         raise ConfigError("data.input_template", (
             f"{d.input_template!r} is for tokenizers without a chat template, but {where} has "
             "one and data.chat_template is auto or on; set data.chat_template: off to put the "

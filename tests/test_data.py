@@ -785,6 +785,56 @@ def test_text_that_starts_with_the_bos_text_gets_no_second_bos(plain_tok, chat_t
     assert plain.prompts[0].input_ids == enc.prompts[0].input_ids
 
 
+def test_a_prompt_rendered_already_is_refused_under_a_chat_template(chat_tok):
+    """A prompt file rendered by a chat template beforehand got the tokenizer's template on
+    top, a second BOS in front (the second-BOS check ran only without a template). With a
+    template in use, a string prompt starting with the BOS text, or holding a special token
+    the template writes out, is an error naming the row and data.chat_template: off."""
+    with pytest.raises(DataError, match=r"^x.jsonl:1: prompt 'r1' starts with the BOS "
+                                        r"text '<bos>': it looks rendered by a chat template "
+                                        r"already.*set data.chat_template: off"):
+        encode_prompts(rows_of("<bos>user : a b assistant :"), chat_tok, max_prompt_len=32)
+    off = encode_prompts(rows_of("<bos>user : a b assistant :"), chat_tok, max_prompt_len=32,
+                         chat_template="off")
+    assert chat_tok.convert_ids_to_tokens(off.prompts[0].input_ids) == \
+        ["<bos>", "user", ":", "a", "b", "assistant", ":"]
+    # a template that writes a special token out (Qwen's <|im_start|>, here <eos>)
+    eos_tok = make_tokenizer(TEMPLATE.replace("{{ m['content'] }} ", "{{ m['content'] }} <eos> "))
+    with pytest.raises(DataError, match=r"^x.jsonl:1: prompt 'r1' holds '<eos>', a "
+                                        r"special token of the chat template"):
+        encode_prompts(rows_of("user : a b <eos> assistant :"), eos_tok, max_prompt_len=32)
+    # plain text, messages holding it, and a tokenizer's special token the template does not
+    # write, are prompts as before
+    fine = encode_prompts(rows_of("a b", [{"role": "user", "content": "<bos>a"}], "c <eos>"),
+                          chat_tok, max_prompt_len=32)
+    assert len(fine) == 3
+
+
+def test_deepspeed_chat_formats_imply_no_chat_template(chat_tok):
+    """data.deepspeed_chat_formats: true set in YAML applied the tokenizer's chat template
+    around prompts that carry DeepSpeed-Chat's own format; only oppo-train's --data_path
+    switched it off. Its auto is off now wherever it is set; on applies the template."""
+    from types import SimpleNamespace
+
+    from oppo_ds.config import ConfigError, load_config
+    from oppo_ds.sources import check_prompt_format, encode_rows
+
+    rows = rows_of(" Human: a b Assistant:")
+    dschat = load_config(None, ["data.deepspeed_chat_formats=true"])
+    enc = encode_rows(dschat, rows, chat_tok, "x.jsonl", log=False)
+    assert enc.prompts[0].input_ids == chat_tok(" Human: a b Assistant:")["input_ids"]
+    on = load_config(None, ["data.deepspeed_chat_formats=true", "data.chat_template=on"])
+    templated = encode_rows(on, rows, chat_tok, "x.jsonl", log=False)
+    assert templated.prompts[0].input_ids == chat_tok.apply_chat_template(
+        [{"role": "user", "content": rows[0].text_or_messages}], add_generation_prompt=True,
+        return_dict=False)
+    src = SimpleNamespace(tokenizer="/models/tok")
+    check_prompt_format(load_config(None, ["data.deepspeed_chat_formats=true",
+                                           "data.input_template='user : {}'"]), src, chat_tok)
+    with pytest.raises(ConfigError, match=r"^data\.input_template"):
+        check_prompt_format(load_config(None, ["data.input_template='user : {}'"]), src, chat_tok)
+
+
 def test_a_run_refuses_prompt_settings_its_tokenizer_cannot_follow(plain_tok, chat_tok):
     """Checked before any prompt is encoded, as a ConfigError naming the key (oppo-train: one
     line, exit 2), not a traceback from the encoder."""
