@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
+from . import comm
 from .datafiles import DataError, PromptRow, location
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "PromptRow",
     "PromptStream",
     "StreamMismatch",
+    "check_same_on_every_rank",
     "encode_prompts",
     "left_pad",
     "repeat_samples",
@@ -295,13 +298,9 @@ class PromptStream:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """A hash of the prompts (ids, tokens, length targets) in their given order: a saved
-        state names the prompts it was taken from, not only how many there were."""
-        digest = hashlib.sha256()
-        for p in self.prompts:
-            digest.update(f"{p.id}\0{p.target_len}\0".encode())
-            digest.update(array.array("q", p.input_ids).tobytes())
-        return digest.hexdigest()[:16]
+        """:func:`prompts_fingerprint` of the prompts: a saved state names the prompts it was
+        taken from, not only how many there were."""
+        return prompts_fingerprint(self.prompts)
 
     @property
     def epoch(self) -> int:
@@ -374,6 +373,42 @@ class PromptStream:
             kept = order[: self.prompts_per_epoch * self.world_size]
             self._order = kept[self.rank :: self.world_size]
         return self._order
+
+
+def prompts_fingerprint(prompts: Sequence[Prompt]) -> str:
+    """A hash of the prompts (ids, tokens, length targets) in their given order, 16 hex
+    digits."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(f"{p.id}\0{p.target_len}\0".encode())
+        digest.update(array.array("q", p.input_ids).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_same_on_every_rank(prompts: Sequence[Prompt], label: str, group=None) -> None:
+    """A DataError on every rank of ``group`` (default: the world) unless all hold the same
+    prompts (:func:`prompts_fingerprint`), naming each rank's count and fingerprint. Every
+    rank reads and encodes its prompts itself, and each epoch's order (:class:`PromptStream`)
+    deals one list out among them: nodes with different copies of the files would train some
+    prompts twice and skip others, silently. One rank: nothing to compare."""
+    if not comm.active(group):
+        return
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    # an all_gather by a sum: each rank fills its own two slots (a 60-bit hash, a count)
+    mine = [0] * (2 * world)
+    mine[2 * me: 2 * me + 2] = [int(prompts_fingerprint(prompts)[:15], 16), len(prompts)]
+    every = comm.all_reduce_ints(mine, group=group)
+    held: dict[tuple[int, int], list[int]] = {}
+    for rank in range(world):
+        held.setdefault((every[2 * rank], every[2 * rank + 1]), []).append(rank)
+    if len(held) > 1:
+        raise DataError(
+            f"{label}: the ranks read different prompts: " + "; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {count} "
+                f"prompts (fingerprint {digest:015x})" for (digest, count), ranks in held.items())
+            + ". Every rank reads the files itself and the ranks share out one list each epoch:"
+            " with different lists some prompts are trained twice and others never; give "
+            "every node the same files (a shared filesystem, or identical copies)")
 
 
 def repeat_samples(prompts: Sequence[Prompt], n: int) -> list[Prompt]:

@@ -27,7 +27,7 @@ from .config import Config, ConfigError, save_config
 from .config_checks import optimizer_updates, ptx_block_len
 from .config_paths import check_export_targets
 from .config_types import require
-from .data import PromptStream, left_pad, repeat_samples
+from .data import PromptStream, check_same_on_every_rank, left_pad, repeat_samples
 from .datafiles import DataError, read_prompt_rows
 from .experience import Experience
 from .ema import ActorEMA
@@ -370,6 +370,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
 
     def _load_prompts(self, src):
         prompts, rows = load_prompts(self.cfg, src, self.tokenizer, log=self.is_main)
+        # each rank read its own copy: one list, or the epochs' shares overlap and miss prompts
+        check_same_on_every_rank(prompts, prompts_label(src.prompts))
         if rows is not None and self.reward_fn is not None:
             self.prompt_rows = {r.id: (r.text_or_messages, r.fields) for r in rows}
         if len(prompts) < self.world_size:
@@ -383,6 +385,7 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         rows = read_prompt_rows(d.ptx, prompt_key=d.ptx_key, split=d.split,
                                 key_name="data.ptx_key", skip_blank=True)
         blocks = ptx_blocks(rows, self.tokenizer, ptx_block_len(self.cfg), prompts_label(d.ptx))
+        check_same_on_every_rank(blocks, prompts_label(d.ptx))
         if len(blocks) < self.world_size:
             raise DataError(f"{prompts_label(d.ptx)}: {len(blocks)} pretraining blocks for "
                             f"{self.world_size} ranks; every rank needs at least one")

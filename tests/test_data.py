@@ -4,6 +4,7 @@ prompts (CPU, no hub)."""
 import gzip
 import json
 import os
+import pathlib
 import random
 import re
 
@@ -1001,6 +1002,50 @@ def test_stream_argument_checks():
 # --------------------------------------------------------------------------------------------
 # left_pad
 # --------------------------------------------------------------------------------------------
+
+
+def _ranks_compare_prompts(rank, world, out, root):
+    """One rank of test_ranks_that_read_different_prompts_stop: the trainer's own reading of
+    data.prompts, from this rank's copy of the file (rank 1's differs in one row)."""
+    from types import SimpleNamespace
+
+    from oppo_ds import workload as wl
+    from oppo_ds.config import load_config
+    from oppo_ds.data import check_same_on_every_rank
+    from oppo_ds.trainer import PPOTrainer
+
+    same = [Prompt(f"p{i}", [1, 8 + i], "x.jsonl", i + 1) for i in range(3)]
+    check_same_on_every_rank(same, "x.jsonl")  # the same prompts pass
+    path = os.path.join(root, f"rank{rank}.jsonl")
+    texts = ["a b", "c d", "e f" if rank == 0 else "e g"]
+    write_jsonl(pathlib.Path(path), [{"prompt": t} for t in texts])
+    cfg = load_config(None, [f"data.prompts={path}"])
+    trainer = SimpleNamespace(cfg=cfg, tokenizer=wl.build_tokenizer(), is_main=rank == 0,
+                              reward_fn=None, world_size=world)
+    try:
+        PPOTrainer._load_prompts(trainer, SimpleNamespace(prompts=path, oracle=False))
+        out.put(("ok", rank, None))
+    except DataError as err:
+        out.put(("ok", rank, str(err)))
+
+
+def test_ranks_that_read_different_prompts_stop(tmp_path):
+    """Every data-parallel rank reads and encodes the prompt files itself, and each epoch's
+    order deals one list out among the ranks: nodes with different local copies trained
+    some prompts twice and skipped others, silently (the fingerprint was compared only at a
+    resume). Two gloo ranks whose copies differ in one row now both stop, naming each rank's
+    prompts."""
+    from _builders import spawn_gloo
+
+    found = sorted(m[1:] for m in spawn_gloo(_ranks_compare_prompts, 2, str(tmp_path),
+                                             join_s=240, group_timeout_s=60) if m[0] == "ok")
+    assert [rank for rank, _ in found] == [0, 1]
+    for rank, message in found:
+        assert message is not None, f"rank {rank} did not stop"
+        assert re.search(r"the ranks read different prompts: rank 0: 3 prompts \(fingerprint "
+                         r"[0-9a-f]{15}\); rank 1: 3 prompts \(fingerprint [0-9a-f]{15}\)\. "
+                         r"Every rank reads the files itself", message), message
+        assert "give every node the same files" in message
 
 
 def test_left_pad():
