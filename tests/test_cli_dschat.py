@@ -104,6 +104,24 @@ def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
     assert (cfg.seed, cfg.steps) == (5, 7)
 
 
+def test_dschat_fixed_ppo_constants_replace_oppo_ds_defaults(tmp_path):
+    """DeepSpeed-Chat fixes kl_ctl = 0.1 and does not whiten advantages (ppo_trainer.py): the
+    flag route had oppo-ds's kl_coef 0.05 and whitening. Its other constants are ours already.
+    A dotted override, and a value the --config file sets, still win."""
+    p = resolve(["--seed", "1"])[0].ppo
+    assert (p.kl_coef, p.whiten_advantages, p.whiten_rewards, p.kl_estimator, p.kl_penalty,
+            p.kl_target, p.reward_clip, p.clip_eps, p.value_clip_eps, p.gamma, p.lam) == \
+        (0.1, False, False, "k1", "reward", None, 5.0, 0.2, 0.2, 1.0, 0.95)
+    p = resolve(["--seed", "1", "ppo.kl_coef=0.02", "ppo.whiten_advantages=true"])[0].ppo
+    assert (p.kl_coef, p.whiten_advantages) == (0.02, True)
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  kl_coef: 0.3\n")
+    p = resolve(["--config", str(path), "--seed", "1"])[0].ppo
+    assert (p.kl_coef, p.whiten_advantages) == (0.3, False)
+    p = resolve([])[0].ppo  # no DeepSpeed-Chat flag: oppo-ds's own defaults
+    assert (p.kl_coef, p.whiten_advantages) == (0.05, True)
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--actor_zero_stage", "3", "--critic_zero_stage", "2"], "--actor_zero_stage"),
     (["--actor_weight_decay", "0.1", "--critic_weight_decay", "0"], "--actor_weight_decay"),

@@ -11,6 +11,8 @@ Flags not given change nothing: oppo-ds's own defaults hold (e.g. ``system.dtype
 where DeepSpeed-Chat's default is fp16); the exception is ``--data_split``, whose default
 2,4,4 applies with ``--data_path`` because it decides which prompts DeepSpeed-Chat reads. Conflicts our single keys cannot express (actor and
 critic ZeRO stages, weight decays or LoRA scopes that differ) are errors naming both flags.
+DeepSpeed-Chat's PPO constants, fixed in its code (``DSCHAT_CONSTANTS``: kl_ctl 0.1, no
+whitening of advantages, ...), replace oppo-ds's defaults (``dschat_constants``).
 """
 from __future__ import annotations
 
@@ -335,6 +337,33 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     _batches(flags, put)
     _schedule(flags, put)
     return [f"{k}={json.dumps(v)}" for k, v in out.items()], warnings
+
+
+# DeepSpeed-Chat's PPO constants: fixed in its code (dschat/rlhf/ppo_trainer.py,
+# DeepSpeedPPOTrainer.__init__: kl_ctl, clip_reward_value, cliprange, cliprange_value, gamma,
+# lam; compute_rewards: -kl_ctl * (logp - ref_logp) a token, the clipped score added at the
+# end; get_advantages_and_returns: no whitening), so no step-3 flag changes them
+DSCHAT_CONSTANTS = {"ppo.kl_coef": 0.1, "ppo.kl_estimator": "k1", "ppo.kl_penalty": "reward",
+                    "ppo.kl_target": None, "ppo.reward_clip": 5.0, "ppo.clip_eps": 0.2,
+                    "ppo.value_clip_eps": 0.2, "ppo.gamma": 1.0, "ppo.lam": 0.95,
+                    "ppo.whiten_advantages": False, "ppo.whiten_rewards": False}
+
+
+def dschat_constants(file_config) -> list[str]:
+    """Dotted overrides that set DeepSpeed-Chat's fixed PPO constants (``DSCHAT_CONSTANTS``)
+    where ``file_config`` (the --config file's config, loaded alone) holds oppo-ds's default:
+    a value the file chose stays. Applied before the flags' overrides and the command line's
+    own, which win."""
+    from ..config import Config
+
+    default = Config()
+    out = []
+    for key, value in DSCHAT_CONSTANTS.items():
+        section, name = key.split(".")
+        ours = getattr(getattr(file_config, section), name)
+        if ours == getattr(getattr(default, section), name) and ours != value:
+            out.append(f"{key}={json.dumps(value)}")
+    return out
 
 
 DSCHAT_DATA_SPLIT = "2,4,4"  # step 3's default --data_split
