@@ -144,6 +144,19 @@ def test_conflicts_and_refused_flags_are_errors_naming_the_flag(argv, flag, caps
     assert err.startswith(f"oppo-train: error: {flag}:"), err
 
 
+def test_deepspeeds_own_deprecated_flags_are_accepted(capsys):
+    """deepspeed.add_config_arguments, which DeepSpeed-Chat's main.py calls, adds --deepscale
+    and --deepscale_config beside --deepspeed; oppo-train refused them as unknown (exit 2)."""
+    cfg, notes = resolve(["--deepscale", "--deepscale_config", "/tmp/ds.json", "--seed", "1"])
+    assert cfg.system.deepspeed_config is None
+    joined = "\n".join(notes)
+    assert "--deepscale has no effect" in joined
+    assert "--deepscale_config has no effect in oppo-train: DeepSpeed's deprecated " \
+           "--deepspeed_config; the file is not read" in joined
+    assert main(["--deepscale", "--deepscale_config", "/tmp/ds.json", "--print-config"]) == 0
+    assert "--deepscale_config has no effect" in capsys.readouterr().err
+
+
 def test_unknown_and_abbreviated_flags_are_errors(capsys):
     for argv, name in ((["--actor_model_path", "x"], "--actor_model_path"),
                        (["--actor_model_name", "x"], "--actor_model_name")):

@@ -161,6 +161,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("oppo_cudnn_attention", MAPPED, "system.cudnn_attention (torch's cuDNN attention, which "
        "plans every new shape, allowed), with --enable_oppo"),
     _f("deepspeed", IGNORED, "oppo-train always runs on DeepSpeed"),
+    # deepspeed.add_config_arguments, which step 3's main.py calls, adds these two as well
+    _f("deepscale", IGNORED, "DeepSpeed's deprecated --deepspeed; oppo-train always runs on "
+       "DeepSpeed"),
+    _f("deepscale_config", IGNORED, "DeepSpeed's deprecated --deepspeed_config; the file is not "
+       "read (nor by DeepSpeed-Chat, whose engines get the config it builds): the DeepSpeed "
+       "config is built from the oppo-ds config (system.* keys; entries of your own: "
+       "system.deepspeed_config)", str),
     _f("tensorboard_path", IGNORED, "TensorBoard events go to output_dir/tensorboard", str),
     _f("data_output_path", IGNORED, "oppo-train keeps no data index files", str),
     _f("preprocessing_num_workers", IGNORED, "prompts are tokenized in-process", int),
