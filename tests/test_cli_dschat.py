@@ -99,9 +99,53 @@ def test_hybrid_engine_knobs_go_into_its_deepspeed_section():
 def test_dotted_overrides_win_and_gradient_accumulation_sets_the_mini_batch():
     cfg, _ = resolve(["--per_device_generation_batch_size", "8", "--generation_batches", "2",
                       "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",
-                      "2", "--seed", "3", "seed=5", "--enable_test_mode", "--test_stop_step", "7"])
+                      "2", "--seed", "3", "seed=5", "--enable_test_mode", "--test_stop_step", "8"])
     assert (cfg.ppo.batch_size, cfg.ppo.mini_batch_size, cfg.ppo.micro_batch_size) == (16, 4, 2)
-    assert (cfg.seed, cfg.steps) == (5, 7)
+    assert (cfg.seed, cfg.steps) == (5, 4)  # 8 generation batches, 2 a step
+
+
+def test_dschat_test_mode_command_runs_with_a_warmup_longer_than_the_run(capsys):
+    """DeepSpeed-Chat's run_single.sh sweep passes --enable_test_mode --test_stop_step 5 with
+    --num_warmup_steps 100: it sizes its schedule from the whole epoch and stops early. It
+    exited 2 ("ppo.warmup_steps: must be at most the run's optimizer updates ... = 5, got
+    100"); the warm-up is now capped at the run's updates, with a warning naming both."""
+    argv = DSCHAT_ARGS + ["--enable_test_mode", "--test_stop_step", "5"]
+    assert main(argv + ["--print-config"]) == 0
+    err = capsys.readouterr().err
+    cfg, notes = resolve(argv)
+    updates = cfg.steps * cfg.ppo.updates_per_step
+    assert (cfg.steps, updates, cfg.ppo.warmup_steps) == (5, 10, 10)
+    assert f"--num_warmup_steps 100 is more than the run's {updates} optimizer updates" in err
+    assert f"warm-up capped at {updates}" in "\n".join(notes)
+    # within the run it stays as given, and a dotted override is the user's (still checked)
+    cfg, notes = resolve(argv + ["--num_warmup_steps", "3"])
+    assert cfg.ppo.warmup_steps == 3 and not [n for n in notes if "warm-up" in n]
+    assert resolve(argv + ["ppo.warmup_steps=2"])[0].ppo.warmup_steps == 2
+    with pytest.raises(ConfigError, match="ppo.warmup_steps: must be at most"):
+        resolve(argv + ["ppo.warmup_steps=100"])
+
+
+def test_test_stop_step_counts_generation_batches_within_one_epoch(tmp_path):
+    """DeepSpeed-Chat's --test_stop_step counts generation batches (main.py's step loop), and
+    a PPO step takes --generation_batches of them; test mode stops after the first epoch. It
+    was taken as PPO steps: --test_stop_step 7 --generation_batches 2 ran 7 steps where
+    DeepSpeed-Chat trains 3."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"a {i}"}) + "\n" for i in range(20)))
+    base = ["--per_device_generation_batch_size", "2", "--generation_batches", "2",
+            "--per_device_training_batch_size", "2", "--data_split", "0,0,1",
+            "--data_path", str(data), "--enable_test_mode"]  # 20 prompts: 5 steps of 4
+    for more, steps in ((["--test_stop_step", "8"], 4), (["--test_stop_step", "7"], 3),
+                        (["--test_stop_step", "1"], 1), (["--test_stop_step", "40"], 5),
+                        ([], 5), (["--num_train_epochs", "3"], 5),
+                        (["--test_stop_step", "40", "steps=9"], 9)):
+        cfg, notes = resolve(base + more)
+        assert cfg.steps == steps, more
+        uneven = [n for n in notes if "counts generation batches" in n]
+        assert bool(uneven) == (more[:2] in (["--test_stop_step", "7"],
+                                             ["--test_stop_step", "1"])), (more, notes)
+    _, notes = resolve(base + ["--test_stop_step", "7"])
+    assert "DeepSpeed-Chat trains 3 step(s) and stops; oppo-train runs 3" in "\n".join(notes)
 
 
 def test_dschat_fixed_ppo_constants_replace_oppo_ds_defaults(tmp_path):

@@ -79,9 +79,12 @@ def resolve_config(args, prepare_files: bool = True):
             # counts, before the ranks join: none prepares the built-in workload for it
             src = resolve_sources(current, rank=0, prepare=False)
             return len(load_prompts(current, src, run_tokenizer(current, src), log=False)[0])
-        steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts)
+        steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts, notes)
         if steps is not None:
             extra.append(f"steps={steps}")
+    if dschat.WARMUP_KEY not in explicit:  # --num_warmup_steps within the run's updates
+        extra += dschat.warmup_within(
+            flags, load_config(args.config, mapped + extra + list(args.overrides)), notes)
     # the explicit overrides come last again, so that they win over what was derived here
     return load_config(args.config, mapped + extra + list(args.overrides)), notes
 

@@ -114,7 +114,9 @@ FLAGS: tuple[Flag, ...] = (
        "constant_with_warmup = constant with --num_warmup_steps; others refused)", str,
        choices=("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                 "constant_with_warmup")),
-    _f("num_warmup_steps", MAPPED, "ppo.warmup_steps", int),
+    _f("num_warmup_steps", MAPPED, "ppo.warmup_steps, at most the run's optimizer updates "
+       "(a longer warm-up is capped, with a warning: DeepSpeed-Chat sizes its schedule from "
+       "whole epochs, also when --enable_test_mode stops it early)", int),
     _f("num_train_epochs", MAPPED, "steps = epochs x prompts / (batch x ranks), counted from "
        "--data_path (steps=N overrides it)", int),
     _f("output_dir", MAPPED, "logging.output_dir; the final actor and critic go to "
@@ -141,8 +143,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("only_optimize_lora", MAPPED, "model.only_optimize_lora: true"),
     _f("enable_tensorboard", MAPPED, "logging.tensorboard: true (events in "
        "output_dir/tensorboard)"),
-    _f("enable_test_mode", MAPPED, "with --test_stop_step N: steps = N"),
-    _f("test_stop_step", MAPPED, "steps, with --enable_test_mode", int),
+    _f("enable_test_mode", MAPPED, "steps: those of --test_stop_step, within one epoch (the "
+       "first epoch without it), as DeepSpeed-Chat stops"),
+    _f("test_stop_step", MAPPED, "with --enable_test_mode: steps = N / --generation_batches "
+       "(rounded down, at least 1; DeepSpeed-Chat counts generation batches), at most one "
+       "epoch's", int),
     _f("enable_oppo", MAPPED, "oppo.streaming: true, with --oppo_chunk_size and "
        "--oppo_overcommit (the patched DeepSpeed-Chat's flags)"),
     _f("oppo_chunk_size", MAPPED, "oppo.chunk_size (an integer or auto), with --enable_oppo",
@@ -230,7 +235,8 @@ def _agree(flags: dict, a: str, b: str):
 
 def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     """(dotted overrides, warnings) for the DeepSpeed-Chat flags given ({name: value}).
-    Raises ``ConfigError`` naming the flag for refused flags and conflicts."""
+    Raises ``ConfigError`` naming the flag for refused flags and conflicts. The flags that
+    need the rest of the config come later: ``steps_from_flags``, ``warmup_within``."""
     out: dict[str, object] = {}
     warnings = []
     for name, value in flags.items():
@@ -253,7 +259,7 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
     simple = {"actor_model_name_or_path": "model.actor", "ppo_epochs": "ppo.ppo_epochs",
               "max_answer_seq_len": "generation.max_new_tokens",
               "actor_learning_rate": "ppo.actor_lr", "critic_learning_rate": "ppo.critic_lr",
-              "num_warmup_steps": "ppo.warmup_steps", "output_dir": "logging.output_dir",
+              "output_dir": "logging.output_dir",
               "seed": "seed", "inference_tp_size": "system.inference_tp_size",
               "dtype": "system.dtype", "actor_lora_dim": "model.actor_lora_dim",
               "critic_lora_dim": "model.critic_lora_dim"}
@@ -457,15 +463,55 @@ def _schedule(flags: dict, put) -> None:
     put("ppo.lr_schedule", table[kind])
 
 
-def steps_from_flags(flags: dict, batch_size: int, world_size: int, num_prompts) -> Optional[int]:
-    """PPO steps DeepSpeed-Chat would run: ``--test_stop_step`` under test mode, else
-    ``--num_train_epochs`` passes over the prompts (``num_prompts()`` counts them)."""
-    if flags.get("enable_test_mode") and flags.get("test_stop_step"):
-        return int(flags["test_stop_step"])
+def steps_from_flags(flags: dict, batch_size: int, world_size: int, num_prompts,
+                     warnings: Optional[list] = None) -> Optional[int]:
+    """PPO steps DeepSpeed-Chat would run: ``--num_train_epochs`` passes over the prompts
+    (``num_prompts()`` counts them; a step takes ``batch_size`` prompts a rank). Under
+    ``--enable_test_mode`` it stops after ``--test_stop_step`` generation batches, within the
+    first epoch (main.py: the count is of generation batches, each PPO step takes
+    ``--generation_batches`` of them, and the epoch loop breaks after the first epoch); a
+    notice for ``warnings`` where its count does not come out in whole PPO steps."""
+    def epochs(count) -> int:
+        return max(1, math.ceil(count * num_prompts() / (batch_size * world_size)))
+
+    if flags.get("enable_test_mode"):
+        stop = int(flags.get("test_stop_step") or 0)
+        if stop <= 0:  # DeepSpeed-Chat's default 0: the first epoch
+            return epochs(1)
+        per_step = int(flags.get("generation_batches", 1))
+        steps = min(max(1, stop // per_step), epochs(1))
+        if stop % per_step and warnings is not None:
+            warnings.append(f"--test_stop_step {stop} counts generation batches, "
+                            f"--generation_batches {per_step} a PPO step: DeepSpeed-Chat trains "
+                            f"{stop // per_step} step(s) and stops; oppo-train runs {steps}")
+        return steps
     if "num_train_epochs" in flags:
-        per_step = batch_size * world_size
-        return max(1, math.ceil(flags["num_train_epochs"] * num_prompts() / per_step))
+        return epochs(flags["num_train_epochs"])
     return None
+
+
+WARMUP_KEY = "ppo.warmup_steps"
+
+
+def warmup_within(flags: dict, cfg, warnings: list) -> list[str]:
+    """The override for ``--num_warmup_steps`` once the run's optimizer updates are known
+    (``cfg``: the config without it): at most those updates. DeepSpeed-Chat sizes its
+    schedule from whole epochs whatever stops the run (``--enable_test_mode``) and accepts a
+    warm-up longer than the run; oppo-ds's schedule spans the run and refuses one. A longer
+    warm-up is capped, with a notice naming both numbers."""
+    if "num_warmup_steps" not in flags:
+        return []
+    from ..config_checks import optimizer_updates
+
+    asked, updates = int(flags["num_warmup_steps"]), optimizer_updates(cfg)
+    if asked <= updates:
+        return [f"{WARMUP_KEY}={asked}"]
+    warnings.append(f"--num_warmup_steps {asked} is more than the run's {updates} optimizer "
+                    f"updates (DeepSpeed-Chat sizes its schedule from whole epochs and stops "
+                    f"early under --enable_test_mode); warm-up capped at {updates}: the "
+                    f"learning rate reaches its peak at the last update, where DeepSpeed-Chat's "
+                    f"would reach {updates}/{asked} of it")
+    return [f"{WARMUP_KEY}={updates}"]
 
 
 # ---------------------------------------------------------------- DeepSpeed-Chat checkpoints
