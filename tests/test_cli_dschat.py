@@ -125,6 +125,20 @@ def test_dschat_test_mode_command_runs_with_a_warmup_longer_than_the_run(capsys)
         resolve(argv + ["ppo.warmup_steps=100"])
 
 
+def test_a_constant_schedule_has_no_warmup_as_in_dschat():
+    """DeepSpeed-Chat builds its schedule with transformers' get_scheduler, whose "constant"
+    takes no warm-up: --lr_scheduler_type constant --num_warmup_steps 4 warmed up 4 updates
+    here. constant_with_warmup keeps it."""
+    argv = ["--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
+            "--num_warmup_steps", "4", "steps=10"]
+    cfg, notes = resolve(argv + ["--lr_scheduler_type", "constant"])
+    assert (cfg.ppo.lr_schedule, cfg.ppo.warmup_steps) == ("constant", 0)
+    assert any("--num_warmup_steps has no effect with --lr_scheduler_type constant" in n
+               for n in notes)
+    cfg, notes = resolve(argv + ["--lr_scheduler_type", "constant_with_warmup"])
+    assert (cfg.ppo.lr_schedule, cfg.ppo.warmup_steps) == ("constant", 4)
+
+
 def test_test_stop_step_counts_generation_batches_within_one_epoch(tmp_path):
     """DeepSpeed-Chat's --test_stop_step counts generation batches (main.py's step loop), and
     a PPO step takes --generation_batches of them; test mode stops after the first epoch. It

@@ -111,7 +111,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("actor_weight_decay", MAPPED, "ppo.weight_decay (must equal --critic_weight_decay)", float),
     _f("critic_weight_decay", MAPPED, "ppo.weight_decay (must equal --actor_weight_decay)", float),
     _f("lr_scheduler_type", MAPPED, "ppo.lr_schedule (constant, linear, cosine; "
-       "constant_with_warmup = constant with --num_warmup_steps; others refused)", str,
+       "constant_with_warmup = constant with --num_warmup_steps, which plain constant ignores "
+       "as in DeepSpeed-Chat; others refused)", str,
        choices=("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                 "constant_with_warmup")),
     _f("num_warmup_steps", MAPPED, "ppo.warmup_steps, at most the run's optimizer updates "
@@ -500,6 +501,12 @@ def warmup_within(flags: dict, cfg, warnings: list) -> list[str]:
     warm-up longer than the run; oppo-ds's schedule spans the run and refuses one. A longer
     warm-up is capped, with a notice naming both numbers."""
     if "num_warmup_steps" not in flags:
+        return []
+    if flags.get("lr_scheduler_type") == "constant" and flags["num_warmup_steps"]:
+        # transformers' get_scheduler builds "constant" without the warm-up it is given
+        warnings.append("--num_warmup_steps has no effect with --lr_scheduler_type constant: "
+                        "DeepSpeed-Chat's constant schedule has no warm-up (use "
+                        "constant_with_warmup for one)")
         return []
     from ..config_checks import optimizer_updates
 
