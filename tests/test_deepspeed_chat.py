@@ -239,6 +239,44 @@ def test_opt_streamed_experience_equals_dschat_generate_experience(chunk_size, s
         assert actor.module not in static_decode._KEPT
 
 
+def test_the_rollout_runs_the_models_own_forward_not_the_hybrid_engines_eval(monkeypatch):
+    """Stands in for a GPU-only path: under --enable_hybrid_engine, DeepSpeedHybridEngine.eval()
+    (with kernel containers: a GPU and an architecture DeepSpeed injects) replaces each decoder
+    layer's forward by DeepSpeed's inference layer, with a KV cache of its own that the chunked
+    decoder's and the scorers' caches never reach; its train() swaps back and converts weights.
+    generate_experience called engine.eval() on all four engines. Here each engine's eval and
+    train are replaced by that swap's stand-in (every decoder layer then raises): the experience
+    must come from the models' own forwards, with the modes DeepSpeed-Chat leaves."""
+    vocab, width, answer = 24, 8, 6
+    actor, ref, critic, reward, tok = build_engines("opt", vocab)
+    swapped = []
+
+    def injected(*_, **__):
+        raise AssertionError("a decoder layer ran DeepSpeed's injected forward")
+
+    def hybrid_eval(engine):
+        swapped.append(engine)
+        for layer in engine.module.modules():
+            if type(layer).__name__.endswith("DecoderLayer"):
+                layer.forward = injected
+
+    for engine in (actor, ref, critic, reward):
+        monkeypatch.setattr(engine, "eval", lambda engine=engine: hybrid_eval(engine))
+        monkeypatch.setattr(engine, "train",
+                            lambda mode=True, engine=engine: hybrid_eval(engine) if not mode
+                            else swapped.append(("train", engine)))
+    prompts, mask = collated_prompts([3, 8, 5, 6], vocab, tok.pad_token_id, width, bos=2)
+    oppo = OppoExperience(actor, ref, critic, reward, tok, max_answer_seq_len=answer,
+                          chunk_size=2, overcommit=0)
+    exp = oppo.generate_experience(prompts, mask, step=0)
+    assert swapped == []
+    assert actor.module.training and critic.module.training  # as DeepSpeed-Chat leaves them
+    assert not ref.module.training and not reward.module.training
+    ref_exp = reference_experience(actor, ref, critic, reward, exp["prompts"], exp["input_ids"],
+                                   tok.pad_token_id)
+    assert_contract(exp, ref_exp, tok.pad_token_id)
+
+
 @pytest.mark.parametrize("sync_every,static", [(1, False), (3, False), (1, True)])
 def test_llama_overcommit_carries_sequences_and_keeps_the_contract(sync_every, static):
     """Llama (its own pad token, EOS kept in the mask), Delta = 2 over three calls of four

@@ -37,6 +37,9 @@ Dtypes are the models' (fp32 log-probs with ``--compute_fp32_loss``). What diffe
   * under overcommitment a call returns ``need = pool - Delta`` sequences: B in steady state,
     B - Delta on the first call, and prompts of several calls mixed; the last Delta
     prompts of a run stay unfinished;
+  * the models' modes are set on the modules, past a hybrid engine's ``eval`` / ``train``
+    (which would swap in DeepSpeed's inference layers, see ``_set_mode``): the decode and
+    the scorers run the model's own forward, without the hybrid engine's kernels;
   * ZeRO-3 models decode and stream gathered whole on every rank, without ZeRO-3's hooks,
     for the length of the rollout (each rank's pool makes its own number of forwards, which
     per-layer all-gathers could not follow): a full copy of each per rank meanwhile.
@@ -149,6 +152,19 @@ def _host_timed(**engines) -> list[str]:
         logger.info("oppo: DeepSpeed's throughput timer of %s no longer synchronizes the device "
                     "before each forward (its samples/sec are host time)", ", ".join(changed))
     return changed
+
+
+def _set_mode(engine, training: bool) -> None:
+    """Train or eval mode on the module inside ``engine``, past the engine's own ``eval`` and
+    ``train``. Under ``--enable_hybrid_engine`` (``DeepSpeedHybridEngine``, on a GPU, for an
+    architecture DeepSpeed has kernels for) ``eval()`` replaces each decoder layer's forward by
+    DeepSpeed's injected inference layer, which keeps a KV cache of its own and ignores the
+    one the chunked decoder and the streaming scorers pass, and ``train()`` swaps back and
+    converts the weights for training. OPPO's decode and the experience run the model's own
+    forward (the streamed scores equal whole-sequence scoring only with it); the engine's
+    forward and training are what DeepSpeed-Chat's are: a plain ``DeepSpeedEngine.eval`` /
+    ``train`` only sets the module's mode, as here."""
+    _unwrap(engine).train(training)
 
 
 def _dtype(engine) -> torch.dtype:
@@ -347,7 +363,7 @@ class OppoExperience:
         """DeepSpeed-Chat's contract: left-padded prompts (B, P) and their mask in, the
         experience dict out (see the module docstring)."""
         for engine in (self.actor, self.critic, self.reward, self.ref):
-            engine.eval()
+            _set_mode(engine, training=False)
         start = time.time()
         with cudnn_attention(self.cudnn_attention):  # see system.cudnn_attention
             taken, streamed = self._rollout(prompts, mask)
@@ -378,8 +394,9 @@ class OppoExperience:
                   f"returned {st['returned']} | deferred {st['deferred']} | decoded "
                   f"{st['decoded_tokens']} tokens | scoring hidden "
                   f"{st['scoring_hidden_frac']:.2f}", flush=True)
-        self.actor.train()  # as DeepSpeed-Chat: its log-prob forward runs in train mode
-        self.critic.train()
+        # as DeepSpeed-Chat: its log-prob forward runs in train mode
+        _set_mode(self.actor, training=True)
+        _set_mode(self.critic, training=True)
         with cudnn_attention(self.cudnn_attention):
             experience = self._experience(prompts_out, seq, streamed_rows)
         if self.delta_ctl is not None:
