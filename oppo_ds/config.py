@@ -95,6 +95,14 @@ class ModelConfig:
     lora_alpha: Optional[float] = None
     """LoRA scale numerator: the update is (alpha / rank) * R L (null = alpha equal to the
     rank, i.e. scale 1)."""
+    lora_learning_rate: Optional[float] = None
+    """Peak learning rate of the LoRA matrices of actor and critic, in an optimizer parameter
+    group of their own with ppo.weight_decay, under the same schedule as the rest of the
+    model (DeepSpeed-Chat's --actor_lora_learning_rate / --critic_lora_learning_rate; its
+    LoRA scripts train LoRA at 5e-4 beside a base rate near 1e-5). Null: ppo.actor_lr /
+    ppo.critic_lr, in the model's groups. Used with a LoRA dim > 0 (system.backend:
+    deepspeed); set or null, it must be as in the run a resume continues (it changes the
+    optimizer's groups)."""
     only_optimize_lora: bool = False
     """Freeze every weight except the LoRA matrices (and the critic's value head), so the
     optimizer states are those of the LoRA weights only. Needs a LoRA dim > 0."""
@@ -112,6 +120,8 @@ class ModelConfig:
         for key in ("actor_lora_dim", "critic_lora_dim"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         _require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha", "must be > 0 or null")
+        _require(self.lora_learning_rate is None or self.lora_learning_rate > 0,
+                 "lora_learning_rate", f"must be > 0 or null, got {self.lora_learning_rate}")
         _require(not self.only_optimize_lora or self.actor_lora_dim or self.critic_lora_dim,
                  "only_optimize_lora", "needs actor_lora_dim or critic_lora_dim > 0")
         functions = self.reward_functions

@@ -202,6 +202,37 @@ def test_conflicts_and_refused_flags_are_errors_naming_the_flag(argv, flag, caps
     assert err.startswith(f"oppo-train: error: {flag}:"), err
 
 
+def test_lora_flags_give_dschats_scale_and_learning_rate():
+    """DeepSpeed-Chat's LoRA update is lora_scaling / lora_dim x R L with lora_scaling 1, and
+    its LoRA matrices train at --actor_lora_learning_rate / --critic_lora_learning_rate
+    (default 5e-4) in their own optimizer group. oppo-train left model.lora_alpha unset (scale
+    1, dim times DeepSpeed-Chat's) and ignored the LoRA learning rates."""
+    from oppo_ds.engines.factory import prepare_trained
+    from oppo_ds.lora import LoRALayer
+    from oppo_ds.models import build_causal_lm
+
+    lora = ["--actor_lora_dim", "8", "--actor_lora_module_name", "layers."]
+    cfg, notes = resolve(lora)
+    assert (cfg.model.lora_alpha, cfg.model.lora_learning_rate) == (1.0, 5e-4)
+    model = prepare_trained(build_causal_lm("tiny-llama", vocab_size=64, seed=0), cfg, "actor")
+    scales = {m.lora_scaling for m in model.modules() if isinstance(m, LoRALayer)}
+    assert scales == {1 / 8}  # DeepSpeed-Chat's LinearLayer_LoRA: lora_scaling / lora_dim
+    both = lora + ["--critic_lora_dim", "4", "--actor_lora_learning_rate", "1e-4"]
+    cfg, _ = resolve(both + ["--critic_lora_learning_rate", "1e-4"])
+    assert (cfg.model.lora_alpha, cfg.model.lora_learning_rate) == (1.0, 1e-4)
+    with pytest.raises(ConfigError, match=r"--actor_lora_learning_rate: 0.0001 differs from "
+                                          r"--critic_lora_learning_rate 0.0005"):
+        resolve(both)  # the critic's default 5e-4
+    cfg, notes = resolve(lora + ["--critic_lora_learning_rate", "1e-3"])  # no critic LoRA
+    assert cfg.model.lora_learning_rate == 5e-4
+    assert "--critic_lora_learning_rate has no effect without --critic_lora_dim > 0" in notes
+    cfg, notes = resolve(["--actor_lora_learning_rate", "1e-3", "--actor_lora_dim", "0"])
+    assert (cfg.model.lora_alpha, cfg.model.lora_learning_rate) == (None, None)
+    assert "--actor_lora_learning_rate has no effect without --actor_lora_dim > 0" in notes
+    cfg, _ = resolve(lora + ["model.lora_learning_rate=null", "model.lora_alpha=16"])
+    assert (cfg.model.lora_alpha, cfg.model.lora_learning_rate) == (16, None)  # overrides win
+
+
 def test_deepspeeds_own_deprecated_flags_are_accepted(capsys):
     """deepspeed.add_config_arguments, which DeepSpeed-Chat's main.py calls, adds --deepscale
     and --deepscale_config beside --deepspeed; oppo-train refused them as unknown (exit 2)."""

@@ -9,7 +9,8 @@ import torch
 from _builders import tiny_run_overrides
 from oppo_ds.config import ConfigError, load_config
 from oppo_ds.engines.factory import prepare_trained
-from oppo_ds.lora import LoRALayer, add_lora, has_lora, merged_state_dict, only_optimize_lora
+from oppo_ds.lora import (LORA_KEYS, LoRALayer, add_lora, has_lora, merged_state_dict,
+                          only_optimize_lora)
 from oppo_ds.models import build_causal_lm, build_value_model
 
 VOCAB = 64
@@ -164,3 +165,47 @@ def test_deepspeed_hybrid_engine_finds_and_fuses_our_lora():
     assert right is layer.lora_right_weight and left is layer.lora_left_weight
     fused_by_deepspeed = layer.weight + scaling * torch.matmul(left.t(), right.t())
     torch.testing.assert_close(fused_by_deepspeed, layer.weight + layer.delta_weight())
+
+
+def test_lora_matrices_train_at_their_own_learning_rate(tmp_path):
+    """model.lora_learning_rate (DeepSpeed-Chat's --actor_lora_learning_rate: its LoRA scripts
+    train LoRA at 5e-4 beside a base rate near 1e-5, in an optimizer group of its own): the
+    LoRA matrices are one parameter group at that rate, decayed, under the same schedule; a
+    resume puts this run's rates back. Null keeps them in the model's groups at its rate."""
+    from oppo_ds.engines.deepspeed_engine import DeepSpeedTrainEngine
+
+    def engine(lora_lr):
+        model = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+        add_lora(model, 4, "layers.", alpha=1.0, seed=1)
+        lora = {id(p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in LORA_KEYS}
+        built = DeepSpeedTrainEngine(model, lr=1e-5, lora_lr=lora_lr, weight_decay=0.1,
+                                     warmup_steps=2, total_steps=4, scheduler="linear",
+                                     micro_batch_size=3)
+        return built, lora
+
+    def lrs(built, lora):  # ({(peak, lr)} of the LoRA matrices' groups, of the others)
+        groups = built.ds_engine.optimizer.param_groups
+        mine = [g for g in groups if {id(p) for p in g["params"]} & lora]
+        rest = [g for g in groups if g not in mine]
+        return ({(g["initial_lr"], g["lr"]) for g in mine},
+                {(g["initial_lr"], g["lr"]) for g in rest})
+
+    def loss(model, batch):
+        out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        return out.loss, {}
+
+    built, lora = engine(5e-4)
+    assert lrs(built, lora) == ({(5e-4, 5e-4 / 2)}, {(1e-5, 1e-5 / 2)})  # warm-up 1 of 2
+    mine = [g for g in built.ds_engine.optimizer.param_groups
+            if {id(p) for p in g["params"]} & lora]
+    assert len(mine) == 1 and {id(p) for p in mine[0]["params"]} == lora
+    assert mine[0]["weight_decay"] == 0.1
+    built.train_step([{"input_ids": _ids()}], loss)
+    assert lrs(built, lora) == ({(5e-4, 5e-4)}, {(1e-5, 1e-5)})
+    built.save(str(tmp_path), tag="step1")
+    resumed, lora = engine(2e-4)
+    resumed.load(str(tmp_path))
+    assert lrs(resumed, lora) == ({(2e-4, 2e-4)}, {(1e-5, 1e-5)})
+    built, lora = engine(None)  # the LoRA matrices in the model's decayed group
+    assert lrs(built, lora) == ({(1e-5, 1e-5 / 2)}, {(1e-5, 1e-5 / 2)})
+    assert len(built.ds_engine.optimizer.param_groups) == 2

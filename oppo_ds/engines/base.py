@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -65,25 +65,28 @@ def check_schedule(*, warmup_steps: int, total_steps: int, scheduler: str) -> No
 
 
 def reapply_hyperparameters(param_groups: list[dict], scheduler, lr: float,
-                            group_decay: list[float], betas: tuple[float, float], eps: float
-                            ) -> dict[str, tuple]:
+                            group_decay: list[float], betas: tuple[float, float], eps: float,
+                            group_lrs: Optional[list[float]] = None) -> dict[str, tuple]:
     """After loading an optimizer and its LambdaLR from a checkpoint, put back the peak
-    learning rate ``lr``, each group's weight decay, and Adam's ``betas`` and ``eps`` this run
+    learning rate ``lr`` (``group_lrs``: each group's, where they differ, as a LoRA group's
+    does), each group's weight decay, and Adam's ``betas`` and ``eps`` this run
     was configured with: the saved state dicts carry the values the checkpoint was written
     with, which would win silently (a resume told to lower the learning rate kept the old one).
     The schedule goes on from the loaded step; the moments go on as saved. Returns
-    ``{name: (saved, now)}`` for each value that differed."""
+    ``{name: (saved, now)}`` for each value that differed (``lr``: the first group's)."""
+    peaks = list(group_lrs) if group_lrs is not None else [lr] * len(param_groups)
     saved = {"lr": scheduler.base_lrs[0],
              "weight_decay": max(g.get("weight_decay", 0.0) for g in param_groups),
              "betas": tuple(param_groups[0]["betas"]), "eps": param_groups[0]["eps"]}
-    scheduler.base_lrs = [lr] * len(param_groups)
-    for group, decay, factor in zip(param_groups, group_decay, scheduler.lr_lambdas):
-        group["initial_lr"] = lr
+    scheduler.base_lrs = list(peaks)
+    for group, peak, decay, factor in zip(param_groups, peaks, group_decay,
+                                          scheduler.lr_lambdas):
+        group["initial_lr"] = peak
         group["weight_decay"] = decay
-        group["lr"] = lr * factor(scheduler.last_epoch)
+        group["lr"] = peak * factor(scheduler.last_epoch)
         group["betas"], group["eps"] = tuple(betas), eps
     scheduler._last_lr = [g["lr"] for g in param_groups]  # what get_last_lr() reports
-    now = {"lr": lr, "weight_decay": max(group_decay), "betas": tuple(betas), "eps": eps}
+    now = {"lr": peaks[0], "weight_decay": max(group_decay), "betas": tuple(betas), "eps": eps}
     return {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
 
 

@@ -288,22 +288,32 @@ def _hybrid_engine_without_kernels() -> Iterator[None]:
 # Optimizer
 # --------------------------------------------------------------------------------------
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm scales (1-D) are not decayed."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
+def _param_groups(model: torch.nn.Module, weight_decay: float,
+                  lora_lr: float | None = None) -> list[dict]:
+    """Weight decay on matrices only: biases and norm scales (1-D) are not decayed. With
+    ``lora_lr`` the LoRA matrices (``oppo_ds.lora``) are a group of their own, last, at that
+    learning rate, decayed (DeepSpeed-Chat's ``get_optimizer_grouped_parameters``)."""
+    from oppo_ds.lora import LORA_KEYS
+
+    decay, no_decay, lora = [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if lora_lr is not None and name.rsplit(".", 1)[-1] in LORA_KEYS:
+            lora.append(param)
+        else:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+              {"params": no_decay, "weight_decay": 0.0},
+              {"params": lora, "weight_decay": weight_decay, "lr": lora_lr}]
     # ZeRO flattens each group; an empty one breaks its partitioning.
     return [g for g in groups if g["params"]]
 
 
 def _build_optimizer(model: torch.nn.Module, *, use_cpu_adam: bool, lr: float,
                      weight_decay: float, betas: tuple[float, float],
-                     eps: float) -> torch.optim.Optimizer:
-    groups = _param_groups(model, weight_decay)
+                     eps: float, lora_lr: float | None = None) -> torch.optim.Optimizer:
+    groups = _param_groups(model, weight_decay, lora_lr)
     if use_cpu_adam:
         # Imported here: the first construction JIT-compiles the op (~1 min, cached), and
         # waits for good on the lock of a build that was stopped part-way: it names the lock
@@ -446,6 +456,9 @@ class DeepSpeedTrainEngine(TrainEngine):
             without offload, DeepSpeed's flat BF16 optimizer; else the model's dtype); see
             :func:`~oppo_ds.engines.ds_config.grad_accum_dtype_for`. Unused with
             ``weights_only``.
+        lora_lr: the LoRA matrices' peak learning rate, in a parameter group of their own
+            (``model.lora_learning_rate``); ``None``: ``lr``, in the other groups. The same
+            schedule scales both.
     """
 
     def __init__(
@@ -475,6 +488,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         ds_config_overrides: dict | None = None,
         weights_only: bool = False,
         grad_accum_dtype: str = "auto",
+        lora_lr: float | None = None,
     ) -> None:
         check_schedule(warmup_steps=warmup_steps, total_steps=total_steps, scheduler=scheduler)
         if not lr >= 0:
@@ -515,8 +529,10 @@ class DeepSpeedTrainEngine(TrainEngine):
         optimizer = lr_scheduler = None
         if not weights_only:
             optimizer = _build_optimizer(model, use_cpu_adam=use_cpu_adam, lr=lr,
-                                         weight_decay=weight_decay, betas=betas, eps=eps)
+                                         weight_decay=weight_decay, betas=betas, eps=eps,
+                                         lora_lr=lora_lr)
             self._group_decay = [g["weight_decay"] for g in optimizer.param_groups]
+            self._group_lrs = [g["lr"] for g in optimizer.param_groups]
             lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
                                                total_steps=total_steps, scheduler=scheduler)
         self._peak_lr, self._adam = lr, (tuple(betas), eps)
@@ -659,7 +675,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         if not module_only:
             self.resumed_changes = reapply_hyperparameters(
                 self._engine.optimizer.param_groups, self._engine.lr_scheduler, self._peak_lr,
-                self._group_decay, *self._adam)
+                self._group_decay, *self._adam, group_lrs=self._group_lrs)
         return client_state or {}
 
     def lr(self) -> float:

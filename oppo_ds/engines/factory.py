@@ -99,13 +99,14 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict,
                        ds_config_overrides=entries)
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, weights_only=evaluating,
-                                 **engine_args)
+                                 lora_lr=cfg.model.lora_learning_rate, **engine_args)
     critic = None
     if "critic" in held:
         critic_model = prepare_trained(
             disable_dropout(build_value_model(src.critic, device=on, **common)), cfg,
             "critic")
-        critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr, **engine_args)
+        critic = DeepSpeedTrainEngine(critic_model, lr=p.critic_lr,
+                                      lora_lr=cfg.model.lora_learning_rate, **engine_args)
     if actor.optimizer_wrapper == "FP16_UnfusedOptimizer" and s.dtype == "bf16" and \
             actor.rank == 0:
         logger.info("bf16 under ZeRO-0: DeepSpeed updates actor and critic parameter by "

@@ -137,8 +137,11 @@ FLAGS: tuple[Flag, ...] = (
        int, choices=(0, 1, 2, 3)),
     _f("actor_gradient_checkpointing", MAPPED, "system.gradient_checkpointing (actor and critic)"),
     _f("critic_gradient_checkpointing", MAPPED, "system.gradient_checkpointing (actor and critic)"),
-    _f("actor_lora_dim", MAPPED, "model.actor_lora_dim", int),
-    _f("critic_lora_dim", MAPPED, "model.critic_lora_dim", int),
+    _f("actor_lora_dim", MAPPED, "model.actor_lora_dim; with either LoRA dim, model.lora_alpha: "
+       "1 (DeepSpeed-Chat scales the update by 1 / dim) and model.lora_learning_rate (see "
+       "--actor_lora_learning_rate)", int),
+    _f("critic_lora_dim", MAPPED, "model.critic_lora_dim (and model.lora_alpha: 1, as with "
+       "--actor_lora_dim)", int),
     _f("actor_lora_module_name", MAPPED, "model.lora_module_name (one scope for both)", str),
     _f("critic_lora_module_name", MAPPED, "model.lora_module_name (must equal the actor's)", str),
     _f("only_optimize_lora", MAPPED, "model.only_optimize_lora: true"),
@@ -184,8 +187,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("actor_dropout", IGNORED, "oppo-train switches dropout off in every model (PPO ratios "
        "compare two forwards of the same weights)", float),
     _f("critic_dropout", IGNORED, "see --actor_dropout", float),
-    _f("actor_lora_learning_rate", IGNORED, "LoRA weights train at ppo.actor_lr", float),
-    _f("critic_lora_learning_rate", IGNORED, "LoRA weights train at ppo.critic_lr", float),
+    _f("actor_lora_learning_rate", MAPPED, "model.lora_learning_rate (the LoRA matrices' own "
+       "optimizer group), with --actor_lora_dim > 0; DeepSpeed-Chat's default 5e-4 when not "
+       "given. One key for both models: where both have LoRA the two rates must agree", float),
+    _f("critic_lora_learning_rate", MAPPED, "model.lora_learning_rate, with --critic_lora_dim "
+       "> 0 (default 5e-4; must agree with the actor's where both have LoRA)", float),
     _f("compute_fp32_loss", IGNORED, "the PPO losses are reduced in fp32 already"),
     _f("align_overflow", IGNORED, "actor and critic keep their own loss scales"),
     _f("offload_reward_model", IGNORED, "the reward model stays on the device (it streams)"),
@@ -264,6 +270,7 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
               "seed": "seed", "inference_tp_size": "system.inference_tp_size",
               "dtype": "system.dtype", "actor_lora_dim": "model.actor_lora_dim",
               "critic_lora_dim": "model.critic_lora_dim"}
+    _lora(flags, put, warnings)
     for name, key in simple.items():
         if name in flags:
             put(key, flags[name])
@@ -378,6 +385,35 @@ def dschat_constants(file_config) -> list[str]:
         if ours == getattr(getattr(default, section), name) and ours != value:
             out.append(f"{key}={json.dumps(value)}")
     return out
+
+
+DSCHAT_LORA_LR = 5e-4  # step 3's default --actor_lora_learning_rate, --critic_lora_learning_rate
+
+
+def _lora(flags: dict, put, warnings: list) -> None:
+    """DeepSpeed-Chat's LoRA (dschat/utils/module/lora.py): the update is
+    ``lora_scaling / lora_dim * R L`` with lora_scaling 1, i.e. ``model.lora_alpha: 1`` in
+    oppo-ds's ``alpha / rank``; its LoRA matrices train at the LoRA learning rate of their
+    model, in an optimizer group of their own (dschat/utils/utils.py,
+    get_optimizer_grouped_parameters): ``model.lora_learning_rate``, one key for both."""
+    with_lora = [kind for kind in ("actor", "critic") if (flags.get(f"{kind}_lora_dim") or 0) > 0]
+    if not with_lora:
+        warnings += [f"--{kind}_lora_learning_rate has no effect without --{kind}_lora_dim > 0"
+                     for kind in ("actor", "critic") if f"{kind}_lora_learning_rate" in flags]
+        return
+    put("model.lora_alpha", 1.0)
+    for kind in {"actor", "critic"} - set(with_lora):
+        if f"{kind}_lora_learning_rate" in flags:
+            warnings.append(f"--{kind}_lora_learning_rate has no effect without "
+                            f"--{kind}_lora_dim > 0")
+    rates = {kind: flags.get(f"{kind}_lora_learning_rate", DSCHAT_LORA_LR) for kind in with_lora}
+    if len(set(rates.values())) > 1:
+        raise ConfigError("--actor_lora_learning_rate", (
+            f"{rates['actor']!r} differs from --critic_lora_learning_rate {rates['critic']!r} "
+            f"(DeepSpeed-Chat's default {DSCHAT_LORA_LR} for one not given): oppo-train has one "
+            f"LoRA learning rate for both models (model.lora_learning_rate); give them the "
+            f"same value"))
+    put("model.lora_learning_rate", rates[with_lora[0]])
 
 
 DSCHAT_DATA_SPLIT = "2,4,4"  # step 3's default --data_split
