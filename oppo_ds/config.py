@@ -124,6 +124,9 @@ class ModelConfig:
                  "lora_learning_rate", f"must be > 0 or null, got {self.lora_learning_rate}")
         _require(not self.only_optimize_lora or self.actor_lora_dim or self.critic_lora_dim,
                  "only_optimize_lora", "needs actor_lora_dim or critic_lora_dim > 0")
+        _require(self.lora_learning_rate is None or self.actor_lora_dim or self.critic_lora_dim,
+                 "lora_learning_rate", f"{self.lora_learning_rate} needs actor_lora_dim or "
+                 "critic_lora_dim > 0 (no LoRA matrices to train at it); null without LoRA")
         functions = self.reward_functions
         _require(self.reward_function != [], "reward_function",
                  "is an empty list: name at least one function, or null for the reward model")

@@ -965,3 +965,12 @@ def test_only_rank_0_shows_transformers_progress_bars(monkeypatch):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def test_a_lora_learning_rate_needs_lora():
+    """model.lora_learning_rate without a LoRA dim trains nothing at it: refused, not ignored."""
+    with pytest.raises(ConfigError, match=r"model\.lora_learning_rate: 0\.0005 needs "
+                                          r"actor_lora_dim or critic_lora_dim > 0"):
+        load_config(None, ["model.lora_learning_rate=5e-4"])
+    assert load_config(None, ["model.lora_learning_rate=5e-4", "model.critic_lora_dim=4"]
+                       ).model.lora_learning_rate == 5e-4
