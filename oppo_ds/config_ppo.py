@@ -79,11 +79,13 @@ class PPOConfig:
     (model.reference and the partition_reference keys must then be unset); kl/mean is then not
     logged."""
     kl_estimator: Literal["k1", "k3", "abs", "mse"] = "k1"
-    """Per-token KL estimator used in the reward shaping."""
+    """Per-token KL estimator: the one taken off the rewards (kl_penalty: reward) or added
+    to the actor's loss (kl_penalty: loss), and the one kl/mean (and so kl_target) sums."""
     kl_penalty: Literal["reward", "loss"] = "reward"
     """Where the KL to the reference enters: `reward` takes ppo.kl_coef x the per-token
     estimate off the rewards (InstructGPT, DeepSpeed-Chat, TRL), so it goes through the critic
-    and GAE; `loss` adds ppo.kl_coef x its token mean to the actor's loss instead (GRPO's,
+    and GAE; `loss` adds ppo.kl_coef x the estimate to the actor's loss instead, aggregated
+    over tokens and responses as the policy loss is (ppo.loss_agg_mode) (GRPO's,
     OpenRLHF's --use_kl_loss), with kl_estimator mse or k3 (k1's gradient is zero in
     expectation). kl/mean is logged either way, and kl_target adapts the coefficient of either."""
     kl_target: Optional[float] = None
