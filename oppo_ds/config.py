@@ -86,9 +86,12 @@ class ModelConfig:
     `workload.kind: length_oracle` (random weights, built from config)."""
     actor_lora_dim: int = 0
     """LoRA rank added to the actor's linear layers named by `lora_module_name` (0 = off).
+    Each such layer's weight is frozen and learns through its LoRA matrices (its bias and the
+    layers without LoRA still train, as in DeepSpeed-Chat; only_optimize_lora freezes those).
     The LoRA weights are merged into the base weights for export."""
     critic_lora_dim: int = 0
-    """LoRA rank added to the critic's linear layers named by `lora_module_name` (0 = off)."""
+    """LoRA rank added to the critic's linear layers named by `lora_module_name` (0 = off),
+    their weights frozen as the actor's."""
     lora_module_name: str = "layers."
     """LoRA goes into every `nn.Linear` whose qualified name contains this text (Llama/Qwen2
     decoder layers: `layers.`; GPT-2: `h.`)."""

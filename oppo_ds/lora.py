@@ -4,6 +4,8 @@ Every ``nn.Linear`` (and GPT-2 ``Conv1D``) whose qualified name contains
 ``model.lora_module_name`` gains two matrices, R (in x rank) and L (rank x out), and computes
 ``x W^T + b + s * (x R) L`` with ``s = lora_alpha / rank``. L starts at zero, so a fresh LoRA
 model computes exactly what its base model does (PPO's first ratio against the reference is 1).
+The layer's own weight W is frozen (its bias, and every layer without LoRA, still train), as
+in DeepSpeed-Chat's ``LinearLayer_LoRA`` and PEFT: the layer learns through R and L alone.
 
 The names and layout are the ones DeepSpeed's hybrid engine looks for
 (``lora_right_weight`` = R, ``lora_left_weight`` = L, ``lora_scaling`` = s, see
@@ -98,7 +100,8 @@ def _features(module: nn.Module) -> tuple[int, int]:
 def add_lora(model: nn.Module, rank: int, module_name: str, *, alpha: Optional[float] = None,
              seed: int = 0) -> list[str]:
     """Turn (in place) every ``nn.Linear`` (or GPT-2 ``Conv1D``) of ``model`` whose name contains ``module_name``
-    into a :class:`LoRALinear` of rank ``rank``. Returns the names of the layers changed.
+    into a :class:`LoRALinear` of rank ``rank``, its weight frozen. Returns the names of the
+    layers changed.
 
     Raises ``ValueError`` when no layer matches (a LoRA that trains nothing is a config
     mistake, e.g. GPT-2's blocks are ``h.N``, not ``layers.N``).
@@ -122,6 +125,7 @@ def add_lora(model: nn.Module, rank: int, module_name: str, *, alpha: Optional[f
         module.lora_left_weight = nn.Parameter(torch.zeros(rank, fan_out, device=weight.device,
                                                            dtype=weight.dtype))
         module.lora_scaling = scale
+        module.weight.requires_grad_(False)  # the update is R L's (its bias still trains)
         module.__class__ = cls
         changed.append(name)
     if not changed:

@@ -35,6 +35,13 @@ def test_fresh_lora_computes_the_base_model(arch, modules):
     assert set(dict(base.named_parameters())) <= set(names)
     assert {n.rsplit(".", 1)[-1] for n in set(names) - set(dict(base.named_parameters()))} == \
         {"lora_right_weight", "lora_left_weight"}
+    # as DeepSpeed-Chat's LinearLayer_LoRA: a LoRA layer's weight is frozen, its bias and
+    # the layers without LoRA still train
+    lora_layers = [m for m in lora.modules() if isinstance(m, LoRALayer)]
+    assert lora_layers and not any(m.weight.requires_grad for m in lora_layers)
+    assert all(m.bias.requires_grad for m in lora_layers if m.bias is not None)
+    frozen = {f"{n}.weight" for n in changed}
+    assert all(p.requires_grad for n, p in lora.named_parameters() if n not in frozen)
 
 
 def test_lora_update_and_merged_export_agree(tmp_path):

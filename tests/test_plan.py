@@ -162,6 +162,12 @@ def test_memory_items_follow_the_configuration():
                        shapes, 1, 8, dev).items
     assert lora["actor_optimizer"] + lora["actor_grads"] == 16 * a.lora_params(64) / 8
     assert lora["actor_params"] == 2 * (a.params() + a.lora_params(64)) / 8
+    # LoRA alone: the decoder layers' linear weights are frozen, everything else trains
+    frozen = a.layers * sum(i * o for i, o, _ in a.linears())
+    lora = plan_memory(_cfg("system.zero_stage=3", "model.actor_lora_dim=64"), shapes, 1, 8,
+                       dev).items
+    assert lora["actor_optimizer"] + lora["actor_grads"] == pytest.approx(
+        16 * (a.params() + a.lora_params(64) - frozen) / 8)
     # micro-batches of a quarter of the tokens (micro_batch_size 8 x seq before): the update's
     # activations shrink (its logits and layers scale with tokens), the scoring forwards' stay
     budget = plan_memory(_cfg("system.zero_stage=3", f"ppo.micro_batch_tokens={2 * seq}"),

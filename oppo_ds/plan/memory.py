@@ -8,8 +8,9 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
     ranks at stage >= 1, the gradients at stage >= 2 and the weights at stage 3; stage 3 also
     holds the gathered weights and gradients of the module being computed (2 x the largest
     module). `system.offload` moves the optimizer (and the gradients, stage >= 2) to CPU
-    memory, at stage 3 the weights too. With LoRA and `only_optimize_lora`, gradients and
-    optimizer states exist only for the LoRA matrices (and the critic's value head).
+    memory, at stage 3 the weights too. With LoRA the decoder layers' linear weights are
+    frozen (no gradients or optimizer states), and with `only_optimize_lora` everything but
+    the LoRA matrices (and the critic's value head).
   * frozen models: weights only; the reward model is a full copy on every GPU, the reference
     too unless `system.partition_reference` (ZeRO-3 partitioned, gathered one module at a
     time; with `offload_reference` the partition sits in CPU memory). Only the models an
@@ -204,6 +205,8 @@ def _trained(shape: ModelShape, value_head: bool, lora_dim: int, cfg: Config, gp
     lora = shape.lora_params(lora_dim)
     total = shape.params(value_head) + lora
     trainable = total
+    if lora_dim:  # the weights of the layers given LoRA are frozen (oppo_ds.lora.add_lora)
+        trainable = total - shape.layers * sum(i * o for i, o, _ in shape.linears())
     if cfg.model.only_optimize_lora and lora_dim:
         trainable = lora + (shape.hidden if value_head else 0)
     s = cfg.system
