@@ -264,3 +264,10 @@ def grad_accum_dtype_problem(grad_accum_dtype: str, *, dtype: str, zero_stage: i
             f"dtype, or a bf16 model's in fp32 under zero_stage 1, 2 or 3 without offload "
             f"(DeepSpeed refuses that mix under ZeRO-0; with offload it is untested here); "
             f"allowed here: {', '.join(allowed)}")
+
+
+def check_evaluation_set(cfg) -> None:
+    """``ConfigError`` for an evaluation alone (``oppo-train --evaluate``) with no prompts to
+    evaluate on (``eval.prompts`` null)."""
+    require(cfg.eval.enabled, "eval.prompts", "null, and --evaluate evaluates on it: name a prompt "
+            "file or directory, or builtin (the built-in task's held-out set)")

@@ -35,6 +35,10 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
                        "system.megatron_layers", "system.zero_stage", "system.dtype",
                        "system.grad_accum_dtype", "ppo.advantage_estimator")
 
+# derived, not a key: whether the weights of the layers given LoRA are frozen (with LoRA,
+# without only_optimize_lora; checkpoints written before 2026-11-29 trained them)
+LORA_FROZEN = "model.lora_layer_weights_frozen"
+
 # the settings of the objective a resume may change (the run continues under the new ones),
 # named in the log when they differ from the checkpoint's: every ppo key but the optimizer's
 # (learning rates, weight decay, Adam's betas and epsilon: logged from the engines' own state),
@@ -334,12 +338,17 @@ class Resumable:
             if s.backend == "deepspeed" else s.dtype
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
             settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
+        elif not settings["model.only_optimize_lora"]:
+            # the weights of the layers given LoRA are frozen (since 2026-11-29): no optimizer
+            # states for them, unlike a checkpoint written while they trained
+            settings[LORA_FROZEN] = True
         if self.evaluating_only:  # no critic is built: what only it follows may differ (and
             # model.reward, which the critic started from, scores); the actor's weights are
             # read from any ZeRO stage's files and cast to this run's dtype
             for key in ("model.critic", "model.critic_lora_dim", "ppo.advantage_estimator",
                         "system.zero_stage", "system.dtype", "system.grad_accum_dtype"):
                 del settings[key]
+            settings.pop(LORA_FROZEN, None)  # no optimizer is loaded
         return settings
 
     def _check_checkpoint_settings(self, tag: str, state: dict) -> None:
@@ -349,6 +358,8 @@ class Resumable:
         if "system.dtype" in saved and "system.grad_accum_dtype" not in saved:
             # written before the key (2026-11-28): never by DeepSpeed's BF16 optimizer
             saved["system.grad_accum_dtype"] = saved["system.dtype"]
+        if LORA_FROZEN in now and LORA_FROZEN not in saved and "model.actor_lora_dim" in saved:
+            saved[LORA_FROZEN] = False  # written while the weights of LoRA layers trained
         changed = [key for key in now if key in saved and saved[key] != now[key]]
         if "system.dtype" in changed and "system.grad_accum_dtype" in changed:
             changed.remove("system.grad_accum_dtype")  # follows the dtype: named once
@@ -366,7 +377,11 @@ class Resumable:
                    "with another reward model, set model.critic to the one it started from"
                    if "model.reward" in changed else "")
                 + (f"; {_grad_accum_hint(saved['system.grad_accum_dtype'])}"
-                   if "system.grad_accum_dtype" in changed else "")))
+                   if "system.grad_accum_dtype" in changed else "")
+                + ("; it trained the weights of its LoRA layers beside their LoRA matrices, "
+                   "which oppo-ds now freezes (as DeepSpeed-Chat does): its optimizer states "
+                   "do not fit; resume it with the oppo-ds it was written with"
+                   if LORA_FROZEN in changed else "")))
 
     def save_checkpoint(self) -> None:
         engines = self.trained_engines

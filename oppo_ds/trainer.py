@@ -24,7 +24,7 @@ from . import comm
 from .algo import masked_mean, overlong_penalty
 from .checkpoint import CheckpointManager, check_tag, checkpoint_root
 from .config import Config, ConfigError, save_config
-from .config_checks import optimizer_updates, ptx_block_len
+from .config_checks import check_evaluation_set, optimizer_updates, ptx_block_len
 from .config_paths import check_export_targets
 from .config_types import require
 from .data import PromptStream, check_same_on_every_rank, left_pad, repeat_samples
@@ -103,6 +103,8 @@ class PPOTrainer(PPOUpdate, PoolRollout, FilterRounds, StagePlacement, Resumable
         self.evaluating_only = evaluate_only
         if not evaluate_only:  # before anything is built (an evaluation exports nothing)
             check_export_targets(cfg)
+        else:
+            check_evaluation_set(cfg)
         self.preempted: Optional[str] = None  # the signal that stopped training early
         self.kl_coef = cfg.ppo.kl_coef  # adapted after every step with ppo.kl_target
         if cfg.system.torch_threads:

@@ -216,3 +216,35 @@ def test_lora_matrices_train_at_their_own_learning_rate(tmp_path):
     built, lora = engine(None)  # the LoRA matrices in the model's decayed group
     assert lrs(built, lora) == ({(1e-5, 1e-5 / 2)}, {(1e-5, 1e-5 / 2)})
     assert len(built.ds_engine.optimizer.param_groups) == 2
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_lora_checkpoint_that_trained_its_layers_weights_is_refused_by_name(tmp_path):
+    """A LoRA checkpoint written while the weights of its LoRA layers trained (before they
+    were frozen) holds optimizer states for them: a resume is refused in one line saying so,
+    before any engine loads, not with DeepSpeed's mismatch of parameter groups. An evaluation
+    (the actor's weights alone) takes it."""
+    from oppo_ds.trainer import PPOTrainer
+
+    lora = ("model.actor_lora_dim=4", "checkpoint.every=1")
+    trainer, _ = _run(tmp_path, *lora, steps=1)
+    trainer.close()
+    state_file = tmp_path / "run" / "checkpoints" / "trainer" / "step1" / "rank0.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["settings"]["model.lora_layer_weights_frozen"] is True
+    del state["settings"]["model.lora_layer_weights_frozen"]  # as written before the key
+    torch.save(state, state_file)
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, 2), "logging.tensorboard=false",
+                             *lora])
+    with pytest.raises(ConfigError, match=r"^model\.lora_layer_weights_frozen: True, but "
+                                          r"checkpoint step1 was written with False: .*it "
+                                          r"trained the weights of its LoRA layers"):
+        PPOTrainer(cfg)
+    # an evaluation built in Python needs its prompts, as `oppo-train --evaluate` does
+    with pytest.raises(ConfigError, match=r"^eval\.prompts: null, and --evaluate evaluates"):
+        PPOTrainer(cfg, evaluate_only=True)
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, 2), "logging.tensorboard=false",
+                             *lora, "eval.prompts=builtin", "eval.num_prompts=4"])
+    evaluation = PPOTrainer(cfg, evaluate_only=True)
+    assert evaluation.evaluate_only()["step"] == 1
+    evaluation.close()

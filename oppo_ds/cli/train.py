@@ -17,6 +17,7 @@ import traceback
 import warnings
 
 from ..config import ConfigError, load_config
+from ..config_checks import check_evaluation_set
 from ..config_paths import check_export_targets
 from ..datafiles import DataError
 from ..integrations import dschat_flags as dschat
@@ -159,9 +160,8 @@ def _main(argv: list[str] | None) -> int:
     rank, world = launch_rank(dict(os.environ))
     try:
         cfg, notes = resolve_config(args, prepare_files=not args.print_config)
-        if args.evaluate and not cfg.eval.enabled and not args.print_config:
-            raise ConfigError("eval.prompts", "null, and --evaluate evaluates on it: name a prompt "
-                              "file or directory, or builtin (the built-in task's held-out set)")
+        if args.evaluate and not args.print_config:
+            check_evaluation_set(cfg)  # the trainer checks again, for one built in Python
         if not args.print_config:
             check_output_dir(cfg.logging.output_dir)
         if not args.print_config and not args.evaluate:  # before anything is set up (the
