@@ -783,32 +783,38 @@ def _yaml_error(path: str, err: yaml.YAMLError) -> str:
     return text
 
 
+def read_config_file(path: str) -> dict:
+    """The mapping of sections a YAML config file holds, as written (nothing converted or
+    checked against the keys yet): ``ConfigError`` (key ``--config``) for a file that cannot
+    be read or parsed, naming file, line and column."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            loader = _ConfigLoader(f, path)
+            try:
+                data = loader.get_single_data()
+            finally:
+                loader.dispose()
+    except FileNotFoundError:
+        raise ConfigError("--config", f"no such file: {path}") from None
+    except OSError as err:  # a directory, no permission: still one line, not a traceback
+        raise ConfigError("--config", f"cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError("--config", f"{path} is not UTF-8 text (byte "
+                                      f"0x{err.object[err.start]:02x} at offset {err.start}); "
+                                      "save it as UTF-8") from None
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", _yaml_error(path, err)) from None
+    if data is None:  # empty, or only comments
+        logger.warning("--config %s sets no key (empty or only comments): every key has its "
+                       "default", path)
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of sections")
+    return data
+
+
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
-    data: dict = {}
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                loader = _ConfigLoader(f, path)
-                try:
-                    data = loader.get_single_data()
-                finally:
-                    loader.dispose()
-        except FileNotFoundError:
-            raise ConfigError("--config", f"no such file: {path}") from None
-        except OSError as err:  # a directory, no permission: still one line, not a traceback
-            raise ConfigError("--config", f"cannot read {path}: {err.strerror or err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError("--config", f"{path} is not UTF-8 text (byte "
-                                          f"0x{err.object[err.start]:02x} at offset {err.start}); "
-                                          "save it as UTF-8") from None
-        except yaml.YAMLError as err:
-            raise ConfigError("--config", _yaml_error(path, err)) from None
-        if data is None:  # empty, or only comments
-            logger.warning("--config %s sets no key (empty or only comments): every key has its "
-                           "default", path)
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError("--config", f"{path} must hold a mapping of sections")
+    data: dict = read_config_file(path) if path is not None else {}
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(data, key, value)

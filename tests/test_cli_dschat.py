@@ -176,6 +176,9 @@ def test_dschat_fixed_ppo_constants_replace_oppo_ds_defaults(tmp_path):
     path.write_text("ppo:\n  kl_coef: 0.3\n")
     p = resolve(["--config", str(path), "--seed", "1"])[0].ppo
     assert (p.kl_coef, p.whiten_advantages) == (0.3, False)
+    path.write_text("ppo:\n  kl_coef: 0.05\n")  # the file's choice, though oppo-ds's default
+    p = resolve(["--config", str(path), "--seed", "1"])[0].ppo
+    assert (p.kl_coef, p.whiten_advantages) == (0.05, False)
     p = resolve([])[0].ppo  # no DeepSpeed-Chat flag: oppo-ds's own defaults
     assert (p.kl_coef, p.whiten_advantages) == (0.05, True)
 

@@ -54,8 +54,8 @@ def resolve_config(args, prepare_files: bool = True):
         return load_config(args.config, args.overrides), []
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mapped, notes = dschat.dschat_overrides(flags)
-    # DeepSpeed-Chat's fixed PPO constants (kl_ctl 0.1, no whitening) where the file has ours
-    mapped = dschat.dschat_constants(load_config(args.config)) + mapped
+    # DeepSpeed-Chat's fixed PPO constants (kl_ctl 0.1, no whitening) where the file sets none
+    mapped = dschat.dschat_constants(args.config) + mapped
     cfg = load_config(args.config, mapped + list(args.overrides))
     extra = []
     if "critic_model_name_or_path" in flags:

@@ -370,21 +370,18 @@ DSCHAT_CONSTANTS = {"ppo.kl_coef": 0.1, "ppo.kl_estimator": "k1", "ppo.kl_penalt
                     "ppo.whiten_advantages": False, "ppo.whiten_rewards": False}
 
 
-def dschat_constants(file_config) -> list[str]:
+def dschat_constants(config_path: Optional[str]) -> list[str]:
     """Dotted overrides that set DeepSpeed-Chat's fixed PPO constants (``DSCHAT_CONSTANTS``)
-    where ``file_config`` (the --config file's config, loaded alone) holds oppo-ds's default:
-    a value the file chose stays. Applied before the flags' overrides and the command line's
-    own, which win."""
-    from ..config import Config
+    where the --config file ``config_path`` (None: none) does not set the key: a value the
+    file gives stays, even one equal to oppo-ds's default. Applied before the flags'
+    overrides and the command line's own, which win."""
+    from ..config import read_config_file
 
-    default = Config()
-    out = []
-    for key, value in DSCHAT_CONSTANTS.items():
-        section, name = key.split(".")
-        ours = getattr(getattr(file_config, section), name)
-        if ours == getattr(getattr(default, section), name) and ours != value:
-            out.append(f"{key}={json.dumps(value)}")
-    return out
+    data = read_config_file(config_path) if config_path is not None else {}
+    written = {f"{section}.{key}" for section, keys in data.items() if isinstance(keys, dict)
+               for key in keys}
+    return [f"{key}={json.dumps(value)}" for key, value in DSCHAT_CONSTANTS.items()
+            if key not in written]
 
 
 DSCHAT_LORA_LR = 5e-4  # step 3's default --actor_lora_learning_rate, --critic_lora_learning_rate
