@@ -8,18 +8,27 @@ the same checkpoint and exit with :data:`PREEMPTED_EXIT`, which the job script t
 a requeue. The resumed job continues from that checkpoint exactly (checkpoint.resume=auto).
 
 A second TERM or INT stops the process at once (the default action), for a user who does
-not want to wait for the step to end.
+not want to wait for the step to end; in a Slurm job (``SLURM_JOB_ID`` set) a second TERM is
+only recorded. Slurm sends TERM more than once and KILL after it: a preemption's notice to
+the tasks, then at the end of its GraceTime (as on ``scancel`` and at the time limit) TERM to
+the tasks, twice in Slurm 22.05, and to srun and the batch script, and KILL ``KillWait``
+seconds later. The save that the first TERM started gets all of that time; stopping at the
+second one cut it short, and a save longer than the grace time left no checkpoint
+(tests/test_slurm.py, the preemption test).
 
 A USR1 that arrives before training begins (while the config resolves, the workload is
 prepared, the models load and DeepSpeed builds its ops: minutes for a big model) is held
 (:func:`hold_early_signals`) and handed to :class:`StopOnSignal`: every rank then stops before
 its first step, trains nothing, saves nothing (the checkpoint it resumed from stands) and
 exits with :data:`PREEMPTED_EXIT`. Without it USR1's default action ended every rank, and
-the job was not requeued.
+the job was not requeued. In a Slurm job TERM is held as well: a preemption's notice while
+the models load ended every rank, the job ended before its grace time did, and Slurm did not
+requeue it (a job that ends by itself during the grace time ends TIMEOUT, 22.05).
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Optional
@@ -54,12 +63,15 @@ def signal_name(number: int) -> Optional[str]:
 _EARLY: dict = {"received": None, "previous": {}}  # hold_early_signals' state
 
 
-def hold_early_signals(names: tuple[str, ...] = ("USR1",)) -> None:
+def hold_early_signals(names: Optional[tuple[str, ...]] = None) -> None:
     """Record ``names`` instead of taking their default action until a :class:`StopOnSignal`
-    takes over (see the module's docstring). USR1 only by default: a TERM or Ctrl-C while a
-    run starts still ends it, as a user who sends one expects. In the main thread only."""
+    takes over (see the module's docstring). By default USR1, and TERM in a Slurm job: outside
+    one a TERM or Ctrl-C while a run starts still ends it, as a user who sends one expects.
+    In the main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
+    if names is None:
+        names = ("USR1", "TERM") if os.environ.get("SLURM_JOB_ID") else ("USR1",)
     for name in names:
         number = signal_number(name)
         _EARLY["previous"].setdefault(number, signal.signal(number, _hold))
@@ -94,13 +106,23 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal_name(signum)
-        if self._here and signum in (signal.SIGTERM, signal.SIGINT):
+        if self._here and signum in self._stop_now():
             # asked twice: stop now, as without us
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
+        if self._here:
+            logger.warning("SIG%s again: the step and its checkpoint go on (a Slurm job: KILL "
+                           "comes KillWait seconds after Slurm's TERM)", name)
         self._here = True
         self.record(name)
+
+    @staticmethod
+    def _stop_now() -> tuple:
+        """The signals that stop at once when they come a second time (see the module)."""
+        if os.environ.get("SLURM_JOB_ID"):  # Slurm repeats TERM itself, and KILLs after
+            return (signal.SIGINT,)
+        return (signal.SIGTERM, signal.SIGINT)
 
     def record(self, name: str, where: str = "") -> None:
         """Take ``name`` (``"USR1"``) as received here, unless one was already: also for a

@@ -1,4 +1,5 @@
-"""Slurm: the srun rendezvous (pure, tier 0); a real single-node Slurm cluster (tier 2) that
+"""Slurm: the srun rendezvous and the TERM rules of oppo_ds/preemption.py in a Slurm job
+(tier 0); a real single-node Slurm cluster (tier 2) that
 runs slurm/train_70b.sh on the tiny config with 2 CPU tasks, then resumes it; and a real
 two-node cluster on this machine, the second node in a network namespace of its own, where a
 job of one rank per node is stopped by USR1, requeued and resumed.
@@ -12,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -74,6 +76,50 @@ def test_slurm_rendezvous_leaves_launchers_and_batch_shell_alone():
     # the batch script itself (python run without srun): no step, not a rank of a group
     batch = {k: v for k, v in SRUN_TASK.items() if not k.startswith("SLURM_STEP_")}
     assert slurm_rendezvous(batch) is None
+
+
+def _child(code: str, slurm_job: bool) -> subprocess.CompletedProcess:
+    """Python ``code`` in a child (its signals do not reach pytest), in a Slurm job's
+    environment (SLURM_JOB_ID) or outside one."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    if slurm_job:
+        env["SLURM_JOB_ID"] = "123456"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_repeated_term_in_a_slurm_job_does_not_cut_the_save_short():
+    """Slurm sends TERM again at the end of a preemption's grace time (twice, 22.05), and on
+    scancel, then KILL after KillWait: in a Slurm job a second TERM is only recorded, and the
+    checkpoint the first one started goes on. Outside Slurm it still stops at once."""
+    code = ("import signal\nfrom oppo_ds.preemption import StopOnSignal\n"
+            "with StopOnSignal(['USR1', 'TERM']) as stop:\n"
+            "    for _ in range(3):\n        signal.raise_signal(signal.SIGTERM)\n"
+            "    print('saved after', stop.received, flush=True)\n")
+    proc = _child(code, slurm_job=True)
+    assert proc.returncode == 0 and "saved after TERM" in proc.stdout, proc.stderr[-2000:]
+    assert "SIGTERM again: the step and its checkpoint go on" in proc.stderr
+    proc = _child(code, slurm_job=False)
+    assert proc.returncode == -signal.SIGTERM and "saved" not in proc.stdout, proc.stderr[-2000:]
+    # a second Ctrl-C still stops at once, in a Slurm job as well
+    code = code.replace("SIGTERM", "SIGINT").replace("'TERM'", "'INT'")
+    assert _child(code, slurm_job=True).returncode == -signal.SIGINT
+
+
+def test_a_term_while_a_slurm_job_starts_is_held_for_training():
+    """A preemption's TERM while the models load: in a Slurm job it is held, as USR1 is, and
+    training stops before its first step (exit 75, requeue) instead of every rank dying and the
+    job ending during its grace time, which Slurm does not requeue. Outside Slurm TERM still
+    ends a starting run."""
+    code = ("import signal\nfrom oppo_ds.preemption import StopOnSignal, hold_early_signals\n"
+            "hold_early_signals()\nsignal.raise_signal(signal.SIGTERM)\n"
+            "print('held', flush=True)\n"
+            "with StopOnSignal(['USR1', 'TERM']) as stop:\n    print('stops on', stop.received)\n")
+    proc = _child(code, slurm_job=True)
+    assert proc.returncode == 0 and "held" in proc.stdout and "stops on TERM" in proc.stdout, \
+        proc.stderr[-2000:]
+    proc = _child(code, slurm_job=False)
+    assert proc.returncode == -signal.SIGTERM and "held" not in proc.stdout, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- tier 2: a real cluster
