@@ -17,17 +17,33 @@
 # (`sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --time=24:00:00 slurm/train.sh`).
 # Run it from the repository root (the job cds to the directory it was submitted from).
 #
-# Preemption and time limit: Slurm sends USR1 to this script 300 s before the time limit
-# (--signal=B:USR1@300). With srun the trap forwards it to the tasks: the trainer finishes
-# the step it is in, every rank saves the same checkpoint and exits with code 75, rank 0
-# writes $OUTPUT_DIR/stopped_on_signal, and the script requeues the job (--requeue), which
-# resumes from that checkpoint exactly (checkpoint.resume=auto; checkpoint.on_signals lists
-# the signals). The file decides, not srun's exit code alone: the first rank to exit with 75
-# makes srun (--kill-on-bad-exit) end the others, still tearing down. A USR1 while the run
-# starts (models loading) stops it before its first step, and the job requeues likewise.
-# Choose the lead time to cover one step plus a checkpoint save. With LAUNCHER=deepspeed the
-# job is requeued at once and resumes from the latest periodic checkpoint
-# (checkpoint.every): the launcher does not pass USR1 on to its ranks.
+# Time limit (USR1): Slurm sends USR1 to this script 300 s before the time limit
+# (--signal=B:USR1@300; `scancel -b -s USR1 JOBID` does the same). With srun the trap forwards
+# it to the tasks: the trainer finishes the step it is in, every rank saves the same
+# checkpoint and exits with code 75, rank 0 writes $OUTPUT_DIR/stopped_on_signal, and the
+# script requeues the job (--requeue), which resumes from that checkpoint exactly
+# (checkpoint.resume=auto; checkpoint.on_signals lists the signals). The file decides, not
+# srun's exit code alone: the first rank to exit with 75 makes srun (--kill-on-bad-exit) end
+# the others, still tearing down. A USR1 while the run starts (models loading) stops it
+# before its first step, and the job requeues likewise. Choose the lead time to cover one
+# step plus a checkpoint save.
+# Preemption and cancel (TERM), as Slurm 22.05 sends it (slurm.conf(5) GraceTime, scancel(1)):
+#   - preemption with a GraceTime: TERM to the tasks only, not to this script. The ranks stop
+#     as on USR1 (also while the run starts) and, if they are done within the grace time, the
+#     script requeues the job (also under PreemptMode=CANCEL; Slurm requeues no job that
+#     ended by itself). `scancel -s TERM JOBID` (the steps only) is the same notice.
+#   - the end of that grace time, `scancel JOBID` and the time limit itself: TERM to the tasks
+#     (again), to srun and to this script, then KILL after KillWait (30 s by default). The
+#     ranks keep saving until then (oppo_ds/preemption.py: a repeated TERM in a Slurm job does
+#     not cut the save short), and this script traps TERM and waits for them. It does not
+#     requeue the job: scancel means stop, and a preempted job is requeued by Slurm itself
+#     (PreemptMode=REQUEUE) or cancelled (PreemptMode=CANCEL).
+#   - `scancel -b -s TERM JOBID`: TERM to this script only; it passes TERM to the tasks
+#     (`scancel -s TERM`), the ranks stop with a checkpoint, and the job is not requeued.
+#   Never `scancel --full -s TERM`: srun turns a TERM it receives into KILL for its tasks.
+# With LAUNCHER=deepspeed a USR1 requeues the job at once and it resumes from the latest
+# periodic checkpoint (checkpoint.every): the launcher does not pass USR1 on to its ranks; a
+# TERM to this script is passed to the launcher, which ends its ranks.
 # A checkpoint holds, under $OUTPUT_DIR/checkpoints: the actor and critic DeepSpeed engines
 # (weights, optimizer, LR scheduler), each rank's trainer state (step, prompt stream cursor,
 # RNG states, rollout pool) and `latest`, written last (a job killed mid-save resumes from
@@ -69,10 +85,13 @@ unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
 
 PREEMPTED_EXIT=75  # oppo_ds.preemption.PREEMPTED_EXIT: stopped on a signal after a checkpoint
 STOPPED_MARK=${OUTPUT_DIR}/stopped_on_signal  # oppo_ds.preemption.STOPPED_MARK, by rank 0
-TRAIN_PID=  # set once the launcher runs: a USR1 before that has no one to pass it to
+TRAIN_PID=  # set once the launcher runs: a signal before that has no one to pass it to
+REQUEUED=   # this script asked for the requeue (scontrol requeue)
+TERMINATED= # this script got TERM: Slurm ends the job (scancel, preemption's grace time over)
 requeue() {
     echo "oppo-train: requeueing job ${SLURM_JOB_ID}; it resumes from the latest checkpoint" \
          "under ${OUTPUT_DIR}/checkpoints"
+    REQUEUED=1
     scontrol requeue "${SLURM_JOB_ID}"
 }
 on_usr1() {
@@ -85,7 +104,29 @@ on_usr1() {
         requeue
     fi
 }
+# Without this trap TERM's default action ends the shell in `wait`, and the job with it
+on_term() {
+    if [[ -z ${TRAIN_PID} ]]; then  # nothing to save yet: end as without the trap
+        echo "oppo-train: TERM before the launcher started: stopping"
+        exit 143
+    fi
+    [[ -n ${TERMINATED} || -n ${REQUEUED} ]] && return  # the requeue's own TERM, or a repeat
+    TERMINATED=1
+    echo "oppo-train: TERM (scancel, time limit or end of a preemption's grace time): the ranks" \
+         "checkpoint after this step; waiting for them, no requeue"
+    if [[ ${LAUNCHER} == srun ]]; then
+        # to the tasks by Slurm (the steps, not this shell); not `kill srun`: srun turns a TERM
+        # into KILL for its tasks. Where Slurm sent TERM to the tasks already, a repeat is only
+        # recorded (oppo_ds/preemption.py). In the background and bounded: on a job that Slurm
+        # is ending scancel retries for a minute and more, and the trap would hold this shell
+        timeout 10 scancel --signal=TERM "${SLURM_JOB_ID}" >/dev/null 2>&1 &
+    else
+        kill -TERM "${TRAIN_PID}" 2>/dev/null  # DeepSpeed's launcher ends its ranks
+    fi
+    true
+}
 trap on_usr1 USR1
+trap on_term TERM
 
 echo "oppo-train: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}:" \
      "config ${CONFIG}, output ${OUTPUT_DIR}, launcher ${LAUNCHER}"
@@ -94,7 +135,7 @@ ARGS=(--config "${CONFIG}" "logging.output_dir=${OUTPUT_DIR}" checkpoint.resume=
 ARGS+=(${OVERRIDES})
 mkdir -p "${OUTPUT_DIR}"
 rm -f "${STOPPED_MARK}"  # an earlier run's, already requeued on
-# the launchers run in the background so that the shell can run the trap when USR1 arrives
+# the launchers run in the background so that the shell can run the traps when a signal arrives
 # (bash defers traps until a foreground child exits)
 case ${LAUNCHER} in
     srun)
@@ -143,7 +184,12 @@ set -e
 if [[ ${rc} == "${PREEMPTED_EXIT}" || -f ${STOPPED_MARK} ]]; then
     echo "oppo-train: the ranks stopped on a signal ($(cat "${STOPPED_MARK}" 2>/dev/null ||
           echo "exit ${rc}"))"
-    requeue
+    if [[ -n ${TERMINATED} ]]; then
+        echo "oppo-train: not requeued by this script: Slurm ends the job (TERM to the batch" \
+             "script; a preemption's requeue is Slurm's own); started again, it resumes there"
+    elif [[ -z ${REQUEUED} ]]; then
+        requeue
+    fi
     exit 0
 fi
 exit "${rc}"

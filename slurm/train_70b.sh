@@ -3,7 +3,8 @@
 # N nodes of 8 GPUs: the Megatron-core backend, tensor parallel 8 inside a node, pipeline
 # parallel 4 over nodes (one model replica = 4 nodes; more nodes add replicas), bf16.
 # Only the allocation and the config differ from slurm/train.sh, which this job runs (its
-# header explains the environment variables, requeue on USR1 and what a checkpoint holds).
+# header explains the environment variables, USR1, preemption and scancel (TERM) and what a
+# checkpoint holds).
 #
 #   sbatch --nodes=4 slurm/train_70b.sh
 #   OVERRIDES="steps=1000" sbatch --nodes=8 slurm/train_70b.sh        # two replicas
@@ -34,5 +35,5 @@ export OUTPUT_DIR=${OUTPUT_DIR:-runs/llama3-70b}
 # ===========================================================================================
 
 cd "${REPO_DIR:-${SLURM_SUBMIT_DIR:-.}}"
-# exec: same process, so the USR1 that Slurm sends to the batch shell reaches train.sh's trap
+# exec: same process, so the USR1 and TERM that Slurm sends to the batch shell reach its traps
 exec bash slurm/train.sh

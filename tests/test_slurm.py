@@ -1,6 +1,7 @@
 """Slurm: the srun rendezvous and the TERM rules of oppo_ds/preemption.py in a Slurm job
-(tier 0); a real single-node Slurm cluster (tier 2) that
-runs slurm/train_70b.sh on the tiny config with 2 CPU tasks, then resumes it; and a real
+(tier 0); a real single-node Slurm cluster (tier 2) that runs slurm/train_70b.sh on the tiny
+config with 2 CPU tasks, then resumes it, stops it by USR1, by Slurm's own preemption (TERM,
+GraceTime) and by TERM to the batch script; and a real
 two-node cluster on this machine, the second node in a network namespace of its own, where a
 job of one rank per node is stopped by USR1, requeued and resumed.
 
@@ -153,9 +154,15 @@ SlurmdLogFile={d}/slurmd-%n.log
 ReturnToService=2
 {nodes}
 """
+# preemption as a cluster sets it up: a job of partition urgent preempts the default
+# partition's, which get GraceTime seconds after Slurm's TERM, then are requeued
 ONE_NODE = """\
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory=2000
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP"""
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP PriorityTier=1 \
+GraceTime=10 PreemptMode=REQUEUE
+PartitionName=urgent Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"""
 
 
 def _munge_works() -> bool:
@@ -261,8 +268,11 @@ def _cluster_env(conf) -> dict:
 
 
 def _nodes_idle(env, count: int) -> bool:
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=env)
-    return out.stdout.split() == ["idle"] * count
+    # one line per node and partition: a node in two partitions (ONE_NODE's) is listed twice
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
+                         env=env)
+    states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+    return len(states) == count and set(states.values()) == {"idle"}
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +382,116 @@ def test_usr1_checkpoints_requeues_and_the_job_resumes_there(slurm_cluster, work
     TensorBoard) can: rank 1's 75 makes srun (--kill-on-bad-exit) end it, and srun's exit
     code is no longer 75 (the job ended FAILED 143 then); the file rank 0 wrote requeues it."""
     _usr1_requeue_resume(slurm_cluster, workload_cache, tmp_path, nodes=1)
+
+
+# python for the preemption test's ranks: oppo_ds.train, whose checkpoint on a signal waits
+# for the file {go} first (a save that outlasts the grace time, as a big model's can)
+SLOW_SAVE = """\
+import os, runpy, sys, time
+sys.path.insert(0, os.getcwd())  # the repository the job runs in, as `python -m` has it
+from oppo_ds.trainer import PPOTrainer
+save = PPOTrainer.save_checkpoint
+def save_checkpoint(self):
+    deadline = time.monotonic() + 300
+    while self.preempted and not os.path.exists({go!r}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    save(self)
+PPOTrainer.save_checkpoint = save_checkpoint
+assert sys.argv[1:3] == ["-m", "oppo_ds.train"], sys.argv
+sys.argv = [sys.argv[0], *sys.argv[3:]]
+runpy.run_module("oppo_ds.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_preemption_term_the_save_outlasts_the_grace_time_and_the_job_resumes(
+        slurm_cluster, workload_cache, tmp_path):
+    """Slurm's own preemption, not an imitation of it: a job of partition urgent preempts the
+    running train_70b.sh job (PreemptMode=REQUEUE, GraceTime=10). Slurm 22.05 sends TERM to the
+    tasks only (not the batch script); the ranks finish the step and start the checkpoint,
+    which here waits until the grace time is over. Then Slurm sends TERM again to the tasks
+    (twice) and to srun and the batch script, requeues the job and KILLs what is left KillWait
+    (30 s) later. The checkpoint completes in that time, the batch script waits for the ranks
+    (it traps TERM) and does not requeue the job a second time, and the job Slurm requeued
+    resumes from exactly that step. Before 2026-11-29 the second TERM ended every rank in the
+    middle of its save (a repeated TERM stopped at once), TERM's default action ended the batch
+    script, and the requeued job started again from step 0.
+
+    Not `scancel --full -s TERM`: srun turns the TERM it receives into KILL for its tasks, so
+    the ranks die before they see one (tried: "tasks 0-1: Killed"). Not `scancel -s TERM`
+    alone: that is the grace time's first notice only, which the USR1 test's path covers."""
+    env = slurm_cluster
+    out, steps = tmp_path / "run", 60
+    go = tmp_path / "grace-time-over"
+    slow = tmp_path / "python-saves-after-the-grace-time"
+    slow.write_text(f"#!{sys.executable}\n" + SLOW_SAVE.format(go=str(go)))
+    slow.chmod(0o755)
+    job, log = _sbatch_70b(env, tmp_path, workload_cache, steps=steps, wait=False,
+                           extra=("checkpoint.every=0",), python=str(slow))
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+              "two steps logged", 240, poll=0.1)
+    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--ntasks=2",
+                             "--cpus-per-task=1", "--time=2", f"--output={tmp_path / 'urgent.out'}",
+                             "--wrap", "true"], env=env, capture_output=True, text=True, check=True)
+    # the grace time is over when the controller requeues the job; its TERMs reach the tasks
+    ctld_log = os.path.join(os.path.dirname(env["SLURM_CONF"]), "slurmctld.log")
+    _wait_for(lambda: f"preempted JobId={job} has been requeued" in _read(ctld_log),
+              "the grace time ends", 120)
+    time.sleep(3)
+    go.touch()
+    _wait_for(lambda: not _steps(env, job), "the first run's steps end", 120)
+    try:  # the batch script's last words, once srun ended (before KILL, KillWait after TERM)
+        _wait_for(lambda: "oppo-train: the ranks stopped on a signal" in _read(log),
+                  "the batch script reports", 40)
+    except TimeoutError:
+        pass  # the assertions below say what is missing
+    text = _read(log)
+    stopped = re.findall(r"rank (\d): stopped by SIGTERM after step (\d+)", text)
+    assert sorted(r for r, _ in stopped) == ["0", "1"], text[-3000:]  # both ranks, same step
+    (at,) = {int(n) for _, n in stopped}
+    assert 2 <= at < steps
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step{at}", text[-3000:]
+    assert "oppo-train: TERM (scancel" in text, text[-3000:]
+    assert "not requeued by this script: Slurm ends the job" in text, text[-3000:]
+    assert "requeueing job" not in text, text[-3000:]
+    _wait_for(lambda: _job_field(env, urgent.stdout.strip().split(";")[0], "JobState")
+              == "COMPLETED", "the urgent job ends", 120)
+    assert _job_field(env, job, "Restarts") == "1"
+    time.sleep(10)  # as in the USR1 test: slurmd finishes the first run's step
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+    _wait_for(lambda: f"job {job} restart 1" in _read(log) and _job_field(env, job, "JobState")
+              in ("COMPLETED", "FAILED", "CANCELLED"), "the requeued job ends", 420)
+    text = _read(log)
+    assert _job_field(env, job, "JobState") == "COMPLETED", text[-3000:]
+    assert f"resumed from step{at} at step {at}" in text, text[-3000:]
+    assert [r["step"] for r in read_history(str(metrics))] == list(range(1, steps + 1))
+
+
+def test_term_to_the_batch_script_stops_with_a_checkpoint_and_no_requeue(
+        slurm_cluster, workload_cache, tmp_path):
+    """`scancel --batch --signal=TERM`: TERM to the batch script only. Its trap passes TERM to
+    the tasks (scancel --signal=TERM, not to srun, which would KILL them), both ranks stop
+    after the same step with a checkpoint, and the job ends COMPLETED, not requeued: TERM to
+    the script means stop (USR1 means stop and come back). Before 2026-11-29 TERM's default
+    action ended the script, the job ended FAILED at once, and the ranks had KillWait left."""
+    env = slurm_cluster
+    out, steps = tmp_path / "run", 60
+    job, log = _sbatch_70b(env, tmp_path, workload_cache, steps=steps, wait=False,
+                           extra=("checkpoint.every=0",))
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+              "two steps logged", 240, poll=0.1)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=env, check=True)
+    _wait_for(lambda: _job_field(env, job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
+              "the job ends", 240)
+    text = _read(log)
+    assert _job_field(env, job, "JobState") == "COMPLETED", text[-3000:]
+    assert _job_field(env, job, "Restarts") == "0", text[-3000:]
+    stopped = re.findall(r"rank (\d): stopped by SIGTERM after step (\d+)", text)
+    assert sorted(r for r, _ in stopped) == ["0", "1"], text[-3000:]
+    (at,) = {int(n) for _, n in stopped}
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step{at}", text[-3000:]
+    assert "not requeued by this script" in text and "requeueing job" not in text, text[-3000:]
 
 
 def _usr1_requeue_resume(env, cache, tmp_path, nodes: int) -> dict[tuple[int, int], str]:
