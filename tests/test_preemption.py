@@ -134,8 +134,11 @@ def test_a_usr1_while_the_run_starts_is_held_for_training():
 
 def _dies_of(code: str, sig: int, after: str) -> None:
     """Python ``code`` run in a child (so that pytest survives) prints ``after``, then the
-    default action of ``sig`` ends it before it prints 'not reached'."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    default action of ``sig`` ends it before it prints 'not reached'. Outside a Slurm job
+    (where a second TERM is only recorded), even when the tests run inside one."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
     assert proc.returncode == -sig, proc.stderr[-2000:]
     assert after in proc.stdout and "not reached" not in proc.stdout
 
