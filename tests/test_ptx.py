@@ -212,3 +212,11 @@ def test_dschat_unsupervised_flags(tmp_path, ptx_file):
     with pytest.raises(ConfigError, match="not a local file or directory"):
         resolve(["--unsupervised_dataset_name", str(tmp_path / "wikitext"),
                  "--unsupervised_dataset_config_name", "x"])
+    # a hub snapshot with a folder per configuration: the one named is read
+    snapshot = tmp_path / "Salesforce--wikitext"
+    for name in ("wikitext-2-raw-v1", "wikitext-103-raw-v1"):
+        (snapshot / name).mkdir(parents=True)
+        (snapshot / name / "train-00000-of-00001.jsonl").write_text('{"text": "a b"}\n')
+    cfg, _ = resolve(["--unsupervised_dataset_name", str(snapshot),
+                      "--unsupervised_dataset_config_name", "wikitext-2-raw-v1"])
+    assert cfg.data.ptx == str(snapshot / "wikitext-2-raw-v1")

@@ -86,8 +86,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("unsup_coef", MAPPED, "ppo.ptx_coef, with --unsupervised_dataset_name (DeepSpeed-Chat's "
        "default 27.8 when not given)", float),
     _f("unsupervised_dataset_config_name", MAPPED, "with --unsupervised_dataset_name, switches "
-       "PPO-ptx on, as DeepSpeed-Chat trains on the data set only when both are given (the value "
-       "picks a configuration of a hub data set; a local copy is one already)", str),
+       "PPO-ptx on, as DeepSpeed-Chat trains on the data set only when both are given; where "
+       "the local copy holds a folder of that name (a hub snapshot's configurations: "
+       "wikitext-2-raw-v1/, wikitext-103-raw-v1/), that folder is read", str),
     _f("print_answers", MAPPED, "logging.print_samples: true, every --print_answers_interval "
        "steps (logging.samples_every, 1 when not given, as in DeepSpeed-Chat): logging.samples "
        "(2) responses of rank 0's batch with their prompts and rewards, where DeepSpeed-Chat "
@@ -315,6 +316,9 @@ def dschat_overrides(flags: dict) -> tuple[list[str], list[str]]:
         if not os.path.exists(path):
             raise ConfigError("--unsupervised_dataset_name", f"{path!r} is not a local file or "
                               "directory (oppo-ds never downloads data sets; save it locally first)")
+        config = os.path.join(path, flags["unsupervised_dataset_config_name"])
+        if os.path.isdir(config):  # a hub snapshot's folder of that configuration (wikitext's
+            path = config          # wikitext-2-raw-v1/ beside wikitext-103-raw-v1/)
         put("data.ptx", path)
         put("ppo.ptx_coef", flags.get("unsup_coef", DSCHAT_UNSUP_COEF))
     if "unsup_coef" in flags and "data.ptx" not in out:
