@@ -408,10 +408,12 @@ def _split_word(name: str) -> str:
 
 
 def _config_of(relative: str) -> str:
-    """The folders of a data file that do not name its split (``main`` of
-    ``main/train-0.parquet``, ``""`` of ``train/0.jsonl``): its configuration."""
-    folders = relative.split(os.sep)[:-1]
-    return os.path.join("", *(d for d in folders if not _SPLIT_IN_NAME.search(d)))
+    """The folders of a data file above the first part of its path that names its split
+    (``main`` of ``main/train-0.parquet``, ``""`` of ``train/0.jsonl`` and of
+    ``train/shard1/0.parquet``: folders below the split's are its parts): its configuration."""
+    parts = relative.split(os.sep)
+    first = next(i for i, part in enumerate(parts) if _SPLIT_IN_NAME.search(part))
+    return os.path.join("", *parts[:first])
 
 
 def _read_file(path: str, prompt_key: "str | SourceFormat", key_name: str,

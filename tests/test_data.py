@@ -436,6 +436,12 @@ def test_a_split_is_a_word_anywhere_in_a_name(tmp_path, caplog):
                                         + re.escape(str(gsm8k))):
         read_prompt_rows(str(gsm8k))
     assert [r.text_or_messages for r in read_prompt_rows(str(gsm8k / "main"))] == ["main train"]
+    # folders below the split's are its parts (shards, partitions), not configurations
+    parts = tmp_path / "partitioned"
+    for part in ("lang=en", "lang=fr"):
+        (parts / "train" / part).mkdir(parents=True)
+        write_parquet(parts / "train" / part / "0.parquet", [{"prompt": part}])
+    assert [r.text_or_messages for r in read_prompt_rows(str(parts))] == ["lang=en", "lang=fr"]
 
     ultra = tmp_path / "ultrachat_200k"
     (ultra / "data").mkdir(parents=True)
