@@ -594,7 +594,9 @@ class CheckpointConfig:
         default_factory=lambda: ["USR1", "TERM"])
     """Signals that stop training after the current step with a checkpoint (every rank
     agrees on it at the step's end); the process then exits with code 75 so a job script can
-    requeue it (slurm/train.sh does). A second TERM or INT stops at once."""
+    requeue it (slurm/train.sh does). A second TERM or INT stops at once; in a Slurm job
+    (SLURM_JOB_ID set) a second TERM is only logged, since Slurm repeats TERM and KILLs after
+    KillWait, and the checkpoint the first one started goes on."""
 
     def __post_init__(self):
         _require(self.every >= 0, "every", "must be >= 0")

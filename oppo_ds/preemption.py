@@ -94,6 +94,15 @@ def release_early_signals() -> Optional[str]:
     return received
 
 
+def drop_early_hold() -> None:
+    """For a run that trains nothing (``oppo-train --evaluate``: no checkpoint to stop with):
+    the process's own handlers back, and a signal held meanwhile takes its own action now
+    (TERM, USR1: the default, ending the process), as without :func:`hold_early_signals`."""
+    held = release_early_signals()
+    if held is not None:
+        signal.raise_signal(signal_number(held))
+
+
 class StopOnSignal:
     """Records the first of ``names`` (``"USR1"``, ``"TERM"``, ...) that arrives; installed
     while training runs (:meth:`__enter__`), the previous handlers restored after."""

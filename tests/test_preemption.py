@@ -130,6 +130,11 @@ def test_a_usr1_while_the_run_starts_is_held_for_training():
             "print('held', flush=True)\nwith StopOnSignal(['TERM']):\n"
             "    print('not reached', flush=True)\n")
     _dies_of(code, signal.SIGUSR1, after="held")
+    # a run that trains nothing (--evaluate) drops the hold: what it held takes its action
+    code = ("import signal\nfrom oppo_ds.preemption import drop_early_hold, hold_early_signals\n"
+            "hold_early_signals(('USR1', 'TERM'))\nsignal.raise_signal(signal.SIGTERM)\n"
+            "print('held', flush=True)\ndrop_early_hold()\nprint('not reached', flush=True)\n")
+    _dies_of(code, signal.SIGTERM, after="held")
 
 
 def _dies_of(code: str, sig: int, after: str) -> None:

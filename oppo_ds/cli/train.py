@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     # intermixed: KEY=VALUE overrides before and after a flag (`steps=2 --evaluate eval.x=y`)
     args = build_parser().parse_intermixed_args(argv)
+    if args.evaluate:  # trains nothing: a TERM (in a Slurm job held) or USR1 ends it as usual
+        from ..preemption import drop_early_hold
+
+        drop_early_hold()
     rank, world = launch_rank(dict(os.environ))
     try:
         cfg, notes = resolve_config(args, prepare_files=not args.print_config)
