@@ -38,6 +38,9 @@ CHECKPOINT_SETTINGS = ("model.actor", "model.critic", "model.builtin_arch", "mod
 # derived, not a key: whether the weights of the layers given LoRA are frozen (with LoRA,
 # without only_optimize_lora; checkpoints written before 2026-11-29 trained them)
 LORA_FROZEN = "model.lora_layer_weights_frozen"
+# model.lora_learning_rate as set or null (with LoRA): whether the LoRA matrices have an
+# optimizer group of their own
+LORA_GROUP = "model.lora_learning_rate"
 
 # the settings of the objective a resume may change (the run continues under the new ones),
 # named in the log when they differ from the checkpoint's: every ppo key but the optimizer's
@@ -306,10 +309,13 @@ class Resumable:
         keys = {("actor", "lr"): "ppo.actor_lr", ("critic", "lr"): "ppo.critic_lr",
                 # one key for both engines' decays, betas and epsilons
                 ("actor", "weight_decay"): "ppo.weight_decay", ("actor", "betas"): "ppo.adam_betas",
-                ("actor", "eps"): "ppo.adam_eps"}
+                ("actor", "eps"): "ppo.adam_eps", ("actor", "lora_lr"): "model.lora_learning_rate",
+                ("critic", "lora_lr"): "model.lora_learning_rate"}
+        logged = set()
         for (name, setting), key in keys.items():
             engine = self.trained_engines.get(name)
-            if engine is not None and setting in engine.resumed_changes:
+            if engine is not None and setting in engine.resumed_changes and key not in logged:
+                logged.add(key)
                 # the betas as the YAML gives them
                 shown = [list(v) if setting == "betas" else f"{v:g}"
                          for v in reversed(engine.resumed_changes[setting])]
@@ -338,10 +344,14 @@ class Resumable:
             if s.backend == "deepspeed" else s.dtype
         if not (settings["model.actor_lora_dim"] or settings["model.critic_lora_dim"]):
             settings["model.lora_alpha"] = None  # scales no LoRA matrix: free to change
-        elif not settings["model.only_optimize_lora"]:
-            # the weights of the layers given LoRA are frozen (since 2026-11-29): no optimizer
-            # states for them, unlike a checkpoint written while they trained
-            settings[LORA_FROZEN] = True
+        else:
+            if not settings["model.only_optimize_lora"]:
+                # the weights of the layers given LoRA are frozen (since 2026-11-29): no
+                # optimizer states for them, unlike a checkpoint written while they trained
+                settings[LORA_FROZEN] = True
+            # a LoRA learning rate puts the LoRA matrices in a group of their own: set or
+            # null decides the optimizer's groups (its value may change, as any rate)
+            settings[LORA_GROUP] = "null" if self.cfg.model.lora_learning_rate is None else "set"
         if self.evaluating_only:  # no critic is built: what only it follows may differ (and
             # model.reward, which the critic started from, scores); the actor's weights are
             # read from any ZeRO stage's files and cast to this run's dtype
@@ -349,6 +359,7 @@ class Resumable:
                         "system.zero_stage", "system.dtype", "system.grad_accum_dtype"):
                 del settings[key]
             settings.pop(LORA_FROZEN, None)  # no optimizer is loaded
+            settings.pop(LORA_GROUP, None)
         return settings
 
     def _check_checkpoint_settings(self, tag: str, state: dict) -> None:
@@ -360,6 +371,8 @@ class Resumable:
             saved["system.grad_accum_dtype"] = saved["system.dtype"]
         if LORA_FROZEN in now and LORA_FROZEN not in saved and "model.actor_lora_dim" in saved:
             saved[LORA_FROZEN] = False  # written while the weights of LoRA layers trained
+        if LORA_GROUP in now and LORA_GROUP not in saved and "model.actor_lora_dim" in saved:
+            saved[LORA_GROUP] = "null"  # written before the key: no group of its own
         changed = [key for key in now if key in saved and saved[key] != now[key]]
         if "system.dtype" in changed and "system.grad_accum_dtype" in changed:
             changed.remove("system.grad_accum_dtype")  # follows the dtype: named once

@@ -248,3 +248,27 @@ def test_a_lora_checkpoint_that_trained_its_layers_weights_is_refused_by_name(tm
     evaluation = PPOTrainer(cfg, evaluate_only=True)
     assert evaluation.evaluate_only()["step"] == 1
     evaluation.close()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_lora_learning_rate_set_or_null_must_be_the_checkpoints(tmp_path):
+    """model.lora_learning_rate set puts the LoRA matrices in an optimizer group of their own:
+    a resume that sets it where the checkpoint had none (or the reverse) is refused by name,
+    not left to DeepSpeed's mismatch of parameter groups; another rate resumes."""
+    from oppo_ds.trainer import PPOTrainer
+
+    lora = ("model.actor_lora_dim=4", "checkpoint.every=1")
+    trainer, _ = _run(tmp_path, *lora, "model.lora_learning_rate=1e-3", steps=1)
+    trainer.close()
+
+    def config(*extra):
+        return load_config(None, [*tiny_run_overrides(tmp_path, 2), "logging.tensorboard=false",
+                                  *lora, *extra])
+    with pytest.raises(ConfigError, match=r"^model\.lora_learning_rate: null, but checkpoint "
+                                          r"step1 was written with set"):
+        PPOTrainer(config())
+    resumed = PPOTrainer(config("model.lora_learning_rate=5e-4"))
+    groups = resumed.actor.ds_engine.optimizer.param_groups
+    assert groups[-1]["initial_lr"] == 5e-4 and len(groups) == 3
+    assert resumed.actor.resumed_changes["lora_lr"] == (1e-3, 5e-4)  # logged at the resume
+    resumed.close()

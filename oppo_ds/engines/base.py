@@ -73,9 +73,11 @@ def reapply_hyperparameters(param_groups: list[dict], scheduler, lr: float,
     was configured with: the saved state dicts carry the values the checkpoint was written
     with, which would win silently (a resume told to lower the learning rate kept the old one).
     The schedule goes on from the loaded step; the moments go on as saved. Returns
-    ``{name: (saved, now)}`` for each value that differed (``lr``: the first group's)."""
+    ``{name: (saved, now)}`` for each value that differed (``lr``: the first group's;
+    ``lora_lr``: the last group's, where the groups' peaks differ, the LoRA matrices')."""
     peaks = list(group_lrs) if group_lrs is not None else [lr] * len(param_groups)
-    saved = {"lr": scheduler.base_lrs[0],
+    own_group = len(set(peaks)) > 1 or len(set(scheduler.base_lrs)) > 1
+    saved = {"lr": scheduler.base_lrs[0], "lora_lr": scheduler.base_lrs[-1],
              "weight_decay": max(g.get("weight_decay", 0.0) for g in param_groups),
              "betas": tuple(param_groups[0]["betas"]), "eps": param_groups[0]["eps"]}
     scheduler.base_lrs = list(peaks)
@@ -87,6 +89,8 @@ def reapply_hyperparameters(param_groups: list[dict], scheduler, lr: float,
         group["betas"], group["eps"] = tuple(betas), eps
     scheduler._last_lr = [g["lr"] for g in param_groups]  # what get_last_lr() reports
     now = {"lr": peaks[0], "weight_decay": max(group_decay), "betas": tuple(betas), "eps": eps}
+    if own_group:
+        now["lora_lr"] = peaks[-1]
     return {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
 
 
