@@ -157,7 +157,11 @@ class Resumable:
                     _STREAM_SETTING[k].format(now) for k, (_, now) in err.changed.items())
                 + ": the prompts handed out, and their order, follow them; resume with the "
                   "prompts and settings it was written with, or start afresh with "
-                  "checkpoint.resume=never")) from None
+                  "checkpoint.resume=never"
+                + ("; the same files give other prompts where oppo-ds reads them otherwise "
+                   "(since 2026-11-29: split names anywhere in a file's name, ids of several "
+                   "sources under their source's name)" if "prompts" in err.changed else "")
+                )) from None
         if self.ptx_stream is not None:
             if state.get("ptx_stream"):
                 try:
