@@ -156,7 +156,8 @@ class CheckpointManager:
             # on disk before `latest` names them (DeepSpeed syncs nothing): each rank its own
             # (on a shared filesystem everyone's: syncing clean files costs little)
             fsync_tree(os.path.join(self.root, name, tag))
-            fsync_dir(os.path.join(self.root, name))  # the tag's entry in it
+            if os.path.isdir(os.path.join(self.root, name, tag)):  # a rank may write none
+                fsync_dir(os.path.join(self.root, name))  # the tag's entry in it
         state = dict(state, python_rng=random.getstate(), torch_rng=torch.get_rng_state())
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()

@@ -265,8 +265,11 @@ def test_wandb_logging_without_the_package_or_a_login_is_refused(cache_dir, tmp_
     with pytest.raises(ConfigError, match=r"^logging\.wandb_project: 'p' asks for wandb logging, "
                                           r"but the wandb package is not installed: pip install"):
         PPOTrainer(cfg)
+    evaluation = load_config(None, [*SMALL, f"workload.cache_dir={cache_dir}",
+                                    "logging.wandb_project=p", "eval.prompts=builtin",
+                                    f"logging.output_dir={tmp_path / 'run'}"])
     with pytest.raises(AssertionError, match="an engine was built"):  # past the check
-        PPOTrainer(cfg, evaluate_only=True)
+        PPOTrainer(evaluation, evaluate_only=True)
     # without the package, a folder wandb/ in the working directory is found as a namespace
     # package: a spec without an origin
     namespace = importlib.machinery.ModuleSpec("wandb", None, is_package=True)
