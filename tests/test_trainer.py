@@ -211,6 +211,11 @@ def test_a_run_logs_to_wandb_and_a_resume_continues_its_run(cache_dir, tmp_path,
     first = (out / "wandb-run-id").read_text().split()[0]
     run(cache_dir, out, *settings)
     assert (out / "wandb-run-id").read_text().split() == [first, "4"]
+    # wandb's service process writes the run's files: its end (teardown waits for it) has them
+    # whole (once, in a CI under load, the second sitting's file was read without step 4)
+    import wandb
+
+    wandb.teardown()
     files = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
     assert [p.name for p in files] == [f"run-{first}.wandb"] * 2  # two sittings, one run
     by_file = [sorted(_wandb_history(p.parent.parent.parent, p)) for p in files]
