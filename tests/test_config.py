@@ -636,12 +636,12 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
 @pytest.mark.parametrize("text", ["# nothing here\n", "", "\n\n"])
 def test_empty_yaml_gives_defaults_and_says_so(tmp_path, caplog, text):
     path = _write(tmp_path, text)
-    with caplog.at_level("WARNING", logger="oppo_ds.config"):
+    with caplog.at_level("WARNING", logger="oppo_ds.config_yaml"):
         assert load_config(path) == Config()
     assert [r.getMessage() for r in caplog.records] == [
         f"--config {path} sets no key (empty or only comments): every key has its default"]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="oppo_ds.config"):
+    with caplog.at_level("WARNING", logger="oppo_ds.config_yaml"):
         load_config(_write(tmp_path, "steps: 3\n"))
     assert not caplog.records
 

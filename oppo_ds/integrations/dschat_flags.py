@@ -379,7 +379,7 @@ def dschat_constants(config_path: Optional[str]) -> list[str]:
     where the --config file ``config_path`` (None: none) does not set the key: a value the
     file gives stays, even one equal to oppo-ds's default. Applied before the flags'
     overrides and the command line's own, which win."""
-    from ..config import read_config_file
+    from ..config_yaml import read_config_file
 
     data = read_config_file(config_path) if config_path is not None else {}
     written = {f"{section}.{key}" for section, keys in data.items() if isinstance(keys, dict)
