@@ -392,14 +392,21 @@ def _files_of_split(path: str, files: list[str], split: str) -> list[str]:
     return chosen
 
 
-def _split_name(relative: str) -> Optional[str]:
-    """The split a data file belongs to by its folders' or its own name (the first that names
-    one, from the top), lower-case (``train``, ``train_sft``); else None."""
-    for part in relative.split(os.sep):
+def _split_part(relative: str) -> Optional[tuple[int, str]]:
+    """Where a data file's path names its split: the index of the first part (folder or file,
+    from the top) that names one, and the split's name, lower-case (``train``,
+    ``train_sft``); None where no part does."""
+    for i, part in enumerate(relative.split(os.sep)):
         match = _SPLIT_IN_NAME.search(part)
         if match:
-            return match.group(0).lower()
+            return i, match.group(0).lower()
     return None
+
+
+def _split_name(relative: str) -> Optional[str]:
+    """The split a data file belongs to by its folders' or its own name, else None."""
+    found = _split_part(relative)
+    return found[1] if found else None
 
 
 def _split_word(name: str) -> str:
@@ -411,9 +418,7 @@ def _config_of(relative: str) -> str:
     """The folders of a data file above the first part of its path that names its split
     (``main`` of ``main/train-0.parquet``, ``""`` of ``train/0.jsonl`` and of
     ``train/shard1/0.parquet``: folders below the split's are its parts): its configuration."""
-    parts = relative.split(os.sep)
-    first = next(i for i, part in enumerate(parts) if _SPLIT_IN_NAME.search(part))
-    return os.path.join("", *parts[:first])
+    return os.path.join("", *relative.split(os.sep)[:_split_part(relative)[0]])
 
 
 def _read_file(path: str, prompt_key: "str | SourceFormat", key_name: str,
