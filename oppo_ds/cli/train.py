@@ -83,11 +83,13 @@ def resolve_config(args, prepare_files: bool = True):
         steps = dschat.steps_from_flags(flags, cfg.ppo.batch_size, world, num_prompts, notes)
         if steps is not None:
             extra.append(f"steps={steps}")
-    if dschat.WARMUP_KEY not in explicit:  # --num_warmup_steps within the run's updates
-        extra += dschat.warmup_within(
-            flags, load_config(args.config, mapped + extra + list(args.overrides)), notes)
     # the explicit overrides come last again, so that they win over what was derived here
-    return load_config(args.config, mapped + extra + list(args.overrides)), notes
+    cfg = load_config(args.config, mapped + extra + list(args.overrides))
+    if dschat.WARMUP_KEY not in explicit:  # --num_warmup_steps within the run's updates
+        warmup = dschat.warmup_within(flags, cfg, notes)
+        if warmup:
+            cfg = load_config(args.config, mapped + extra + warmup + list(args.overrides))
+    return cfg, notes
 
 
 def check_output_dir(path: str) -> None:
