@@ -63,6 +63,12 @@ def signal_name(number: int) -> Optional[str]:
 _EARLY: dict = {"received": None, "previous": {}}  # hold_early_signals' state
 
 
+def _in_slurm_job() -> bool:
+    """Whether this process runs in a Slurm job, where TERM comes more than once (see the
+    module's docstring)."""
+    return bool(os.environ.get("SLURM_JOB_ID"))
+
+
 def hold_early_signals(names: Optional[tuple[str, ...]] = None) -> None:
     """Record ``names`` instead of taking their default action until a :class:`StopOnSignal`
     takes over (see the module's docstring). By default USR1, and TERM in a Slurm job: outside
@@ -71,7 +77,7 @@ def hold_early_signals(names: Optional[tuple[str, ...]] = None) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     if names is None:
-        names = ("USR1", "TERM") if os.environ.get("SLURM_JOB_ID") else ("USR1",)
+        names = ("USR1", "TERM") if _in_slurm_job() else ("USR1",)
     for name in names:
         number = signal_number(name)
         _EARLY["previous"].setdefault(number, signal.signal(number, _hold))
@@ -129,7 +135,7 @@ class StopOnSignal:
     @staticmethod
     def _stop_now() -> tuple:
         """The signals that stop at once when they come a second time (see the module)."""
-        if os.environ.get("SLURM_JOB_ID"):  # Slurm repeats TERM itself, and KILLs after
+        if _in_slurm_job():  # Slurm repeats TERM itself, and KILLs after
             return (signal.SIGINT,)
         return (signal.SIGTERM, signal.SIGINT)
 
