@@ -398,15 +398,12 @@ def _lora(flags: dict, put, warnings: list) -> None:
     model, in an optimizer group of their own (dschat/utils/utils.py,
     get_optimizer_grouped_parameters): ``model.lora_learning_rate``, one key for both."""
     with_lora = [kind for kind in ("actor", "critic") if (flags.get(f"{kind}_lora_dim") or 0) > 0]
+    warnings += [f"--{kind}_lora_learning_rate has no effect without --{kind}_lora_dim > 0"
+                 for kind in ("actor", "critic")
+                 if kind not in with_lora and f"{kind}_lora_learning_rate" in flags]
     if not with_lora:
-        warnings += [f"--{kind}_lora_learning_rate has no effect without --{kind}_lora_dim > 0"
-                     for kind in ("actor", "critic") if f"{kind}_lora_learning_rate" in flags]
         return
     put("model.lora_alpha", 1.0)
-    for kind in {"actor", "critic"} - set(with_lora):
-        if f"{kind}_lora_learning_rate" in flags:
-            warnings.append(f"--{kind}_lora_learning_rate has no effect without "
-                            f"--{kind}_lora_dim > 0")
     rates = {kind: flags.get(f"{kind}_lora_learning_rate", DSCHAT_LORA_LR) for kind in with_lora}
     if len(set(rates.values())) > 1:
         raise ConfigError("--actor_lora_learning_rate", (
