@@ -206,7 +206,7 @@ def _trained(shape: ModelShape, value_head: bool, lora_dim: int, cfg: Config, gp
     total = shape.params(value_head) + lora
     trainable = total
     if lora_dim:  # the weights of the layers given LoRA are frozen (oppo_ds.lora.add_lora)
-        trainable = total - shape.layers * sum(i * o for i, o, _ in shape.linears())
+        trainable = total - shape.linear_weights()
     if cfg.model.only_optimize_lora and lora_dim:
         trainable = lora + (shape.hidden if value_head else 0)
     s = cfg.system

@@ -105,6 +105,12 @@ class ModelShape:
         (``model.lora_module_name: layers.``)."""
         return self.layers * sum(rank * (i + o) for i, o, _ in self.linears()) if rank else 0
 
+    def linear_weights(self) -> int:
+        """The weight matrices of every decoder layer's linears (biases out): what a token
+        multiplies in the layers, and what LoRA on them (``model.lora_module_name: layers.``)
+        freezes."""
+        return self.layers * sum(i * o for i, o, _ in self.linears())
+
     # ---------------------------------------------------------------- per-token costs
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -115,8 +121,7 @@ class ModelShape:
     def matmul_params(self, value_head: bool = False) -> int:
         """Weights that one token multiplies (embedding lookups excluded; the LM head, or the
         scalar value head, included)."""
-        layers = self.layers * sum(i * o for i, o, _ in self.linears())
-        return layers + (self.hidden if value_head else self.vocab * self.hidden)
+        return self.linear_weights() + (self.hidden if value_head else self.vocab * self.hidden)
 
     def flops_per_token(self, context: float, value_head: bool = False) -> float:
         """Forward FLOPs of one token attending to ``context`` earlier tokens: 2 per weight
