@@ -196,12 +196,14 @@ def _refuse_rendered(row: PromptRow, prompt: str, marks: tuple[Optional[str], li
 
 
 def _encode_row(row: PromptRow, tokenizer: Any, use_template: bool,
-                input_template: Optional[str] = None,
-                marks: Optional[tuple[Optional[str], list[str]]] = None) -> list[int]:
+                input_template: Optional[str],
+                marks: Optional[tuple[Optional[str], list[str]]]) -> list[int]:
+    """``marks``: ``_rendered_marks`` of the tokenizer, made once per encoding where
+    ``use_template`` (None otherwise)."""
     prompt = row.text_or_messages
     if use_template:
         if isinstance(prompt, str):
-            _refuse_rendered(row, prompt, marks or _rendered_marks(tokenizer))
+            _refuse_rendered(row, prompt, marks)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         continues = _continues(prompt)
         try:
