@@ -645,3 +645,26 @@ def test_import_algo_pulls_no_heavy_frameworks():
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("block", [1, 7, 10 ** 9])
+def test_policy_token_logprobs_in_blocks_of_rows_equal_the_whole_call(block):
+    """Taken a block of rows at a time (``block`` logits' elements, at least one row), with
+    or without a ``select`` that gathers each block: the same figures as
+    ``logprobs_from_logits(policy_logits(...))`` at once, to the bit; no rows, no output."""
+    from oppo_ds.algo import logprobs_from_logits, policy_logits, policy_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 4, 11, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 11, (5, 4), generator=g)
+    want = logprobs_from_logits(policy_logits(logits, 0.7), labels)
+    got = policy_token_logprobs(logits, labels, 0.7, block_elements=block)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    at = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 2]])
+    rows = torch.arange(5)[:, None]
+    picked = policy_token_logprobs(logits, labels[:, :2], 0.7, block_elements=block,
+                                   select=lambda part: logits[rows[part], at[part]])
+    assert torch.equal(picked, logprobs_from_logits(policy_logits(logits[rows, at], 0.7),
+                                                    labels[:, :2]))
+    empty = policy_token_logprobs(logits[:0], labels[:0], 1.0, block_elements=block)
+    assert empty.shape == (0, 4)

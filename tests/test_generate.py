@@ -468,3 +468,30 @@ def test_the_prefill_keeps_only_the_logits_the_decode_reads(arch, static):
             assert torch.equal(kept.logprobs, every.logprobs)
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prefix_s_logprobs_in_blocks_of_rows_are_the_whole_call_s(arch, monkeypatch):
+    """A carried prefix's log-probs are taken a block of rows at a time (gathered, upcast and
+    normalised per block: all at once, in fp32, 12 bytes for each of rows x prefix x vocab):
+    one row at a time gives the same figures to the bit. The decode's next logits are a copy,
+    not a view that would keep the prefix's logits alive until the first token."""
+    model = _model(arch)
+    ids, mask = _prompts()
+    prefix = torch.tensor([[7, 8, 9], [10, 0, 0], [0, 0, 0], [11, 12, 0], [13, 14, 15], [16, 0, 0]])
+    lengths = torch.tensor([3, 1, 0, 2, 3, 1])
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=(), pad_token_id=PAD,
+                            temperature=0.7)
+    states = []
+    for block in (None, 1):
+        if block is not None:
+            monkeypatch.setattr("oppo_ds.algo.logprobs.BLOCK_ELEMENTS", block)
+        with torch.no_grad():
+            states.append(start_decode(model, ids, mask, params, prefix_ids=prefix,
+                                       prefix_lengths=lengths))
+    whole, rows = states
+    assert torch.equal(whole.actor_logprobs, rows.actor_logprobs)
+    assert (whole.actor_logprobs[lengths > 0, 0] != 0).all()
+    vocab = whole.next_logits.shape[-1]
+    assert whole.next_logits.untyped_storage().nbytes() == \
+        len(lengths) * vocab * whole.next_logits.element_size()

@@ -168,11 +168,15 @@ def _random_schedule(scorers, gen, chunk_size, seed):
     return results
 
 
+@pytest.mark.parametrize("row_blocks", [False, True], ids=["whole", "row-blocks"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_subsets_and_irregular_chunks(arch):
+def test_subsets_and_irregular_chunks(arch, row_blocks, monkeypatch):
     """consume for a subset of the cached rows (the others take a masked all-padding chunk),
     rows with fewer tokens than the chunk without finishing, finishing in any order; with a
-    reference temperature other than 1."""
+    reference temperature other than 1. ``row-blocks``: the reference's log-probs taken one
+    row at a time (as a real vocabulary's are, in blocks of rows), the same figures."""
+    if row_blocks:
+        monkeypatch.setattr("oppo_ds.algo.logprobs.BLOCK_ELEMENTS", 1)
     actor, reference, reward, critic = _models(arch)
     ids, mask = _prompts()
     gen = generate(actor, ids, mask, PARAMS, torch.Generator().manual_seed(SEED))

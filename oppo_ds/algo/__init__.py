@@ -20,7 +20,8 @@ from oppo_ds.algo.kl import (
     kl_mse,
     kl_penalty,
 )
-from oppo_ds.algo.logprobs import entropy_from_logits, logprobs_from_logits, policy_logits
+from oppo_ds.algo.logprobs import (entropy_from_logits, logprobs_from_logits, policy_logits,
+                                   policy_token_logprobs)
 from oppo_ds.algo.losses import (
     LOSS_AGG_MODES,
     RATIO_LEVELS,
@@ -59,6 +60,7 @@ __all__ = [
     "kl_shaped_rewards",
     "last_valid_index",
     "logprobs_from_logits",
+    "policy_token_logprobs",
     "policy_logits",
     "loss_normalizer",
     "masked_mean",

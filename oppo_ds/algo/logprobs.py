@@ -1,4 +1,5 @@
 """Token log-probabilities and entropies from language-model logits."""
+from __future__ import annotations
 
 import torch
 
@@ -31,6 +32,34 @@ def policy_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     T = 0.7), and the first epoch's ratio pi / pi_old would start off 1 that much."""
     logits = _upcast(logits)
     return logits / temperature if temperature > 0 else logits
+
+
+# elements of logits one block of ``policy_token_logprobs`` takes at a time: its fp32 copies
+# (upcast, divided by the temperature, log-softmax) are 12 bytes an element, 384 MiB here
+BLOCK_ELEMENTS = 32 * 2 ** 20
+
+
+@torch.no_grad()
+def policy_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, *,
+                          select=None, block_elements: int | None = None) -> torch.Tensor:
+    """``logprobs_from_logits(policy_logits(logits, temperature), labels)`` without autograd,
+    taken over blocks of rows (the first dimension), so that the fp32 copies a vocabulary
+    needs exist for one block at a time: all at once, 64 rows of 1024 positions of a 128k
+    vocabulary would take 96 GiB beside the logits. Each row's figures are those of the
+    whole call (rows are computed independently).
+
+    ``select(rows)``, when given, returns the block's logits (…, V) from ``logits``: a
+    gather (the prefill's prefix positions) done block by block too, rather than copied
+    whole first; ``labels`` is then (rows, …) matching what it returns."""
+    rows = labels.shape[0]
+    per_row = max(1, labels[:1].numel()) * logits.shape[-1]
+    step = max(1, (block_elements or BLOCK_ELEMENTS) // per_row)
+    out = []
+    for start in range(0, rows, step):
+        part = slice(start, min(start + step, rows))
+        block = logits[part] if select is None else select(part)
+        out.append(logprobs_from_logits(policy_logits(block, temperature), labels[part]))
+    return torch.cat(out) if out else labels.new_zeros(labels.shape, dtype=torch.float32)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

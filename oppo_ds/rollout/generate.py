@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..algo import policy_logits
+from ..algo import policy_logits, policy_token_logprobs
 from ..finite import FP16_RANGE, LARGE_UPDATE, NonFiniteError
 from ..kv_cache import cache_kwargs, output_cache
 from .static_decode import StaticDecode
@@ -268,7 +268,10 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         past_key_values=output_cache(out),
         cache_mask=None if static is not None else context_mask.clone(),
         next_position=positions[:, -1] + 1,
-        next_logits=out.logits[:, -1, :],
+        # a copy: a view would keep every position's logits, the prefix's too, until the
+        # first decode step
+        next_logits=out.logits[:, -1, :].clone() if out.logits.shape[1] > 1
+        else out.logits[:, -1, :],
         targets=None if targets is None else targets.to(device=device, dtype=torch.long),
         static=static,
     )
@@ -308,7 +311,10 @@ def _prefix_logprobs(logits: torch.Tensor, prefix: torch.Tensor, lengths: torch.
     steps = torch.arange(prefix.shape[1], device=prefix.device)
     at = (context - lengths[:, None] - 1 + steps[None, :]).clamp(min=0, max=context - 1)
     rows = torch.arange(prefix.shape[0], device=prefix.device)[:, None]
-    out = _token_logprobs(_policy_logits(logits[rows, at], params), prefix)
+    # gathered, upcast and normalised a block of rows at a time (the prefix positions of
+    # every row at once, in fp32, would be 12 bytes for each of rows x width x vocabulary)
+    out = policy_token_logprobs(logits, prefix, params.temperature,
+                                select=lambda part: logits[rows[part], at[part]])
     return torch.where(steps[None, :] < lengths[:, None], out, 0.0)
 
 

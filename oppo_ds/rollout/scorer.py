@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algo import logprobs_from_logits, policy_logits
+from ..algo import policy_token_logprobs
 from ..config import SCORER_KINDS
 from ..kv_cache import cache_kwargs, output_cache
 from .generate import position_ids_from_mask
@@ -180,7 +180,7 @@ class StreamingScorer:
         tail = outputs[:, -(width + 1):]  # outputs at positions P-1 .. P+L-1
         scored: dict[int, list[torch.Tensor]] = {row: [] for row in ids}
         if self.kind != "reward" and width:
-            per_token = self._per_token(tail[:, :-1], prefix_ids)
+            per_token = self._per_token(tail[:, 0], tail[:, 1:], prefix_ids)
             for row, values, length in zip(ids, per_token, prefix_lengths.tolist()):
                 if length:
                     scored[row].append(values[:length])
@@ -219,20 +219,25 @@ class StreamingScorer:
         before = self.pending[idx]
         if self.kind != "reward":
             # the output before each chunk token: pending, then the chunk's own outputs
-            per_token = self._per_token(torch.cat([before[:, None], outputs[:, :-1]], dim=1),
-                                        tokens)
+            per_token = self._per_token(before, outputs, tokens)
             for row, scored, length in zip(rows.tolist(), per_token, lengths.tolist()):
                 self._scored[row].append(scored[:length])
         last = torch.arange(idx.numel(), device=device)
         self.pending[idx] = outputs[last, lengths - 1]
         self.next_position[idx] += lengths
 
-    def _per_token(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Scores (A, w) of tokens (A, w) from the outputs just before them (A, w[, V])."""
+    def _per_token(self, before: torch.Tensor, outputs: torch.Tensor,
+                   tokens: torch.Tensor) -> torch.Tensor:
+        """Scores (A, w) of tokens (A, w) from the outputs just before each: ``before``
+        (A[, V]), pending from the last chunk, then the chunk's own outputs (A, w[, V])."""
+        def prev(part) -> torch.Tensor:
+            return torch.cat([before[part, None], outputs[part, :-1]], dim=1)
+
         if self.kind == "reference":
-            # as experience.response_logprobs
-            return logprobs_from_logits(policy_logits(prev, self.temperature), tokens)
-        return prev.float()
+            # as experience.response_logprobs; a block of rows at a time (the chunk's logits
+            # in fp32 at once would be 12 bytes for each of rows x chunk x vocabulary)
+            return policy_token_logprobs(outputs, tokens, self.temperature, select=prev)
+        return prev(slice(None)).float()
 
     @torch.no_grad()
     def finish(self, rows: Sequence[int] | torch.Tensor) -> dict[int, torch.Tensor]:
