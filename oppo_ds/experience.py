@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from .algo import logprobs_from_logits, policy_logits
+from .algo import logprobs_from_logits, policy_logits, policy_token_logprobs
 from .micro_batches import first_fit_rows
-from .rollout.generate import position_ids_from_mask
+from .rollout.generate import logits_kept, position_ids_from_mask
 
 
 @dataclass
@@ -227,15 +227,44 @@ def _outputs_at(model, field: str, prompt_ids, prompt_mask, response_ids, respon
     return getattr(model(**inputs), field).flatten(0, 1)[where]
 
 
+def _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                     packed: bool) -> torch.Tensor:
+    """The logits predicting each response token, (B, T, V) in the model's dtype. Not packed,
+    the forward is asked for the last T + 1 positions' only (``logits_to_keep``, where the
+    model takes it), which are positions P - 1 .. P + T - 1: the prompts' logits, (B, P, V)
+    at a real vocabulary, are never made."""
+    prompt_len, response_len = prompt_ids.shape[1], response_ids.shape[1]
+    columns = response_slice(prompt_len, response_len)
+    if packed:
+        return _outputs_at(model, "logits", prompt_ids, prompt_mask, response_ids,
+                           response_mask, columns, True)
+    keep = logits_kept(model, response_len + 1)
+    logits = model(**model_inputs(prompt_ids, prompt_mask, response_ids, response_mask),
+                   **keep).logits
+    # a model that passes keywords on without reading this one returns every position's
+    return logits[:, :response_len] if logits.shape[1] == response_len + 1 else logits[:, columns]
+
+
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float,
                       packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, logits) of the response tokens under a causal LM: (B, T), (B, T, V).
     ``packed``: from one forward of the rows packed (``packed_inputs``)."""
-    logits = _outputs_at(model, "logits", prompt_ids, prompt_mask, response_ids, response_mask,
-                         response_slice(prompt_ids.shape[1], response_ids.shape[1]), packed)
+    logits = _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                              packed)
     logits = policy_logits(logits, temperature)
     return logprobs_from_logits(logits, response_ids), logits
+
+
+@torch.no_grad()
+def response_token_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                            temperature: float, packed: bool = False) -> torch.Tensor:
+    """``response_logprobs``' log-probs alone, without a graph (the scoring forwards): the
+    fp32 copies a vocabulary needs are made a block of rows at a time
+    (``policy_token_logprobs``), not for the whole micro-batch at once."""
+    logits = _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                              packed)
+    return policy_token_logprobs(logits, response_ids, temperature)
 
 
 def response_values(model, prompt_ids, prompt_mask, response_ids, response_mask,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import comm
 from . import workload as wl
-from .experience import (Experience, response_logprobs, response_values, sequence_scores,
+from .experience import (Experience, response_token_logprobs, response_values, sequence_scores,
                          used_widths)
 from .micro_batches import MicroBatches, collective_scorers
 
@@ -69,7 +69,8 @@ class Scoring:
                                gen.response_ids.device)
 
         def actor_logprobs(*a):
-            return self.actor.forward_no_grad(lambda m: response_logprobs(m, *a, temp, packed)[0])
+            return self.actor.forward_no_grad(
+                lambda m: response_token_logprobs(m, *a, temp, packed))
 
         def critic_values(*a):
             return self.critic.forward_no_grad(lambda m: response_values(m, *a, packed))
@@ -79,7 +80,7 @@ class Scoring:
             streamed_or_scored("critic", critic_values)
         # with the KL off there is no reference: its log-probs are the actor's, a KL of exactly 0
         ref_logprobs = old_logprobs if not self.cfg.ppo.uses_reference else streamed_or_scored(
-            "reference", lambda *a: response_logprobs(self.reference, *a, temp, packed)[0])
+            "reference", lambda *a: response_token_logprobs(self.reference, *a, temp, packed))
         if self.reward_fn is not None:
             scores = self._replica_scores(
                 self.function_scores(keys, gen, self.prompt_rows, record=True,

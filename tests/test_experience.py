@@ -5,7 +5,8 @@ import torch
 
 from _builders import left_padded_prompts, random_lm
 
-from oppo_ds.experience import Experience, response_logprobs, used_widths
+from oppo_ds.experience import (Experience, response_logprobs, response_token_logprobs,
+                                used_widths)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -86,6 +87,48 @@ def test_policy_log_probs_upcast_before_the_temperature_in_every_path():
                                                    tokens[:, None])[:, 0])
     # the reference scorer's per-token rule is the same
     scorer = StreamingScorer(model, "reference", temperature=temperature)
-    assert torch.equal(scorer._per_token(raw, response_ids), logprobs)
+    # (the outputs before the chunk's first token, then the chunk's own: the last is unread)
+    chunk = torch.cat([raw[:, 1:], raw[:, :1]], dim=1)
+    assert torch.equal(scorer._per_token(raw[:, 0], chunk, response_ids), logprobs)
+    # and the scoring forwards', which take the fp32 copies a block of rows at a time
+    assert torch.equal(response_token_logprobs(model, prompt_ids, prompt_mask, response_ids,
+                                               response_mask, temperature), logprobs)
     rounded = logprobs_from_logits((raw / temperature).float(), response_ids)
     assert (rounded - logprobs).abs().max() > 1e-3
+
+
+class _EveryPosition(torch.nn.Module):
+    """The model without ``logits_to_keep`` in its forward: it returns every position's."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+def test_scoring_forwards_keep_the_response_positions_logits_only(arch):
+    """The update's and the scoring forwards' log-probs ask the model for the last T + 1
+    positions' logits (the prompts' are never made: (B, P, V) at a real vocabulary), and
+    equal those read from every position's within 1e-6 (fp32; the LM head's matmul runs on
+    fewer rows, which may round differently)."""
+    model = random_lm(arch, VOCAB, seed=0)
+    prompt_ids, prompt_mask = left_padded_prompts([4, 2, 3], VOCAB, PAD)
+    response_ids = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(1))
+    response_mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0]])
+    widths = []
+    hook = model.register_forward_hook(lambda m, a, out: widths.append(out.logits.shape[1]))
+    args = (prompt_ids, prompt_mask, response_ids, response_mask, 0.7)
+    try:
+        with torch.no_grad():
+            kept, _ = response_logprobs(model, *args)
+            scored = response_token_logprobs(model, *args)
+            every = response_token_logprobs(_EveryPosition(model), *args)
+    finally:
+        hook.remove()
+    assert widths == [6, 6, 4 + 5]
+    assert torch.equal(kept, scored)
+    torch.testing.assert_close(scored, every, atol=1e-6, rtol=0)

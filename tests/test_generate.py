@@ -473,25 +473,36 @@ def test_the_prefill_keeps_only_the_logits_the_decode_reads(arch, static):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_prefix_s_logprobs_in_blocks_of_rows_are_the_whole_call_s(arch, monkeypatch):
     """A carried prefix's log-probs are taken a block of rows at a time (gathered, upcast and
-    normalised per block: all at once, in fp32, 12 bytes for each of rows x prefix x vocab):
-    one row at a time gives the same figures to the bit. The decode's next logits are a copy,
-    not a view that would keep the prefix's logits alive until the first token."""
+    normalised per block: all at once, in fp32, 12 bytes for each of rows x prefix x vocab).
+    Where the prefill's prefix logits would pass a block (here: a block of one logit), the
+    prefill keeps only the last position's and the rows with a prefix run again apart, one
+    at a time here, without a cache: the same figures (within 1e-6 in fp32: forwards of
+    other batch shapes may round differently). The decode's next logits are a copy, not a
+    view that would keep the prefix's logits alive until the first token."""
     model = _model(arch)
     ids, mask = _prompts()
     prefix = torch.tensor([[7, 8, 9], [10, 0, 0], [0, 0, 0], [11, 12, 0], [13, 14, 15], [16, 0, 0]])
     lengths = torch.tensor([3, 1, 0, 2, 3, 1])
     params = SamplingParams(max_new_tokens=8, eos_token_ids=(), pad_token_id=PAD,
                             temperature=0.7)
-    states = []
-    for block in (None, 1):
-        if block is not None:
-            monkeypatch.setattr("oppo_ds.algo.logprobs.BLOCK_ELEMENTS", block)
-        with torch.no_grad():
-            states.append(start_decode(model, ids, mask, params, prefix_ids=prefix,
-                                       prefix_lengths=lengths))
-    whole, rows = states
-    assert torch.equal(whole.actor_logprobs, rows.actor_logprobs)
+    states, widths = [], []
+    hook = model.register_forward_hook(lambda m, a, out: widths.append(out.logits.shape[1]))
+    try:
+        for block in (None, 1):
+            if block is not None:
+                monkeypatch.setattr("oppo_ds.algo.logprobs.BLOCK_ELEMENTS", block)
+            widths.clear()
+            with torch.no_grad():
+                states.append(start_decode(model, ids, mask, params, prefix_ids=prefix,
+                                           prefix_lengths=lengths))
+    finally:
+        hook.remove()
+    assert widths == [1] + [4] * 5  # the prefill, then each of the five rows with a prefix
+    whole, apart = states
+    torch.testing.assert_close(apart.actor_logprobs, whole.actor_logprobs, atol=1e-6, rtol=0)
     assert (whole.actor_logprobs[lengths > 0, 0] != 0).all()
+    assert (apart.actor_logprobs[lengths == 0] == 0).all()
+    torch.testing.assert_close(apart.next_logits, whole.next_logits, atol=1e-6, rtol=0)
     vocab = whole.next_logits.shape[-1]
     assert whole.next_logits.untyped_storage().nbytes() == \
         len(lengths) * vocab * whole.next_logits.element_size()

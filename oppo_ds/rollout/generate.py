@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..algo import logprobs as logprobs_module
 from ..algo import policy_logits, policy_token_logprobs
 from ..finite import FP16_RANGE, LARGE_UPDATE, NonFiniteError
 from ..kv_cache import cache_kwargs, output_cache
@@ -242,10 +243,14 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                                                  in_prefix[:, :width].to(prompt_mask.dtype),
                                                  params.pad_token_id)
     positions = position_ids_from_mask(context_mask)
+    width = prefix_ids.shape[1] if prefix_ids is not None else 0
     # the logits the decode reads: the last position's, and a prefix's predictions (the
     # prefill's last prefix width + 1 positions); every position's would be (B, W, V), at a
-    # real vocabulary gigabytes that live until the first token (152k x 64 rows x 1024: 20 GB)
-    keep = logits_kept(model, 1 + (prefix_ids.shape[1] if prefix_ids is not None else 0))
+    # real vocabulary gigabytes that live until the first token (152k x 64 rows x 1024: 20 GB).
+    # Where even the prefix's would pass a block of logits (24 rows x 1024 x 128k: 6 GB in
+    # bf16), the rows with a prefix are run again apart, a block of them at a time
+    apart = width > 0 and batch * (width + 1) * _vocab(model) > logprobs_module.BLOCK_ELEMENTS
+    keep = logits_kept(model, 1 if apart else 1 + width)
     static = None
     if params.static_cache:
         length = max(cache_length(context_ids.shape[1], n, params.sync_every),
@@ -257,8 +262,11 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
                     use_cache=True, **keep)
     actor_logprobs = logprobs.clone()
-    if prefix_ids is not None and prefix_ids.shape[1] > 0:
-        width = prefix_ids.shape[1]
+    if apart:
+        actor_logprobs[:, :width] = _prefix_logprobs_apart(
+            model, dict(input_ids=context_ids, attention_mask=context_mask,
+                        position_ids=positions), tokens[:, :width], lengths, params)
+    elif width:
         actor_logprobs[:, :width] = _prefix_logprobs(out.logits, tokens[:, :width], lengths, params)
     state = DecodeState(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
@@ -316,6 +324,28 @@ def _prefix_logprobs(logits: torch.Tensor, prefix: torch.Tensor, lengths: torch.
     out = policy_token_logprobs(logits, prefix, params.temperature,
                                 select=lambda part: logits[rows[part], at[part]])
     return torch.where(steps[None, :] < lengths[:, None], out, 0.0)
+
+
+def _vocab(model) -> int:
+    """The width of ``model``'s logits (its config's ``vocab_size``; a DeepSpeed engine is
+    looked through); 0 when it does not say, which keeps the prefill's prefix logits whole."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return int(getattr(config, "vocab_size", 0) or 0)
+
+
+def _prefix_logprobs_apart(model, context: dict, prefix: torch.Tensor, lengths: torch.Tensor,
+                           params: SamplingParams) -> torch.Tensor:
+    """``_prefix_logprobs`` from forwards of their own, without a cache, of the rows with a
+    prefix alone, as many at a time as keep one block of logits (at least one row): the
+    prefill then keeps only its last position's. ``context``: the prefill's inputs."""
+    out = torch.zeros(prefix.shape, dtype=torch.float32, device=prefix.device)
+    keep = prefix.shape[1] + 1
+    step = max(1, logprobs_module.BLOCK_ELEMENTS // (keep * max(_vocab(model), 1)))
+    for part in (lengths > 0).nonzero().squeeze(-1).split(step):
+        logits = model(**{k: v[part] for k, v in context.items()}, use_cache=False,
+                       **logits_kept(model, keep)).logits
+        out[part] = _prefix_logprobs(logits, prefix[part], lengths[part], params)
+    return out
 
 
 def target_lengths(targets: Sequence[Optional[int]]) -> Optional[torch.Tensor]:
