@@ -168,24 +168,37 @@ def test_memory_items_follow_the_configuration():
                        dev).items
     assert lora["actor_optimizer"] + lora["actor_grads"] == pytest.approx(
         16 * (a.params() + a.lora_params(64) - frozen) / 8)
-    # micro-batches of a quarter of the tokens (micro_batch_size 8 x seq before): the update's
-    # activations shrink (its logits and layers scale with tokens), the scoring forwards' stay
+    # the update's micro-batch: 8 rows of seq positions, whose layers' activations grow with
+    # its positions and whose logits, 16 bytes each (fp32 log-softmax, entropy, gradients), are
+    # those of each row's response and the position before it (8 x 193 of 8 x 224 here)
+    new = cfg.generation.max_new_tokens
+    logits = 16 * a.vocab
+    per_token = (m8["activations_train"] - logits * 8 * (new + 1)) / (8 * seq)
+    assert per_token == a.layers * a.activation_bytes_per_token(2, False)
+    # micro-batches of a quarter of the tokens: their positions may all be responses' (budget
+    # rows are of any length), the scoring forwards' stay
     budget = plan_memory(_cfg("system.zero_stage=3", f"ppo.micro_batch_tokens={2 * seq}"),
                          shapes, 1, 8, dev).items
-    assert budget["activations_train"] == pytest.approx(m8["activations_train"] / 4, rel=1e-6)
+    assert budget["activations_train"] == pytest.approx((per_token + logits) * 2 * seq, rel=1e-6)
     assert budget["activations_score"] == m8["activations_score"]
+    # a no-grad scoring forward: its logits in bf16 and one block of rows' fp32 copies (12
+    # bytes a logit for 32M logits at most), of 8 x 193 positions, or a budget's 2 x seq
+    block = 12 * 32 * 2 ** 20
+    assert m8["activations_score"] == 2 * 8 * (new + 1) * a.vocab + block
     scored = plan_memory(_cfg("system.zero_stage=3", f"ppo.score_batch_tokens={2 * seq}"),
                          shapes, 1, 8, dev).items
-    assert scored["activations_score"] == pytest.approx(m8["activations_score"] / 4, rel=1e-6)
+    assert scored["activations_score"] == 2 * 2 * seq * a.vocab + block
     assert scored["activations_train"] == m8["activations_train"]
     # PPO-ptx: the actor's micro-batch holds its rows' blocks too (8 x (seq + seq) positions),
-    # within a budget as well; its activations are the actor's, the larger model's here
+    # whose every position has logits, within a budget as well
     ptx = ["ppo.ptx_coef=0.5", "data.ptx=/data/pretrain.jsonl", f"data.ptx_block_len={seq}"]
     with_ptx = plan_memory(_cfg("system.zero_stage=3", *ptx), shapes, 1, 8, dev).items
-    assert with_ptx["activations_train"] == pytest.approx(2 * m8["activations_train"], rel=1e-6)
+    assert with_ptx["activations_train"] == pytest.approx(
+        per_token * 8 * 2 * seq + logits * 8 * (new + 1 + seq), rel=1e-6)
     ptx_budget = plan_memory(_cfg("system.zero_stage=3", f"ppo.micro_batch_tokens={4 * seq}",
                                   *ptx), shapes, 1, 8, dev).items
-    assert ptx_budget["activations_train"] == pytest.approx(m8["activations_train"] / 2, rel=1e-6)
+    assert ptx_budget["activations_train"] == pytest.approx((per_token + logits) * 4 * seq,
+                                                            rel=1e-6)
     over = plan_memory(_cfg("oppo.overcommit=8", "oppo.streaming=true"), shapes, 1, 8, dev).items
     # B + Delta rows, each up to a deferred row's partial response (max_new_tokens - 1, packed
     # after its prompt) longer: the rollout then decodes max_new_tokens more for its new rows
@@ -826,13 +839,17 @@ def test_megatron_plan_with_recomputation_keeps_layer_inputs_only():
     tokens = cfg.ppo.micro_batch_size * (cfg.generation.max_prompt_len + cfg.generation.max_new_tokens)
     # 20 layers per stage: their inputs (hidden x 2 bytes a token) plus one layer whole
     inputs = 20 * a.hidden * 2 * tokens / GIB
-    assert less < full / 2 and less > inputs  # the fp32 logits (4 GiB here) stay
-    # the update's micro-batches by tokens: half the tokens, half the activations (the
-    # breakdown is rounded to MiB)
+    assert less < full / 2 and less > inputs  # the logits stay
+    # the update's micro-batches by tokens: half the tokens, half the layers' activations;
+    # its logits (16 bytes each) are of the responses' positions (and the one before each),
+    # 8 x 193 of the micro-batch of rows, of any of a budget's positions (the breakdown is
+    # rounded to MiB)
+    logits = 16 * a.vocab / GIB
+    rows_logits = logits * cfg.ppo.micro_batch_size * (cfg.generation.max_new_tokens + 1)
     half = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo,
                                                             micro_batch_tokens=tokens // 2))
     assert plan(half, 4, 8, h100, steps=2)["breakdown_gib"]["activations_train"] == \
-        pytest.approx(full / 2, abs=1e-3)
+        pytest.approx((full - rows_logits) / 2 + logits * (tokens // 2), abs=1e-3)
 
 
 def test_megatron_plan_names_a_wrong_split():
@@ -997,3 +1014,52 @@ def test_memory_fits_tracks_capacity():
     big = plan_memory(cfg, shapes, 1, 8, get_device("H200"))
     small = dataclasses.replace(get_device("H200"), mem_gib=big.peak / GIB)
     assert big.fits and not plan_memory(cfg, shapes, 1, 8, small).fits
+
+
+def test_the_rollout_s_passing_tensors_are_planned():
+    """The generate phase holds, beside the caches, the largest of its passing tensors: the
+    prefill's (one layer's no-grad activations over the widest context, and with deferred rows
+    the logits of their partial responses: the forward keeps max_new_tokens positions of them,
+    scored a block of rows at a time), or the decode's (a token's fp32 logits and, with the
+    reference streaming, a chunk's logits twice: the forward's and the rows' copy)."""
+    dev = get_device("H100-80GB")
+    shapes = resolve_shapes(_cfg())
+    a, block = shapes.actor, 12 * 32 * 2 ** 20
+    new, prompt = 192, 32
+    plain = plan_memory(_cfg(), shapes, 1, 8, dev)
+    assert plain.items["prefill_logits"] == plain.items["stream_logits"] == 0
+    assert plain.items["prefill_activations"] == \
+        16 * prompt * (2 * a.hidden + 3 * a.intermediate) * 2
+    over = plan_memory(_cfg("oppo.overcommit=8"), shapes, 1, 8, dev)
+    rows = 16 + 8
+    # 24 x 192 x 128k logits pass a block (32M): a block's rows at a time, in the model's
+    # dtype and fp32 (12 bytes)
+    assert rows * new * a.vocab > 32 * 2 ** 20
+    assert over.items["prefill_logits"] == (2 + 12) * 32 * 2 ** 20
+    assert over.items["prefill_activations"] == \
+        rows * (prompt + new - 1) * (2 * a.hidden + 3 * a.intermediate) * 2
+    streamed = plan_memory(_cfg("oppo.overcommit=8", "oppo.streaming=true",
+                                "oppo.chunk_size=auto"), shapes, 1, 8, dev)
+    chunk = rows * 64 * a.vocab  # auto: the largest candidate
+    assert streamed.items["stream_logits"] == 2 * 2 * chunk + min(12 * chunk, block)
+    items = streamed.items
+    caches = items["actor_kv"] + items["scorer_kv"]
+    passing = max(items["prefill_activations"] + items["prefill_logits"],
+                  items["decode_logits"] + items["stream_logits"])
+    assert passing == items["decode_logits"] + items["stream_logits"]  # the larger here
+    resident = streamed.phases["train"] - items["activations_train"] - items["carried_scorer_kv"]
+    assert streamed.phases["generate"] == pytest.approx(resident + caches + passing)
+    # the reference on the scorer rank: nothing of it streams here
+    staged = plan_memory(_cfg("oppo.streaming=true", "oppo.placement=stage"), shapes, 1, 8, dev)
+    assert staged.items["stream_logits"] == 0
+
+
+@pytest.mark.parametrize("stage,optimizer", [(0, 8), (1, 16), (2, 16), (3, 8)])
+def test_fp32_training_under_zero_1_and_2_holds_an_fp32_master_copy(stage, optimizer):
+    """DeepSpeed's ZeRO-1/2 optimizer clones an fp32 partition of the weights it updates even
+    when they are fp32 (stage_1_and_2.py), beside its fp32 gradient partition and Adam's
+    moments: 16 bytes a parameter as in mixed precision. At stage 3 the fp32 partition is
+    used as it is, and at stage 0 torch's Adam updates the weights: its moments alone, 8."""
+    states = model_states(1000, 1000, 10, zero_stage=stage, offload=False, gpus=1,
+                          gpus_per_node=1, dtype="fp32")
+    assert states.optimizer == optimizer * 1000

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from ..config import Config, ConfigError
 from .costs import GIB, Device
-from .memory import (FRAMEWORK_GIB, MemoryPlan, dtype_bytes, model_states, rollout_caches,
-                     scorer_rank_memory, score_micro_tokens, train_micro_tokens)
+from .memory import (FRAMEWORK_GIB, TRAIN_LOGIT_BYTES, MemoryPlan, dtype_bytes,
+                     generate_transients, model_states, prefill_activations, rollout_caches,
+                     score_logits, scorer_rank_memory, score_micro_tokens, train_logit_positions,
+                     train_micro_tokens)
 from .shapes import ModelShape, Shapes
 
 
@@ -118,29 +120,34 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     # the stage's layers, heads split over tp
     items.update(rollout_caches(cfg, shapes, split=tp * pp))
 
-    def activations(shape: ModelShape, logits: bool, tokens: int) -> float:
+    # (the last stage's logits are gathered over tp: every rank of the replica holds them whole)
+    items["prefill_activations"] = prefill_activations(cfg, shapes.actor, tp)
+
+    def activations(shape: ModelShape, logit_positions: int, tokens: int) -> float:
         layer = _activation_bytes_per_token(shape, w, tp) * tokens
         if s.gradient_checkpointing:  # each layer's input (whole on every rank), one layer whole
             out = shape.layers // pp * shape.hidden * w * tokens + layer
         else:
             out = shape.layers // pp * layer
-        return out + (2 * 4 * tokens * shape.vocab if logits else 0.0)
+        return out + TRAIN_LOGIT_BYTES * logit_positions * shape.vocab
 
+    actor_tokens = train_micro_tokens(cfg, seq, actor=True)
     items["activations_train"] = max(
-        activations(shapes.actor, True, train_micro_tokens(cfg, seq, actor=True)),
-        activations(shapes.critic, False, train_micro_tokens(cfg, seq))
+        activations(shapes.actor, train_logit_positions(cfg, actor_tokens), actor_tokens),
+        activations(shapes.critic, 0, train_micro_tokens(cfg, seq))
         if cfg.ppo.uses_critic else 0.0)
     score_tokens = score_micro_tokens(cfg, rows, seq)
-    items["activations_score"] = max(activations(shapes.actor, False, score_tokens)
+    items["activations_score"] = max(activations(shapes.actor, 0, score_tokens)
                                      / (shapes.actor.layers // pp),
-                                     4 * score_tokens * shapes.actor.vocab * 2)
+                                     score_logits(cfg, shapes.actor, score_tokens, rows))
     items["framework"] = FRAMEWORK_GIB * GIB
 
     resident = sum(items[k] for k in ("actor_params", "actor_grads", "actor_optimizer",
                                       "critic_params", "critic_grads", "critic_optimizer",
                                       "reference", "reward", "framework"))
     plan.phases = {
-        "generate": resident + items["actor_kv"] + items["scorer_kv"] + items["decode_logits"],
+        "generate": resident + items["actor_kv"] + items["scorer_kv"]
+                    + generate_transients(items),
         "score": resident + items["activations_score"] + items["carried_scorer_kv"],
         "train": resident + items["activations_train"] + items["carried_scorer_kv"],
     }

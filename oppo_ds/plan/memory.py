@@ -3,14 +3,15 @@
 Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
   * trained models (actor, critic): weights 2 (bf16/fp16; 4 in fp32), gradients 2, and the
     optimizer's 16: fp32 master weights 4, fp32 gradients 4, Adam's two moments 8 (fp32
-    training: moments only, 8); at stage 3 the 16-bit gradients turn into the fp32 ones at
-    the step (gradients 4, optimizer 12: 18 in all, as at stages 1-2). ZeRO partitions the optimizer states over the data-parallel
-    ranks at stage >= 1, the gradients at stage >= 2 and the weights at stage 3; stage 3 also
-    holds the gathered weights and gradients of the module being computed (2 x the largest
-    module). `system.offload` moves the optimizer (and the gradients, stage >= 2) to CPU
-    memory, at stage 3 the weights too. With LoRA the decoder layers' linear weights are
-    frozen (no gradients or optimizer states), and with `only_optimize_lora` everything but
-    the LoRA matrices (and the critic's value head).
+    training at stage 0 or 3: moments only, 8; ZeRO-1/2 clone an fp32 master anyway); at
+    stage 3 the 16-bit gradients turn into the fp32 ones at the step (gradients 4, optimizer
+    12: 18 in all, as at stages 1-2). ZeRO partitions the optimizer states over the
+    data-parallel ranks at stage >= 1, the gradients at stage >= 2 and the weights at stage
+    3; stage 3 also holds the gathered weights and gradients of the module being computed
+    (2 x the largest module). `system.offload` moves the optimizer (and the gradients, stage
+    >= 2) to CPU memory, at stage 3 the weights too. With LoRA the decoder layers' linear
+    weights are frozen (no gradients or optimizer states), and with `only_optimize_lora`
+    everything but the LoRA matrices (and the critic's value head).
   * frozen models: weights only; the reward model is a full copy on every GPU, the reference
     too unless `system.partition_reference` (ZeRO-3 partitioned, gathered one module at a
     time; with `offload_reference` the partition sits in CPU memory). Only the models an
@@ -27,14 +28,21 @@ Accounting (bytes per parameter, mixed precision as DeepSpeed does it):
   * ZeRO-3's rollout: the actor gathered whole on every GPU for the rollout (and the critic
     when it streams on the actor ranks), with or without the hybrid engine, whose inference
     containers add a copy split over `inference_tp_size` GPUs when that is above 1.
+  * the rollout's passing tensors, the larger of the prefill's (one layer's no-grad
+    activations over its widest context; with deferred rows their prefixes' logits) and the
+    decode's (a token's logits; a streamed reference's chunk of logits).
   * activations of one training micro-batch (flash attention, no seq x seq scores), with
-    gradient checkpointing only each layer's input plus one layer recomputed; fp32 logits.
+    gradient checkpointing only each layer's input plus one layer recomputed; the actor's
+    logits at 16 bytes each (fp32 log-softmax, entropy, their gradients) for the responses'
+    positions (every position when packed); a scoring forward's logits in the model's dtype
+    and one block of rows' fp32 copies.
 The model-state part is checked against DeepSpeed's own estimators (tests/test_plan.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..algo.logprobs import BLOCK_ELEMENTS
 from ..config import Config, ConfigError
 from ..config_checks import ptx_block_len, resolved_grad_accum_dtype, uses_bf16_optimizer
 from ..rollout.static_length import cache_length, widest_context
@@ -42,15 +50,25 @@ from .costs import GIB, Device
 from .shapes import ModelShape, Shapes
 
 FRAMEWORK_GIB = 2.0  # CUDA context, NCCL and DeepSpeed's communication buckets (assumed)
+# bytes per logit (position x vocabulary entry) of the actor's update: the fp32 upcast divided
+# by the temperature, its log-softmax kept for the backward, the entropy's softmax, then their
+# gradients (16.4 measured for a bf16 Llama's micro-batch, the model's own bf16 logits included)
+TRAIN_LOGIT_BYTES = 16
+# the fp32 copies (upcast, divided, log-softmax) of one block of rows of a no-grad forward's
+# logits: policy_token_logprobs takes BLOCK_ELEMENTS at a time
+LOGPROB_BLOCK_BYTES = 12 * BLOCK_ELEMENTS
 
 
 def dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
-def optimizer_bytes_per_param(dtype: str) -> int:
-    """Adam's moments (8) plus, in mixed precision, fp32 master weights and gradients (8)."""
-    return 8 if dtype == "fp32" else 16
+def optimizer_bytes_per_param(dtype: str, zero_stage: int = 0) -> int:
+    """Adam's moments (8) plus fp32 master weights and gradients (8): in mixed precision, and
+    in fp32 under ZeRO-1/2 too, whose optimizer clones an fp32 partition of the weights it
+    updates whatever their dtype (DeepSpeed's ``stage_1_and_2``; at stage 3 an fp32 partition
+    is used as it is, and at stage 0 torch's Adam updates the weights themselves)."""
+    return 8 if dtype == "fp32" and zero_stage not in (1, 2) else 16
 
 
 @dataclass
@@ -77,7 +95,7 @@ def model_states(total_params: int, trainable: int, largest_module: int, *, zero
     under ZeRO-2 fp32 gradients accumulate in the fp32 partition already counted in the
     optimizer's bytes, under ZeRO-3 in a persistent fp32 partition beside the one the step
     makes."""
-    w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype), dtype_bytes(dtype)
+    w, opt, g = dtype_bytes(dtype), optimizer_bytes_per_param(dtype, zero_stage), dtype_bytes(dtype)
     if uses_bf16_optimizer(grad_accum_dtype, dtype, zero_stage, offload):
         g, opt = 4, opt - 4
     if zero_stage == 3 and dtype != "fp32":
@@ -165,11 +183,39 @@ def rollout_caches(cfg: Config, shapes: Shapes, split: int = 1) -> dict[str, flo
     def kv(model: ModelShape, n_rows: int, positions: int) -> float:
         return n_rows * positions * model.kv_bytes_per_token(w) / split
 
+    vocab = shapes.actor.vocab
+    # a rollout that carries deferred rows scores each one's partial response (up to
+    # max_new_tokens - 1 tokens) under the actor: from the prefill's logits, or where those
+    # would pass a block, a block of rows at a time (one row at least) in forwards apart
+    prefill = min(rows * gen.max_new_tokens * vocab,
+                  max(BLOCK_ELEMENTS, gen.max_new_tokens * vocab)) if cfg.oppo.overcommits else 0
+    # a streamed reference's chunk: the forward's logits and the rows' copy of them
+    chunk = max(cfg.oppo.chunk_candidates) if cfg.oppo.chunk_size == "auto" \
+        else cfg.oppo.chunk_size
+    streamed = rows * chunk * vocab if "reference" in here else 0
     return {"actor_kv": kv(shapes.actor, rows, actor_width),
             "scorer_kv": sum(kv(getattr(shapes, k), rows, width) for k in here),
             "carried_scorer_kv": sum(kv(getattr(shapes, k), cfg.oppo.largest_delta, width)
                                      for k in carried),
-            "decode_logits": 4 * rows * shapes.actor.vocab * 2}
+            "decode_logits": 4 * rows * vocab * 2,
+            "prefill_logits": (w + 12) * prefill,
+            "stream_logits": 2 * w * streamed + min(12 * streamed, LOGPROB_BLOCK_BYTES)}
+
+
+def prefill_activations(cfg: Config, shape: ModelShape, tp: int = 1) -> float:
+    """One layer's no-grad forward over the rollout's widest prefill: its rows of a prompt
+    and, when the pool carries deferred rows, a partial response (``widest_context``)."""
+    gen = cfg.generation
+    tokens = cfg.widest_rollout * widest_context(gen.max_prompt_len, gen.max_new_tokens,
+                                                 cfg.oppo.overcommits)
+    return tokens * shape.forward_bytes_per_token(dtype_bytes(cfg.system.dtype), tp)
+
+
+def generate_transients(items: dict) -> float:
+    """The generate phase's largest passing tensors: the prefill's (its activations and a
+    carried prefix's logits), or the decode's (a token's logits, a streamed chunk's)."""
+    return max(items["prefill_activations"] + items["prefill_logits"],
+               items["decode_logits"] + items["stream_logits"])
 
 
 def scorer_rank_memory(plan: MemoryPlan, cfg: Config, shapes: Shapes, senders: int) -> None:
@@ -218,14 +264,43 @@ def _trained(shape: ModelShape, value_head: bool, lora_dim: int, cfg: Config, gp
                         grad_accum_dtype=accumulate)
 
 
-def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool, logits: bool) -> float:
+def _activations(shape: ModelShape, tokens: int, w: int, checkpointing: bool,
+                 logit_positions: int) -> float:
     per_layer = shape.activation_bytes_per_token(w, checkpointing) * tokens
     out = shape.layers * per_layer
     if checkpointing:  # the layer being recomputed holds everything once
         out += shape.activation_bytes_per_token(w, False) * tokens
-    if logits:  # fp32 logits and their gradient (log-softmax over the vocabulary)
-        out += 2 * 4 * tokens * shape.vocab
-    return out
+    return out + TRAIN_LOGIT_BYTES * logit_positions * shape.vocab
+
+
+def logit_positions(cfg: Config, tokens: int, rows: int, actor: bool = False) -> int:
+    """Positions whose logits a forward of ``tokens`` positions in ``rows`` rows at most makes:
+    a row's responses and the position before them (the forwards keep those alone), and under
+    PPO-ptx (``actor``) its pretraining block; every position when the rows are packed
+    (``system.packing_samples``: one forward of the packed rows)."""
+    if cfg.system.packing_samples:
+        return tokens
+    per_row = cfg.generation.max_new_tokens + 1 + (
+        ptx_block_len(cfg) if actor and cfg.data.ptx is not None else 0)
+    return min(tokens, rows * per_row)
+
+
+def train_logit_positions(cfg: Config, tokens: int) -> int:
+    """``logit_positions`` of the actor's largest training micro-batch of ``tokens``: of
+    ppo.micro_batch_size rows, or under ppo.micro_batch_tokens of a mini-batch's at most."""
+    p = cfg.ppo
+    rows = p.micro_batch_size if p.micro_batch_tokens is None else p.mini_batch_size
+    return logit_positions(cfg, tokens, rows, actor=True)
+
+
+def score_logits(cfg: Config, shape: ModelShape, tokens: int, rows: int) -> float:
+    """A no-grad scoring forward's logits (old log-probs, the reference's) for ``tokens``
+    positions of a rollout of ``rows``: the model's logits, and the fp32 copies of one block
+    of rows at a time (``policy_token_logprobs``)."""
+    p = cfg.ppo
+    held = p.micro_batch_size if p.score_batch_tokens is None else rows
+    logits = logit_positions(cfg, tokens, held) * shape.vocab
+    return dtype_bytes(cfg.system.dtype) * logits + min(12 * logits, LOGPROB_BLOCK_BYTES)
 
 
 def train_micro_tokens(cfg: Config, seq: int, actor: bool = False) -> int:
@@ -303,23 +378,27 @@ def plan_memory(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node: int, dev
     items["kept_decode_graph"] = (items["actor_kv"] + w * rows * shapes.actor.vocab
                                   if gen.cuda_graph else 0.0)
 
+    items["prefill_activations"] = prefill_activations(cfg, shapes.actor)
+
     ckpt = s.gradient_checkpointing
+    actor_tokens = train_micro_tokens(cfg, seq, actor=True)
     items["activations_train"] = max(
-        _activations(shapes.actor, train_micro_tokens(cfg, seq, actor=True), w, ckpt, True),
-        _activations(shapes.critic, train_micro_tokens(cfg, seq), w, ckpt, False)
+        _activations(shapes.actor, actor_tokens, w, ckpt,
+                     train_logit_positions(cfg, actor_tokens)),
+        _activations(shapes.critic, train_micro_tokens(cfg, seq), w, ckpt, 0)
         if cfg.ppo.uses_critic else 0.0)
-    # no-grad scoring forwards keep one layer's activations and the fp32 logits
+    # no-grad scoring forwards keep one layer's activations, then the logits
     score_tokens = score_micro_tokens(cfg, rows, seq)
     items["activations_score"] = max(
-        _activations(shapes.actor, score_tokens, w, False, True) / shapes.actor.layers,
-        4 * score_tokens * shapes.actor.vocab * 2)
+        _activations(shapes.actor, score_tokens, w, False, 0) / shapes.actor.layers,
+        score_logits(cfg, shapes.actor, score_tokens, rows))
     items["framework"] = FRAMEWORK_GIB * GIB
 
     resident = (actor.params + actor.grads + actor.optimizer + critic.params + critic.grads
                 + critic.optimizer + items["reference"] + items["reward"] + items["framework"])
     plan.phases = {
         "generate": resident + items["generation_gathered"] + items["hybrid_engine_copy"]
-                    + items["actor_kv"] + items["scorer_kv"] + items["decode_logits"],
+                    + items["actor_kv"] + items["scorer_kv"] + generate_transients(items),
         "score": resident + items["activations_score"] + items["carried_scorer_kv"]
                  + max(items["zero3_gathered"], items["reference_gathered"])
                  + items["kept_decode_graph"],

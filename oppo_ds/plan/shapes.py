@@ -140,6 +140,16 @@ class ModelShape:
         mlp = 4 * i if self.family != "gpt2" else 2 * i
         return (4 * h + 2 * q + 2 * kv + h + mlp) * dtype_bytes
 
+    def forward_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """The most a no-grad forward holds at once for one token inside a layer (nothing is
+        kept for a backward): the residual stream and the normed input (2h) beside the MLP's
+        intermediates (gate, up and the activation: 3 of width i; GPT-2 2), or the attention's
+        q, k, v and output; the widths split over ``tp`` tensor ranks."""
+        h, q = self.hidden, self.heads * self.head_dim
+        kv, i = self.kv_heads * self.head_dim, self.intermediate
+        mlp = (3 * i if self.family != "gpt2" else 2 * i) // tp
+        return (2 * h + max(mlp, (2 * q + 2 * kv) // tp)) * dtype_bytes
+
 
 def _shape_from_hf(name: str, cfg: dict) -> ModelShape:
     """A ModelShape from the fields of a config.json."""
