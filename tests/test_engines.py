@@ -683,6 +683,90 @@ def test_bf16_one_step(stage, grad_accum_dtype, wrapper, accumulate):
     assert any(not torch.equal(before[n], p) for n, p in full_params(engine).items())
 
 
+@pytest.fixture
+def fp16_on_cpu(monkeypatch):
+    """DeepSpeed's fp16 optimizers on the CPU: its sanity check refuses fp16 there (oppo-train
+    does too, ``test_fp16_on_a_cpu_is_one_line_exit_2``), though their arithmetic runs; the
+    GPU's path is the same code."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+
+
+def _one_update(engine, loss_fn=lm_loss) -> dict[str, torch.Tensor]:
+    before = full_params(engine)
+    engine.train_step([fixed_batch()], loss_fn)
+    return {n: p - before[n] for n, p in full_params(engine).items()}
+
+
+@pytest.mark.parametrize("grad_clip", [None, 0.5])
+def test_an_fp16_update_under_zero0_is_the_fp32_update(grad_clip, fp16_on_cpu):
+    """fp16 under ZeRO-0 (DeepSpeed-Chat's defaults): DeepSpeed's FP16_UnfusedOptimizer divides
+    the gradients by its loss scale (2**16), so the loss must carry it; DeepSpeed 0.19's
+    engine.backward does not multiply it in, oppo-ds does. The update is then fp32's (and
+    ZeRO-1's fp16 one) within fp16's rounding of the updated weights, 1e-3 (their spacing is
+    2**-10 next to 1, the norms' scales), where without the scale it was 1e-6 against fp32's
+    0.2. Adam with eps 1 and betas 0 updates by lr * g / (|g| + 1) at any step count: a
+    smooth function of the gradient, and blind to the step of zero gradients the unfused
+    optimizer takes when it is built (``initialize_optimizer_states``), which shifts Adam's
+    bias correction by a step. With grad_clip 0.5 (the norm is about 2.4) the clipped update
+    is fp32's too, and the norm logged is the unscaled one."""
+    model = tiny_model("gpt2")
+    optim = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), grad_clip=grad_clip)
+    engines = {(stage, dtype): make_engine(model=copy.deepcopy(model), zero_stage=stage,
+                                           dtype=dtype, **optim)
+               for stage, dtype in ((0, "fp32"), (0, "fp16"), (1, "fp16"))}
+    assert engines[0, "fp16"].optimizer_wrapper == "FP16_UnfusedOptimizer"
+    assert engines[0, "fp16"].ds_engine.optimizer.loss_scale == 2**16
+    updates = {key: _one_update(engine) for key, engine in engines.items()}
+    want = updates[0, "fp32"]
+    assert max(d.abs().max().item() for d in want.values()) > 0.04
+    for key in ((0, "fp16"), (1, "fp16")):
+        assert_params_close(updates[key], want, atol=1e-3)
+        assert engines[key].grad_norm() == pytest.approx(engines[0, "fp32"].grad_norm(),
+                                                         rel=1e-2)
+    assert engines[0, "fp32"].grad_norm() > 1.0
+
+
+def test_an_fp16_overflow_under_zero0_skips_the_update_and_halves_the_scale(fp16_on_cpu):
+    """Gradients beyond fp16's range (the loss times 1e6, times the scale): DeepSpeed skips
+    the update, halves the loss scale and counts a skipped step; the norm logged is inf
+    (``finite.check_update`` lets that pass in fp16). The next finite step updates."""
+    engine = make_engine(dtype="fp16", zero_stage=0)
+    optimizer = engine.ds_engine.optimizer
+
+    def huge(module, batch):
+        loss, stats = lm_loss(module, batch)
+        return loss * 1e6, stats
+
+    update = _one_update(engine, huge)
+    assert all(torch.equal(d, torch.zeros_like(d)) for d in update.values())
+    assert optimizer.loss_scale == 2**15 and engine.ds_engine.skipped_steps == 1
+    assert engine.grad_norm() == float("inf")
+    update = _one_update(engine)
+    assert max(d.abs().max().item() for d in update.values()) > 1e-3
+    assert engine.ds_engine.skipped_steps == 1
+    assert 0 < engine.grad_norm() < float("inf")
+
+
+def test_the_fp16_optimizers_own_backward_does_not_scale_a_second_time(fp16_on_cpu):
+    """A DeepSpeed whose engine.backward calls the fp16 optimizer's backward (before
+    deepspeedai/DeepSpeed#7665): inside ``_optimizer_backward_unscaled`` that backward leaves
+    the loss (already scaled by oppo-ds) as it is; the class's own, which multiplies by the
+    scale, is back after."""
+    from oppo_ds.engines.deepspeed_engine import _optimizer_backward_unscaled
+
+    engine = make_engine(dtype="fp16", zero_stage=0)
+    optimizer = engine.ds_engine.optimizer
+    weight = torch.ones(3, requires_grad=True)
+    with _optimizer_backward_unscaled(optimizer):
+        optimizer.backward(weight.sum())
+    assert torch.equal(weight.grad, torch.ones(3))
+    weight.grad = None
+    optimizer.backward(weight.sum())
+    assert torch.equal(weight.grad, torch.full((3,), 2.0**16))
+
+
 def test_fp32_gradients_of_a_bf16_model_under_zero2_and_3_and_refused_under_zero0():
     """fp32 gradients for a bf16 model: DeepSpeed raises NotImplementedError under ZeRO-0,
     refused before it with what is allowed; under ZeRO-2 and 3 their optimizers accumulate in

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import random
 import socket
@@ -542,8 +543,10 @@ class DeepSpeedTrainEngine(TrainEngine):
                                        lr_scheduler=lr_scheduler, config=self.config)
         self.module = self._engine.module
         # DeepSpeed records the global grad norm in its ZeRO and fp16/bf16 optimizers only;
-        # with plain fp32 data parallel it clips with a norm it then drops.
-        self._untracked_grad_norm = zero_stage == 0 and dtype == "fp32"
+        # with plain fp32 data parallel it clips with a norm it then drops. Its fp16 optimizers
+        # of ZeRO-0 record it times the loss scale (FP16_UnfusedOptimizer) or divided by the
+        # scale it sets for the next step (FP16_Optimizer): measured here too, unscaled.
+        self._untracked_grad_norm = zero_stage == 0 and dtype in ("fp32", "fp16")
         self._last_grad_norm: float | None = None
         self.optimizer_name = "none (weights only)" if weights_only else type(optimizer).__name__
         # what DeepSpeed wrapped it in (its ZeRO, bf16 or fp16 optimizer), and the gradients'
@@ -599,12 +602,26 @@ class DeepSpeedTrainEngine(TrainEngine):
             # gradient_accumulation_steps either way.
             self._engine.set_gradient_accumulation_boundary(last)
             loss, stats = loss_fn(self._engine, micro_batch)
-            self._engine.backward(loss)
+            scale = self._backward(loss)
             if last and self._untracked_grad_norm:
-                self._last_grad_norm = _total_grad_norm(self.module)
+                norm = _total_grad_norm(self.module)
+                if norm is not None and self.dtype == "fp16" and not math.isfinite(norm):
+                    norm = math.inf  # an overflow (NaN too), skipped: inf as DeepSpeed logs it
+                self._last_grad_norm = None if norm is None else norm / scale
             self._engine.step()
             all_stats.append(stats)
         return all_stats
+
+    def _backward(self, loss: torch.Tensor) -> float:
+        """``engine.backward(loss)``, the loss multiplied by the fp16 loss scale where DeepSpeed
+        does not do it (see :func:`_fp16_loss_scale`); returns the factor the gradients carry."""
+        scale = _fp16_loss_scale(self._engine.optimizer) if self.dtype == "fp16" else None
+        if scale is None:
+            self._engine.backward(loss)
+            return 1.0
+        with _optimizer_backward_unscaled(self._engine.optimizer):
+            self._engine.backward(loss.float() * scale)
+        return scale
 
     def forward_no_grad(self, fn: Callable[[ModelCallable], Any]) -> Any:
         # module.eval(), not engine.eval(): the hybrid engine's eval() would switch to its
@@ -692,9 +709,47 @@ class DeepSpeedTrainEngine(TrainEngine):
 
 
 def _total_grad_norm(module: torch.nn.Module) -> float | None:
-    """L2 norm of all gradients (already all-reduced at the accumulation boundary)."""
+    """L2 norm of all gradients (already all-reduced at the accumulation boundary), summed in
+    fp32: fp16 gradients times the loss scale have norms beyond fp16's range."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+    if not grads:
+        return None
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+
+def _fp16_loss_scale(optimizer) -> float | None:
+    """The factor DeepSpeed's fp16 optimizer of ZeRO-0 (``FP16_Optimizer``,
+    ``FP16_UnfusedOptimizer``) expects the loss to carry, or None for any other optimizer.
+
+    Its ``step()`` divides the gradients by its loss scale (2**16 to start with, dynamic), and
+    its ``backward(loss)`` multiplies the loss by it; DeepSpeed 0.19's ``engine.backward`` no
+    longer calls that backward (since deepspeedai/DeepSpeed#7665; #8393 would route it back)
+    and multiplies by the scale for ZeRO's optimizers alone. Without the factor every update
+    was 65536 times too small against Adam's eps, and clipping, which compares the norm
+    divided by the scale, never fired. ZeRO's optimizers scale the loss themselves."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return None
+    scale = optimizer.loss_scale  # its external scale where one is set, else the dynamic one
+    return 1.0 if scale is None else float(scale)
+
+
+@contextlib.contextmanager
+def _optimizer_backward_unscaled(optimizer) -> Iterator[None]:
+    """``optimizer.backward`` a plain ``loss.backward`` for the context, so that a DeepSpeed
+    whose ``engine.backward`` goes through it (before #7665, or with #8393) does not scale a
+    loss :func:`_fp16_loss_scale` already scaled a second time."""
+    def backward(loss, create_graph=False, retain_graph=False):
+        loss.backward(create_graph=create_graph, retain_graph=retain_graph)
+
+    optimizer.backward = backward  # an instance attribute, in front of the class's method
+    try:
+        yield
+    finally:
+        del optimizer.backward
 
 
 # --------------------------------------------------------------------------------------
