@@ -194,20 +194,22 @@ class StagePlacement:
         common = {**common, "device": build_device(s.zero_stage)}
         # HF models on this rank (either backend): one whole copy of each frozen scorer
         dtype, temp = s.dtype, self.cfg.generation.temperature
+        # buffers as the actor ranks' engines hold theirs (a bf16-cast rotary inv_freq moved
+        # the critic copy's values by up to 4e-3)
+        def frozen(model):
+            return prepare_frozen(model, dtype, overrides=s.deepspeed_config)
+
         self.reward = None  # with model.reward_function the actor ranks score finished text
         if "reward" in self.stage_kinds:
-            self.reward = prepare_frozen(build_value_model(src.reward, require_head=True, **common),
-                                         dtype)
+            self.reward = frozen(build_value_model(src.reward, require_head=True, **common))
         self.reference = None
         if "reference" in self.stage_kinds:
-            self.reference = prepare_frozen(build_causal_lm(src.reference, **common), dtype)
+            self.reference = frozen(build_causal_lm(src.reference, **common))
         weights = None
         if self.critic_on_stage:  # built as the actor ranks build theirs (LoRA included)
             critic = prepare_trained(disable_dropout(build_value_model(src.critic, **common)),
                                      self.cfg, "critic")
-            # parameters cast, buffers as built: as the actor ranks' engine holds the critic
-            # (a bf16-cast rotary inv_freq moved the copy's values by up to 4e-3)
-            weights = StageWeights(prepare_frozen(critic, dtype, buffers=False))
+            weights = StageWeights(frozen(critic))
 
         def scorers():  # one set per actor rank: their rollouts are served at the same time
             out = [StreamingScorer(self.reward, "reward")] if self.reward is not None else []

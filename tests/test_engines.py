@@ -860,6 +860,35 @@ def test_prepare_frozen():
         prepare_frozen(tiny_model("gpt2"), "int4")
 
 
+@pytest.mark.parametrize("buffer_dtype", [None, "bf16"])
+def test_a_frozen_copy_of_a_saved_model_scores_as_the_trained_one_to_the_bit(buffer_dtype,
+                                                                              tmp_path):
+    """A reference loaded from the actor's HF folder, in bf16: its log-probs are the actor
+    engine's to the bit (the KL of step 1 is 0). transformers loads the rotary ``inv_freq``
+    in fp32 and DeepSpeed's engine keeps it so (it casts the parameters alone); the frozen
+    copy too. It cast its buffers before: 2e-3 apart in a token's log-prob within 64
+    positions. With DeepSpeed's ``data_types.buffer_dtype`` both cast them."""
+    from oppo_ds.models import build_causal_lm
+
+    build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0).save_pretrained(tmp_path)
+    overrides = {"data_types": {"buffer_dtype": buffer_dtype}} if buffer_dtype else None
+    actor = make_engine(model=build_causal_lm(str(tmp_path), dtype="bf16"), dtype="bf16",
+                        zero_stage=1, ds_config_overrides=overrides)
+    reference = prepare_frozen(build_causal_lm(str(tmp_path), dtype="bf16"), "bf16", "cpu",
+                               **({"overrides": overrides} if overrides else {}))
+    want = torch.bfloat16 if buffer_dtype else torch.float32
+    for model in (actor.module, reference):
+        assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {want}
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def logprobs(logits):
+        return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])
+
+    with torch.no_grad():
+        got = logprobs(reference(input_ids=ids).logits)
+    assert torch.equal(got, logprobs(actor.forward_no_grad(lambda m: m(input_ids=ids).logits)))
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_partitioned_reference_scores_like_a_full_copy(offload):
     """system.partition_reference: the frozen model's weights live as ZeRO-3 partitions (in

@@ -756,29 +756,52 @@ def _optimizer_backward_unscaled(optimizer) -> Iterator[None]:
 # Frozen models (reference, reward)
 # --------------------------------------------------------------------------------------
 
-def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | str | None = None,
-                   buffers: bool = True) -> torch.nn.Module:
-    """Make ``model`` (in place) a frozen scorer: eval mode, no gradients, cast to ``dtype``,
-    on ``device`` (default: the accelerator's current device). Returns ``model``.
+def engine_buffer_dtype(dtype: str, overrides: dict | None = None) -> torch.dtype | None:
+    """The dtype DeepSpeed's engine of ``dtype`` casts a model's floating buffers to, or None
+    where it keeps them as built (a rotary ``inv_freq`` in fp32, as transformers loads it).
+    Since deepspeedai/DeepSpeed#8066 (0.19) it casts the parameters alone unless
+    ``data_types.buffer_dtype`` (in ``overrides``, ``system.deepspeed_config``) names one;
+    before, ``module.half()`` / ``module.bfloat16()`` cast the buffers too. In fp32 it casts
+    nothing."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype == "fp32":
+        return None
+    if not hasattr(deepspeed.DeepSpeedEngine, "_mixed_precision_dtypes"):
+        return _TORCH_DTYPES[dtype]
+    given = ((overrides or {}).get("data_types") or {}).get("buffer_dtype")
+    if given is None:
+        return None
+    from deepspeed.runtime.config import DtypeEnum
+    return DtypeEnum(given).value
 
-    ``buffers=False`` casts the parameters only and leaves buffers as built, as DeepSpeed's
-    bf16 / fp16 training engine holds its model (a rotary ``inv_freq`` stays fp32): for a
-    frozen copy of a trained model that must give that model's numbers (the stage's critic).
+
+def prepare_frozen(model: torch.nn.Module, dtype: str, device: torch.device | str | None = None,
+                   overrides: dict | None = None) -> torch.nn.Module:
+    """Make ``model`` (in place) a frozen scorer: eval mode, no gradients, parameters cast to
+    ``dtype``, on ``device`` (default: the accelerator's current device). Returns ``model``.
+
+    Its buffers are held as DeepSpeed's engine holds a trained model's
+    (:func:`engine_buffer_dtype`; ``overrides``: ``system.deepspeed_config``): a reference
+    with the actor's weights gives the actor's log-probs to the bit, and the stage's critic
+    copy the critic's values. Casting them as well (``model.to(dtype)``, as before) rounded a
+    loaded model's rotary ``inv_freq`` to bf16, and a reference that started as the actor
+    differed from it by up to 2e-3 in a token's log-prob at step 1.
 
     Every rank holds the full weights; :func:`prepare_partitioned` shards them instead.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    buffer_dtype = engine_buffer_dtype(dtype, overrides)
     if device is None:
         device = get_accelerator().current_device_name()
     model.eval()
     model.requires_grad_(False)
-    if buffers:
-        return model.to(device=device, dtype=_TORCH_DTYPES[dtype])
     model.to(device=device)
     for p in model.parameters():
         if p.is_floating_point():
             p.data = p.data.to(_TORCH_DTYPES[dtype])
+    for b in model.buffers() if buffer_dtype is not None else ():
+        if b.is_floating_point():
+            b.data = b.data.to(buffer_dtype)
     return model
 
 

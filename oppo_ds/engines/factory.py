@@ -122,9 +122,9 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict,
                                         overrides=engine_entries(s.deepspeed_config or {}, 3))
     else:
         reference = prepare_frozen(build_causal_lm(src.reference, device=on, **common), s.dtype,
-                                   device)
+                                   device, s.deepspeed_config)
     # none on the scorer rank's side of a stage, or in place of a reward function
     reward = None if "reward" not in held else \
         prepare_frozen(build_value_model(src.reward, require_head=True, device=on, **common),
-                       s.dtype, device)
+                       s.dtype, device, s.deepspeed_config)
     return Models(actor=actor, critic=critic, reference=reference, reward=reward)
