@@ -77,7 +77,8 @@ class SystemConfig:
     here. Backend deepspeed."""
     hybrid_engine: bool = False
     """Run the actor under DeepSpeed's hybrid engine (inference kernels for generation where
-    DeepSpeed has them for the architecture; the model's own forward otherwise)."""
+    DeepSpeed has them for the architecture, on a GPU, without LoRA: DeepSpeed's kernels would
+    decode with the base weights; the model's own forward otherwise)."""
     inference_tp_size: int = 1
     """Tensor-parallel size of the hybrid engine's inference containers."""
     deepspeed_config: Optional[dict] = None

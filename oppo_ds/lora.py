@@ -7,11 +7,13 @@ model computes exactly what its base model does (PPO's first ratio against the r
 The layer's own weight W is frozen (its bias, and every layer without LoRA, still train), as
 in DeepSpeed-Chat's ``LinearLayer_LoRA`` and PEFT: the layer learns through R and L alone.
 
-The names and layout are the ones DeepSpeed's hybrid engine looks for
-(``lora_right_weight`` = R, ``lora_left_weight`` = L, ``lora_scaling`` = s, see
-``deepspeed/module_inject/policy.py`` ``maybe_get_lora``): with its inference kernels it
-folds the update into the weights it generates with, instead of silently generating with
-the base weights. The layer keeps its class's parameter names (``q_proj.weight`` stays
+The names and layout are DeepSpeed-Chat's (``lora_right_weight`` = R, ``lora_left_weight``
+= L, ``lora_scaling`` = s, as ``deepspeed/module_inject/policy.py`` ``maybe_get_lora`` reads
+them). DeepSpeed's hybrid engine folds such an update into its inference kernels' weights
+only inside its own ``generate()``, which oppo-ds does not call (and Llama's container looks
+for it on the weight, not the layer): with LoRA the engine decodes with the model's own
+forward instead (``engines.deepspeed_engine._kernel_choice``), never with the base weights
+alone. The layer keeps its class's parameter names (``q_proj.weight`` stays
 ``q_proj.weight``): the object's class is switched to :class:`LoRALinear`, a subclass of
 ``nn.Linear``, so HF code that checks ``isinstance(module, nn.Linear)`` and DeepSpeed's
 ZeRO-3 hooks see an ordinary linear layer.

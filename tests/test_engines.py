@@ -640,6 +640,30 @@ def test_hybrid_engine_kernels_on_gpu(tmp_path):
                            sequence)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="DeepSpeed's inference kernels need a GPU")
+def test_a_lora_actor_decodes_with_its_own_forward_on_gpu():
+    """With LoRA the hybrid engine injects no kernels (they would decode with the base
+    weights): the decode picks what the LoRA model's own forward picks."""
+    from oppo_ds.engines import HYBRID_NO_KERNELS_LORA
+    from oppo_ds.lora import add_lora
+
+    model = tiny_model("llama")
+    add_lora(model, 4, "layers.", seed=1)
+    for layer in model.modules():
+        if hasattr(layer, "lora_left_weight"):
+            torch.nn.init.normal_(layer.lora_left_weight, std=0.5)
+    engine = make_engine(model=model, hybrid_engine=True)
+    assert engine.hybrid_engine_path == HYBRID_NO_KERNELS_LORA
+    assert engine.ds_engine._inference_containers == []
+    prompt = fixed_batch()["input_ids"][:, :6].to(engine.device)
+    with engine.generation_context() as module:
+        sequence = greedy_decode(module, prompt, new_tokens=5)
+    with torch.no_grad():
+        reference = engine.module.eval()(input_ids=sequence).logits.argmax(-1)
+    assert torch.equal(reference[:, 5:-1], sequence[:, 6:])
+
+
 def test_no_kernel_patch_does_not_leak_into_other_engines():
     make_engine("gpt2", hybrid_engine=True)
     # DeepSpeed's own class and name are untouched: a hybrid engine built directly by

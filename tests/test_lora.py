@@ -158,20 +158,35 @@ def test_ppo_with_lora_only_trains_lora_and_exports_a_plain_model(tmp_path):
     assert summary is not None
 
 
-def test_deepspeed_hybrid_engine_finds_and_fuses_our_lora():
-    """DeepSpeed's hybrid engine folds LoRA into the weights its inference kernels generate
-    with, finding it by attribute names (module_inject/policy.py maybe_get_lora) and fusing
-    W += s * L^T R^T (containers/features/hybrid_engine.py): its fused weight must be ours."""
+def test_lora_keeps_the_hybrid_engine_off_its_inference_kernels():
+    """DeepSpeed's containers find LoRA by attribute names (module_inject/policy.py
+    maybe_get_lora) and fold W += s * L^T R^T (containers/features/hybrid_engine.py), our
+    merged weight; but only inside DeepSpeedHybridEngine.generate(), which oppo-ds does not
+    call, and Llama's looks on the layer's weight, where ours are not. With LoRA the engine
+    therefore decodes with the model's own forward on a GPU too (the kernels would decode with
+    the base weights, off the policy the log-probs are of); inject_kernels=True is refused.
+    The choice is a function of the device's type: checked here for "cuda" without one."""
     from deepspeed.module_inject.policy import maybe_get_lora
 
+    from oppo_ds.engines.deepspeed_engine import (HYBRID_KERNELS, HYBRID_NO_KERNELS_CPU,
+                                                  HYBRID_NO_KERNELS_LORA,
+                                                  HYBRID_NO_KERNELS_REQUESTED, _kernel_choice)
+
     model = build_causal_lm("tiny-llama", vocab_size=VOCAB, seed=0)
+    assert _kernel_choice(model, "cuda", None) == HYBRID_KERNELS
     add_lora(model, 4, "layers.", alpha=2.0)
     layer = model.model.layers[0].self_attn.q_proj
     torch.nn.init.normal_(layer.lora_left_weight)
-    right, left, scaling = maybe_get_lora(layer)
+    assert maybe_get_lora(layer.weight) == []  # where Llama's container looks
+    right, left, scaling = maybe_get_lora(layer)  # where OPT's, BLOOM's, GPT-NeoX's look
     assert right is layer.lora_right_weight and left is layer.lora_left_weight
     fused_by_deepspeed = layer.weight + scaling * torch.matmul(left.t(), right.t())
     torch.testing.assert_close(fused_by_deepspeed, layer.weight + layer.delta_weight())
+    assert _kernel_choice(model, "cuda", None) == HYBRID_NO_KERNELS_LORA
+    assert _kernel_choice(model, "cuda", False) == HYBRID_NO_KERNELS_REQUESTED
+    assert _kernel_choice(model, "cpu", None) == HYBRID_NO_KERNELS_CPU
+    with pytest.raises(ValueError, match="inject_kernels=True with LoRA layers"):
+        _kernel_choice(model, "cuda", True)
 
 
 def test_lora_matrices_train_at_their_own_learning_rate(tmp_path):

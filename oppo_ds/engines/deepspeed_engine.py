@@ -15,7 +15,8 @@ Hybrid engine paths (``DeepSpeedTrainEngine.hybrid_engine_path``):
   forward. DeepSpeed 0.19.8 chooses this itself for architectures without a policy (Qwen2,
   OPT with Cache-based layers). On CPU it must be forced: the kernels do not exist there and
   ``deepspeed.initialize`` fails with "This op had not been implemented on CPU backend" for
-  GPT-2/Llama. See :func:`_hybrid_engine_without_kernels` for how it is forced.
+  GPT-2/Llama. With LoRA it is forced too (:func:`_kernel_choice`: the kernels would decode
+  with the base weights). See :func:`_hybrid_engine_without_kernels` for how it is forced.
 
 Unverified (no GPU when this was written): the "kernels" path with transformers >= 5. The
 injected layer (``deepspeed/model_implementations/transformers/ds_transformer.py``) keeps
@@ -76,6 +77,8 @@ HYBRID_KERNELS = "kernels"
 HYBRID_NO_KERNELS_CPU = "no-kernels (CPU: model's own forward)"
 HYBRID_NO_KERNELS_NO_POLICY = "no-kernels (no DeepSpeed policy for this architecture: model's own forward)"
 HYBRID_NO_KERNELS_REQUESTED = "no-kernels (inject_kernels=False: model's own forward)"
+HYBRID_NO_KERNELS_LORA = ("no-kernels (LoRA: DeepSpeed's kernels would decode with the base "
+                          "weights alone; model's own forward)")
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -418,6 +421,35 @@ def close_engines(engines: Optional[list] = None) -> int:
     return sum(_destroy(engine) for engine in list(_OPEN_ENGINES if engines is None else engines))
 
 
+def _kernel_choice(model: torch.nn.Module, device_type: str, inject_kernels: bool | None) -> str:
+    """The hybrid engine's path to build (``HYBRID_KERNELS``: DeepSpeed injects its kernels
+    where it has a policy for the architecture), or ``ValueError`` for ``inject_kernels=True``
+    where they cannot serve.
+
+    Not with LoRA (``oppo_ds.lora``): DeepSpeed's containers fold the update into the weights
+    only inside ``DeepSpeedHybridEngine.generate()``, which oppo-ds does not call (its decode
+    runs the module's forward), and Llama's looks for the LoRA tensors on each layer's weight
+    (``maybe_get_lora``), where ours are on the layer: the kernels would decode with the base
+    weights while the log-probs come from the LoRA model, an off-policy rollout. Folding
+    around the decode would not be exact either (``param += s L^T R^T``, then ``-=``, in
+    bf16 / fp16, moves the base weights a little every rollout)."""
+    if device_type == "cpu":
+        if inject_kernels:
+            raise ValueError("inject_kernels=True needs a GPU: DeepSpeed's inference kernels "
+                             "are not implemented on CPU; use None or False")
+        return HYBRID_NO_KERNELS_CPU
+    if inject_kernels is False:
+        return HYBRID_NO_KERNELS_REQUESTED
+    from oppo_ds.lora import has_lora
+
+    if has_lora(model):
+        if inject_kernels:
+            raise ValueError("inject_kernels=True with LoRA layers: DeepSpeed's kernels would "
+                             "decode with the base weights alone; use None or False")
+        return HYBRID_NO_KERNELS_LORA
+    return HYBRID_KERNELS
+
+
 class DeepSpeedTrainEngine(TrainEngine):
     """A model trained with DeepSpeed (``deepspeed.initialize`` with a built config).
 
@@ -437,9 +469,10 @@ class DeepSpeedTrainEngine(TrainEngine):
         cpu_adam: ``None``: DeepSpeedCPUAdam when ``offload``, else ``torch.optim.AdamW``.
         seed: seeds torch's RNGs (dropout) before DeepSpeed starts.
         inject_kernels: hybrid engine only. ``None``: inject DeepSpeed's inference kernels
-            where DeepSpeed has them, except on CPU where none exist. ``False``: never
+            where DeepSpeed has them, except on CPU where none exist and for a model with LoRA
+            layers (see :func:`_kernel_choice`). ``False``: never
             (e.g. an architecture whose kernels misbehave). ``True``: require them
-            (``ValueError`` on CPU).
+            (``ValueError`` on CPU or with LoRA).
         release_inference_cache: hybrid engine with kernels: free their KV workspace after
             each generation.
         tensorboard_dir: DeepSpeed's own TensorBoard monitor.
@@ -537,7 +570,9 @@ class DeepSpeedTrainEngine(TrainEngine):
             lr_scheduler = _build_lr_scheduler(optimizer, warmup_steps=warmup_steps,
                                                total_steps=total_steps, scheduler=scheduler)
         self._peak_lr, self._adam = lr, (tuple(betas), eps)
-        without_kernels = hybrid_engine and not self._want_kernels(inject_kernels)
+        path = _kernel_choice(model, self.device.type, inject_kernels) if hybrid_engine \
+            else HYBRID_OFF
+        without_kernels = hybrid_engine and path != HYBRID_KERNELS
         with _hybrid_engine_without_kernels() if without_kernels else contextlib.nullcontext():
             self._engine = _initialize(model=model, optimizer=optimizer,
                                        lr_scheduler=lr_scheduler, config=self.config)
@@ -555,32 +590,14 @@ class DeepSpeedTrainEngine(TrainEngine):
             if self._engine.optimizer is not None and self._engine.optimizer is not optimizer \
             else None
         self.grad_accum_dtype = self.config.get("data_types", {}).get("grad_accum_dtype", dtype)
-        self.hybrid_engine_path = self._hybrid_path(hybrid_engine, inject_kernels)
+        # DeepSpeed injects its kernels where it has a policy for the architecture
+        self.hybrid_engine_path = HYBRID_NO_KERNELS_NO_POLICY if path == HYBRID_KERNELS and \
+            not self._engine._inference_containers else path
         if self.rank == 0:
             logger.info("DeepSpeed engine: ZeRO-%d, %s, offload=%s, optimizer=%s%s, "
                         "hybrid engine: %s", zero_stage, dtype, offload, self.optimizer_name,
                         f" in {self.optimizer_wrapper}, gradients in {self.grad_accum_dtype}"
                         if self.optimizer_wrapper else "", self.hybrid_engine_path)
-
-    # -- construction helpers ----------------------------------------------------------
-
-    def _want_kernels(self, inject_kernels: bool | None) -> bool:
-        on_cpu = self.device.type == "cpu"
-        if inject_kernels and on_cpu:
-            raise ValueError("inject_kernels=True needs a GPU: DeepSpeed's inference kernels "
-                             "are not implemented on CPU; use None or False")
-        return (not on_cpu) if inject_kernels is None else inject_kernels
-
-    def _hybrid_path(self, hybrid_engine: bool, inject_kernels: bool | None) -> str:
-        if not hybrid_engine:
-            return HYBRID_OFF
-        if len(self._engine._inference_containers) > 0:
-            return HYBRID_KERNELS
-        if self.device.type == "cpu":
-            return HYBRID_NO_KERNELS_CPU
-        if inject_kernels is False:
-            return HYBRID_NO_KERNELS_REQUESTED
-        return HYBRID_NO_KERNELS_NO_POLICY
 
     # -- TrainEngine ---------------------------------------------------------------------
 
