@@ -107,11 +107,12 @@ def _check_deepspeed_entries(cfg) -> None:
     """system.deepspeed_config against the DeepSpeed configs the run builds, for one rank
     with the run's settings (``ds_config.deepspeed_overrides_problem``)."""
     from .engines.ds_config import (build_ds_config, build_inference_ds_config,
-                                    deepspeed_overrides_problem)
+                                    deepspeed_overrides_problem, hybrid_max_out_tokens)
 
     p, s = cfg.ppo, cfg.system
     # built for one rank, which inference_tp_size need not divide: its value is set after
-    hybrid = dict(hybrid_engine=s.hybrid_engine, inference_tp_size=1)
+    hybrid = dict(hybrid_engine=s.hybrid_engine, inference_tp_size=1,
+                  max_out_tokens=hybrid_max_out_tokens(cfg.generation, cfg.oppo.overcommits))
     trained = build_ds_config(
         train_micro_batch_size_per_gpu=p.micro_batch_size,
         gradient_accumulation_steps=max(1, p.mini_batch_size // p.micro_batch_size),

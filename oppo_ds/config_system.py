@@ -78,7 +78,10 @@ class SystemConfig:
     hybrid_engine: bool = False
     """Run the actor under DeepSpeed's hybrid engine (inference kernels for generation where
     DeepSpeed has them for the architecture, on a GPU, without LoRA: DeepSpeed's kernels would
-    decode with the base weights; the model's own forward otherwise)."""
+    decode with the base weights; the model's own forward otherwise). The kernels' KV
+    workspace (`hybrid_engine.max_out_tokens`) holds the longest sequence a rollout reaches:
+    generation.max_prompt_len + max_new_tokens + sync_every (with the rollout pool a carried
+    response of up to max_new_tokens - 1 more), rounded up to 64."""
     inference_tp_size: int = 1
     """Tensor-parallel size of the hybrid engine's inference containers."""
     deepspeed_config: Optional[dict] = None

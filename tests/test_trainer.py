@@ -1846,6 +1846,28 @@ def test_chunk_size_auto_with_a_step_that_decodes_nothing(tmp_path, caplog):
     assert "step 3: chunk_size=" in caplog.text  # decided after the step that did decode
 
 
+@pytest.mark.parametrize("overcommit, want", [(0, 192), (4, 256)])
+def test_the_hybrid_engines_workspace_holds_the_longest_rollout(overcommit, want, tmp_path):
+    """DeepSpeed sizes its inference kernels' KV workspace by hybrid_engine.max_out_tokens (512
+    unless told; DeepSpeed-Chat passes prompt + answer length). The actor's is the longest
+    sequence a rollout reaches, as the static cache is sized: 40 + 100 + sync_every 1, rounded
+    up to 64; with the rollout pool a carried response of up to 99 tokens more (240 -> 256).
+    As DeepSpeed parses the engine's config."""
+    from _builders import tiny_run_overrides
+
+    from oppo_ds.trainer import PPOTrainer
+
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, 1), "system.hybrid_engine=true",
+                             "generation.max_prompt_len=40", "generation.max_new_tokens=100",
+                             f"oppo.overcommit={overcommit}"])
+    trainer = PPOTrainer(cfg)
+    try:
+        assert trainer.actor.config["hybrid_engine"]["max_out_tokens"] == want
+        assert trainer.actor.ds_engine._config.hybrid_engine.max_out_tokens == want
+    finally:
+        trainer.close()
+
+
 def test_responses_longer_than_a_learned_position_table_stop_before_any_engine(tmp_path, monkeypatch):
     """GPT-2's positions are a learned table of n_positions rows: a prompt plus response past
     it failed mid-run in an IndexError traceback (a device-side assert on a GPU). Now the run

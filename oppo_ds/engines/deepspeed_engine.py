@@ -67,8 +67,8 @@ from oppo_ds.engines.base import (
 # pure functions of the environment, kept importable from here
 from oppo_ds.rendezvous import expand_hostlist, slurm_rendezvous  # noqa: F401
 from oppo_ds.engines.ds_checkpoint import load_weights_alone, tag_folder
-from oppo_ds.engines.ds_config import (DTYPES, build_ds_config, build_inference_ds_config,
-                                      merged_config)
+from oppo_ds.engines.ds_config import (DTYPES, MAX_OUT_TOKENS, build_ds_config,
+                                      build_inference_ds_config, merged_config)
 
 logger = logging.getLogger(__name__)
 
@@ -475,6 +475,8 @@ class DeepSpeedTrainEngine(TrainEngine):
             (``ValueError`` on CPU or with LoRA).
         release_inference_cache: hybrid engine with kernels: free their KV workspace after
             each generation.
+        max_out_tokens: hybrid engine with kernels: the positions their KV workspace holds,
+            prompt and response (:func:`~oppo_ds.engines.ds_config.hybrid_max_out_tokens`).
         tensorboard_dir: DeepSpeed's own TensorBoard monitor.
         ds_config_overrides: merged (recursively) into the built config last; for keys this
             class does not expose. Overridden values are logged.
@@ -518,6 +520,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         seed: int = 0,
         inject_kernels: bool | None = None,
         release_inference_cache: bool = False,
+        max_out_tokens: int = MAX_OUT_TOKENS,
         tensorboard_dir: str | None = None,
         ds_config_overrides: dict | None = None,
         weights_only: bool = False,
@@ -542,7 +545,8 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.weights_only = weights_only
         use_cpu_adam = offload if cpu_adam is None else cpu_adam
         hybrid = dict(hybrid_engine=hybrid_engine, inference_tp_size=inference_tp_size,
-                      release_inference_cache=release_inference_cache)
+                      release_inference_cache=release_inference_cache,
+                      max_out_tokens=max_out_tokens)
         if weights_only:
             self.config = build_inference_ds_config(
                 zero_stage=3 if zero_stage == 3 else 0, offload=offload and zero_stage == 3,

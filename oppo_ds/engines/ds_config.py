@@ -33,7 +33,8 @@ STAGE3_MAX_LIVE_PARAMETERS = 30_000_000
 STAGE3_PREFETCH_BUCKET_SIZE = 30_000_000
 
 # The hybrid engine's defaults: layers gathered per group under inference tensor parallelism,
-# and the inference kernels' KV workspace (prompt + response tokens)
+# and the inference kernels' KV workspace (prompt + response tokens; DeepSpeed's own default,
+# for an engine built without a run: a run's is ``hybrid_max_out_tokens``)
 TP_GATHER_PARTITION_SIZE = 8
 MAX_OUT_TOKENS = 512
 
@@ -44,6 +45,19 @@ MAX_OUT_TOKENS = 512
 # colocated scorers), and a CUDA-graph capture cannot synchronize at all. Our telemetry times
 # the phases, so the timer is off.
 NO_THROUGHPUT_TIMER = {"throughput": {"enabled": False}}
+
+
+def hybrid_max_out_tokens(generation, overcommits: bool) -> int:
+    """``hybrid_engine.max_out_tokens`` of a run's actor: the positions its inference kernels'
+    KV workspace holds (DeepSpeed sizes the workspace by it and gives the kernels its
+    ``max_out_tokens``). DeepSpeed-Chat passes prompt + answer length; a rollout here can reach
+    more, as the static cache is sized (``rollout.static_length.run_cache_length``): a
+    carried row's partial response after its prompt, ``sync_every`` - 1 tokens past an end in
+    a block decode, rounded up to 64. ``generation``: the run's ``generation`` section."""
+    from oppo_ds.rollout.static_length import run_cache_length
+
+    return run_cache_length(generation.max_prompt_len, generation.max_new_tokens,
+                            generation.sync_every, overcommits)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
@@ -247,7 +261,8 @@ def _hybrid_engine_section(*, inference_tp_size: int, release_inference_cache: b
 def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
                               micro_batch_size: int = 1, world_size: int = 1,
                               hybrid_engine: bool = False, inference_tp_size: int = 1,
-                              release_inference_cache: bool = False) -> dict:
+                              release_inference_cache: bool = False,
+                              max_out_tokens: int = MAX_OUT_TOKENS) -> dict:
     """DeepSpeed config of a model without an optimizer: a frozen scorer (reference, reward)
     wrapped for ZeRO-3 sharding, or an actor built for its weights alone (an evaluation,
     with the hybrid engine's section as :func:`build_ds_config` writes it).
@@ -287,7 +302,7 @@ def build_inference_ds_config(*, zero_stage: int, offload: bool, dtype: str,
         config["hybrid_engine"] = _hybrid_engine_section(
             inference_tp_size=inference_tp_size, release_inference_cache=release_inference_cache,
             pin_parameters=True, tp_gather_partition_size=TP_GATHER_PARTITION_SIZE,
-            max_out_tokens=MAX_OUT_TOKENS, world_size=world_size)
+            max_out_tokens=max_out_tokens, world_size=world_size)
     return config
 
 

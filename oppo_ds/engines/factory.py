@@ -79,7 +79,7 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict,
                       evaluating: bool) -> Models:
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
     from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
-    from .ds_config import engine_entries
+    from .ds_config import engine_entries, hybrid_max_out_tokens
 
     p, s = cfg.ppo, cfg.system
     held = cfg.actor_rank_models(evaluating)
@@ -99,6 +99,8 @@ def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict,
                        ds_config_overrides=entries)
     actor = DeepSpeedTrainEngine(actor_model, lr=p.actor_lr, hybrid_engine=s.hybrid_engine,
                                  inference_tp_size=s.inference_tp_size, weights_only=evaluating,
+                                 max_out_tokens=hybrid_max_out_tokens(cfg.generation,
+                                                                      cfg.oppo.overcommits),
                                  lora_lr=cfg.model.lora_learning_rate, **engine_args)
     critic = None
     if "critic" in held:
