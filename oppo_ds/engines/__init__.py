@@ -38,7 +38,14 @@ __all__ = [
 ]
 
 
+_FROZEN_NAMES = ("prepare_frozen", "prepare_partitioned", "release_frozen")
+
+
 def __getattr__(name: str):
+    if name in _FROZEN_NAMES:
+        from oppo_ds.engines import ds_frozen
+
+        return getattr(ds_frozen, name)
     if name in _DEEPSPEED_NAMES:
         from oppo_ds.engines import deepspeed_engine
 

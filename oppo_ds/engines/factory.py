@@ -78,7 +78,8 @@ def prepare_trained(model: torch.nn.Module, cfg: Config, kind: str) -> torch.nn.
 def _deepspeed_models(cfg: Config, src, common: dict, engine_args: dict,
                       evaluating: bool) -> Models:
     from ..models import build_causal_lm, build_device, build_value_model, disable_dropout
-    from .deepspeed_engine import DeepSpeedTrainEngine, prepare_frozen, prepare_partitioned
+    from .deepspeed_engine import DeepSpeedTrainEngine
+    from .ds_frozen import prepare_frozen, prepare_partitioned
     from .ds_config import engine_entries, hybrid_max_out_tokens
 
     p, s = cfg.ppo, cfg.system
