@@ -247,20 +247,21 @@ class OppoConfig:
     hybrid engine decodes with its inference kernels, whose log-probs differ from the training
     forward's, they are recomputed after generation all the same (logged at start)."""
     placement: Literal["inline", "colocated", "stage"] = "inline"
-    """Where scorer prefill runs: inline = between decode chunks in the same thread (the
-    reference for correctness); colocated = concurrently on the same devices (a worker
-    thread on CPU, a side CUDA stream on GPU); stage = on a rank of their own, the last one:
-    launch N + 1 ranks (`deepspeed --num_gpus N+1 --module oppo_ds.train ...`), N actor ranks
-    train (their own torch.distributed world, so any ZeRO stage and the hybrid engine), the
-    last one holds the reward and reference models and receives each chunk by point-to-point
-    over a link of its own with each actor rank. The critic trains on the actor ranks; when
-    it streams, the scorer rank holds a copy that takes rank 0's weights after every update
-    (under backend megatron replica 0 gathers its critic's shards for the send);
+    """Where scorer prefill runs: inline = between decode chunks in the same thread (the reference
+    for correctness); colocated = concurrently on the same devices (a worker thread on CPU, a
+    side CUDA stream on GPU; not with backend megatron over tensor_parallel or pipeline_parallel
+    above 1, whose forwards are collectives: inline or stage there); stage = on a rank of their
+    own, the last one: launch N + 1 ranks (`deepspeed --num_gpus N+1 --module oppo_ds.train
+    ...`), N actor ranks train (their own torch.distributed world, so any ZeRO stage and the
+    hybrid engine), the last one holds the reward and reference models and receives each chunk
+    by point-to-point over a link of its own with each actor rank. The critic trains on the
+    actor ranks; when it streams, the scorer rank holds a copy that takes rank 0's weights after
+    every update (under backend megatron replica 0 gathers its critic's shards for the send);
     that copy is a whole critic in the scorer rank's memory (`oppo-plan` counts it): leave
-    `critic` out of `stream_to` to keep the critic on the actor ranks. With `overcommit`
-    the scorer rank keeps the deferred rows in its caches from step to step, as
-    the frozen scorers do in the actor's process under the other placements (after a resume
-    it prefills them again once). Needs `streaming: true`."""
+    `critic` out of `stream_to` to keep the critic on the actor ranks. With `overcommit` the
+    scorer rank keeps the deferred rows in its caches from step to step, as the frozen scorers
+    do in the actor's process under the other placements (after a resume it prefills them again
+    once). Needs `streaming: true`."""
     overcommit: Union[int, Literal["auto"]] = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the

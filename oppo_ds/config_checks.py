@@ -33,6 +33,8 @@ def check_across_sections(cfg) -> None:
         require(cfg.system.backend == "deepspeed" or not getattr(cfg.model, key), f"model.{key}",
                 f"needs system.backend: deepspeed (LoRA is implemented for it only; 0 with "
                 f"megatron), got {getattr(cfg.model, key)} with system.backend: megatron")
+    if cfg.system.backend == "megatron":
+        _check_megatron_placement(cfg)
     require(not (cfg.system.partition_reference and "reference" in cfg.oppo.stream_to
                  and cfg.oppo.streaming), "system.partition_reference",
             "a partitioned reference cannot stream (each forward is collective over the "
@@ -89,6 +91,22 @@ def _check_micro_batch_tokens(cfg) -> None:
     require(cfg.ppo.micro_batch_tokens >= longest, "ppo.micro_batch_tokens",
             f"must hold one sequence of the longest, {what}: {longest}, got "
             f"{cfg.ppo.micro_batch_tokens}")
+
+
+def _check_megatron_placement(cfg) -> None:
+    """The colocated placement runs the scorers' forwards in a thread beside the decode's; a
+    Megatron model split over ranks makes each forward collective (tensor-parallel
+    all-reduces, pipeline sends and receives), and the two threads' collectives would reach
+    the ranks' process groups in a different order on each rank (gloo fails with a collective
+    mismatch; NCCL hangs or adds up the wrong tensors)."""
+    s = cfg.system
+    split = s.tensor_parallel * s.pipeline_parallel
+    require(cfg.oppo.placement != "colocated" or split == 1, "oppo.placement", (
+        f"colocated cannot run with system.backend: megatron over {split} ranks "
+        f"(tensor_parallel {s.tensor_parallel} x pipeline_parallel {s.pipeline_parallel}): "
+        f"the scorer thread's forwards are collective over the model's ranks, as the decode's "
+        f"are, and the two threads' collectives would interleave differently on each rank; "
+        f"use inline or stage (colocated needs tensor_parallel and pipeline_parallel 1)"))
 
 
 def _check_critic_free(cfg) -> None:

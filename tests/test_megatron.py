@@ -1031,6 +1031,23 @@ def test_layer_spec_settings():
         assert err.value.key == "system.megatron_layers"
 
 
+@pytest.mark.parametrize("split", [["system.tensor_parallel=2"], ["system.pipeline_parallel=2"],
+                                   ["system.tensor_parallel=2", "system.pipeline_parallel=2"]])
+def test_colocated_placement_is_refused_over_model_parallel_ranks(split):
+    """The colocated scorer thread's forwards would be collectives beside the decode's (over
+    gloo: a collective mismatch): refused at load, naming the placements that work; one rank
+    per model keeps it (its forwards are no collectives)."""
+    from oppo_ds.config import ConfigError, load_config
+
+    base = ["system.backend=megatron", "oppo.streaming=true"]
+    with pytest.raises(ConfigError, match="colocated cannot run .*use inline or stage") as err:
+        load_config(None, base + split + ["oppo.placement=colocated"])
+    assert err.value.key == "oppo.placement"
+    for placement in ("inline", "stage"):
+        load_config(None, base + split + [f"oppo.placement={placement}"])
+    load_config(None, base + ["oppo.placement=colocated"])
+
+
 def test_hf_model_holds_exactly_the_given_weights():
     """``hf_model`` builds without random initialisation (the stage calls it before every
     rollout), so a weight the state lacks would be left as whatever memory held: it is an
