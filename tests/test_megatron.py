@@ -945,6 +945,25 @@ def _rank_process(rank, world, port, out_dir, cache_dir, *overrides):
                                             f"logging.output_dir={out_dir}", *overrides])
 
 
+def test_pipeline_parallel_pool_resumes_with_its_scorer_caches(cache_dir, tmp_path):
+    """pp=2 with the rollout pool and streaming: the step-2 checkpoint carries the deferred
+    rows with the frozen scorers' K/V caches, each stage's holding only its own decoder layer
+    (of 2). Resumed from there, step 3 repeats the uninterrupted run's (was: a ValueError,
+    the saved K/V of 1 layer checked against the whole model's 2)."""
+    args = ["system.pipeline_parallel=2", "oppo.streaming=true", "oppo.chunk_size=3",
+            "oppo.stream_to=[reference]", "oppo.overcommit=2", "steps=3", "checkpoint.every=2"]
+    out = str(tmp_path / "run")
+    want, _ = _train(out, cache_dir, 2, *args)
+    assert want[1]["pool/carried"] > 0  # step 2 deferred rows into the checkpoint
+    got, _ = _train(out, cache_dir, 2, *args, "checkpoint.resume=step2")
+    assert "resumed from step2 at step 2" in (tmp_path / "run" / "launcher.log").read_text()
+    assert [r["step"] for r in got] == [1, 2, 3]
+    a, b = want[2], got[2]
+    assert a["response/lengths"] == b["response/lengths"]
+    for key in SAME + ("pool/carried", "pool/deferred_frac"):
+        assert b[key] == pytest.approx(a[key], abs=1e-4, rel=1e-4), key
+
+
 def test_signal_to_one_rank_of_a_replica_stops_the_replica(cache_dir, tmp_path):
     """A signal that reaches one rank of a tensor-parallel replica stops both ranks after the
     same step with a loadable checkpoint. The decision used to be agreed over the

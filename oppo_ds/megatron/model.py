@@ -184,6 +184,12 @@ class MegatronModel(nn.Module):
         self.fused_norms = fuses_norms(gpt.state_dict().keys())
 
     @property
+    def cache_layers(self) -> int:
+        """Decoder layers this rank holds, its pipeline stage's: the layers of its KV cache
+        (the whole model has ``config.num_hidden_layers``)."""
+        return len(self.gpt.decoder.layers)
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.gpt.parameters()).dtype
 

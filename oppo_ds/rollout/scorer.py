@@ -496,9 +496,13 @@ def _pad_left(cache, mask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _num_layers(model, cache) -> Optional[int]:
-    """Decoder layers of the scorer's model (None when its config does not say)."""
+    """Decoder layers the scorer's cache holds: the model's own (``cache_layers``: a
+    pipeline stage's, under Megatron pipeline parallel), else its config's (None when it
+    does not say)."""
     if cache is not None:
         return len(cache.layers)
+    if getattr(model, "cache_layers", None) is not None:
+        return model.cache_layers
     config = getattr(model, "config", None)
     if config is None:
         return None
