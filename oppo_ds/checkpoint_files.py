@@ -161,6 +161,25 @@ def torch_file_problem(path: str) -> Optional[str]:
         return "its zip directory, at the end of the file, is missing or broken"
 
 
+# safetensors' names of the dtypes the Megatron conversion takes
+CONVERTED_DTYPES = ("F32", "BF16", "F16")
+
+
+def quantized_problem(source: str) -> Optional[str]:
+    """Why the Megatron backend cannot read checkpoint directory ``source``: its config.json
+    has a ``quantization_config`` (FP8, int8, GPTQ, ...), whose weights are stored with scales
+    the conversion does not apply (it would cast FP8 values to bf16 without their
+    ``weight_scale``: garbage), or None."""
+    quant = (checkpoint_config(source) or {}).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    return (f"{os.path.join(source, 'config.json')} has a quantization_config (quant_method "
+            f"{method}): system.backend megatron converts unquantized weights only "
+            f"({', '.join(CONVERTED_DTYPES)}) and does not dequantize; dequantize the "
+            f"checkpoint to bf16 first")
+
+
 def architecture_problem(source: str, trust_remote_code: bool) -> Optional[str]:
     """Why the checkpoint directory ``source`` cannot be built as a causal LM (the actor, the
     reference) or the body of one (the critic, the reward model): its config.json is not a

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from . import workload as wl
 from .config import Config, ConfigError
 from .shared_dirs import SHARE_IT
-from .checkpoint_files import checkpoint_config
+from .checkpoint_files import checkpoint_config, quantized_problem
 from .models import (FROM_CONFIG_ARCHS, NO_HEAD, CheckpointFileError, TokenizerFileError,
                      has_value_head, load_tokenizer, position_limit, response_end_ids,
                      source_problem, tokenizer_mismatch)
@@ -188,7 +188,8 @@ def oracle_vocab(arch: str) -> int:
 
 def check_paths(cfg: Config, src: Sources) -> None:
     """Each model source is a checkpoint directory of a causal LM transformers has, or an
-    architecture built from config, and the reward checkpoint has a scalar head:
+    architecture built from config, and the reward checkpoint has a scalar head (under
+    system.backend megatron, unquantized weights):
     ``ConfigError`` naming the key otherwise, before the tokenizer is chosen (a missing actor
     directory would otherwise fall back to the built-in tokenizer and fail on the prompts) or
     any model is built."""
@@ -198,6 +199,10 @@ def check_paths(cfg: Config, src: Sources) -> None:
             problems[source] = source_problem(source, trust_remote_code=cfg.model.trust_remote_code)
         if problems[source]:
             raise ConfigError(f"model.{key}", problems[source])
+        if cfg.system.backend == "megatron" and source not in FROM_CONFIG_ARCHS:
+            problem = quantized_problem(source)
+            if problem:
+                raise ConfigError(f"model.{key}", problem)
     if src.reward_model and src.reward not in FROM_CONFIG_ARCHS:
         try:
             head = has_value_head(src.reward)

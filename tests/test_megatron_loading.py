@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -209,6 +210,72 @@ def test_missing_tensor_names_the_key_and_the_file(checkpoints, tmp_path):
     name = next(k for k, f in index["weight_map"].items() if f == files[0])
     with pytest.raises(CheckpointError, match=rf"{files[0]}: file missing.*{name}"):
         SafetensorsReader(sharded)(name)
+
+
+def _fp8_checkpoint(src: str, path, scale: float) -> dict:
+    """``src`` saved as an FP8 checkpoint (DeepSeek-V3's and Qwen3-FP8's layout): each linear
+    weight in float8_e4m3fn with its block scale ``weight_scale_inv`` beside it, and a
+    quantization_config. Returns the tensors written."""
+    shutil.copytree(src, path)
+    state = {}
+    for name, tensor in build_causal_lm(src).state_dict().items():
+        if name.endswith("_proj.weight"):
+            state[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            state[name.removesuffix("weight") + "weight_scale_inv"] = torch.full((1, 1), scale)
+        else:
+            state[name] = tensor.contiguous()
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    return state
+
+
+def test_quantized_checkpoints_are_refused_not_cast(checkpoints, tmp_path):
+    """An FP8 checkpoint's weights mean something only times their scales: the conversion
+    cast them to bf16 without (garbage logits, no error). Its quantization_config is refused
+    before any build, naming the model key and config.json; a tensor stored as FP8 or int8
+    without one is refused naming the tensor and its file; so is one reaching the conversion
+    from an HF model. The DeepSpeed backend's path, transformers' own FP8 quantizer, takes the
+    checkpoint: on a CPU it dequantizes with the scales (on a GPU it keeps FP8 linears:
+    not run here)."""
+    from oppo_ds.config import Config, ConfigError, load_config
+    from oppo_ds.sources import Sources, check_paths
+
+    path = str(tmp_path / "fp8")
+    scale = 2.0
+    state = _fp8_checkpoint(checkpoints["tiny-llama-lm-single"][0], path, scale)
+    sources = Sources(actor=path, reference=path, reward="tiny-llama", critic="tiny-llama",
+                      tokenizer=None, prompts="p.jsonl", builtin_prompts=False)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{path}/config.json has a quantization_config (quant_method fp8)")) as err:
+        check_paths(load_config(None, ["system.backend=megatron"]), sources)
+    assert err.value.key == "model.actor"
+    with pytest.raises(CheckpointError, match="quantization_config .*dequantize"):
+        open_checkpoint(path, "lm")
+    check_paths(Config(), sources)  # the DeepSpeed backend
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(build_causal_lm(path).state_dict()[q], state[q].float() * scale)
+
+    # FP8 or int8 tensors without a quantization_config: named with their file, not cast
+    config = json.load(open(os.path.join(path, "config.json")))
+    del config["quantization_config"]
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    shape = shape_of(tiny_config("tiny-llama", VOCAB))
+    _, reader, prefix = open_checkpoint(path, "lm")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{path}/model.safetensors: tensor '{q}' is stored as F8_E4M3")):
+        hf_to_megatron(reader, shape, tp=2, prefix=prefix)
+    with pytest.raises(CheckpointError, match="linear_qkv.weight would be made of "
+                                              "torch.float8_e4m3fn weights"):
+        hf_to_megatron(state.__getitem__, shape, prefix=prefix)  # an HF model's tensors
+    norm = "model.layers.0.input_layernorm.weight"
+    state[norm] = torch.zeros(state[norm].shape, dtype=torch.int8)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"'{norm}' is stored as I8; system.backend "
+                                              "megatron converts F32, BF16, F16 weights only"):
+        SafetensorsReader(path)(norm)
 
 
 def test_a_stale_index_beside_a_whole_weights_file_is_ignored_as_transformers_does(checkpoints,

@@ -229,6 +229,11 @@ def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: Shape, *, tp: int 
     out: dict[str, torch.Tensor] = {}
 
     def put(key: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            # FP8 or int8 values mean something only with scales the conversion does not apply
+            raise CheckpointError(f"{key} would be made of {tensor.dtype} weights: only fp32, "
+                                  f"bf16 and fp16 weights are converted (a quantized "
+                                  f"checkpoint must be dequantized to bf16 first)")
         # an owned contiguous copy now: a view would keep a whole HF tensor alive
         out[key] = tensor.detach().clone(memory_format=torch.contiguous_format)
 

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from ..checkpoint_files import VALUE_HEAD_FILE
+from ..checkpoint_files import CONVERTED_DTYPES, VALUE_HEAD_FILE, quantized_problem
 from ..models import check_local_dir, read_value_head
 from .convert import CheckpointError, hf_prefix
 
@@ -101,26 +101,41 @@ class SafetensorsReader:
             raise CheckpointError(f"{file}: no tensor {name!r} (the index lists it there)")
         return handle
 
+    def _slice(self, name: str):
+        """The file's lazy view of ``name``; ``CheckpointError`` naming the tensor and the
+        file when it is stored in a dtype the conversion does not take (FP8, int8: values
+        that mean something only with scales the conversion would not apply)."""
+        part = self._handle(name).get_slice(name)
+        dtype = part.get_dtype()
+        if dtype not in CONVERTED_DTYPES:
+            raise CheckpointError(
+                f"{self._where[name]}: tensor {name!r} is stored as {dtype}; system.backend "
+                f"megatron converts {', '.join(CONVERTED_DTYPES)} weights only (a quantized "
+                f"checkpoint's values need scales it does not apply): dequantize the "
+                f"checkpoint to bf16 first")
+        return part
+
     def __call__(self, name: str) -> torch.Tensor:
         if name in self.extra:
             return self.extra[name]
+        self._slice(name)  # the dtype checked
         return self._handle(name).get_tensor(name)
 
     def dims(self, name: str) -> tuple[int, ...]:
         """The size of ``name`` (from the file's header; nothing read)."""
         if name in self.extra:
             return tuple(self.extra[name].shape)
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         if name in self.extra:
             return self.extra[name][start:stop]
-        return self._handle(name).get_slice(name)[start:stop]
+        return self._slice(name)[start:stop]
 
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         if name in self.extra:
             return self.extra[name][:, start:stop]
-        return self._handle(name).get_slice(name)[:, start:stop]
+        return self._slice(name)[:, start:stop]
 
     def close(self) -> None:
         self._open.clear()
@@ -142,6 +157,9 @@ def open_checkpoint(path: str, kind: str, *, require_head: bool = False,
     if kind not in ("lm", "value"):
         raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
     check_local_dir(path)
+    problem = quantized_problem(path)
+    if problem:
+        raise CheckpointError(problem)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
     reader = SafetensorsReader(path)
