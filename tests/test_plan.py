@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from oppo_ds.cli import plan as plan_cli
 from oppo_ds.config import Config, ConfigError, load_config
@@ -862,6 +863,46 @@ def test_megatron_plan_names_a_wrong_split():
         _megatron_cfg().model, actor="tiny-gpt2", reward="tiny-gpt2"))
     with pytest.raises(ValueError, match="system.backend.*Llama-family"):
         plan(gpt2, 1, 1, h100, steps=2)
+
+
+def test_megatron_plan_refuses_the_checkpoints_the_run_refuses(tmp_path):
+    """The planner's shape maps every model type but gpt2 to Llama: a Mistral actor, or a
+    Llama 3.1 whose RoPE is scaled, planned as a Llama under backend megatron, and the run
+    then refused its conversion at start-up. With a config.json at hand the plan runs the
+    run's own check and refuses as the run does (system.backend, the same words)."""
+    import transformers
+
+    from oppo_ds.megatron.loading import load_megatron_model
+    from oppo_ds.models import tiny_config
+
+    h100 = get_device("H100-80GB")
+    llama31 = tiny_config("tiny-llama", 101)
+    llama31.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}
+    mistral = transformers.MistralConfig(vocab_size=101, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, sliding_window=None)
+    for name, config, words in (("llama31", llama31, "rope_type 'llama3'"),
+                                ("mistral", mistral, "model_type 'mistral'")):
+        path = str(tmp_path / name)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        cfg = _megatron_cfg(1, 1)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, actor=path))
+        with pytest.raises(ConfigError, match=words) as planned:
+            plan(cfg, 1, 1, h100, steps=2)
+        assert planned.value.key == "system.backend"
+        with pytest.raises(ValueError, match=words) as ran:  # the run's conversion
+            load_megatron_model(path, None, "lm", dtype=torch.float32,
+                                device=torch.device("cpu"))
+        assert str(planned.value).endswith(str(ran.value)), (str(planned.value), str(ran.value))
+    cfg = _megatron_cfg(1, 2)  # a Llama the run converts plans as before
+    path = str(tmp_path / "llama")
+    llama = transformers.AutoModelForCausalLM.from_config(tiny_config("tiny-llama", 101))
+    llama.save_pretrained(path)
+    plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, actor=path)), 1, 2, h100,
+         steps=2)
 
 
 def test_megatron_stage_placement_plans_the_scorer_rank():

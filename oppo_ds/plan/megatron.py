@@ -22,6 +22,8 @@ phases (the fullest GPU of the job decides the verdict).
 """
 from __future__ import annotations
 
+import os
+
 from ..config import Config, ConfigError
 from .costs import GIB, Device
 from .memory import (FRAMEWORK_GIB, TRAIN_LOGIT_BYTES, MemoryPlan, dtype_bytes,
@@ -60,6 +62,36 @@ def check_shape(shape: ModelShape, tp: int, pp: int, what: str) -> None:
                                                  f"({shape.name})")
 
 
+def model_source(cfg: Config, what: str) -> str:
+    """Where model ``what`` comes from, as the run resolves it: the reference defaults to the
+    actor, the critic to the reward model."""
+    m = cfg.model
+    fallback = {"reference": m.actor, "critic": m.reward}.get(what)
+    value = getattr(m, what)
+    return fallback if value is None else value
+
+
+def check_checkpoint(cfg: Config, what: str, tp: int, pp: int) -> None:
+    """The run's own check of a model it converts (``convert.shape_of`` and
+    ``check_parallel`` on the HF config, refused as ``system.backend`` as the run refuses
+    them) where model ``what``'s source is a local directory with a config.json: the
+    planner's shape keeps only the sizes, and maps every model type but gpt2 to Llama, so a
+    Mistral, or a Llama 3.1 with RoPE scaling, would plan as a Llama the run then refuses."""
+    source = model_source(cfg, what)
+    if source is None or not os.path.isfile(os.path.join(source, "config.json")):
+        return  # built from config (tiny, builtin) or a placeholder path: sizes only
+    from transformers import AutoConfig
+
+    from ..megatron.convert import check_parallel, shape_of
+
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True,
+                                            trust_remote_code=cfg.model.trust_remote_code)
+        check_parallel(shape_of(config), tp, pp)
+    except ValueError as err:
+        raise ConfigError("system.backend", f"megatron: the {what} ({source}): {err}") from None
+
+
 def shard_params(shape: ModelShape, tp: int, pp: int, pp_rank: int, *, lm_head: bool = True,
                  value_head: bool = False) -> int:
     """Parameters of one (tensor, pipeline) shard at pipeline rank ``pp_rank``."""
@@ -95,6 +127,7 @@ def plan_memory_megatron(cfg: Config, shapes: Shapes, nodes: int, gpus_per_node:
     for what in ("actor", "critic", "reference", "reward"):
         if what in held:
             check_shape(getattr(shapes, what), tp, pp, what)
+            check_checkpoint(cfg, what, tp, pp)
     w = dtype_bytes(s.dtype)
     rows = cfg.widest_rollout
     seq = gen.max_prompt_len + gen.max_new_tokens
