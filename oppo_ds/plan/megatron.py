@@ -7,8 +7,8 @@ converter's shards in tests/test_plan.py): every linear of the stage's layers sp
 tensor ranks, the norms whole, the vocabulary (padded to a multiple of tp) split on the first
 stage (embedding) and the last (output layer; a tied model gets its own copy there), the
 value head whole on the last stage. Training states follow ``MegatronTrainEngine``: weights,
-their gradients, and AdamW over this rank's shard (fp32 master weights, the fp32 copies of
-the gradients at the step, two moments: 16 bytes per parameter in bf16, 8 in fp32), not
+their gradients, and AdamW over this rank's shard (fp32 master weights, the fp32 gradients
+the micro-batches are summed into, two moments: 16 bytes per parameter in bf16, 8 in fp32), not
 sharded over data parallel (no distributed optimizer). Caches and activations: the KV cache of
 the stage's layers with the key/value heads split over tp; a training micro-batch keeps its
 stage's layers' activations, the attention and MLP parts split over tp, the norms' and
