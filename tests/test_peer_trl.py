@@ -282,3 +282,78 @@ def test_oracle_generation_refuses_prompts_without_a_target():
     with pytest.raises(RuntimeError, match="1 of 2 prompts of TRL's batch have no target"):
         with trl_peer._oracle_generation(object(), queries, 0, {(5, 6): 3}):
             pass
+
+
+@needs_trl
+def test_static_cache_decodes_through_a_static_cache_with_the_same_tokens(
+        cache_dir, tmp_path, monkeypatch, torch_one_thread):
+    """generation.static_cache=true: TRL's generate decodes every rollout through one
+    StaticCache size (the longest prompt and response), uncompiled on a CPU, and, seeded,
+    samples the same tokens as the default decode (fp32: the same logits up to rounding)."""
+    from transformers.generation import utils as generation_utils
+
+    _, _, module, _ = trl_peer._import_trl()
+    sizes, tokens = [], []
+
+    class RecordedStaticCache(generation_utils.StaticCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sizes.append(kwargs["max_cache_len"])
+
+    real_batch_generation = module.batch_generation
+
+    def recorded_batch_generation(*args):
+        out = real_batch_generation(*args)
+        tokens.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(generation_utils, "StaticCache", RecordedStaticCache)
+    monkeypatch.setattr(module, "batch_generation", recorded_batch_generation)
+    settings = SMALL + [f"workload.cache_dir={cache_dir}"]
+    plain = trl_peer.run_trl_peer(None, settings, 2, 0, str(tmp_path / "plain"))
+    assert sizes == []
+    static = trl_peer.run_trl_peer(None, settings + ["generation.static_cache=true"], 2, 0,
+                                   str(tmp_path / "static"))
+    assert sizes == [32 + 24] * 2  # max_prompt_len + max_new_tokens, once a rollout
+    assert len(tokens) == 4
+    for step in range(2):
+        assert torch.equal(tokens[step], tokens[2 + step])
+    assert [r["response/lengths"] for r in plain] == [r["response/lengths"] for r in static]
+    peer = json.loads((tmp_path / "static" / "peer.json").read_text())
+    assert peer["policy_generation_config"] == {"cache_implementation": "static",
+                                                "max_cache_len": 56, "disable_compile": True}
+    assert any("StaticCache of 56 positions" in n for n in peer["notes"])
+
+
+def test_every_generation_key_is_mapped_noted_or_refused():
+    """Each key of our generation section has its way into TRL's generate (GENERATION_KEYS);
+    a key without one is refused when set, not silently dropped; generation.cuda_graph maps
+    to transformers' compile of the static-cache forward, on a GPU only."""
+    import dataclasses
+
+    from oppo_ds.config import GenerationConfig
+
+    assert {f.name for f in dataclasses.fields(GenerationConfig)} == set(trl_peer.GENERATION_KEYS)
+    cfg = load_config(None, ["generation.sync_every=16"])
+    _, notes = trl_peer.trl_settings(cfg, out_dir="", eos_token_ids=(2,), use_cpu=True)
+    assert "generation.sync_every=16: HF generate checks for ended rows after every token" in notes
+    assert trl_peer.policy_generation(cfg) == {}
+
+    newer = dataclasses.make_dataclass("NewerGeneration", [("speculative_tokens", int, 0)],
+                                       bases=(GenerationConfig,))
+    cfg.generation = newer(speculative_tokens=4)
+    with pytest.raises(trl_peer.PeerSettingError,
+                       match=r"generation.speculative_tokens=4: the peer does not know how"):
+        trl_peer.trl_settings(cfg, out_dir="", eos_token_ids=(2,), use_cpu=True)
+    cfg.generation = newer()  # at its default: what the peer's decode does too
+    trl_peer.trl_settings(cfg, out_dir="", eos_token_ids=(2,), use_cpu=True)
+
+    graph = load_config(None, ["generation.static_cache=true", "generation.cuda_graph=true"])
+    with pytest.raises(trl_peer.PeerSettingError,
+                       match="generation.cuda_graph=true: .* CUDA GPU only, and this process "
+                             "sees none"):
+        trl_peer.trl_settings(graph, out_dir="", eos_token_ids=(2,), use_cpu=True)
+    _, notes = trl_peer.trl_settings(graph, out_dir="", eos_token_ids=(2,), use_cpu=False)
+    assert any("mode 'reduce-overhead': CUDA graphs" in n for n in notes)
+    assert trl_peer.policy_generation(graph) == {
+        "cache_implementation": "static", "max_cache_len": 32 + 192, "disable_compile": False}

@@ -13,7 +13,9 @@ the last release with PPO):
   so TRL's ``get_reward`` computes exactly our reward-model score;
 * prompts: our encoded prompt ids, in the order our ``PromptStream`` hands them to the
   sequential trainer (step k trains on the same prompts in both);
-* settings: :func:`trl_settings` (the whole mapping from our config is in that one function).
+* settings: :func:`trl_settings` (the whole mapping from our config is in that one function,
+  but for the decode's cache, set on the policy's ``generation_config``:
+  :func:`policy_generation`; :data:`GENERATION_KEYS` says how each generation key is taken).
 
 Per step it appends one row in our metrics format to ``DIR/metrics.jsonl``: ``step``,
 ``time/step_s``, ``samples``, ``reward/mean``, ``gold/mean`` (built-in prompts only),
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -197,6 +200,7 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
         notes.append(f"generation.top_k={g.top_k}, top_p={g.top_p}: TRL samples with top_k=0, top_p=1")
     if g.temperature == 0:
         notes.append("generation.temperature=0 (greedy): TRL samples at temperature 1e-7")
+    notes += _generation_notes(g, use_cpu)
     if cfg.system.dtype == "fp16":
         notes.append("system.dtype=fp16: the peer runs in fp32 (TRL's fp16 needs fp32 weights "
                      "under a gradient scaler; ours trains fp16 weights)")
@@ -238,6 +242,75 @@ def trl_settings(cfg, *, out_dir: str, eos_token_ids: tuple[int, ...], use_cpu: 
     return settings, notes
 
 
+# How the peer takes each key of our `generation` section. A key not here, set to anything
+# but its default, is refused (_generation_notes): a decode option added to our trainer must
+# not reach our modes and silently not the peer.
+GENERATION_KEYS = {
+    "max_prompt_len": "our code encodes the prompts (load_prompts)",
+    "max_new_tokens": "response_length",
+    "temperature": "temperature (greedy: 1e-7)",
+    "top_k": "not applied (a note): TRL samples with top_k=0",
+    "top_p": "not applied (a note): TRL samples with top_p=1",
+    "eos_token_ids": "stop_token_id, the first of them",
+    "sync_every": "not applied (a note): HF generate checks for ended rows every token",
+    "static_cache": "policy.generation_config.cache_implementation='static' (policy_generation)",
+    "cuda_graph": "transformers' own compile of the forward, on CUDA (policy_generation)",
+}
+
+
+def _generation_notes(g, use_cpu: bool) -> list[str]:
+    """Notes on our generation keys TRL's generate takes otherwise; PeerSettingError for a
+    key :data:`GENERATION_KEYS` does not map, set to other than its default, and for
+    ``cuda_graph`` without a GPU (as our trainer refuses it)."""
+    defaults = type(g)()
+    for field in dataclasses.fields(g):
+        value = getattr(g, field.name)
+        if field.name not in GENERATION_KEYS and value != getattr(defaults, field.name):
+            raise PeerSettingError(
+                f"generation.{field.name}={value!r}: the peer does not know how TRL's generate "
+                f"would take it (it maps {', '.join(GENERATION_KEYS)}); leave it at its "
+                f"default to run the peer")
+    notes = []
+    if g.sync_every != 1:
+        notes.append(f"generation.sync_every={g.sync_every}: HF generate checks for ended rows "
+                     f"after every token")
+    if g.cuda_graph and use_cpu:
+        raise PeerSettingError(
+            "generation.cuda_graph=true: the peer's counterpart is transformers' compile of the "
+            "policy's forward for the static cache (torch.compile, mode 'reduce-overhead': CUDA "
+            "graphs), which transformers does on a CUDA GPU only, and this process sees none: "
+            "set generation.cuda_graph: false")
+    length = g.max_prompt_len + g.max_new_tokens
+    if g.cuda_graph:
+        notes.append(f"generation.static_cache=true, cuda_graph=true: HF generate decodes with a "
+                     f"StaticCache of {length} positions (cache_implementation='static') and "
+                     f"transformers compiles the policy's forward for it (torch.compile, mode "
+                     f"'reduce-overhead': CUDA graphs; the compile falls in the first steps), "
+                     f"where ours captures one CUDA graph of its own forward")
+    elif g.static_cache:
+        notes.append(f"generation.static_cache=true: HF generate decodes with a StaticCache of "
+                     f"{length} positions (cache_implementation='static'), uncompiled "
+                     f"(disable_compile=True: transformers would compile it on a GPU, which is "
+                     f"generation.cuda_graph's counterpart)")
+    return notes
+
+
+def policy_generation(cfg) -> dict:
+    """Attributes the peer sets on the policy's ``generation_config``: HF ``generate``
+    completes the ``GenerationConfig`` TRL passes (its sampling settings only) from the
+    model's, so these reach every rollout. ``generation.static_cache``: a ``StaticCache``
+    (``cache_implementation='static'``) sized once for the run (``max_cache_len``: the
+    longest prompt and response, so that no rollout allocates, or compiles, another);
+    without ``generation.cuda_graph`` uncompiled (``disable_compile``: on a GPU transformers
+    would otherwise compile the forward with CUDA graphs, ``cuda_graph``'s counterpart).
+    Nothing for the default decode."""
+    g = cfg.generation
+    if not g.static_cache:
+        return {}
+    return {"cache_implementation": "static", "max_cache_len": g.max_prompt_len + g.max_new_tokens,
+            "disable_compile": not g.cuda_graph}
+
+
 def peer_dtype(cfg) -> str:
     """The dtype the peer builds its models in: bf16 as ours, else fp32 (fp16 too, see
     :func:`trl_settings`)."""
@@ -251,7 +324,7 @@ def check_settings(config_path: Optional[str], overrides: list[str], steps: int,
     from ..config import load_config
 
     cfg = load_config(config_path, [*overrides, f"steps={steps}", f"seed={seed}"])
-    trl_settings(cfg, out_dir="", eos_token_ids=(), use_cpu=True)
+    trl_settings(cfg, out_dir="", eos_token_ids=(), use_cpu=not torch.cuda.is_available())
 
 
 # ------------------------------------------------------------------ per-step rows
@@ -590,6 +663,9 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
                                    sft_model_path=src.actor, reward_model_path=src.reward)
     for note in notes:
         logger.warning("TRL peer: %s", note)
+    decode = policy_generation(cfg)
+    for key, setting in decode.items():
+        setattr(policy.generation_config, key, setting)
     args = PPOConfig(**settings)
     recorder = _make_recorder(tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
                               builtin_prompts=src.builtin_prompts, metrics_path=metrics_path,
@@ -606,6 +682,7 @@ def run_trl_peer(config_path: Optional[str], overrides: list[str], steps: int, s
         collate_fn=trainer.data_collator, drop_last=True))
     with open(os.path.join(out_dir, "peer.json"), "w") as f:
         json.dump({"peer": "trl", "trl_version": trl_version, "notes": notes,
+                   "policy_generation_config": decode,
                    "ppo_config": {k: v for k, v in args.to_dict().items()
                                   if k in settings or k in ("batch_size", "mini_batch_size",
                                                             "local_mini_batch_size",
