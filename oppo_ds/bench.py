@@ -189,10 +189,14 @@ def _mean(xs: list[float]) -> Optional[float]:
 def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[float] = None) -> dict:
     """A mode's benchmark fields from its metrics.jsonl rows (one dict per step).
 
-    Timing fields (step_time_s, samples_per_s, decode_s, phase_fraction, scoring_hidden_frac)
-    use the steps after the first ``warmup`` (at least one step is always kept); reward, gold
-    and tail waste use every step. ``hidden_default`` is scoring_hidden_frac when no step
-    reports it (0.0 for a mode that does not stream: nothing is hidden), and then also
+    Timing fields (step_time_s, samples_per_s, tokens_per_s, decode_s, phase_fraction,
+    scoring_hidden_frac) use the steps after the first ``warmup`` (at least one step is always
+    kept); reward, gold and tail waste use every step. tokens_per_s: the trained responses'
+    tokens (``response/lengths``) over the same time as samples_per_s, None when a timed step
+    has no lengths; a schedule that trains shorter responses first (the pool's) gains
+    samples/s over a few steps that it does not gain tokens/s. ``hidden_default`` is
+    scoring_hidden_frac when no step reports it (0.0 for a mode that does not stream:
+    nothing is hidden), and then also
     scoring_overlap_frac's (the part of scoring that ran concurrently with the actor's decode;
     a run logged before the key existed has None). decode_s: the median of the generate
     phase less the scoring the actor waited for (``stream/scoring_tail_s`` after its last
@@ -214,6 +218,9 @@ def summarize_mode(steps: list[dict], warmup: int = 2, hidden_default: Optional[
         "step_time_s": statistics.median(step_times) if step_times else None,
         "samples_per_s": sum(column(timed, "samples")) / total_time if total_time > 0 else None,
     }
+    lengths = column(timed, "response/lengths")
+    out["tokens_per_s"] = (sum(sum(x) for x in lengths) / total_time
+                           if total_time > 0 and len(lengths) == len(timed) else None)
     for key, name in (("reward/mean", "reward"), ("gold/mean", "gold")):
         values = column(steps, key)
         if values:
@@ -256,8 +263,8 @@ def add_speedups(modes: dict[str, dict]) -> None:
 
 # timing fields of a mode that differ from round to round; the rest (reward, gold, tail waste)
 # is the same in every round (same code, workload and seeds)
-ROUND_FIELDS = ("step_time_s", "samples_per_s", "speedup", "decode_s", "scoring_hidden_frac",
-                "scoring_overlap_frac",
+ROUND_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "speedup", "decode_s",
+                "scoring_hidden_frac", "scoring_overlap_frac",
                 "ideal_step_time_s", "of_ideal", "process_s", "outside_steps_s")
 
 
@@ -483,11 +490,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_table(modes: dict[str, dict]) -> str:
-    header = ("mode", "step_time_s", "samples/s", "speedup", "of ideal", "decode_s", "hidden",
+    header = ("mode", "step_time_s", "samples/s", "tokens/s", "speedup", "of ideal", "decode_s",
+              "hidden",
               "concurrent", "tail waste", "reward first->last")
     rows = [header]
     for name, m in modes.items():
         rows.append((name, _fmt(m["step_time_s"], ".4f"), _fmt(m["samples_per_s"], ".2f"),
+                     _fmt(m.get("tokens_per_s"), ".1f"),
                      _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
                      _fmt(m.get("of_ideal"), ".1%"), _fmt(m.get("decode_s"), ".4f"),
                      _fmt(m["scoring_hidden_frac"], ".1%"),
@@ -527,15 +536,16 @@ def format_markdown(report: dict) -> str:
              *[f"`@{name}`: {' '.join(overrides)}." for name, overrides in
                (report.get("variants") or {}).items()],
              "",
-             "| run | step time (median) | samples/s | speedup | of ideal | decode (median) | "
-             "scoring hidden | scoring concurrent | tail waste | reward first -> last | "
-             "gold first -> last |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| run | step time (median) | samples/s | tokens/s | speedup | of ideal | "
+             "decode (median) | scoring hidden | scoring concurrent | tail waste | "
+             "reward first -> last | gold first -> last |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = [(name, m) for name, m in report.get("modes", {}).items()]
     rows += [(f"{name} (peer)", m) for name, m in report.get("peers", {}).items()]
     for name, m in rows:
         lines.append(
             f"| {name} | {_fmt(m.get('step_time_s'), '.4f')} s | {_fmt(m.get('samples_per_s'), '.2f')} | "
+            f"{_fmt(m.get('tokens_per_s'), '.1f')} | "
             f"{_fmt(m.get('speedup'), '.2f')}x | {_fmt(m.get('of_ideal'), '.1%')} | "
             f"{_fmt(m.get('decode_s'), '.4f')} s | {_fmt(m.get('scoring_hidden_frac'), '.1%')} | "
             f"{_fmt(m.get('scoring_overlap_frac'), '.1%')} | {_fmt(m.get('tail_waste_frac'), '.1%')} | "

@@ -91,6 +91,35 @@ def test_warmup_longer_than_run_keeps_the_last_step():
     assert bench.summarize_mode([step(5.0)])["scoring_hidden_frac"] is None  # not streamed, not known
 
 
+def test_tokens_per_s_counts_the_trained_response_tokens_of_the_timed_steps():
+    """samples/s counts responses, whatever their length: a schedule that trains the short
+    ones first gains it over a few steps. tokens_per_s: the timed steps' trained response
+    tokens (response/lengths) over the same time; None when a timed step has no lengths."""
+    steps = [step(10.0, lengths=[100] * 8), step(2.0, lengths=[1, 9]),
+             step(4.0, samples=16, lengths=[3, 3, 3, 3]), step(3.0, lengths=[6])]
+    out = bench.summarize_mode(steps, warmup=1)
+    assert out["samples_per_s"] == pytest.approx((8 + 16 + 8) / 9)
+    assert out["tokens_per_s"] == pytest.approx((10 + 12 + 6) / 9)
+    # the same samples/s, a third of the tokens
+    short = [step(1.0, lengths=[2] * 8), step(1.0, lengths=[2] * 8)]
+    long = [step(1.0, lengths=[6] * 8), step(1.0, lengths=[6] * 8)]
+    assert bench.summarize_mode(short, 0)["samples_per_s"] == \
+        bench.summarize_mode(long, 0)["samples_per_s"]
+    assert bench.summarize_mode(short, 0)["tokens_per_s"] == pytest.approx(16.0)
+    assert bench.summarize_mode(long, 0)["tokens_per_s"] == pytest.approx(48.0)
+    unknown = [step(1.0), {"time/step_s": 1.0, "samples": 8}]
+    assert bench.summarize_mode(unknown, warmup=0)["tokens_per_s"] is None
+    assert bench.summarize_mode(unknown, warmup=1)["tokens_per_s"] is None
+    assert "tokens_per_s" in bench.ROUND_FIELDS  # a median over rounds, like samples/s
+    fields = {**out, "speedup": 1.0}
+    assert "tokens/s" in bench.format_table({"oppo": fields}).splitlines()[0]
+    assert "3.1" in bench.format_table({"oppo": fields}).splitlines()[2]
+    table = bench.format_markdown({"modes": {"oppo": fields}, "peers": {"trl": fields}})
+    header, _, row, peer = table.splitlines()[2:6]
+    assert header.split(" | ")[2:4] == ["samples/s", "tokens/s"]
+    assert row.split(" | ")[2:4] == ["3.56", "3.1"] and peer.startswith("| trl (peer) |")
+
+
 def test_speedup_relative_to_sequential():
     modes = {"sequential": {"samples_per_s": 4.0}, "intra": {"samples_per_s": 6.0}}
     bench.add_speedups(modes)

@@ -153,9 +153,10 @@ def run_round(args, modes: list[str], workdir: str, round_index: int, traced) ->
     # the bound comes from the baseline's own phases: without a sequential run there is none
     bench.add_ideal(results, bench.ideal_step_time(histories["sequential"], args.warmup)
                     if "sequential" in histories else None)
-    ratios = {f"{mode} / {peer} samples/s": results[mode]["samples_per_s"] / p["samples_per_s"]
+    ratios = {f"{mode} / {peer} {unit}": results[mode][key] / p[key]
+              for key, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
               for peer, p in peers.items() for mode in results
-              if mode != "sequential" and results[mode]["samples_per_s"] and p["samples_per_s"]}
+              if mode != "sequential" and results[mode].get(key) and p.get(key)}
     return {"modes": results, "peers": peers, "ratios": ratios, "histories": histories,
             "peer_histories": peer_histories, "traces": traces}
 
