@@ -90,7 +90,8 @@ _VARIANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def base_mode(entry: str) -> str:
-    """The schedule of a ``--modes`` entry: ``oppo@graph`` -> ``oppo``."""
+    """The schedule of a ``--modes`` entry: ``oppo@graph`` -> ``oppo`` (of a ``--peers`` entry
+    the peer: ``trl@graph`` -> ``trl``)."""
     return entry.split(VARIANT_SEP, 1)[0]
 
 
@@ -353,32 +354,61 @@ def _last_lines(path: str, n: int = 20) -> str:
         return "".join(f.readlines()[-n:])
 
 
-def parse_peers(text: Optional[str]) -> list[str]:
+def parse_peers(text: Optional[str], variants: Optional[dict[str, list[str]]] = None) -> list[str]:
+    """``"trl,trl@graph"`` -> ["trl", "trl@graph"]: ``PEER@NAME`` runs the peer with the
+    overrides of ``--variant NAME`` after the user's, as ``MODE@NAME`` does a mode (so that,
+    say, TRL decodes with the static cache our ``@graph`` modes use). An unknown peer, an
+    undefined variant or a peer listed twice raises BenchError (code 2)."""
+    variants = variants or {}
     peers = [p.strip() for p in (text or "").split(",") if p.strip()]
-    unknown = [p for p in peers if p not in PEERS]
+    unknown = [p for p in peers if base_mode(p) not in PEERS]
     if unknown:
         raise BenchError(f"unknown peer(s) {', '.join(unknown)}; available peers: {', '.join(PEERS)}",
                          code=2)
+    undefined = [p for p in peers if variant_of(p) not in (None, *variants)]
+    if undefined:
+        raise BenchError(f"{', '.join(undefined)}: no such --variant (defined: "
+                         f"{', '.join(variants) or 'none'}); define one with --variant "
+                         f"NAME:KEY=VALUE,...", code=2)
+    if len(set(peers)) != len(peers):
+        raise BenchError(f"peer listed twice in {text!r}", code=2)
     return peers
 
 
+def peer_overrides(peer: str, user: list[str],
+                   variants: Optional[dict[str, list[str]]] = None) -> list[str]:
+    """A peer's overrides: the user's, then those of the variant it names (``trl@graph``)."""
+    return [*user, *((variants or {})[variant_of(peer)] if variant_of(peer) else [])]
+
+
 def run_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list[str],
-             run_dir: str) -> list[dict]:
-    """Run a peer system in a child process on the same workload; its metrics rows."""
+             run_dir: str, variants: Optional[dict[str, list[str]]] = None) -> list[dict]:
+    """Run a peer system (``trl`` or ``trl@NAME``) in a child process on the same workload;
+    its metrics rows."""
     cmd_args = [*(["--config", config] if config else []), "--steps", str(steps), "--seed", str(seed),
-                "--out", run_dir, *user]
-    return run_mode(f"peer {peer}", None, cmd_args, run_dir, module=PEERS[peer])
+                "--out", run_dir, *peer_overrides(peer, user, variants)]
+    return run_mode(f"peer {peer}", None, cmd_args, run_dir, module=PEERS[base_mode(peer)])
 
 
-def check_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list[str]) -> None:
+def check_peer(peer: str, config: Optional[str], steps: int, seed: int, user: list[str],
+               variants: Optional[dict[str, list[str]]] = None) -> None:
     """Refuse (BenchError, exit 2) a workload the peer cannot run, before any mode runs."""
     from .config import ConfigError
 
-    module = importlib.import_module(PEERS[peer])
+    module = importlib.import_module(PEERS[base_mode(peer)])
     try:
-        module.check_settings(config, user, steps, seed)
+        module.check_settings(config, peer_overrides(peer, user, variants), steps, seed)
     except (ConfigError, module.PeerSettingError) as err:
         raise BenchError(f"peer {peer!r}: {err}", code=2) from None
+
+
+def run_order(runs: list, round_index: int) -> list:
+    """The order round ``round_index`` (1-based) runs ``runs`` (the modes, then the peers) in:
+    rotated by one place a round, so that over the rounds each runs first, last and between,
+    and a drift of the machine's speed over the benchmark lands on no one run alone (without
+    it the peers always ran last)."""
+    shift = (round_index - 1) % len(runs) if runs else 0
+    return runs[shift:] + runs[:shift]
 
 
 def mode_ranks(mode: str, ranks: int, baseline_ranks: Optional[int] = None) -> int:

@@ -120,6 +120,16 @@ def test_tokens_per_s_counts_the_trained_response_tokens_of_the_timed_steps():
     assert row.split(" | ")[2:4] == ["3.56", "3.1"] and peer.startswith("| trl (peer) |")
 
 
+def test_run_order_rotates_a_place_a_round():
+    """--repeat: each round starts one place further along --modes then --peers, so the
+    peers (last in the list) do not run last in every round, nor any one mode first."""
+    runs = ["sequential", "oppo", "trl (peer)"]
+    assert [bench.run_order(runs, k) for k in (1, 2, 3, 4)] == [
+        ["sequential", "oppo", "trl (peer)"], ["oppo", "trl (peer)", "sequential"],
+        ["trl (peer)", "sequential", "oppo"], ["sequential", "oppo", "trl (peer)"]]
+    assert bench.run_order([], 3) == []
+
+
 def test_speedup_relative_to_sequential():
     modes = {"sequential": {"samples_per_s": 4.0}, "intra": {"samples_per_s": 6.0}}
     bench.add_speedups(modes)
@@ -366,6 +376,38 @@ def test_unknown_peer_is_refused():
     assert bench.parse_peers(None) == [] and bench.parse_peers("trl") == ["trl"]
 
 
+def test_a_peer_takes_a_variant_as_a_mode_does():
+    """--peers trl@graph: TRL with the overrides of --variant graph after the user's (the
+    same decode as oppo@graph); an undefined variant or a peer listed twice is refused."""
+    variants = {"graph": ["generation.static_cache=true", "generation.cuda_graph=true"]}
+    assert bench.parse_peers("trl, trl@graph", variants) == ["trl", "trl@graph"]
+    assert bench.peer_overrides("trl@graph", ["ppo.batch_size=8"], variants) == \
+        ["ppo.batch_size=8", "generation.static_cache=true", "generation.cuda_graph=true"]
+    assert bench.peer_overrides("trl", ["ppo.batch_size=8"], variants) == ["ppo.batch_size=8"]
+    with pytest.raises(bench.BenchError, match=r"trl@fast: no such --variant \(defined: graph\)"):
+        bench.parse_peers("trl@fast", variants)
+    with pytest.raises(bench.BenchError, match="unknown peer.* verl@graph"):
+        bench.parse_peers("verl@graph", variants)
+    with pytest.raises(bench.BenchError, match="peer listed twice"):
+        bench.parse_peers("trl@graph,trl@graph", variants)
+
+
+def test_a_peer_variant_it_cannot_honour_is_refused_before_the_modes(tmp_path, capsys):
+    """trl@graph on a machine without a GPU: transformers compiles the static-cache forward
+    (its CUDA graphs) on CUDA only, so the peer refuses generation.cuda_graph up front, as
+    our trainer does, naming the key."""
+    pytest.importorskip("trl")
+    out = str(tmp_path / "x.json")
+    code = bench_cli.main(["--modes", "sequential@graph", "--steps", "2", "--json", out,
+                           "--peers", "trl@graph", "--variant",
+                           "graph:generation.static_cache=true,generation.cuda_graph=true"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "peer 'trl@graph': generation.cuda_graph=true: the peer's counterpart is " \
+           "transformers' compile" in err
+    assert not os.listdir(tmp_path)  # refused before anything ran
+
+
 def test_child_env_drops_rendezvous_variables_of_one_process_runs():
     env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1", "PATH": "/bin"}
     assert bench.child_env(1, env) == {"PATH": "/bin"}
@@ -378,24 +420,40 @@ def test_child_env_drops_rendezvous_variables_of_one_process_runs():
 
 def test_trl_peer_beside_our_modes_and_markdown_table(cache_dir, tmp_path, monkeypatch):
     """--peers trl runs TRL 1.12's PPO on the same workload in its own process; its fields
-    are a mode's, and the JSON carries it under peers.trl with our modes' ratio to it."""
+    are a mode's, and the JSON carries it under peers.trl with our modes' ratio to it.
+    trl@static: the same peer with --variant static's overrides (HF's static cache, the
+    same tokens in fp32)."""
     # left behind by an in-process run (DeepSpeed needs it after its group exists): the
     # children must not take it for a launcher's
     monkeypatch.setenv("LOCAL_RANK", "0")
     out, md = tmp_path / "b.json", tmp_path / "b.md"
     png = tmp_path / "b.png"
-    code = bench_cli.main(["--modes", "sequential,oppo", "--peers", "trl", "--steps", "3",
+    code = bench_cli.main(["--modes", "sequential,oppo", "--peers", "trl,trl@static",
+                           "--variant", "static:generation.static_cache=true", "--steps", "3",
                            "--json", str(out), "--table", str(md), "--plot", str(png), *SMALL,
                            f"workload.cache_dir={cache_dir}"])
     assert code == 0
     report = json.loads(out.read_text())
+    assert list(report["peers"]) == ["trl", "trl@static"]
+    assert report["variants"] == {"static": ["generation.static_cache=true"]}
     trl = report["peers"]["trl"]
     check_mode_fields(trl, 3)
     assert trl["speedup"] == pytest.approx(trl["samples_per_s"] / report["modes"]["sequential"]["samples_per_s"])
-    ratio = report["ratios"]["oppo / trl samples/s"]
-    assert ratio == pytest.approx(report["modes"]["oppo"]["samples_per_s"] / trl["samples_per_s"])
+    for unit, key in (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s")):
+        ratio = report["ratios"][f"oppo / trl {unit}"]
+        assert ratio == pytest.approx(report["modes"]["oppo"][key] / trl[key])
+    assert "oppo / trl@static samples/s" in report["ratios"]
+    runs = tmp_path / "b.runs"
+    static = json.loads((runs / "peer-trl@static" / "peer.json").read_text())
+    assert static["policy_generation_config"]["cache_implementation"] == "static"
+    plain = json.loads((runs / "peer-trl" / "peer.json").read_text())
+    assert plain["policy_generation_config"] == {}
+    first = {p: json.loads((runs / f"peer-{p}" / "metrics.jsonl").read_text().splitlines()[0])
+             for p in ("trl", "trl@static")}
+    assert first["trl"]["response/lengths"] == first["trl@static"]["response/lengths"]
     table = md.read_text()
     assert "| trl (peer) |" in table and "| oppo |" in table and "oppo / trl samples/s" in table
+    assert "| trl@static (peer) |" in table and "`@static`: generation.static_cache=true." in table
     # the processor named beside the CPU count (where the system names it: not every Linux's
     # /proc/cpuinfo does): what the default decode's speed hangs on
     machine = report["machine"]
@@ -538,10 +596,11 @@ def test_repeat_runs_the_modes_round_robin(cache_dir, tmp_path, capsys):
                            f"workload.cache_dir={cache_dir}"])
     assert code == 0
     err = capsys.readouterr().err
+    # round 2 rotated: inter first, so that neither always runs last
     assert err.index("sequential (round 1 of 2)") < err.index("inter (round 1 of 2)") \
-        < err.index("sequential (round 2 of 2)") < err.index("inter (round 2 of 2)")
+        < err.index("inter (round 2 of 2)") < err.index("sequential (round 2 of 2)")
     report = json.loads(out.read_text())
-    assert report["repeat"] == 2
+    assert report["repeat"] == 2 and list(report["modes"]) == ["sequential", "inter"]
     for name in ("sequential", "inter"):
         for d in (name, f"{name}.round2"):
             assert (tmp_path / "b.runs" / d / "metrics.jsonl").is_file()

@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write PNGs: OUT.png (reward and gold against samples and time, step "
                              "time by phase) and OUT-timeline.png (one traced step per mode)")
     parser.add_argument("--peers", metavar="PEERS",
-                        help=f"other systems to run on the same workload; available: {', '.join(bench.PEERS)}")
+                        help=f"other systems to run on the same workload; available: "
+                             f"{', '.join(bench.PEERS)}; PEER@NAME runs PEER with the overrides "
+                             f"of --variant NAME, as MODE@NAME (trl@graph: TRL decoding with "
+                             f"HF's static cache, compiled on a GPU)")
     parser.add_argument("--table", metavar="OUT.md", type=output_file_in_new_folders,
                         help="also write the results as a markdown table")
     parser.add_argument("--seed", type=seed, default=0,
@@ -69,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "trains them on as many actor ranks as the stage modes have: every "
                              "mode the same run (batch, tokens) on the same machine")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="run the whole benchmark N times round-robin (every mode once per "
-                             "round) and report medians over the rounds; a speedup is the "
-                             "median of the rounds' own speedups (default 1)")
+                        help="run the whole benchmark N times round-robin (every mode and "
+                             "peer once per round, the order rotated by one place each round: "
+                             "round 2 starts with the second run of --modes then --peers) and "
+                             "report medians over the rounds; a speedup is the median of the "
+                             "rounds' own speedups (default 1)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides applied to every mode, e.g. ppo.batch_size=32; "
                              "oppo.overcommit=N sets Delta for inter and oppo only, and "
@@ -107,45 +112,55 @@ def check_inputs(args, modes: list[str], workdir: str) -> None:
             raise bench.BenchError(f"mode {mode!r}: oppo.placement=stage needs a rank for the "
                                    f"scorers besides the actor ranks: --ranks 2 or more",
                                    code=2)
-    for peer in bench.parse_peers(args.peers):
-        if importlib.util.find_spec(bench.PEER_PACKAGES[peer]) is None:
-            raise bench.BenchError(f"peer {peer!r} needs {bench.PEER_PACKAGES[peer]} "
+    for peer in bench.parse_peers(args.peers, args.variants):
+        package = bench.PEER_PACKAGES[bench.base_mode(peer)]
+        if importlib.util.find_spec(package) is None:
+            raise bench.BenchError(f"peer {peer!r} needs {package} "
                                    f"(pip install 'oppo-ds[peer]')", code=2)
-        bench.check_peer(peer, args.config, args.steps, args.seed, args.overrides)
+        bench.check_peer(peer, args.config, args.steps, args.seed, args.overrides,
+                         variants=args.variants)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise bench.BenchError("--plot needs matplotlib (pip install 'oppo-ds[plot]')", code=2)
 
 
 def run_round(args, modes: list[str], workdir: str, round_index: int, traced) -> dict:
-    """Every mode, then every peer, once, one after another: round ``round_index`` of the
-    benchmark. Speedups, the ideal bound and the peer ratios are taken within the round."""
-    results, histories, traces = {}, {}, {}
+    """Every mode and every peer once, one after another: round ``round_index`` of the
+    benchmark, in ``bench.run_order`` (the list rotated by one place a round, so that the
+    peers do not always run last). Speedups, the ideal bound and the peer ratios are taken
+    within the round; the results keep the order of --modes and --peers."""
+    peer_names = bench.parse_peers(args.peers, args.variants)
+    order = bench.run_order([*((m, False) for m in modes), *((p, True) for p in peer_names)],
+                            round_index)
+    results, histories, traces, peers, peer_histories = {}, {}, {}, {}, {}
     rounds = f" (round {round_index} of {args.repeat})" if args.repeat > 1 else ""
-    for i, mode in enumerate(modes, 1):
-        run_dir = bench.round_dir(workdir, mode, round_index)
-        print(f"[{i}/{len(modes)}] {mode}{rounds}: {args.steps} steps, log {run_dir}/stdout.log",
-              file=sys.stderr, flush=True)
-        overrides = bench.child_overrides(mode, args.steps, args.seed, run_dir, args.overrides,
+    for i, (name, is_peer) in enumerate(order, 1):
+        run_dir = bench.round_dir(workdir, f"peer-{name}" if is_peer else name, round_index)
+        print(f"[{i}/{len(order)}] {'peer ' if is_peer else ''}{name}{rounds}: {args.steps} "
+              f"steps, log {run_dir}/stdout.log", file=sys.stderr, flush=True)
+        if is_peer:
+            rows = bench.run_peer(name, args.config, args.steps, args.seed, args.overrides,
+                                  run_dir, variants=args.variants)
+            peers[name] = bench.summarize_mode(rows, args.warmup, hidden_default=0.0)
+            peer_histories[f"{name} (peer)"] = rows
+            continue
+        overrides = bench.child_overrides(name, args.steps, args.seed, run_dir, args.overrides,
                                           trace_step=traced, variants=args.variants)
         start = time.perf_counter()
-        histories[mode] = bench.run_mode(mode, args.config, overrides, run_dir,
-                                         ranks=bench.mode_ranks(mode, args.ranks,
+        histories[name] = bench.run_mode(name, args.config, overrides, run_dir,
+                                         ranks=bench.mode_ranks(name, args.ranks,
                                                                 args.baseline_ranks))
         process_s = time.perf_counter() - start
         trace = bench.read_trace(run_dir, traced) if traced else None
         if trace is not None:
-            traces[mode] = trace
-        hidden_default = None if bench.MODES[bench.base_mode(mode)].streams else 0.0
-        results[mode] = bench.summarize_mode(histories[mode], args.warmup, hidden_default)
-        bench.add_process_time(results[mode], histories[mode], process_s)
-    peers, peer_histories = {}, {}
-    for peer in bench.parse_peers(args.peers):
-        run_dir = bench.round_dir(workdir, f"peer-{peer}", round_index)
-        print(f"[peer] {peer}{rounds}: {args.steps} steps, log {run_dir}/stdout.log",
-              file=sys.stderr, flush=True)
-        rows = bench.run_peer(peer, args.config, args.steps, args.seed, args.overrides, run_dir)
-        peers[peer] = bench.summarize_mode(rows, args.warmup, hidden_default=0.0)
-        peer_histories[f"{peer} (peer)"] = rows
+            traces[name] = trace
+        hidden_default = None if bench.MODES[bench.base_mode(name)].streams else 0.0
+        results[name] = bench.summarize_mode(histories[name], args.warmup, hidden_default)
+        bench.add_process_time(results[name], histories[name], process_s)
+    results = {mode: results[mode] for mode in modes}
+    histories = {mode: histories[mode] for mode in modes}
+    traces = {mode: traces[mode] for mode in modes if mode in traces}
+    peers = {peer: peers[peer] for peer in peer_names}
+    peer_histories = {f"{peer} (peer)": peer_histories[f"{peer} (peer)"] for peer in peer_names}
     bench.add_speedups(results)
     base = results.get("sequential", {}).get("samples_per_s")
     for fields in peers.values():
@@ -170,7 +185,8 @@ def run(args) -> dict:
     machine = bench.machine_info()  # before the runs: the load average they started under
     traced = bench.trace_step(args.steps, args.warmup) if args.plot else None
     # round-robin: every mode once per round, so that a drift of the machine's speed during
-    # the benchmark reaches every mode alike and each round's speedups pair runs close in time
+    # the benchmark reaches every mode alike and each round's speedups pair runs close in time;
+    # the order rotates from round to round (bench.run_order), so no run is always last
     rounds = [run_round(args, modes, workdir, k, traced) for k in range(1, args.repeat + 1)]
     first = rounds[0]
     if args.repeat > 1:
@@ -186,7 +202,8 @@ def run(args) -> dict:
               "repeat": args.repeat, "overrides": list(args.overrides),
               # the variants some run used: a script may define more than its --modes name
               "variants": {name: overrides for name, overrides in args.variants.items()
-                           if any(bench.variant_of(mode) == name for mode in modes)},
+                           if any(bench.variant_of(run) == name for run in
+                                  [*modes, *bench.parse_peers(args.peers, args.variants)])},
               "workdir": workdir,
               "machine": machine, "modes": results, "peers": peers, "ratios": ratios}
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
