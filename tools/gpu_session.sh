@@ -9,8 +9,11 @@
 # 2. gpu-test.txt: the tests that need a GPU (the CUDA graph's, the colocated side stream's).
 # 3. bench.json / bench.md / bench.runs/: one oppo-bench of every entry of MODES (default
 #    below) against the same plain sequential run, medians of STEPS - WARMUP steps.
-# 4. peer-trl/ and peer-trl.json: TRL 1.12's PPO on the same settings and steps (PEER=0 skips
-#    it), when trl imports, and oppo-bench's summary of its steps (samples_per_s, ...).
+# 4. peer-trl-graph/ and peer-trl-graph.json, then peer-trl/ and peer-trl.json: TRL 1.12's PPO
+#    on the same settings and steps, when trl imports (PEER=0 skips both), and oppo-bench's
+#    summary of its steps (samples_per_s, tokens_per_s, ...): first with GRAPH's overrides
+#    (HF's static cache, its forward compiled by transformers: mode reduce-overhead, CUDA
+#    graphs; the decode our @graph runs get; PEER_GRAPH=0 skips it), then decoding by default.
 # 5. profile-run/profile/step_4.txt, when PROFILE=1 and time is left: torch's profile of step
 #    4 of a sequential run decoding with the static cache and a CUDA graph.
 # 6. calibrate.txt: oppo-plan's cost model fitted to that sequential run, the others predicted.
@@ -27,7 +30,8 @@
 # fp32, system.grad_accum_dtype auto, since the 34th session; run7's z1 was before it); z1bf16
 # = the same with bf16 gradients, its ZeRO optimizer; z2 = graph under ZeRO-2), ARCH
 # (qwen2.5-0.5b), SETTINGS (the overrides of every run, default the GPU runs' length-oracle
-# workload below), GRAPH, PEER (1), PROFILE (0), WORK (/tmp/gpu-work), WHEELS (.whl), PYTHON.
+# workload below), GRAPH, PEER (1), PEER_GRAPH (1), PROFILE (0), WORK (/tmp/gpu-work),
+# WHEELS (.whl), PYTHON.
 #
 # A machine without deepspeed (the lent GPU machines' image has torch, transformers, no
 # deepspeed, no registry): build the wheels here with `make gpu-wheels` (pure-Python deepspeed
@@ -41,7 +45,7 @@ rm -rf "$W" && mkdir -p "$W"
 pack() {
     tar czf "$OUT/session.tgz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' \
         --exclude='*.bin' --exclude='checkpoints' --exclude='profile/*.json' . 2>/dev/null
-    for f in device.txt gpu-test.txt bench.md calibrate.txt peer-trl.json; do
+    for f in device.txt gpu-test.txt bench.md calibrate.txt peer-trl-graph.json peer-trl.json; do
         if [ -f "$W/$f" ]; then cp "$W/$f" "$OUT/"; fi
     done
 }
@@ -103,18 +107,29 @@ echo "bench exit $?"
 cat "$W/bench.md" 2>/dev/null || tail -20 "$W/bench.txt"
 
 # TRL's PPO on the same settings, prompts and steps, its own process after the bench (whose
-# JSON is then written whatever TRL does); its summary is oppo-bench's for a peer
-if [ "${PEER:-1}" = 1 ] && $PY -c "import trl, datasets" 2>/dev/null; then
-    echo "== TRL peer ($(left) s left)"
+# JSON is then written whatever TRL does); its summary is oppo-bench's for a peer. Both ways:
+# with the graph variant's decode (HF's static cache, compiled by transformers: what
+# oppo@graph's ratio to TRL should be taken against) first, then TRL's default decode.
+peer() {  # NAME OVERRIDES...: one TRL run in $W/NAME, its summary in $W/NAME.json
+    local name=$1
+    shift
+    echo "== TRL peer $name ($(left) s left)"
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m oppo_ds.peers.trl_peer --steps "${STEPS:-8}" --seed 0 \
-        --out "$W/peer-trl" $SETTINGS > "$W/peer-trl.txt" 2>&1
-    echo "peer exit $?"
+        --out "$W/$name" $SETTINGS "$@" > "$W/$name.txt" 2>&1
+    echo "peer $name exit $?"
     $PY -c "import json, sys; from oppo_ds import bench
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print(json.dumps(bench.summarize_mode(rows, ${WARMUP:-2}, hidden_default=0.0), indent=1))" \
-        "$W/peer-trl/metrics.jsonl" > "$W/peer-trl.json" 2>&1
-    cat "$W/peer-trl.json"
+        "$W/$name/metrics.jsonl" > "$W/$name.json" 2>&1
+    cat "$W/$name.json"
+}
+if [ "${PEER:-1}" = 1 ] && $PY -c "import trl, datasets" 2>/dev/null; then
+    if [ "${PEER_GRAPH:-1}" = 1 ]; then
+        # shellcheck disable=SC2086
+        peer peer-trl-graph ${GRAPH//,/ }
+    fi
+    peer peer-trl
 fi
 
 # where a sequential step with the graph goes, if time is left (about 60 s)
