@@ -122,5 +122,59 @@ def test_interface_rules(models):
     assert batch.seq_len <= 5 + 6
     with pytest.raises(NotImplementedError, match="continuous_batch_size"):
         engine.generate(request, SamplingConfig(max_new_tokens=4, continuous_batch_size=2))
+    # top_p 0 would cut every token (the likeliest too): refused, as the trainer's config does
+    for top_p in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="top_p must lie in"):
+            engine.generate(request, SamplingConfig(max_new_tokens=4, top_p=top_p))
     engine.sync_weights(3)
     assert engine.weights_step == 3 and not actor.training
+
+
+def _zero3_ranks_end_apart(rank, world, out):
+    """A ZeRO-3 actor on two ranks whose responses end at different steps (at 5 and 30
+    tokens): each rank records its forwards, its tokens, and the same decode by an HF model
+    holding the same weights whole."""
+    import os
+
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    whole = LlamaForCausalLM(config)
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        model = LlamaForCausalLM(config)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model.load_state_dict(whole.state_dict())
+    engine, *_ = deepspeed.initialize(model=model, config=ds,
+                                      model_parameters=model.parameters())
+    calls = [0]
+    engine.module.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=15)
+    rollout = OppoRolloutEngine(engine, tokenizer, chunk_size=4)
+    prompt = torch.tensor([[7, 8, 9]]) if rank == 0 else torch.tensor([[11, 12, 13]])
+    request = RolloutRequest(prompt_ids=prompt, prompt_attention_mask=torch.ones_like(prompt))
+    # ended apart: at another step on each rank (as at each rank's own EOS)
+    sampling = SamplingConfig(max_new_tokens=5 if rank == 0 else 30, temperature=0.0)
+    batch = rollout.generate(request, sampling)
+    alone = OppoRolloutEngine(whole, tokenizer, chunk_size=4).generate(request, sampling)
+    out.put((rank, calls[0], batch.input_ids.tolist(), alone.input_ids.tolist()))
+
+
+def test_zero3_ranks_whose_responses_end_apart_decode_without_collectives():
+    """Under ZeRO-3 each forward all-gathers the layers: ranks whose responses end at
+    different steps make different numbers of forwards, and their collectives paired up
+    wrong until both timed out (a review reproduced it). The engine decodes on the gathered
+    weights, hooks off, as oppo-train's rollout does: each rank's tokens are those of the
+    whole model decoding alone."""
+    from _builders import spawn_gloo
+
+    results = sorted(spawn_gloo(_zero3_ranks_end_apart, 2, join_s=240, group_timeout_s=60))
+    (_, calls0, ids0, alone0), (_, calls1, ids1, alone1) = results
+    assert ids0 == alone0 and ids1 == alone1
+    assert calls0 != calls1  # the ranks' decodes did end apart

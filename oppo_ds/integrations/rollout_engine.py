@@ -21,6 +21,7 @@ the chunked decoder already drops finished rows from its batch.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from deepspeed.runtime.rollout.base import (RolloutBatch, RolloutEngine, Rollout
 from ..rollout.generate import SamplingParams, cudnn_attention
 from ..rollout.scorer import StreamingScorer
 from ..rollout.streaming import StreamTiming, stream_generate
-from .deepspeed_chat import ValueView, _host_timed, _unwrap
+from .deepspeed_chat import ValueView, _host_timed, _unwrap, _zero_stage
 
 
 class OppoRolloutEngine(RolloutEngine):
@@ -83,6 +84,8 @@ class OppoRolloutEngine(RolloutEngine):
         if sampling.n_samples_per_prompt < 1 or sampling.max_new_tokens < 1:
             raise ValueError(f"n_samples_per_prompt and max_new_tokens must be >= 1, got "
                              f"{sampling.n_samples_per_prompt} and {sampling.max_new_tokens}")
+        if not 0 < sampling.top_p <= 1:  # at 0 every token, the likeliest too, would be cut
+            raise ValueError(f"SamplingConfig.top_p must lie in (0, 1], got {sampling.top_p}")
         eos = self.tokenizer.eos_token_id
         return SamplingParams(max_new_tokens=sampling.max_new_tokens,
                               eos_token_ids=() if eos is None else (eos,),
@@ -104,7 +107,7 @@ class OppoRolloutEngine(RolloutEngine):
         try:
             scorers = [self._scorer(kind, params.temperature if params.temperature > 0 else 1.0)
                        for kind in self.models]
-            with cudnn_attention(self.cudnn_attention):
+            with self._gathered(), cudnn_attention(self.cudnn_attention):
                 gen, scores, timing = stream_generate(actor, scorers, prompt_ids, prompt_mask,
                                                       params, self.generator, self.chunk_size,
                                                       placement=self.placement)
@@ -122,6 +125,20 @@ class OppoRolloutEngine(RolloutEngine):
                                           device=prompt_ids.device))
         self.last_scores, self.last_timing = scores, timing
         return batch, scores
+
+    def _gathered(self):
+        """The ZeRO-3 engines given (actor, scorers) whole on every rank for the call, their
+        forwards free of collectives (``gathered_without_hooks``; every rank enters it). Each
+        rank's responses end at their own tokens, so ranks make different numbers of forwards:
+        ZeRO-3's per-forward all-gathers would not pair up (DeepSpeed's HybridEngineRollout
+        decodes without EOS for this; here a rank stops where its rows end)."""
+        engines = [self.actor, *self.models.values()]
+        zero3 = list({id(m): m for m in engines if _zero_stage(m) == 3}.values())
+        if not zero3:
+            return contextlib.nullcontext()
+        from ..engines.deepspeed_engine import gathered_without_hooks
+
+        return gathered_without_hooks(zero3)
 
     def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
         return self.generate_with_scores(request, sampling)[0]
