@@ -564,3 +564,36 @@ def test_patch_applies_to_the_pinned_main_py():
     proc = subprocess.run(["git", "apply", "--check", os.path.abspath(PATCH)], cwd=root,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_decoding_takes_the_actor_s_generation_config_as_hf_generate_does(caplog):
+    """DeepSpeed-Chat's actor.module.generate(...) samples with the actor's generation config
+    and transformers' defaults for what it leaves unset: a config of do_sample, temperature
+    0.6 and top_p 0.95 samples from the top 50 (we took an unset top_k for off). Logits
+    processors the chunked decode does not apply (Qwen2.5-Instruct's repetition_penalty
+    1.05) are named in one warning; Llama is greedy (DeepSpeed-Chat forces it)."""
+    from oppo_ds.integrations.deepspeed_chat import sampling_from_actor
+
+    def actor(model_type, **settings):
+        config = SimpleNamespace(model_type=model_type, eos_token_id=2)
+        return SimpleNamespace(generation_config=transformers.GenerationConfig(**settings),
+                               config=config)
+
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    sampled = sampling_from_actor(actor("opt", do_sample=True, temperature=0.6, top_p=0.95),
+                                  tokenizer, 32)
+    assert (sampled.temperature, sampled.top_k, sampled.top_p) == (0.6, 50, 0.95)
+    assert sampled.eos_token_ids == (2, 0) and sampled.max_new_tokens == 32
+    own = sampling_from_actor(actor("qwen2", do_sample=True, top_k=20, top_p=0.8,
+                                    temperature=0.7), tokenizer, 32)
+    assert (own.temperature, own.top_k, own.top_p) == (0.7, 20, 0.8)
+    assert not [r for r in caplog.records if "generation config sets" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="oppo_ds.integrations.deepspeed_chat"):
+        greedy = sampling_from_actor(actor("llama", do_sample=True, repetition_penalty=1.05),
+                                     tokenizer, 32)
+    assert greedy.temperature == 0.0
+    assert [r.getMessage() for r in caplog.records
+            if "generation config sets" in r.getMessage()] == [
+        "the actor's generation config sets repetition_penalty=1.05, which HF generate applies "
+        "and the chunked decode does not: it samples from the policy itself, whose log-probs "
+        "PPO trains on (temperature, top-k and top-p apply)"]

@@ -242,13 +242,43 @@ class DSChatScorer:
         return self.inner.finish(rows)
 
 
+# what HF generate does beyond temperature, top-k and top-p, with each setting's neutral value:
+# the chunked decode samples from the policy itself (whose log-probs PPO uses) and applies none
+_NOT_APPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0,
+                "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "min_length": 0,
+                "min_new_tokens": None, "bad_words_ids": None, "suppress_tokens": None,
+                "begin_suppress_tokens": None, "forced_bos_token_id": None,
+                "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+                "sequence_bias": None}
+
+
+def _generation_setting(gen, key: str):
+    """``gen``'s ``key`` as HF generate takes it: its own value, else transformers' default
+    (``top_k`` 50 when sampling: a config that does not set it samples from the top 50)."""
+    value = getattr(gen, key, None)
+    defaults = getattr(gen, "_get_default_generation_params", None)
+    if value is None and callable(defaults):
+        value = defaults().get(key)
+    return value
+
+
 def sampling_from_actor(actor, tokenizer, max_answer_seq_len: int) -> SamplingParams:
     """The decoding DeepSpeed-Chat's ``actor.module.generate(...)`` does: the actor's own
     generation config (greedy unless it says ``do_sample``; always greedy for Llama, which
-    DeepSpeed-Chat forces), ending at its EOS ids; the tokenizer's pad also ends an answer."""
+    DeepSpeed-Chat forces) with transformers' defaults for what it leaves unset (top-k 50),
+    ending at its EOS ids; the tokenizer's pad also ends an answer. Its other logits
+    processors (a repetition penalty, a minimum length, ...) are not applied: one warning
+    names those it sets."""
     module = _unwrap(actor)
     gen = getattr(module, "generation_config", None)
     do_sample = bool(getattr(gen, "do_sample", False)) and module.config.model_type != "llama"
+    ignored = {key: getattr(gen, key) for key, neutral in _NOT_APPLIED.items()
+               if getattr(gen, key, None) not in (None, neutral)}
+    if ignored:
+        logger.warning("the actor's generation config sets %s, which HF generate applies and "
+                       "the chunked decode does not: it samples from the policy itself, whose "
+                       "log-probs PPO trains on (temperature, top-k and top-p apply)",
+                       ", ".join(f"{k}={v}" for k, v in ignored.items()))
     eos = getattr(gen, "eos_token_id", None)
     if eos is None:
         eos = module.config.eos_token_id
@@ -258,9 +288,11 @@ def sampling_from_actor(actor, tokenizer, max_answer_seq_len: int) -> SamplingPa
     if not do_sample:
         return SamplingParams(max_new_tokens=max_answer_seq_len, eos_token_ids=ends,
                               pad_token_id=pad, temperature=0.0)
+    temperature, top_k, top_p = (_generation_setting(gen, key)
+                                 for key in ("temperature", "top_k", "top_p"))
     return SamplingParams(max_new_tokens=max_answer_seq_len, eos_token_ids=ends, pad_token_id=pad,
-                          temperature=float(gen.temperature or 1.0), top_k=int(gen.top_k or 0),
-                          top_p=float(gen.top_p if gen.top_p is not None else 1.0))
+                          temperature=float(1.0 if temperature is None else temperature),
+                          top_k=int(top_k or 0), top_p=float(1.0 if top_p is None else top_p))
 
 
 def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
