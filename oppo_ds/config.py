@@ -262,6 +262,12 @@ class OppoConfig:
     scorer rank keeps the deferred rows in its caches from step to step, as the frozen scorers
     do in the actor's process under the other placements (after a resume it prefills them again
     once). Needs `streaming: true`."""
+    stage_timeout_minutes: int = 30
+    """Under `placement: stage`: how long each end of a link waits for the other, per message
+    and to open it. The scorer rank waits for the next rollout through everything the actor
+    ranks do between two (scoring, training, evaluation, a checkpoint save, and at start the
+    models' loading): raise it where those can take longer (a 70B save to slow storage). A
+    process that ends stops the others at once whatever its value."""
     overcommit: Union[int, Literal["auto"]] = 0
     """Delta: extra sequences started per step beyond batch_size (inter-step overlap). Each step
     decodes batch_size + Delta sequences, keeps the first batch_size that finish and carries the
@@ -301,6 +307,8 @@ class OppoConfig:
         _require(0 <= self.delta_min <= self.delta_max, "delta_min",
                  f"must satisfy 0 <= delta_min <= delta_max, got {self.delta_min} and {self.delta_max}")
         _require(self.delta_window >= 2, "delta_window", f"must be >= 2, got {self.delta_window}")
+        _require(self.stage_timeout_minutes >= 1, "stage_timeout_minutes",
+                 f"must be >= 1, got {self.stage_timeout_minutes}")
         _require(self.max_defer_steps >= 1, "max_defer_steps", f"must be >= 1, got {self.max_defer_steps}")
         _require(self.is_clip >= 1.0, "is_clip", f"must be >= 1, got {self.is_clip}")
         if self.placement == "stage":

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -169,7 +170,8 @@ class StagePlacement:
         if backend == "nccl" and self.stage.is_scorer:  # a GPU of its own, not a shared one
             comm.check_local_device()
             comm.set_local_cuda_device()
-        self.stage_links = self.stage.open_links(backend)
+        self.stage_links = self.stage.open_links(
+            backend, timedelta(minutes=self.cfg.oppo.stage_timeout_minutes))
 
     def close(self) -> None:
         """Shut the stage's links down (a no-op without them); ``oppo-train`` calls it after

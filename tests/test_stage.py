@@ -14,6 +14,7 @@ stage must serve the next rollout, and both processes must exit (timeouts everyw
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -710,3 +711,23 @@ def test_a_closed_connection_is_told_from_a_process_s_own_error():
     assert not link_failure(RuntimeError("The size of tensor a (4) must match the size of b (3)"))
     assert not link_failure(NonFiniteError("step 3: Connection closed by peer"))
     assert not link_failure(ValueError("Connection closed by peer"))
+
+
+def test_the_links_wait_as_long_as_oppo_stage_timeout_minutes():
+    """The scorer rank waits for the next rollout through whatever the actor ranks do between
+    two (a 70B checkpoint save included): the links' timeout is `oppo.stage_timeout_minutes`
+    (30 by default, at least 1). The stage layout here is a stand-in that records what the
+    trainer asks of it: opening real links is what the tests above do."""
+    from oppo_ds.config import ConfigError, load_config
+    from oppo_ds.stage_placement import StagePlacement
+
+    opened = []
+    placement = StagePlacement.__new__(StagePlacement)
+    placement.stage = SimpleNamespace(is_scorer=False,
+                                      open_links=lambda *args: opened.append(args) or {})
+    for overrides, minutes in (([], 30), (["oppo.stage_timeout_minutes=120"], 120)):
+        placement.cfg = load_config(None, overrides)
+        placement._open_stage_links()
+        assert opened.pop() == ("gloo", timedelta(minutes=minutes))
+    with pytest.raises(ConfigError, match="oppo.stage_timeout_minutes: must be >= 1, got 0"):
+        load_config(None, ["oppo.stage_timeout_minutes=0"])
