@@ -122,6 +122,86 @@ def test_unsupported_architecture_is_refused():
                          max_window_layers=2))  # every layer full: converted
 
 
+# Llama 3.1's RoPE scaling (rope_type llama3) from an original context of 32 positions, so
+# that each band of frequencies is exercised (tiny-llama's wavelengths are 6.3, 20.9, 70.6,
+# ... positions: one kept, one interpolated, the rest stretched) and positions up to 70
+# (_long_inputs) reach well past it
+TINY_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def _llama3_config(vocab=VOCAB, rope=None):
+    config = tiny_config("tiny-llama", vocab)
+    config.rope_parameters = dict(rope or TINY_LLAMA3)
+    return config
+
+
+def _real_llama3(factor: float):
+    """Llama 3.1/3.3 70B's shape and RoPE (factor 8; Llama 3.2's is 32) as their config.json
+    on the Hub writes them (rope_theta and rope_scaling, the names older transformers use)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig.from_dict({
+        "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 1, "intermediate_size": 256, "vocab_size": VOCAB,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}})
+
+
+def test_rotary_frequencies_are_hfs():
+    """The converted model's inverse frequencies are the HF model's, bit for bit: plain RoPE,
+    and Llama 3's scaling with its four parameters as the checkpoint gives them.
+    megatron-core's own scaling (RotaryEmbedding(rope_scaling=True)) takes only the factor:
+    it matches for Llama 3.1's other three, not for the tiny model's original context."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from oppo_ds.megatron.convert import rotary_inv_freq
+
+    def megatron_cores(config, shape):
+        return RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0,
+                               rotary_base=shape.rope_theta, rope_scaling=True,
+                               rope_scaling_factor=shape.rope_scaling.factor,
+                               use_cpu_initialization=True).inv_freq
+
+    plain = tiny_config("tiny-llama", VOCAB)
+    assert shape_of(plain).rope_scaling is None
+    assert torch.equal(rotary_inv_freq(shape_of(plain)), LlamaRotaryEmbedding(plain).inv_freq)
+    for config in (_llama3_config(), _real_llama3(8.0), _real_llama3(32.0)):
+        shape = shape_of(config)
+        hf = LlamaRotaryEmbedding(config).inv_freq
+        ours = rotary_inv_freq(shape)
+        assert ours.dtype == torch.float32 and torch.equal(ours, hf), config.rope_parameters
+        unscaled = rotary_inv_freq(shape_of(tiny_config("tiny-llama", VOCAB))) \
+            if config.head_dim == 16 else None
+        if unscaled is not None:  # every band but the shortest wavelength moved
+            assert (ours != unscaled).sum() == len(ours) - 1
+        same_as_megatron = torch.allclose(megatron_cores(config, shape), hf, rtol=1e-6, atol=0)
+        assert same_as_megatron == (shape.rope_scaling.original_max_position_embeddings == 8192)
+
+
+@pytest.mark.parametrize("rope_type,extra", [
+    ("linear", {"factor": 2.0}), ("dynamic", {"factor": 2.0}),
+    ("yarn", {"factor": 4.0, "original_max_position_embeddings": 64}),
+    ("longrope", {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                  "original_max_position_embeddings": 64})])
+def test_rope_scalings_but_llama3_are_refused_by_name(rope_type, extra):
+    config = _llama3_config(rope={"rope_type": rope_type, "rope_theta": 10000.0, **extra})
+    with pytest.raises(ValueError, match=f"rope_type '{rope_type}' .*only 'default' and "
+                                         f"'llama3'"):
+        shape_of(config)
+
+
+def test_incomplete_llama3_rope_is_refused():
+    rope = {k: v for k, v in TINY_LLAMA3.items() if k != "high_freq_factor"}
+    with pytest.raises(ValueError, match="rope_type 'llama3' without high_freq_factor"):
+        shape_of(_llama3_config(rope=rope))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        shape_of(_llama3_config(rope={**TINY_LLAMA3, "partial_rotary_factor": 0.5}))
+
+
 def _clip_worker(rank, world, out, clip):
     from oppo_ds.engines.megatron_engine import MegatronTrainEngine
     from oppo_ds.megatron.model import build_model
@@ -508,6 +588,85 @@ def test_tied_model_trained_apart_exports_untied(torch_one_thread):
     assert report["untrained_tied"] is True
     assert report["trained_tied"] is False
     assert report["logits"] < ATOL, report
+
+
+def _long_inputs():
+    """Left-padded rows of up to 70 tokens: positions well past TINY_LLAMA3's original 32."""
+    from _builders import left_padded_prompts
+
+    from oppo_ds.rollout.generate import position_ids_from_mask
+    ids, mask = left_padded_prompts([70, 41, 12, 66], VOCAB, 0, seed=3)
+    return ids, mask, position_ids_from_mask(mask)
+
+
+def _llama3_worker(rank, world, out, root):
+    """A tiny Llama 3.1 read from its checkpoint as the run reads it, against the HF model:
+    logits (whole and through the KV cache), megatron-core's own forward, and the two HF
+    exports of its weights (the run's, gathered in memory, and a checkpoint's shards)."""
+    from transformers import AutoModelForCausalLM
+
+    from oppo_ds.engines.megatron_engine import MegatronTrainEngine
+    from oppo_ds.megatron.loading import load_megatron_model
+    from oppo_ds.megatron.parallel import gather_tensor_parallel, init_model_parallel
+
+    groups = init_model_parallel(world, 1)
+    cpu = torch.device("cpu")
+    hf = AutoModelForCausalLM.from_pretrained(f"{root}/llama31", dtype=torch.float32).eval()
+    lm = load_megatron_model(f"{root}/llama31", groups, "lm", dtype=torch.float32, device=cpu)
+    ids, mask, pos = _long_inputs()
+    real = mask.bool()
+    call = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+    report = {}
+    with torch.no_grad():
+        want, got = hf(**call).logits, lm(**call).logits
+        report["logits"] = float((got - want)[real].abs().max())
+        report["cache"] = float((_cached_logits(lm, ids, mask, pos)[0] - want)[real].abs().max())
+        full = ids[:1, -64:]  # megatron-core's forward takes index positions: no padding
+        causal = torch.triu(torch.ones(64, 64, dtype=torch.bool), 1)[None, None]
+        own = gather_tensor_parallel(lm.gpt(full, torch.arange(64)[None], causal), groups)
+        report["gpt_forward"] = float((lm(input_ids=full).logits - own[..., :VOCAB]).abs().max())
+    engine = MegatronTrainEngine(lm, groups, lr=1e-3, total_steps=1)
+    engine.save(f"{root}/checkpoints", "step1")  # shards and config.json, as a run saves them
+    lm.save_pretrained(f"{root}/exported")  # the run's own export (checkpoint.export_hf)
+    out.put(("report", rank, report))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama31_rope_scaling_equals_hf_and_exports(tp, tmp_path, torch_one_thread):
+    """Llama 3.1/3.2/3.3 scale their RoPE (rope_type llama3): the Megatron model gives the
+    HF model's logits at positions past the original context, at tp=1 and tp=2, and both
+    exports (the run's, and ``python -m oppo_ds.megatron.export`` of its shards) are the same
+    model: rope_scaling in their config.json, the same logits. Without the scaling the logits
+    would be far off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from oppo_ds.megatron.export import export
+
+    config = _llama3_config()
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "llama31")
+    reports = [m for m in _spawn(_llama3_worker, tp, str(tmp_path)) if m[0] == "report"]
+    assert len(reports) == tp
+    for _, rank, report in reports:
+        for what in ("logits", "cache", "gpt_forward"):
+            assert report[what] < ATOL, (rank, what, report)
+    assert export(str(tmp_path / "checkpoints" / "step1"), str(tmp_path / "offline")) == "lm"
+    ids, mask, pos = _long_inputs()
+    real = mask.bool()
+    call = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+    with torch.no_grad():
+        want = hf(**call).logits
+        for name in ("exported", "offline"):
+            saved = AutoConfig.from_pretrained(tmp_path / name)
+            assert saved.rope_parameters == TINY_LLAMA3, (name, saved.rope_parameters)
+            model = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32)
+            assert torch.equal(model.eval()(**call).logits[real], want[real]), name
+        plain = AutoModelForCausalLM.from_config(tiny_config("tiny-llama", VOCAB),
+                                                 dtype=torch.float32)
+        plain.load_state_dict(hf.state_dict())
+        unscaled = plain.eval()(**call).logits
+    assert float((unscaled - want)[real].abs().max()) > 1000 * ATOL
 
 
 _TE_USABLE, _TE_WHY = transformer_engine_usable()

@@ -2,7 +2,9 @@
 
 Both families are the same decoder to Megatron's ``GPTModel`` with the local layer spec:
 RMSNorm, rotary embeddings (non-interleaved, HF's ``rotate_half``), SwiGLU MLP, no linear
-biases except Qwen2's query/key/value bias. What differs is the layout of three fused or
+biases except Qwen2's query/key/value bias. The rotary frequencies are HF's own
+(``rotary_inv_freq``): plain, or scaled as Llama 3.1/3.2/3.3 scale them (``rope_type``
+``llama3``); other RoPE scalings are refused. What differs is the layout of three fused or
 split matrices:
 
 * **query/key/value.** HF keeps ``q_proj`` (n_heads*D, H), ``k_proj`` and ``v_proj``
@@ -45,13 +47,29 @@ always speak the local spec's.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 ARCHS = ("llama", "qwen2")
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's RoPE scaling (HF ``rope_type: llama3``, the keys of ``rope_parameters``):
+    wavelengths above ``original_max_position_embeddings / low_freq_factor`` are stretched by
+    ``factor``, those below ``original_max_position_embeddings / high_freq_factor`` kept, the
+    ones between interpolated."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,7 @@ class Shape:
     rope_theta: float
     tied: bool
     max_positions: int
+    rope_scaling: Optional[Llama3Rope] = None
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab_size // tp) * tp
@@ -87,10 +106,7 @@ def shape_of(config) -> Shape:
         raise ValueError(f"Megatron conversion supports {', '.join(ARCHS)} models, got "
                          f"model_type {arch!r}")
     rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not converted yet; only "
-                         f"'default' rotary embeddings")
+    scaling = _rope_scaling(rope)
     if arch == "llama" and (getattr(config, "attention_bias", False)
                             or getattr(config, "mlp_bias", False)):
         raise ValueError("Llama with attention_bias or mlp_bias is not converted yet")
@@ -111,7 +127,47 @@ def shape_of(config) -> Shape:
                  groups=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
                  ffn=config.intermediate_size, qkv_bias=arch == "qwen2", eps=config.rms_norm_eps,
                  rope_theta=float(theta), tied=bool(getattr(config, "tie_word_embeddings", False)),
-                 max_positions=config.max_position_embeddings)
+                 max_positions=config.max_position_embeddings, rope_scaling=scaling)
+
+
+def _rope_scaling(rope: dict) -> Optional[Llama3Rope]:
+    """The RoPE scaling of an HF ``rope_parameters`` dict: None (plain RoPE), a
+    ``Llama3Rope``, or ``ValueError`` for what the conversion does not compute."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not converted yet; only "
+                         f"{' and '.join(map(repr, ROPE_TYPES))} rotary embeddings")
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:  # the forward rotates every channel of a head
+        raise ValueError(f"partial_rotary_factor {partial}: only rotary embeddings over the "
+                         f"whole head (1.0) are converted")
+    if rope_type == "default":
+        return None
+    missing = [key for key in _LLAMA3_KEYS if rope.get(key) is None]
+    if missing:
+        raise ValueError(f"rope_type 'llama3' without {', '.join(missing)} in rope_parameters "
+                         f"(rope_scaling)")
+    return Llama3Rope(*(rope[key] for key in _LLAMA3_KEYS))
+
+
+def rotary_inv_freq(shape: Shape) -> torch.Tensor:
+    """(head_dim/2,) fp32 rotary inverse frequencies: those transformers' own Llama rotary
+    embedding computes for the shape's theta and scaling (plain, or ``rope_type`` llama3), so
+    that they are the HF model's bit for bit. megatron-core's ``RotaryEmbedding`` has the
+    Llama 3 scaling too (``rope_scaling=True``), but with only ``factor`` as a parameter: low
+    and high frequency factors and the original context are fixed at Llama 3.1's 1, 4 and
+    8192, so a checkpoint with other values would get other frequencies."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is not None:
+        rope.update(rope_type="llama3", **dataclasses.asdict(shape.rope_scaling))
+    config = LlamaConfig(hidden_size=shape.heads * shape.head_dim, head_dim=shape.head_dim,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.groups,
+                         max_position_embeddings=shape.max_positions, rope_parameters=rope)
+    with torch.device("cpu"):
+        return LlamaRotaryEmbedding(config).inv_freq.float().clone()
 
 
 def check_parallel(shape: Shape, tp: int, pp: int) -> None:

@@ -6,10 +6,11 @@ past_key_values=, use_cache=)`` and read ``.logits`` / ``.values`` / ``.past_key
 HF ``DynamicCache``). ``MegatronModel`` gives a GPTModel exactly that interface, with one
 forward for training, scoring and decoding, written over the GPTModel's own submodules and
 parameters: the embedding (``VocabParallelEmbedding``), per layer the input RMSNorm,
-``linear_qkv`` (column parallel), rotary embedding from the model's ``inv_freq``, attention,
-``linear_proj`` (row parallel), the pre-MLP RMSNorm and Megatron's ``MLP``; then the final
-norm and ``output_layer`` or a scalar value head. Under tensor parallelism the parallel
-linears communicate themselves; the vocabulary shards of the logits are gathered.
+``linear_qkv`` (column parallel), rotary embedding from the model's ``inv_freq`` (HF's,
+``convert.rotary_inv_freq``), attention, ``linear_proj`` (row parallel), the pre-MLP RMSNorm
+and Megatron's ``MLP``; then the final norm and ``output_layer`` or a scalar value head. Under
+tensor parallelism the parallel linears communicate themselves; the vocabulary shards of the
+logits are gathered.
 
 Why not ``GPTModel.forward``: it has no KV cache that the decode loop and the scorers can
 hold, select rows of and carry between steps, and its rotary embedding uses a position's index
@@ -45,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from ..models import ValueOutput
 from . import parallel
 from .convert import (Shape, fuse_norm_names, fuses_norms, hf_to_megatron,
-                      unfuse_norm_names)
+                      rotary_inv_freq, unfuse_norm_names)
 from .parallel import ParallelGroups
 
 
@@ -126,6 +127,10 @@ def build_gpt(shape: Shape, groups: ParallelGroups, dtype: torch.dtype, *, lm_he
                    parallel_output=True, share_embeddings_and_output_weights=False,
                    position_embedding_type="rope", rotary_base=shape.rope_theta,
                    pg_collection=groups.pg_collection)
+    # HF's frequencies, Llama 3's scaling included (megatron-core's own scaling fixes three of
+    # its four parameters, see convert.rotary_inv_freq); a plain attribute, read by our forward
+    # and by GPTModel.forward alike
+    gpt.rotary_pos_emb.inv_freq = rotary_inv_freq(shape)
     if groups.last_stage and not lm_head:
         gpt.output_layer = None  # a value model: final norm, then the value head
     mark_tensor_parallel_weights(gpt)
