@@ -867,29 +867,42 @@ def test_megatron_plan_names_a_wrong_split():
 
 def test_megatron_plan_refuses_the_checkpoints_the_run_refuses(tmp_path):
     """The planner's shape maps every model type but gpt2 to Llama: a Mistral actor, or a
-    Llama 3.1 whose RoPE is scaled, planned as a Llama under backend megatron, and the run
-    then refused its conversion at start-up. With a config.json at hand the plan runs the
-    run's own check and refuses as the run does (system.backend, the same words)."""
+    Llama whose RoPE is scaled as the run does not compute (yarn), planned as a Llama under
+    backend megatron, and the run then refused its conversion at start-up. With a config.json
+    at hand the plan runs the run's own check and refuses as the run does (system.backend,
+    the same words); what the run converts (a plain Llama, a Llama 3.1 with its RoPE scaling,
+    rope_type llama3) plans as before."""
     import transformers
 
     from oppo_ds.megatron.loading import load_megatron_model
     from oppo_ds.models import tiny_config
 
     h100 = get_device("H100-80GB")
+    rope = {"rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 64}
+    yarn = tiny_config("tiny-llama", 101)
+    yarn.rope_parameters = {"rope_type": "yarn", **rope}
     llama31 = tiny_config("tiny-llama", 101)
-    llama31.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 64}
+    llama31.rope_parameters = {"rope_type": "llama3", "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, **rope}
     mistral = transformers.MistralConfig(vocab_size=101, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, sliding_window=None)
-    for name, config, words in (("llama31", llama31, "rope_type 'llama3'"),
-                                ("mistral", mistral, "model_type 'mistral'")):
+    windowed = transformers.Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=0)
+
+    def actor_cfg(name, config, split=(1, 1)):
         path = str(tmp_path / name)
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        cfg = _megatron_cfg(1, 1)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, actor=path))
+        cfg = _megatron_cfg(*split)
+        return path, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, actor=path))
+
+    for name, config, words in (("yarn", yarn, "rope_type 'yarn'"),
+                                ("mistral", mistral, "model_type 'mistral'"),
+                                ("windowed", windowed, "attend within a sliding window of 8")):
+        path, cfg = actor_cfg(name, config)
         with pytest.raises(ConfigError, match=words) as planned:
             plan(cfg, 1, 1, h100, steps=2)
         assert planned.value.key == "system.backend"
@@ -897,12 +910,8 @@ def test_megatron_plan_refuses_the_checkpoints_the_run_refuses(tmp_path):
             load_megatron_model(path, None, "lm", dtype=torch.float32,
                                 device=torch.device("cpu"))
         assert str(planned.value).endswith(str(ran.value)), (str(planned.value), str(ran.value))
-    cfg = _megatron_cfg(1, 2)  # a Llama the run converts plans as before
-    path = str(tmp_path / "llama")
-    llama = transformers.AutoModelForCausalLM.from_config(tiny_config("tiny-llama", 101))
-    llama.save_pretrained(path)
-    plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, actor=path)), 1, 2, h100,
-         steps=2)
+    for name, config in (("llama", tiny_config("tiny-llama", 101)), ("llama31", llama31)):
+        plan(actor_cfg(name, config, (1, 2))[1], 1, 2, h100, steps=2)
 
 
 def test_megatron_stage_placement_plans_the_scorer_rank():

@@ -76,7 +76,8 @@ def check_checkpoint(cfg: Config, what: str, tp: int, pp: int) -> None:
     ``check_parallel`` on the HF config, refused as ``system.backend`` as the run refuses
     them) where model ``what``'s source is a local directory with a config.json: the
     planner's shape keeps only the sizes, and maps every model type but gpt2 to Llama, so a
-    Mistral, or a Llama 3.1 with RoPE scaling, would plan as a Llama the run then refuses."""
+    Mistral, or a Llama with a RoPE scaling the conversion does not compute (yarn, ...), would
+    plan as a Llama the run then refuses."""
     source = model_source(cfg, what)
     if source is None or not os.path.isfile(os.path.join(source, "config.json")):
         return  # built from config (tiny, builtin) or a placeholder path: sizes only
