@@ -666,7 +666,8 @@ def test_llama31_rope_scaling_equals_hf_and_exports(tp, tmp_path, torch_one_thre
                                                  dtype=torch.float32)
         plain.load_state_dict(hf.state_dict())
         unscaled = plain.eval()(**call).logits
-    assert float((unscaled - want)[real].abs().max()) > 1000 * ATOL
+    # 5e-3 apart (logits up to 0.65), where the conversion is within ATOL
+    assert float((unscaled - want)[real].abs().max()) > 100 * ATOL
 
 
 _TE_USABLE, _TE_WHY = transformer_engine_usable()
