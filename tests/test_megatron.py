@@ -1392,3 +1392,22 @@ def test_evaluate_on_more_data_parallel_ranks_than_the_run(one_rank_run, cache_d
     for a in last:
         assert by_id[a["prompt_id"]]["response"] == a["response"], a["prompt_id"]
         assert by_id[a["prompt_id"]]["reward"] == pytest.approx(a["reward"], abs=1e-4)
+
+
+def test_a_transformers_4_config_s_rope_scaling_is_read_too():
+    """transformers 4.x holds RoPE scaling in ``rope_scaling`` (its type under ``rope_type``,
+    or ``type`` in older configs) beside ``rope_theta``, where 5.x has ``rope_parameters``:
+    read from either, a Llama 3.1 under 4.x converts scaled, not silently as plain RoPE, and
+    another scaling is refused by name."""
+    from types import SimpleNamespace
+
+    base = dict(model_type="llama", num_attention_heads=4, hidden_size=64, num_hidden_layers=2,
+                vocab_size=32, intermediate_size=128, rms_norm_eps=1e-5, hidden_act="silu",
+                max_position_embeddings=128, rope_theta=500000.0)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    shape = shape_of(SimpleNamespace(**base, rope_scaling=llama3))
+    assert shape.rope_theta == 500000.0 and shape.rope_scaling is not None
+    assert shape.rope_scaling.original_max_position_embeddings == 32
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        shape_of(SimpleNamespace(**base, rope_scaling={"type": "linear", "factor": 2.0}))

@@ -105,7 +105,12 @@ def shape_of(config) -> Shape:
     if arch not in ARCHS:
         raise ValueError(f"Megatron conversion supports {', '.join(ARCHS)} models, got "
                          f"model_type {arch!r}")
-    rope = getattr(config, "rope_parameters", None) or {}
+    # transformers 5 holds the RoPE settings in rope_parameters; 4.x in rope_scaling (its
+    # type under "rope_type", or "type" in older configs) beside rope_theta
+    rope = getattr(config, "rope_parameters", None) or dict(
+        getattr(config, "rope_scaling", None) or {})
+    if "rope_type" not in rope and "type" in rope:
+        rope["rope_type"] = rope["type"]
     scaling = _rope_scaling(rope)
     if arch == "llama" and (getattr(config, "attention_bias", False)
                             or getattr(config, "mlp_bias", False)):
