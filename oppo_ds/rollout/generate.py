@@ -251,6 +251,13 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     # bf16), the rows with a prefix are run again apart, a block of them at a time
     apart = width > 0 and batch * (width + 1) * _vocab(model) > logprobs_module.BLOCK_ELEMENTS
     keep = logits_kept(model, 1 if apart else 1 + width)
+    actor_logprobs = logprobs.clone()
+    if apart:  # before the prefill: the decode's first token must follow the prefill's forward
+        # (the hybrid engine's kernels keep their KV cache in their layers, which any other
+        # forward of more than one token would replace)
+        actor_logprobs[:, :width] = _prefix_logprobs_apart(
+            model, dict(input_ids=context_ids, attention_mask=context_mask,
+                        position_ids=positions), tokens[:, :width], lengths, params)
     static = None
     if params.static_cache:
         length = max(cache_length(context_ids.shape[1], n, params.sync_every),
@@ -261,12 +268,7 @@ def start_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     else:
         out = model(input_ids=context_ids, attention_mask=context_mask, position_ids=positions,
                     use_cache=True, **keep)
-    actor_logprobs = logprobs.clone()
-    if apart:
-        actor_logprobs[:, :width] = _prefix_logprobs_apart(
-            model, dict(input_ids=context_ids, attention_mask=context_mask,
-                        position_ids=positions), tokens[:, :width], lengths, params)
-    elif width:
+    if width and not apart:
         actor_logprobs[:, :width] = _prefix_logprobs(out.logits, tokens[:, :width], lengths, params)
     state = DecodeState(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
