@@ -392,17 +392,23 @@ def test_a_peer_takes_a_variant_as_a_mode_does():
         bench.parse_peers("trl@graph,trl@graph", variants)
 
 
+def _refused_before_the_modes(tmp_path, capsys, args: list) -> str:
+    """oppo-bench with ``args`` (2 steps, a JSON under ``tmp_path``) and a TRL peer it
+    refuses up front: exit 2 with one line on stderr, which it returns."""
+    pytest.importorskip("trl")
+    code = bench_cli.main(["--steps", "2", "--json", str(tmp_path / "x.json"), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    return err
+
+
 def test_a_peer_variant_it_cannot_honour_is_refused_before_the_modes(tmp_path, capsys):
     """trl@graph on a machine without a GPU: transformers compiles the static-cache forward
     (its CUDA graphs) on CUDA only, so the peer refuses generation.cuda_graph up front, as
     our trainer does, naming the key."""
-    pytest.importorskip("trl")
-    out = str(tmp_path / "x.json")
-    code = bench_cli.main(["--modes", "sequential@graph", "--steps", "2", "--json", out,
-                           "--peers", "trl@graph", "--variant",
-                           "graph:generation.static_cache=true,generation.cuda_graph=true"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1
+    err = _refused_before_the_modes(tmp_path, capsys, [
+        "--modes", "sequential@graph", "--peers", "trl@graph", "--variant",
+        "graph:generation.static_cache=true,generation.cuda_graph=true"])
     assert "peer 'trl@graph': generation.cuda_graph=true: the peer's counterpart is " \
            "transformers' compile" in err
     assert not os.listdir(tmp_path)  # refused before anything ran
@@ -524,13 +530,9 @@ def test_stage_modes_need_several_ranks_and_peers_one(tmp_path, capsys):
 def test_a_workload_the_peer_cannot_run_is_refused_before_the_modes(tmp_path, capsys):
     """TRL's PPO samples one response a prompt: a group setting is refused up front (exit 2,
     one line naming the key), not after every mode has run and without a JSON."""
-    pytest.importorskip("trl")
-    out = str(tmp_path / "x.json")
-    code = bench_cli.main(["--modes", "sequential", "--steps", "2", "--json", out,
-                           "--peers", "trl", "ppo.advantage_estimator=rloo",
-                           "data.samples_per_prompt=2"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1
+    err = _refused_before_the_modes(tmp_path, capsys, [
+        "--modes", "sequential", "--peers", "trl", "ppo.advantage_estimator=rloo",
+        "data.samples_per_prompt=2"])
     assert "peer 'trl': ppo.advantage_estimator=rloo: TRL's PPO estimates advantages" in err
     assert not os.listdir(tmp_path)  # refused before anything ran
 
